@@ -1,0 +1,34 @@
+# The two commands of the README:
+#   make run    install the service into .venv and start it on :8000 (GPU backend if CuPy sees a device)
+#   make test   install the test tools into .venv and run ruff, mypy and pytest
+PYTHON ?= python3
+VENV ?= .venv
+HOST ?= 0.0.0.0
+PORT ?= 8000
+BIN := $(VENV)/bin
+# On a machine with an NVIDIA driver the service also gets CuPy, so `make run` serves from the GPU.
+RUN_EXTRAS := $(if $(shell command -v nvidia-smi 2>/dev/null),[gpu],)
+
+.PHONY: run test install-run install-test clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+
+install-run: $(BIN)/python
+	$(BIN)/python -m pip install --quiet -e ".$(RUN_EXTRAS)"
+
+install-test: $(BIN)/python
+	$(BIN)/python -m pip install --quiet -e ".[test]"
+
+run: install-run
+	$(BIN)/python -m uvicorn app.main:create_app --factory --host $(HOST) --port $(PORT)
+
+test: install-test
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/mypy
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -1,0 +1,1 @@
+"""matmul-service: matrix products on NVIDIA GPUs over HTTP."""

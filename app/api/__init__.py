@@ -1,0 +1,1 @@
+"""Everything that knows about HTTP: routes, dependencies, error handlers, middleware."""

@@ -1,0 +1,24 @@
+"""Dependencies the routes declare; the lifespan puts the objects on `app.state`, tests may swap them."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import Depends, Request
+
+from app.config import Settings
+from app.engine import Engine
+
+
+def get_engine(request: Request) -> Engine:
+    engine: Engine = request.app.state.engine
+    return engine
+
+
+def get_settings(request: Request) -> Settings:
+    settings: Settings = request.app.state.settings
+    return settings
+
+
+EngineDep = Annotated[Engine, Depends(get_engine)]
+SettingsDep = Annotated[Settings, Depends(get_settings)]

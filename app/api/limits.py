@@ -1,0 +1,45 @@
+"""Refuse bodies over `max_body_bytes` before reading them, and stop reading once a body passes it."""
+
+from __future__ import annotations
+
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from app.api.errors import error_response
+from app.errors import MalformedPayload, PayloadTooLarge
+
+
+class BodyLimitMiddleware:
+    """Checks `Content-Length` up front, and counts the bytes actually received (a client may lie)."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        settings = scope["app"].state.settings
+        limit: int = settings.max_body_bytes
+        declared = dict(scope["headers"]).get(b"content-length")
+        error: PayloadTooLarge | MalformedPayload | None = None
+        if declared is not None:
+            if not declared.isdigit():
+                error = MalformedPayload(f"Content-Length {declared.decode('latin-1')!r} is not a byte count")
+            elif int(declared) > limit:
+                error = PayloadTooLarge(f"the body is {int(declared)} bytes, over the limit of {limit}")
+        if error is not None:
+            await error_response(error, settings.retry_after_s)(scope, receive, send)
+            return
+
+        received = 0
+
+        async def counting_receive() -> Message:
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > limit:
+                    raise PayloadTooLarge(f"the body passed the limit of {limit} bytes")
+            return message
+
+        await self.app(scope, counting_receive, send)

@@ -1,0 +1,48 @@
+"""What this server is and has: backend, device, kernels."""
+
+from __future__ import annotations
+
+from importlib.metadata import version
+
+from fastapi import APIRouter
+
+from app.api.deps import EngineDep
+from app.api.schemas import InfoResponse, KernelListing, KernelModel, QueueModel
+from app.engine import Engine
+
+router = APIRouter(prefix="/v1", tags=["info"])
+
+
+def _kernel_models(engine: Engine) -> list[KernelModel]:
+    return [
+        KernelModel(
+            name=k.name,
+            kind=k.kind,
+            summary=k.summary,
+            dtypes=list(k.dtypes),
+            tiles=list(k.tiles),
+            default_tile=k.default_tile,
+        )
+        for k in engine.kernels()
+    ]
+
+
+@router.get("/kernels", summary="List the kernels")
+async def kernels(engine: EngineDep) -> KernelListing:
+    """The kernels a request may name on this server's backend, with their tiles and dtypes."""
+    return KernelListing(backend=engine.backend.name, default="auto", kernels=_kernel_models(engine))
+
+
+@router.get("/info", summary="Describe the server")
+async def info(engine: EngineDep) -> InfoResponse:
+    """Backend, readiness, device (name, memory, compute capability, CuPy/CUDA versions), queue and kernels."""
+    return InfoResponse(
+        service="matmul-service",
+        version=version("matmul-service"),
+        backend=engine.backend.name,
+        state=engine.state.value,
+        failure=engine.failure,
+        device=engine.describe(),
+        queue=QueueModel(size=engine.queue_size, depth=engine.queue_depth),
+        kernels=_kernel_models(engine),
+    )

@@ -1,0 +1,217 @@
+"""POST /matmul: read the body, decode it, run the product on the engine, encode the answer."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from time import perf_counter
+from typing import Annotated, Any, TypeVar, cast
+
+from fastapi import APIRouter, Query, Request, Response
+from starlette.concurrency import run_in_threadpool
+from starlette.datastructures import UploadFile
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from app import codecs
+from app.api.deps import EngineDep, SettingsDep
+from app.api.schemas import DtypeName, ErrorBody, MatmulMetadata, MatmulResponse, Timing
+from app.config import Settings
+from app.engine import Outcome
+from app.errors import InvalidMatrix, MalformedPayload, UnsupportedMediaType
+
+router = APIRouter(tags=["matmul"])
+
+T = TypeVar("T")
+
+_NPY_FILE = {"type": "string", "format": "binary", "description": "A 2-D .npy file (np.save)."}
+_REQUEST_BODY_DOC: dict[str, Any] = {
+    "requestBody": {
+        "required": True,
+        "content": {
+            "application/json": {
+                "schema": {
+                    "type": "object",
+                    "required": ["a", "b"],
+                    "properties": {
+                        "a": {"type": "array", "items": {"type": "array", "items": {"type": "number"}}},
+                        "b": {"type": "array", "items": {"type": "array", "items": {"type": "number"}}},
+                        "dtype": {"type": "string", "enum": list(codecs.WORKING_DTYPES)},
+                        "kernel": {"type": "string"},
+                        "tile": {"type": "integer"},
+                    },
+                },
+                "example": {"a": [[1, 2], [3, 4]], "b": [[5, 6], [7, 8]]},
+            },
+            "multipart/form-data": {
+                "schema": {"type": "object", "required": ["a", "b"], "properties": {"a": _NPY_FILE, "b": _NPY_FILE}}
+            },
+            codecs.NPZ_MEDIA_TYPE: {
+                "schema": {"type": "string", "format": "binary", "description": "np.savez(f, a=a, b=b)."}
+            },
+        },
+    }
+}
+_ERRORS: dict[int | str, dict[str, Any]] = {
+    status: {"model": ErrorBody, "description": text}
+    for status, text in {
+        406: "The Accept header names neither application/json nor application/x-npy.",
+        413: "The body is larger than MATMUL_MAX_BODY_BYTES.",
+        415: "The Content-Type is not JSON, multipart/form-data or application/x-npz.",
+        422: "Malformed body, not a 2-D numeric matrix, shapes that do not multiply, unknown kernel, bad tile "
+        "or dtype; `code` and `location` say which.",
+        503: "The worker's queue is full or the kernels are not ready; retry after Retry-After seconds.",
+    }.items()
+}
+_RESPONSES: dict[int | str, dict[str, Any]] = {
+    200: {
+        "model": MatmulResponse,
+        "description": "The product. Timing is also in the Server-Timing header, with X-Matmul-* headers "
+        "for kernel, tile, backend, device, shape, dtype and GFLOP/s.",
+        "content": {codecs.NPY_MEDIA_TYPE: {"schema": {"type": "string", "format": "binary"}}},
+    },
+    **_ERRORS,
+}
+
+KernelParam = Annotated[
+    str | None,
+    Query(
+        max_length=64,
+        description="naive, tiled, cublas or auto on the GPU backend; numpy or auto on the CPU backend "
+        "(GET /v1/kernels lists them). Default: auto.",
+    ),
+]
+TileParam = Annotated[int | None, Query(ge=1, le=1024, description="Tile width of the tiled kernel: 8, 16 or 32.")]
+DtypeParam = Annotated[
+    DtypeName | None,
+    Query(description="Working dtype. Default: float64 if an operand is float64, else float32."),
+]
+
+
+async def _off_loop_if_large(size: int, settings: Settings, function: Callable[..., T], *args: Any) -> T:
+    """Run `function` on the event loop for small inputs, in a worker thread for large ones."""
+    if size <= settings.inline_codec_bytes:
+        return function(*args)
+    return await run_in_threadpool(function, *args)
+
+
+async def _read_multipart(request: Request) -> dict[str, bytes]:
+    """The file parts of a multipart body, by name."""
+    try:
+        async with request.form(max_files=8, max_fields=8) as form:
+            parts: dict[str, bytes] = {}
+            for name, value in form.multi_items():
+                if not isinstance(value, UploadFile):
+                    raise InvalidMatrix(
+                        f"part '{name}' is a text field; send each matrix as a .npy file (curl -F {name}=@{name}.npy)",
+                        location=[name],
+                    )
+                if name in parts:
+                    raise InvalidMatrix(f"part '{name}' is sent twice", location=[name])
+                parts[name] = await value.read()
+    except StarletteHTTPException as exc:
+        raise MalformedPayload(f"the multipart body cannot be parsed: {exc.detail}") from exc
+    return parts
+
+
+async def _read_operands(request: Request, settings: Settings, limits: codecs.Limits) -> tuple[codecs.Operands, float]:
+    """The decoded operands, and the milliseconds spent receiving the body (the rest is decoding)."""
+    content_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    started = perf_counter()
+    if content_type == "multipart/form-data":
+        parts = await _read_multipart(request)
+        read_ms = (perf_counter() - started) * 1e3
+        return codecs.decode_parts(parts, limits, container="multipart body"), read_ms
+    if content_type not in (codecs.JSON_MEDIA_TYPE, codecs.NPZ_MEDIA_TYPE):
+        raise UnsupportedMediaType(
+            f"Content-Type {content_type or '(none)'!r} is not supported; send {codecs.JSON_MEDIA_TYPE}, "
+            f"multipart/form-data with .npy parts 'a' and 'b', or {codecs.NPZ_MEDIA_TYPE}"
+        )
+    body = await request.body()
+    read_ms = (perf_counter() - started) * 1e3
+    if content_type == codecs.JSON_MEDIA_TYPE:
+        operands = await _off_loop_if_large(len(body), settings, codecs.decode_json, body, limits)
+    else:
+        operands = await _off_loop_if_large(
+            len(body), settings, codecs.decode_npz, body, limits, settings.max_body_bytes
+        )
+    return operands, read_ms
+
+
+def _server_timing(timing: Timing) -> str:
+    return ", ".join(f"{name.removesuffix('_ms')};dur={value:.3f}" for name, value in timing.model_dump().items())
+
+
+def _headers(meta: MatmulMetadata) -> dict[str, str]:
+    headers = {
+        "Server-Timing": _server_timing(meta.timing),
+        "X-Matmul-Kernel": meta.kernel,
+        "X-Matmul-Backend": meta.backend,
+        "X-Matmul-Device": meta.device,
+        "X-Matmul-Shape": f"{meta.shape[0]}x{meta.shape[1]}",
+        "X-Matmul-Dtype": meta.dtype,
+    }
+    if meta.tile is not None:
+        headers["X-Matmul-Tile"] = str(meta.tile)
+    if meta.gflops is not None:
+        headers["X-Matmul-Gflops"] = f"{meta.gflops:.3f}"
+    return headers
+
+
+@router.post(
+    "/matmul",
+    summary="Multiply two matrices",
+    response_model=None,
+    responses=_RESPONSES,
+    openapi_extra=_REQUEST_BODY_DOC,
+)
+async def matmul(
+    request: Request,
+    engine: EngineDep,
+    settings: SettingsDep,
+    kernel: KernelParam = None,
+    tile: TileParam = None,
+    dtype: DtypeParam = None,
+) -> Response:
+    """Compute C = A @ B from JSON, multipart .npy parts or an .npz body; answer JSON or .npy (Accept)."""
+    received = perf_counter()
+    answer_as = codecs.choose_encoding(request.headers.get("accept"))
+    engine.check_ready()
+    limits = codecs.Limits(max_dim=settings.max_dim, max_elements=settings.max_elements)
+    operands, read_ms = await _read_operands(request, settings, limits)
+    decoded = perf_counter()
+    options = codecs.RequestOptions(kernel=kernel, tile=tile, dtype=dtype).merged_with(operands.options)
+    a, b = operands.a, operands.b
+    codecs.check_product(a, b, limits)
+    working = codecs.working_dtype(options.dtype, a, b)
+    (m, k), n = a.shape, b.shape[1]
+    plan = engine.plan(options.kernel or "auto", options.tile, m, n, k)
+    outcome: Outcome = await engine.matmul(a, b, working, plan)
+
+    computed = perf_counter()
+    if answer_as == codecs.NPY_MEDIA_TYPE:
+        body = await _off_loop_if_large(outcome.c.nbytes, settings, codecs.encode_npy, outcome.c)
+    else:
+        body = await _off_loop_if_large(outcome.c.nbytes, settings, codecs.encode_json_matrix, outcome.c)
+    finished = perf_counter()
+    device = outcome.device
+    meta = MatmulMetadata(
+        shape=(m, n),
+        dtype=cast(DtypeName, working.name),
+        kernel=plan.kernel,
+        tile=plan.tile,
+        backend=engine.backend.name,
+        device=engine.backend.device_name,
+        timing=Timing(
+            read_ms=read_ms,
+            decode_ms=(decoded - received) * 1e3 - read_ms,
+            queue_ms=outcome.queue_ms,
+            h2d_ms=device.h2d_ms,
+            kernel_ms=device.kernel_ms,
+            d2h_ms=device.d2h_ms,
+            encode_ms=(finished - computed) * 1e3,
+            total_ms=(finished - received) * 1e3,
+        ),
+        gflops=2 * m * n * k / (device.kernel_ms * 1e6) if m * n * k and device.kernel_ms > 0 else None,
+    )
+    if answer_as == codecs.JSON_MEDIA_TYPE:
+        body = codecs.encode_json_envelope(body, meta.model_dump())
+    return Response(content=body, media_type=answer_as, headers=_headers(meta))

@@ -1,0 +1,92 @@
+"""The shapes of what the service answers, as OpenAPI documents them."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, Field
+
+DtypeName = Literal["float32", "float64"]
+BackendName = Literal["cpu", "gpu"]
+
+
+class ErrorBody(BaseModel):
+    """Every error answer of every route."""
+
+    code: str = Field(description="Stable machine-readable error code, e.g. shape_mismatch, unknown_kernel.")
+    message: str = Field(description="What was wrong and where, for a person.")
+    location: list[str | int] | None = Field(
+        None, description="Where in the request: a parameter name, or a matrix and its row/column, e.g. ['a', 3, 7]."
+    )
+
+
+class Timing(BaseModel):
+    """Where the time of one request went, in milliseconds."""
+
+    read_ms: float = Field(description="Receiving the body (and parsing multipart framing).")
+    decode_ms: float = Field(description="Parsing JSON / .npy / .npz into arrays and checking them.")
+    queue_ms: float = Field(description="Waiting in the worker's queue, from enqueue to start.")
+    h2d_ms: float = Field(
+        description="Converting the operands into pinned buffers of the working dtype and copying them to the "
+        "device (CUDA events). On the CPU backend: the dtype conversion alone."
+    )
+    kernel_ms: float = Field(description="The kernel alone, between CUDA events (CPU: numpy.matmul wall time).")
+    d2h_ms: float = Field(description="Copying the product back into pinned host memory (CUDA events); 0 on CPU.")
+    encode_ms: float = Field(description="Serialising the product (JSON or .npy).")
+    total_ms: float = Field(description="From the request reaching the route to the answer being ready to send.")
+
+
+class MatmulMetadata(BaseModel):
+    """What a product answer says about itself; `.npy` answers carry it in X-Matmul-* headers instead."""
+
+    shape: tuple[int, int] = Field(description="Shape of the result, [m, n].")
+    dtype: DtypeName
+    kernel: str = Field(description="The kernel that ran (what `auto` resolved to).")
+    tile: int | None = Field(description="Tile width for kernels that have one, else null.")
+    backend: BackendName
+    device: str
+    timing: Timing
+    gflops: float | None = Field(description="2*m*n*k / kernel_ms; null when no arithmetic was done.")
+
+
+class MatmulResponse(MatmulMetadata):
+    """The JSON answer of POST /matmul."""
+
+    result: list[list[float | None]] = Field(
+        description="The product, row-major. JSON has no NaN or Infinity: such elements are null."
+    )
+
+
+class KernelModel(BaseModel):
+    name: str
+    kind: Literal["cuda", "library", "auto"]
+    summary: str
+    dtypes: list[str]
+    tiles: list[int] = Field(description="Tile widths the request may choose with `tile`; empty if none.")
+    default_tile: int | None
+
+
+class KernelListing(BaseModel):
+    backend: BackendName
+    default: str = Field(description="The kernel used when a request names none.")
+    kernels: list[KernelModel]
+
+
+class QueueModel(BaseModel):
+    size: int = Field(description="Requests that may wait before new ones get 503.")
+    depth: int = Field(description="Requests waiting now.")
+
+
+class InfoResponse(BaseModel):
+    service: str
+    version: str
+    backend: BackendName
+    state: Literal["starting", "ready", "failed", "stopped"]
+    failure: str | None
+    device: dict[str, Any] = Field(description="Device name, memory, compute capability, CuPy/CUDA versions.")
+    queue: QueueModel
+    kernels: list[KernelModel]
+
+
+class HealthStatus(BaseModel):
+    status: Literal["ok", "ready"]

@@ -1,0 +1,352 @@
+"""Bytes <-> matrices: JSON, `.npy`, `.npz` and multipart parts in; JSON and `.npy` out.
+
+Decoders return the operands as they were sent (dtype, byte order and layout kept; `.npy` data is a
+zero-copy view of the body): the engine converts them once, into its own buffers, to the working dtype.
+Every problem is raised as an `InvalidInput` that says which matrix and where. Nothing here knows which
+device runs the product; nothing here calls `np.load` (so nothing can unpickle).
+"""
+
+from __future__ import annotations
+
+import io
+import math
+import zipfile
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import orjson
+
+from app.errors import InvalidMatrix, InvalidParameter, MalformedPayload, NotAcceptable, ShapeMismatch
+
+WORKING_DTYPES: dict[str, np.dtype] = {"float32": np.dtype(np.float32), "float64": np.dtype(np.float64)}
+DEFAULT_DTYPE = "float32"
+OPERANDS = ("a", "b")
+JSON_OPTION_KEYS = ("kernel", "tile", "dtype")
+JSON_MEDIA_TYPE = "application/json"
+NPY_MEDIA_TYPE = "application/x-npy"
+NPZ_MEDIA_TYPE = "application/x-npz"
+_NPY_MAX_HEADER = 10_000
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Size limits applied while decoding, before any array of that size is allocated."""
+
+    max_dim: int
+    max_elements: int
+
+
+@dataclass(frozen=True)
+class RequestOptions:
+    """Options a request gives in its query string or, for JSON, in the body beside the matrices."""
+
+    kernel: str | None = None
+    tile: int | None = None
+    dtype: str | None = None
+
+    def merged_with(self, other: RequestOptions) -> RequestOptions:
+        """Both sets of options in one; a value given twice must agree."""
+        merged: dict[str, Any] = {}
+        for key in ("kernel", "tile", "dtype"):
+            mine, theirs = getattr(self, key), getattr(other, key)
+            if mine is not None and theirs is not None and mine != theirs:
+                raise InvalidParameter(
+                    f"'{key}' is given twice with different values: {mine!r} and {theirs!r}", location=[key]
+                )
+            merged[key] = mine if mine is not None else theirs
+        return RequestOptions(**merged)
+
+
+@dataclass(frozen=True)
+class Operands:
+    """The two matrices of a request, and the options a JSON body may carry beside them."""
+
+    a: np.ndarray
+    b: np.ndarray
+    options: RequestOptions = RequestOptions()
+
+
+def _kind_name(dtype: np.dtype) -> str:
+    return "pickled Python objects" if dtype.hasobject else str(dtype)
+
+
+def check_matrix(array: np.ndarray, name: str, limits: Limits) -> np.ndarray:
+    """A 2-D matrix of integers or float32/float64 within the limits, or InvalidMatrix/ShapeMismatch."""
+    if array.ndim != 2:
+        raise InvalidMatrix(
+            f"matrix '{name}' must be 2-D, got {array.ndim}-D with shape {list(array.shape)}", location=[name]
+        )
+    check_dtype(array.dtype, name)
+    check_shape(tuple(array.shape), name, limits)
+    return array
+
+
+def check_dtype(dtype: np.dtype, name: str) -> None:
+    if (
+        dtype.names is not None
+        or dtype.hasobject
+        or not (dtype.kind in "iu" or (dtype.kind == "f" and dtype.itemsize in (4, 8)))
+    ):
+        raise InvalidMatrix(
+            f"matrix '{name}' has dtype {_kind_name(dtype)}; supported are float32, float64 and integers "
+            "(converted to the requested float dtype)",
+            location=[name],
+        )
+
+
+def check_shape(shape: tuple[int, ...], name: str, limits: Limits) -> None:
+    for axis, size in enumerate(shape):
+        if size > limits.max_dim:
+            raise ShapeMismatch(
+                f"dimension {axis} of '{name}' is {size}, over the limit of {limits.max_dim}", location=[name]
+            )
+    if math.prod(shape) > limits.max_elements:
+        raise ShapeMismatch(
+            f"matrix '{name}' has {math.prod(shape)} elements, over the limit of {limits.max_elements}",
+            location=[name],
+        )
+
+
+def check_product(a: np.ndarray, b: np.ndarray, limits: Limits) -> None:
+    """Inner dimensions agree and the result fits the limits."""
+    (m, k), (k2, n) = a.shape, b.shape
+    if k != k2:
+        raise ShapeMismatch(
+            f"inner dimensions differ: 'a' is {m}x{k} and 'b' is {k2}x{n}; a's columns ({k}) must equal "
+            f"b's rows ({k2})",
+            location=["b", 0],
+        )
+    check_shape((m, n), "result", limits)
+
+
+def working_dtype(requested: str | None, a: np.ndarray, b: np.ndarray) -> np.dtype:
+    """The dtype the product is computed in: the one requested, else float64 if an operand is, else float32."""
+    if requested is not None:
+        try:
+            return WORKING_DTYPES[requested]
+        except KeyError:
+            raise InvalidParameter(
+                f"dtype '{requested}' is not supported; choose one of {list(WORKING_DTYPES)}",
+                location=["dtype"],
+            ) from None
+    if np.dtype(np.float64) in (a.dtype.newbyteorder("="), b.dtype.newbyteorder("=")):
+        return WORKING_DTYPES["float64"]
+    return WORKING_DTYPES[DEFAULT_DTYPE]
+
+
+# ---------------------------------------------------------------------------------------------- JSON in
+
+
+def _json_type(value: object) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, str):
+        return "a string"
+    if isinstance(value, dict):
+        return "an object"
+    if isinstance(value, list):
+        return "a list"
+    return "a number"
+
+
+def _locate_json_problem(value: list[Any], name: str) -> InvalidMatrix | None:
+    """The first element that keeps `value` from being a numeric matrix (error path only: a Python loop)."""
+    width: int | None = None
+    for i, row in enumerate(value):
+        if not isinstance(row, list):
+            return InvalidMatrix(
+                f"{name}[{i}] is {_json_type(row)}; '{name}' must be a list of rows, each a list of numbers",
+                location=[name, i],
+            )
+        if width is None:
+            width = len(row)
+        elif len(row) != width:
+            return InvalidMatrix(
+                f"'{name}' is ragged: row {i} has {len(row)} elements but row 0 has {width}", location=[name, i]
+            )
+        for j, x in enumerate(row):
+            if isinstance(x, bool) or not isinstance(x, int | float):
+                return InvalidMatrix(f"{name}[{i}][{j}] is {_json_type(x)}, expected a number", location=[name, i, j])
+    return None
+
+
+def _json_matrix(doc: Mapping[str, Any], name: str, may_hold_booleans: bool, limits: Limits) -> np.ndarray:
+    if name not in doc:
+        raise InvalidMatrix(f"the JSON body has no matrix '{name}'", location=[name])
+    value = doc[name]
+    if not isinstance(value, list) or not value:
+        raise InvalidMatrix(
+            f"'{name}' must be a non-empty list of rows (a 2-D array of numbers), got {_json_type(value)}"
+            + (" with no rows" if isinstance(value, list) else ""),
+            location=[name],
+        )
+    try:
+        array = np.array(value)
+        numeric = array.ndim == 2 and array.dtype.kind in "iuf"
+    except ValueError:
+        numeric = False
+    # np.array turns [1, true] into int64 silently: a body with a boolean token gets the exact check too.
+    if not numeric or may_hold_booleans:
+        problem = _locate_json_problem(value, name)
+        if problem is not None:
+            raise problem
+        if not numeric:
+            raise InvalidMatrix(f"'{name}' is not a matrix of numbers", location=[name])
+    return check_matrix(array, name, limits)
+
+
+def decode_json(body: bytes, limits: Limits) -> Operands:
+    """`{"a": [[...]], "b": [[...]], "dtype"?, "kernel"?, "tile"?}` -> Operands."""
+    if not body:
+        raise MalformedPayload("the request body is empty; send a JSON object with matrices 'a' and 'b'")
+    try:
+        doc = orjson.loads(body)
+    except orjson.JSONDecodeError as exc:
+        raise MalformedPayload(f"the body is not valid JSON: {exc}") from exc
+    if not isinstance(doc, dict):
+        raise MalformedPayload(f"the JSON body must be an object with keys 'a' and 'b', got {_json_type(doc)}")
+    unknown = sorted(set(doc) - {*OPERANDS, *JSON_OPTION_KEYS})
+    if unknown:
+        raise InvalidParameter(
+            f"unknown keys in the JSON body: {unknown}; allowed are {[*OPERANDS, *JSON_OPTION_KEYS]}",
+            location=[unknown[0]],
+        )
+    may_hold_booleans = b"true" in body or b"false" in body
+    a, b = (_json_matrix(doc, name, may_hold_booleans, limits) for name in OPERANDS)
+    return Operands(a=a, b=b, options=_json_options(doc))
+
+
+def _json_options(doc: Mapping[str, Any]) -> RequestOptions:
+    for key in ("kernel", "dtype"):
+        if doc.get(key) is not None and not isinstance(doc[key], str):
+            raise InvalidParameter(f"'{key}' must be a string, got {_json_type(doc[key])}", location=[key])
+    tile = doc.get("tile")
+    if tile is not None and (isinstance(tile, bool) or not isinstance(tile, int)):
+        raise InvalidParameter(f"'tile' must be an integer, got {_json_type(tile)}", location=["tile"])
+    return RequestOptions(kernel=doc.get("kernel"), tile=tile, dtype=doc.get("dtype"))
+
+
+# ----------------------------------------------------------------------------------------- .npy / .npz in
+
+
+def decode_npy(data: bytes | memoryview, name: str, limits: Limits) -> np.ndarray:
+    """One `.npy` file -> a read-only view of its data, after checking the header against what follows."""
+    buffer = memoryview(data)
+    head = io.BytesIO(buffer[: _NPY_MAX_HEADER + 16].tobytes())
+    try:
+        version = np.lib.format.read_magic(head)
+        if version == (1, 0):
+            shape, fortran_order, dtype = np.lib.format.read_array_header_1_0(head)
+        elif version == (2, 0):
+            shape, fortran_order, dtype = np.lib.format.read_array_header_2_0(head)
+        else:
+            raise ValueError(f"unsupported .npy format version {version[0]}.{version[1]}")
+    except (ValueError, SyntaxError, EOFError) as exc:
+        raise MalformedPayload(f"'{name}' is not a valid .npy file: {exc}", location=[name]) from exc
+    if len(shape) != 2:
+        raise InvalidMatrix(
+            f"matrix '{name}' must be 2-D, got {len(shape)}-D with shape {list(shape)}", location=[name]
+        )
+    check_dtype(dtype, name)
+    check_shape(shape, name, limits)
+    offset = head.tell()
+    expected = math.prod(shape) * dtype.itemsize
+    present = len(buffer) - offset
+    if present != expected:
+        raise MalformedPayload(
+            f"'{name}' is a {shape[0]}x{shape[1]} {dtype} .npy whose data should be {expected} bytes, "
+            f"but {present} bytes follow the header" + (" (truncated)" if present < expected else ""),
+            location=[name],
+        )
+    flat = np.frombuffer(buffer, dtype=dtype, count=math.prod(shape), offset=offset)
+    return flat.reshape(shape, order="F" if fortran_order else "C")
+
+
+def _require_operands(names: Iterable[str], container: str) -> None:
+    present = set(names)
+    missing = [name for name in OPERANDS if name not in present]
+    extra = sorted(present - set(OPERANDS))
+    if missing or extra:
+        said = [f"missing {missing}" if missing else "", f"unexpected {extra}" if extra else ""]
+        raise InvalidMatrix(
+            f"the {container} must hold exactly 'a' and 'b': " + ", ".join(s for s in said if s),
+            location=[(missing or extra)[0]],
+        )
+
+
+def decode_parts(parts: Mapping[str, bytes | memoryview], limits: Limits, container: str) -> Operands:
+    """Exactly the members 'a' and 'b', each a `.npy` file, from a multipart body or an `.npz` archive."""
+    _require_operands(parts, container)
+    return Operands(a=decode_npy(parts["a"], "a", limits), b=decode_npy(parts["b"], "b", limits))
+
+
+def decode_npz(body: bytes, limits: Limits, max_member_bytes: int) -> Operands:
+    """An `.npz` archive (as written by np.savez or np.savez_compressed) holding `a.npy` and `b.npy`."""
+    try:
+        archive = zipfile.ZipFile(io.BytesIO(body))
+        members = {info.filename.removesuffix(".npy"): info for info in archive.infolist()}
+        _require_operands(members, ".npz archive")
+        parts: dict[str, bytes] = {}
+        for member, info in members.items():
+            if info.file_size > max_member_bytes:
+                raise InvalidMatrix(
+                    f"member '{info.filename}' of the .npz unpacks to {info.file_size} bytes, over the "
+                    f"limit of {max_member_bytes}",
+                    location=[member],
+                )
+            with archive.open(info) as stream:
+                parts[member] = stream.read(max_member_bytes + 1)
+    except (zipfile.BadZipFile, zipfile.LargeZipFile, NotImplementedError, EOFError, OSError) as exc:
+        raise MalformedPayload(f"the body is not a valid .npz archive: {exc}") from exc
+    return decode_parts(parts, limits, container=".npz archive")
+
+
+# ------------------------------------------------------------------------------------------------- out
+
+
+def encode_npy(array: np.ndarray) -> bytes:
+    """The `.npy` file of a C-contiguous array: header, then the data copied once."""
+    head = io.BytesIO()
+    np.lib.format.write_array_header_1_0(head, np.lib.format.header_data_from_array_1_0(array))
+    return b"".join((head.getvalue(), np.ascontiguousarray(array).data.cast("B")))
+
+
+def encode_json_matrix(array: np.ndarray) -> bytes:
+    """A matrix as nested JSON lists. JSON has no NaN or Infinity: those elements are written as null."""
+    return orjson.dumps(array, option=orjson.OPT_SERIALIZE_NUMPY)
+
+
+def encode_json_envelope(result_json: bytes, fields: Mapping[str, Any]) -> bytes:
+    """`{"result": <result_json>, **fields}` without serialising the matrix a second time."""
+    rest = orjson.dumps(fields)
+    return b"".join((b'{"result":', result_json, b"," if len(rest) > 2 else b"", rest[1:]))
+
+
+def choose_encoding(accept: str | None) -> str:
+    """The media type to answer in, JSON or `.npy`, from an Accept header (q-values honoured)."""
+    if not accept:
+        return JSON_MEDIA_TYPE
+    ranges: list[tuple[float, str]] = []
+    for item in accept.split(","):
+        media, *params = (part.strip() for part in item.split(";"))
+        quality = 1.0
+        for param in params:
+            name, _, value = param.partition("=")
+            if name.strip() == "q":
+                try:
+                    quality = float(value)
+                except ValueError:
+                    quality = 0.0
+        ranges.append((quality, media.lower()))
+    for quality, media in sorted(ranges, key=lambda r: -r[0]):
+        if quality <= 0:
+            continue
+        if media in (JSON_MEDIA_TYPE, "application/*", "*/*"):
+            return JSON_MEDIA_TYPE
+        if media == NPY_MEDIA_TYPE:
+            return NPY_MEDIA_TYPE
+    raise NotAcceptable(f"cannot answer in {accept!r}; this route answers {JSON_MEDIA_TYPE} or {NPY_MEDIA_TYPE}")

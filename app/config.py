@@ -1,0 +1,40 @@
+"""Service settings, read once from `MATMUL_*` environment variables (or a `.env` file) in the lifespan."""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class BackendChoice(StrEnum):
+    AUTO = "auto"
+    CPU = "cpu"
+    GPU = "gpu"
+
+
+class Settings(BaseSettings):
+    """Every knob of the service; each field is the env var `MATMUL_<FIELD>`."""
+
+    model_config = SettingsConfigDict(env_prefix="MATMUL_", env_file=".env", extra="ignore", frozen=True)
+
+    backend: BackendChoice = Field(
+        BackendChoice.AUTO, description="cpu, gpu, or auto (the GPU when CuPy sees a device, else the CPU)."
+    )
+    device: int = Field(0, ge=0, description="CUDA device ordinal the GPU worker owns.")
+    queue_size: int = Field(64, ge=1, le=100_000, description="Requests waiting for the worker before 503.")
+    retry_after_s: int = Field(1, ge=1, le=3600, description="Retry-After sent with 503 answers.")
+    max_body_bytes: int = Field(
+        1 << 30, ge=1024, description="Largest request body accepted; larger bodies get 413 before being read."
+    )
+    max_dim: int = Field(65_536, ge=1, le=1 << 30, description="Largest size of any matrix dimension.")
+    max_elements: int = Field(
+        1 << 28, ge=1, description="Largest number of elements in any one matrix (operand or result)."
+    )
+    inline_codec_bytes: int = Field(
+        256 * 1024,
+        ge=0,
+        description="Bodies and results up to this size are decoded/encoded on the event loop; larger ones "
+        "in a worker thread so the loop never blocks.",
+    )

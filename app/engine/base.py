@@ -1,0 +1,85 @@
+"""What every backend offers the worker, and the values that travel between routes and the engine."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal, Protocol
+
+import numpy as np
+
+from kernels.registry import LaunchConfig
+
+AUTO = "auto"
+CUBLAS = "cublas"
+NUMPY = "numpy"
+DTYPE_NAMES = ("float32", "float64")
+
+
+@dataclass(frozen=True)
+class KernelInfo:
+    """One kernel a request may name, as `GET /v1/kernels` lists it."""
+
+    name: str
+    kind: Literal["cuda", "library", "auto"]
+    summary: str
+    dtypes: tuple[str, ...] = DTYPE_NAMES
+    tiles: tuple[int, ...] = ()
+    default_tile: int | None = None
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A request's kernel, resolved and checked before it is queued: what the worker will launch."""
+
+    kernel: str
+    tile: int | None = None
+    config: LaunchConfig | None = field(default=None, compare=False)
+
+
+@dataclass(frozen=True)
+class DeviceTiming:
+    """Milliseconds spent by the backend: staging and copies in, the kernel alone, the copy out."""
+
+    h2d_ms: float
+    kernel_ms: float
+    d2h_ms: float
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """The product and how it was made."""
+
+    c: np.ndarray
+    plan: Plan
+    queue_ms: float
+    device: DeviceTiming
+
+
+class Backend(Protocol):
+    """A compute backend. `prepare` and `multiply` run on the worker thread that owns the device."""
+
+    @property
+    def name(self) -> Literal["cpu", "gpu"]: ...
+
+    @property
+    def device_name(self) -> str: ...
+
+    def kernels(self) -> list[KernelInfo]: ...
+
+    def plan(self, kernel: str, tile: int | None, m: int, n: int, k: int) -> Plan:
+        """Resolve `auto` and check the kernel and tile; raises UnknownKernel or InvalidParameter."""
+        ...
+
+    def prepare(self) -> None:
+        """Compile and warm every kernel; raise if any instance gives a wrong answer."""
+        ...
+
+    def multiply(self, a: np.ndarray, b: np.ndarray, dtype: np.dtype, plan: Plan) -> tuple[np.ndarray, DeviceTiming]:
+        """a @ b in `dtype`; the operands are as decoded (any integer/float dtype, byte order, layout)."""
+        ...
+
+    def describe(self) -> dict[str, Any]:
+        """Device facts for `GET /v1/info`."""
+        ...
+
+    def close(self) -> None: ...

@@ -1,0 +1,65 @@
+"""The CPU backend: NumPy's matmul (its BLAS), so that the service runs on machines without a GPU."""
+
+from __future__ import annotations
+
+import os
+import platform
+from time import perf_counter
+from typing import Any, Final
+
+import numpy as np
+
+from app.engine.base import AUTO, CUBLAS, NUMPY, DeviceTiming, KernelInfo, Plan
+from app.engine.staging import to_working
+from app.errors import InvalidParameter, UnknownKernel
+from kernels.registry import KERNELS
+
+
+class CpuBackend:
+    name: Final = "cpu"
+
+    def __init__(self, reason: str) -> None:
+        self.device_name = platform.processor() or platform.machine() or "cpu"
+        self._reason = reason
+
+    def kernels(self) -> list[KernelInfo]:
+        return [
+            KernelInfo(name=AUTO, kind="auto", summary="The fastest kernel this backend has: numpy."),
+            KernelInfo(name=NUMPY, kind="library", summary="numpy.matmul, through NumPy's BLAS."),
+        ]
+
+    def plan(self, kernel: str, tile: int | None, m: int, n: int, k: int) -> Plan:
+        if kernel not in (AUTO, NUMPY):
+            offered = [info.name for info in self.kernels()]
+            needs_gpu = kernel in KERNELS or kernel == CUBLAS
+            raise UnknownKernel(
+                f"kernel '{kernel}' "
+                + ("needs the GPU backend, but this server runs on the CPU" if needs_gpu else "does not exist")
+                + f"; this server has {offered}",
+                location=["kernel"],
+            )
+        if tile is not None:
+            raise InvalidParameter(f"tile applies to the tiled GPU kernel only, not to '{kernel}'", location=["tile"])
+        return Plan(kernel=NUMPY)
+
+    def prepare(self) -> None:
+        np.matmul(np.ones((2, 2), np.float32), np.ones((2, 2), np.float32))
+
+    def multiply(self, a: np.ndarray, b: np.ndarray, dtype: np.dtype, plan: Plan) -> tuple[np.ndarray, DeviceTiming]:
+        start = perf_counter()
+        a, b = to_working(a, dtype, "a"), to_working(b, dtype, "b")
+        staged = perf_counter()
+        c = np.matmul(a, b)
+        done = perf_counter()
+        return c, DeviceTiming(h2d_ms=(staged - start) * 1e3, kernel_ms=(done - staged) * 1e3, d2h_ms=0.0)
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "name": self.device_name,
+            "cpu_count": os.cpu_count(),
+            "numpy_version": np.__version__,
+            "why_cpu": self._reason,
+        }
+
+    def close(self) -> None:
+        return None

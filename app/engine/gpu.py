@@ -1,0 +1,215 @@
+"""The GPU backend: CuPy on one device, our kernels compiled once with NVRTC, cuBLAS as the reference.
+
+All of this runs on the worker thread that owns the device (see `app.engine.worker`). Per request:
+operands are converted into pinned host buffers (one pass that also fixes dtype, byte order and layout),
+copied to the device on the worker's stream, multiplied, and copied back into a pinned buffer that is
+handed to the encoder as it is. CUDA events around each step give h2d, kernel and d2h times.
+"""
+
+from __future__ import annotations
+
+import math
+from time import perf_counter
+from typing import Any, Final
+
+import numpy as np
+
+from app.engine.base import AUTO, CUBLAS, DTYPE_NAMES, DeviceTiming, KernelInfo, Plan
+from app.engine.staging import cast_into
+from app.errors import InvalidParameter, UnknownKernel
+from kernels.registry import KERNELS, STATIC_SMEM_LIMIT, KernelSpec, iter_instances
+
+COMPILE_OPTIONS = ("-std=c++17",)
+# Self-test shape at start-up: no side a multiple of any tile, so every edge guard is exercised.
+SELF_TEST_SHAPE = (67, 45, 39)
+# Relative Frobenius error allowed against a float64 reference; float32 sums of k terms err ~sqrt(k)*2^-24.
+SELF_TEST_TOLERANCE = {"float32": 1e-5, "float64": 1e-12}
+
+
+def unavailable_reason(device: int) -> str | None:
+    """Why the GPU backend cannot run here (None when it can): no CuPy, no driver, no such device."""
+    try:
+        import cupy
+    except ImportError:
+        return "CuPy is not installed (pip install 'matmul-service[gpu]')"
+    try:
+        count = cupy.cuda.runtime.getDeviceCount()
+    except cupy.cuda.runtime.CUDARuntimeError as exc:
+        return f"CUDA is not usable: {exc}"
+    if device >= count:
+        return f"device {device} was asked for, but {count} CUDA device(s) are visible"
+    return None
+
+
+def _pinned_bucket(nbytes: int) -> int:
+    """Round a pinned allocation up to one of 8 sizes per power of two, so the pool reuses blocks."""
+    if nbytes <= 4096:
+        return 4096
+    step = 1 << max(nbytes.bit_length() - 4, 0)
+    return -(-nbytes // step) * step
+
+
+class GpuBackend:
+    name: Final = "gpu"
+
+    def __init__(self, device: int) -> None:
+        import cupy
+
+        self._cp = cupy
+        self._device_id = device
+        properties = cupy.cuda.runtime.getDeviceProperties(device)
+        self.device_name: str = properties["name"].decode()
+        self._properties = properties
+        self._functions: dict[tuple[str, str, str], Any] = {}
+        self._stream: Any = None
+        self._events: list[Any] = []
+
+    # ------------------------------------------------------------------------------------------- catalogue
+
+    def kernels(self) -> list[KernelInfo]:
+        return [
+            KernelInfo(name=AUTO, kind="auto", summary="The fastest kernel for the shape: cuBLAS."),
+            *(
+                KernelInfo(
+                    name=spec.name, kind="cuda", summary=spec.summary, tiles=spec.tiles, default_tile=spec.default_tile
+                )
+                for spec in KERNELS.values()
+            ),
+            KernelInfo(name=CUBLAS, kind="library", summary="cupy.matmul (cuBLAS GEMM, TF32 off): the reference."),
+        ]
+
+    def plan(self, kernel: str, tile: int | None, m: int, n: int, k: int) -> Plan:
+        if kernel == AUTO:
+            kernel = CUBLAS
+        spec: KernelSpec | None = KERNELS.get(kernel)
+        if spec is None and kernel != CUBLAS:
+            offered = [info.name for info in self.kernels()]
+            raise UnknownKernel(f"kernel '{kernel}' does not exist; this server has {offered}", location=["kernel"])
+        if spec is None:
+            if tile is not None:
+                raise InvalidParameter(f"tile does not apply to kernel '{kernel}'", location=["tile"])
+            return Plan(kernel=kernel)
+        try:
+            config = spec.config_for(m, n, k, tile)
+        except ValueError as exc:
+            raise InvalidParameter(str(exc), location=["tile"]) from exc
+        return Plan(kernel=kernel, tile=int(config.label) if spec.tiles else None, config=config)
+
+    # ------------------------------------------------------------------------------------ on the worker
+
+    def prepare(self) -> None:
+        cp = self._cp
+        cp.cuda.Device(self._device_id).use()
+        self._stream = cp.cuda.Stream(non_blocking=True)
+        self._events = [cp.cuda.Event() for _ in range(5)]
+        smem_limit = int(self._properties["sharedMemPerBlockOptin"])
+        for spec in KERNELS.values():
+            module = cp.RawModule(
+                code=spec.read_source(), options=COMPILE_OPTIONS, name_expressions=spec.name_expressions()
+            )
+            for _, dtype, config in (inst for inst in iter_instances() if inst[0] is spec):
+                function = module.get_function(spec.name_expression(dtype, config))
+                smem = config.smem_bytes(np.dtype(dtype).itemsize)
+                if smem > smem_limit:
+                    raise ValueError(
+                        f"{spec.name}/{config.label}/{dtype} needs {smem} B of shared memory, over {smem_limit}"
+                    )
+                if smem > STATIC_SMEM_LIMIT:
+                    function.max_dynamic_shared_size_bytes = smem
+                self._functions[(spec.name, dtype, config.label)] = function
+        self._self_test()
+
+    def _self_test(self) -> None:
+        """Run every kernel instance once (the warm-up) and check it against a float64 product."""
+        m, k, n = SELF_TEST_SHAPE
+        rng = np.random.default_rng(0)
+        a, b = rng.standard_normal((m, k)), rng.standard_normal((k, n))
+        reference = a @ b
+        plans = [Plan(kernel=CUBLAS)] + [
+            Plan(kernel=spec.name, tile=int(config.label) if spec.tiles else None, config=config)
+            for spec in KERNELS.values()
+            for config in spec.configs
+        ]
+        for dtype in DTYPE_NAMES:
+            for plan in plans:
+                c, _ = self.multiply(a, b, np.dtype(dtype), plan)
+                error = np.linalg.norm(c - reference) / np.linalg.norm(reference)
+                if not error <= SELF_TEST_TOLERANCE[dtype]:
+                    label = plan.config.label if plan.config else ""
+                    raise RuntimeError(f"self-test failed: {plan.kernel}/{label}/{dtype} relative error {error:.3g}")
+
+    def _pinned(self, shape: tuple[int, int], dtype: np.dtype) -> np.ndarray:
+        count = math.prod(shape)
+        memory = self._cp.cuda.alloc_pinned_memory(_pinned_bucket(count * dtype.itemsize))
+        return np.frombuffer(memory, dtype, count).reshape(shape)
+
+    def multiply(self, a: np.ndarray, b: np.ndarray, dtype: np.dtype, plan: Plan) -> tuple[np.ndarray, DeviceTiming]:
+        cp = self._cp
+        (m, k), n = a.shape, b.shape[1]
+        if m == 0 or n == 0:
+            return np.zeros((m, n), dtype), DeviceTiming(h2d_ms=0.0, kernel_ms=0.0, d2h_ms=0.0)
+        stream = self._stream
+        copy_in, copied_in, launch, launched, copied_out = self._events
+        start = perf_counter()
+        a_host, b_host = self._pinned((m, k), dtype), self._pinned((k, n), dtype)
+        cast_into(a_host, a, "a")
+        cast_into(b_host, b, "b")
+        staging_ms = (perf_counter() - start) * 1e3
+        with stream:
+            copy_in.record(stream)
+            a_dev = cp.empty((m, k), dtype)
+            b_dev = cp.empty((k, n), dtype)
+            a_dev.set(a_host, stream=stream)
+            b_dev.set(b_host, stream=stream)
+            copied_in.record(stream)
+            c_dev = cp.empty((m, n), dtype)
+            launch.record(stream)
+            self._launch(plan, a_dev, b_dev, c_dev)
+            launched.record(stream)
+            c_host = self._pinned((m, n), dtype)
+            c_dev.get(stream=stream, out=c_host, blocking=False)
+            copied_out.record(stream)
+        copied_out.synchronize()
+        elapsed = cp.cuda.get_elapsed_time
+        return c_host, DeviceTiming(
+            h2d_ms=staging_ms + elapsed(copy_in, copied_in),
+            kernel_ms=elapsed(launch, launched),
+            d2h_ms=elapsed(launched, copied_out),
+        )
+
+    def _launch(self, plan: Plan, a: Any, b: Any, c: Any) -> None:
+        if plan.config is None:
+            self._cp.matmul(a, b, out=c)
+            return
+        (m, k), n = a.shape, b.shape[1]
+        function = self._functions[(plan.kernel, a.dtype.name, plan.config.label)]
+        function(
+            plan.config.grid(m, n),
+            plan.config.block(),
+            (a, b, c, np.int32(m), np.int32(n), np.int32(k)),
+            shared_mem=plan.config.smem_bytes(a.dtype.itemsize),
+        )
+
+    # ------------------------------------------------------------------------------------------- facts
+
+    def describe(self) -> dict[str, Any]:
+        cp = self._cp
+        with cp.cuda.Device(self._device_id):
+            free, total = cp.cuda.runtime.memGetInfo()
+        p = self._properties
+        return {
+            "name": self.device_name,
+            "index": self._device_id,
+            "compute_capability": f"{p['major']}.{p['minor']}",
+            "multiprocessors": p["multiProcessorCount"],
+            "memory_total_bytes": total,
+            "memory_free_bytes": free,
+            "cupy_version": cp.__version__,
+            "cuda_runtime_version": cp.cuda.runtime.runtimeGetVersion(),
+            "cuda_driver_version": cp.cuda.runtime.driverGetVersion(),
+            "nvrtc_version": ".".join(map(str, cp.cuda.nvrtc.getVersion())),
+        }
+
+    def close(self) -> None:
+        self._cp.get_default_memory_pool().free_all_blocks()
+        self._cp.get_default_pinned_memory_pool().free_all_blocks()

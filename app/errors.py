@@ -1,0 +1,98 @@
+"""The domain errors of the service, and nothing else.
+
+Every failure a client can cause or see is one of these; `app.api.errors` maps them to HTTP answers in
+one place, so routes, codecs and the engine raise them and never build HTTP responses themselves::
+
+    MatmulError                       500  internal_error
+    ├── InvalidInput                  422  invalid_input
+    │   ├── MalformedPayload          422  malformed_payload      body cannot be parsed (JSON, .npy, .npz, multipart)
+    │   ├── InvalidMatrix             422  invalid_matrix         parsed, but not a 2-D numeric matrix
+    │   ├── ShapeMismatch             422  shape_mismatch         inner dimensions differ, or a size limit is passed
+    │   ├── UnknownKernel             422  unknown_kernel         not a kernel of this backend
+    │   └── InvalidParameter          422  invalid_parameter      bad tile, dtype, or conflicting parameters
+    ├── PayloadTooLarge               413  payload_too_large
+    ├── UnsupportedMediaType          415  unsupported_media_type
+    ├── NotAcceptable                 406  not_acceptable
+    ├── ServiceUnavailable            503  service_unavailable    (sent with Retry-After)
+    │   ├── Overloaded                503  overloaded             the worker's queue is full
+    │   └── NotReady                  503  not_ready              kernels still compiling, or the device failed
+    └── DeviceFailure                 500  device_failure         the device raised an error we did not expect
+
+Library errors (NumPy, CuPy, CUDA, zipfile, ...) are translated into these with ``raise ... from exc``
+where they happen, so the message names what was wrong and where (which matrix, row, dimension).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+Location = Sequence[str | int]
+
+
+class MatmulError(Exception):
+    """Base of every error the service reports to a client."""
+
+    status_code: int = 500
+    code: str = "internal_error"
+
+    def __init__(self, message: str, *, location: Location | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.location: list[str | int] | None = list(location) if location is not None else None
+
+
+class InvalidInput(MatmulError):
+    status_code = 422
+    code = "invalid_input"
+
+
+class MalformedPayload(InvalidInput):
+    code = "malformed_payload"
+
+
+class InvalidMatrix(InvalidInput):
+    code = "invalid_matrix"
+
+
+class ShapeMismatch(InvalidInput):
+    code = "shape_mismatch"
+
+
+class UnknownKernel(InvalidInput):
+    code = "unknown_kernel"
+
+
+class InvalidParameter(InvalidInput):
+    code = "invalid_parameter"
+
+
+class PayloadTooLarge(MatmulError):
+    status_code = 413
+    code = "payload_too_large"
+
+
+class UnsupportedMediaType(MatmulError):
+    status_code = 415
+    code = "unsupported_media_type"
+
+
+class NotAcceptable(MatmulError):
+    status_code = 406
+    code = "not_acceptable"
+
+
+class ServiceUnavailable(MatmulError):
+    status_code = 503
+    code = "service_unavailable"
+
+
+class Overloaded(ServiceUnavailable):
+    code = "overloaded"
+
+
+class NotReady(ServiceUnavailable):
+    code = "not_ready"
+
+
+class DeviceFailure(MatmulError):
+    code = "device_failure"

@@ -1,0 +1,42 @@
+"""create_app(): settings and engine built in the lifespan, routers, middleware, error handlers."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from importlib.metadata import version
+
+from fastapi import FastAPI
+
+from app.api.errors import install_error_handlers
+from app.api.limits import BodyLimitMiddleware
+from app.api.routes import api_router
+from app.config import Settings
+from app.engine import build_engine
+
+
+def create_app(settings: Settings | None = None) -> FastAPI:
+    """The ASGI app. Settings come from MATMUL_* env vars unless given (tests pass their own)."""
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        resolved = settings if settings is not None else Settings()
+        engine = build_engine(resolved)
+        app.state.settings = resolved
+        app.state.engine = engine
+        engine.start()
+        try:
+            yield
+        finally:
+            await engine.stop()
+
+    app = FastAPI(
+        title="matmul-service",
+        version=version("matmul-service"),
+        summary="Matrix multiplication on NVIDIA GPUs with hand-written CUDA kernels, over HTTP.",
+        lifespan=lifespan,
+    )
+    app.add_middleware(BodyLimitMiddleware)
+    install_error_handlers(app)
+    app.include_router(api_router)
+    return app
