@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from importlib.metadata import version
 
 from fastapi import FastAPI
 
+from app import __version__
 from app.api.errors import install_error_handlers
 from app.api.limits import BodyLimitMiddleware
 from app.api.routes import api_router
@@ -32,7 +32,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     app = FastAPI(
         title="matmul-service",
-        version=version("matmul-service"),
+        version=__version__,
         summary="Matrix multiplication on NVIDIA GPUs with hand-written CUDA kernels, over HTTP.",
         lifespan=lifespan,
     )

@@ -12,7 +12,7 @@ the configuration `config_for()` picks.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
@@ -135,11 +135,3 @@ KERNELS: MappingProxyType[str, KernelSpec] = MappingProxyType(
         )
     }
 )
-
-
-def iter_instances() -> Iterator[tuple[KernelSpec, str, LaunchConfig]]:
-    """Every (kernel, dtype, config) instance the engine compiles."""
-    for spec in KERNELS.values():
-        for dtype in CTYPES:
-            for config in spec.configs:
-                yield spec, dtype, config

@@ -17,9 +17,9 @@ import numpy as np
 from app.engine.base import AUTO, CUBLAS, DTYPE_NAMES, DeviceTiming, KernelInfo, Plan
 from app.engine.staging import cast_into
 from app.errors import InvalidParameter, UnknownKernel
-from kernels.registry import KERNELS, STATIC_SMEM_LIMIT, KernelSpec, iter_instances
+from kernels.cuda import KernelLibrary
+from kernels.registry import KERNELS, KernelSpec
 
-COMPILE_OPTIONS = ("-std=c++17",)
 # Self-test shape at start-up: no side a multiple of any tile, so every edge guard is exercised.
 SELF_TEST_SHAPE = (67, 45, 39)
 # Relative Frobenius error allowed against a float64 reference; float32 sums of k terms err ~sqrt(k)*2^-24.
@@ -51,6 +51,8 @@ def _pinned_bucket(nbytes: int) -> int:
 
 class GpuBackend:
     name: Final = "gpu"
+    _library: KernelLibrary
+    """Compiled by `prepare`, on the worker thread."""
 
     def __init__(self, device: int) -> None:
         import cupy
@@ -60,7 +62,6 @@ class GpuBackend:
         properties = cupy.cuda.runtime.getDeviceProperties(device)
         self.device_name: str = properties["name"].decode()
         self._properties = properties
-        self._functions: dict[tuple[str, str, str], Any] = {}
         self._stream: Any = None
         self._events: list[Any] = []
 
@@ -102,21 +103,7 @@ class GpuBackend:
         cp.cuda.Device(self._device_id).use()
         self._stream = cp.cuda.Stream(non_blocking=True)
         self._events = [cp.cuda.Event() for _ in range(5)]
-        smem_limit = int(self._properties["sharedMemPerBlockOptin"])
-        for spec in KERNELS.values():
-            module = cp.RawModule(
-                code=spec.read_source(), options=COMPILE_OPTIONS, name_expressions=spec.name_expressions()
-            )
-            for _, dtype, config in (inst for inst in iter_instances() if inst[0] is spec):
-                function = module.get_function(spec.name_expression(dtype, config))
-                smem = config.smem_bytes(np.dtype(dtype).itemsize)
-                if smem > smem_limit:
-                    raise ValueError(
-                        f"{spec.name}/{config.label}/{dtype} needs {smem} B of shared memory, over {smem_limit}"
-                    )
-                if smem > STATIC_SMEM_LIMIT:
-                    function.max_dynamic_shared_size_bytes = smem
-                self._functions[(spec.name, dtype, config.label)] = function
+        self._library = KernelLibrary()
         self._self_test()
 
     def _self_test(self) -> None:
@@ -180,15 +167,8 @@ class GpuBackend:
     def _launch(self, plan: Plan, a: Any, b: Any, c: Any) -> None:
         if plan.config is None:
             self._cp.matmul(a, b, out=c)
-            return
-        (m, k), n = a.shape, b.shape[1]
-        function = self._functions[(plan.kernel, a.dtype.name, plan.config.label)]
-        function(
-            plan.config.grid(m, n),
-            plan.config.block(),
-            (a, b, c, np.int32(m), np.int32(n), np.int32(k)),
-            shared_mem=plan.config.smem_bytes(a.dtype.itemsize),
-        )
+        else:
+            self._library.launch(KERNELS[plan.kernel], plan.config, a, b, c)
 
     # ------------------------------------------------------------------------------------------- facts
 

@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-from importlib.metadata import version
-
 from fastapi import APIRouter
 
+from app import __version__
 from app.api.deps import EngineDep
 from app.api.schemas import InfoResponse, KernelListing, KernelModel, QueueModel
 from app.engine import Engine
@@ -38,7 +37,7 @@ async def info(engine: EngineDep) -> InfoResponse:
     """Backend, readiness, device (name, memory, compute capability, CuPy/CUDA versions), queue and kernels."""
     return InfoResponse(
         service="matmul-service",
-        version=version("matmul-service"),
+        version=__version__,
         backend=engine.backend.name,
         state=engine.state.value,
         failure=engine.failure,
