@@ -66,6 +66,8 @@ class Operands:
     a: np.ndarray
     b: np.ndarray
     options: RequestOptions = RequestOptions()
+    typed: bool = True
+    """Whether the operands' dtypes were chosen by the client (.npy) rather than inferred from JSON numbers."""
 
 
 def _kind_name(dtype: np.dtype) -> str:
@@ -121,8 +123,8 @@ def check_product(a: np.ndarray, b: np.ndarray, limits: Limits) -> None:
     check_shape((m, n), "result", limits)
 
 
-def working_dtype(requested: str | None, a: np.ndarray, b: np.ndarray) -> np.dtype:
-    """The dtype the product is computed in: the one requested, else float64 if an operand is, else float32."""
+def working_dtype(requested: str | None, operands: Operands) -> np.dtype:
+    """The dtype the product is computed in: the one requested, else float64 if a typed operand is, else float32."""
     if requested is not None:
         try:
             return WORKING_DTYPES[requested]
@@ -131,7 +133,8 @@ def working_dtype(requested: str | None, a: np.ndarray, b: np.ndarray) -> np.dty
                 f"dtype '{requested}' is not supported; choose one of {list(WORKING_DTYPES)}",
                 location=["dtype"],
             ) from None
-    if np.dtype(np.float64) in (a.dtype.newbyteorder("="), b.dtype.newbyteorder("=")):
+    native = (operands.a.dtype.newbyteorder("="), operands.b.dtype.newbyteorder("="))
+    if operands.typed and np.dtype(np.float64) in native:
         return WORKING_DTYPES["float64"]
     return WORKING_DTYPES[DEFAULT_DTYPE]
 
@@ -217,7 +220,7 @@ def decode_json(body: bytes, limits: Limits) -> Operands:
         )
     may_hold_booleans = b"true" in body or b"false" in body
     a, b = (_json_matrix(doc, name, may_hold_booleans, limits) for name in OPERANDS)
-    return Operands(a=a, b=b, options=_json_options(doc))
+    return Operands(a=a, b=b, options=_json_options(doc), typed=False)
 
 
 def _json_options(doc: Mapping[str, Any]) -> RequestOptions:

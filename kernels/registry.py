@@ -20,6 +20,7 @@ from types import MappingProxyType
 KERNEL_DIR = Path(__file__).resolve().parent
 CTYPES = MappingProxyType({"float32": "float", "float64": "double"})
 MAX_THREADS_PER_BLOCK = 1024
+MAX_GRID_Y = 65535
 STATIC_SMEM_LIMIT = 48 * 1024
 
 
@@ -46,7 +47,11 @@ class LaunchConfig:
             raise ValueError(f"config {self.label}: tiles must be positive, not {self.tile_m}x{self.tile_n}")
 
     def grid(self, m: int, n: int) -> tuple[int, int, int]:
-        return (cdiv(n, self.tile_n), cdiv(m, self.tile_m), 1)
+        """Blocks covering an m x n result; ValueError past CUDA's limit of 65535 blocks along y."""
+        rows = cdiv(m, self.tile_m)
+        if rows > MAX_GRID_Y:
+            raise ValueError(f"config {self.label}: {m} rows need {rows} blocks along y, over CUDA's {MAX_GRID_Y}")
+        return (cdiv(n, self.tile_n), rows, 1)
 
     def block(self) -> tuple[int, int, int]:
         return (self.threads[0], self.threads[1], 1)

@@ -30,4 +30,4 @@ def _choose_backend(settings: Settings) -> Backend:
 
 def build_engine(settings: Settings) -> Engine:
     """The engine for these settings, not yet started."""
-    return Engine(_choose_backend(settings), queue_size=settings.queue_size, retry_after_s=settings.retry_after_s)
+    return Engine(_choose_backend(settings), queue_size=settings.queue_size)

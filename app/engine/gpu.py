@@ -16,7 +16,7 @@ import numpy as np
 
 from app.engine.base import AUTO, CUBLAS, DTYPE_NAMES, DeviceTiming, KernelInfo, Plan
 from app.engine.staging import cast_into
-from app.errors import InvalidParameter, UnknownKernel
+from app.errors import InvalidParameter, ShapeMismatch, UnknownKernel
 from kernels.cuda import KernelLibrary
 from kernels.registry import KERNELS, KernelSpec
 
@@ -94,6 +94,10 @@ class GpuBackend:
             config = spec.config_for(m, n, k, tile)
         except ValueError as exc:
             raise InvalidParameter(str(exc), location=["tile"]) from exc
+        try:
+            config.grid(m, n)
+        except ValueError as exc:
+            raise ShapeMismatch(f"kernel '{kernel}' cannot cover this shape: {exc}", location=["a"]) from exc
         return Plan(kernel=kernel, tile=int(config.label) if spec.tiles else None, config=config)
 
     # ------------------------------------------------------------------------------------ on the worker

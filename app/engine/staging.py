@@ -22,7 +22,7 @@ def cast_into(dst: np.ndarray, src: np.ndarray, name: str) -> None:
             too_large = np.isfinite(src) & (np.abs(src) > limit)
         row, col = np.unravel_index(int(np.argmax(too_large)), src.shape)
         raise InvalidMatrix(
-            f"{name}[{row}][{col}] = {src[row, col]!r} is out of range for {dst.dtype} (largest {limit:.4g})",
+            f"{name}[{row}][{col}] = {src[row, col].item()!r} is out of range for {dst.dtype} (largest {limit:.4g})",
             location=[name, int(row), int(col)],
         ) from None
 

@@ -47,10 +47,9 @@ class _Job:
 class Engine:
     """Runs products on its backend's device, one at a time, in arrival order."""
 
-    def __init__(self, backend: Backend, queue_size: int, retry_after_s: int) -> None:
+    def __init__(self, backend: Backend, queue_size: int) -> None:
         self.backend = backend
         self.queue_size = queue_size
-        self.retry_after_s = retry_after_s
         self._queue: queue.Queue[_Job | None] = queue.Queue(maxsize=queue_size)
         self._thread = threading.Thread(target=self._run, name=f"{backend.name}-worker", daemon=True)
         self._state = EngineState.STARTING

@@ -181,7 +181,7 @@ async def matmul(
     options = codecs.RequestOptions(kernel=kernel, tile=tile, dtype=dtype).merged_with(operands.options)
     a, b = operands.a, operands.b
     codecs.check_product(a, b, limits)
-    working = codecs.working_dtype(options.dtype, a, b)
+    working = codecs.working_dtype(options.dtype, operands)
     (m, k), n = a.shape, b.shape[1]
     plan = engine.plan(options.kernel or "auto", options.tile, m, n, k)
     outcome: Outcome = await engine.matmul(a, b, working, plan)

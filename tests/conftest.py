@@ -1,0 +1,102 @@
+"""Shared fixtures: apps on the CPU backend (and the GPU one where a device exists), clients, references."""
+
+from __future__ import annotations
+
+import io
+from collections.abc import AsyncIterator
+
+import httpx
+import numpy as np
+import pytest
+from fastapi import FastAPI
+
+from app.config import Settings
+from app.engine.gpu import unavailable_reason
+from app.main import create_app
+
+# Relative Frobenius error allowed against a float64 reference. A correct float32 product of k terms errs
+# about sqrt(k) * 2^-24 (4e-6 at k = 4097); float64 about sqrt(k) * 2^-53. Each bound has headroom of ~5x.
+REL_TOLERANCE = {np.dtype(np.float32): 3e-5, np.dtype(np.float64): 1e-13}
+
+GPU_MISSING = unavailable_reason(0)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Tests marked `gpu` skip, saying why, where no CUDA device is usable."""
+    if GPU_MISSING is None:
+        return
+    skip = pytest.mark.skip(reason=f"no usable GPU: {GPU_MISSING}")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+def relative_error(c: np.ndarray, reference: np.ndarray) -> float:
+    scale = float(np.linalg.norm(reference))
+    return float(np.linalg.norm(c.astype(np.float64) - reference)) / (scale if scale else 1.0)
+
+
+def assert_product(c: np.ndarray, a: np.ndarray, b: np.ndarray, dtype: np.dtype) -> None:
+    """c equals a @ b computed in float64, within the tolerance of `dtype`, and has no unwritten element."""
+    reference = a.astype(np.float64) @ b.astype(np.float64)
+    assert c.shape == reference.shape
+    assert np.isfinite(c).all(), "result has NaN/Inf: an element was not written"
+    assert relative_error(c, reference) <= REL_TOLERANCE[np.dtype(dtype)]
+
+
+def npy_bytes(array: np.ndarray) -> bytes:
+    buffer = io.BytesIO()
+    np.save(buffer, array, allow_pickle=False)
+    return buffer.getvalue()
+
+
+def npz_bytes(**arrays: np.ndarray) -> bytes:
+    buffer = io.BytesIO()
+    np.savez(buffer, **arrays)  # type: ignore[arg-type]
+    return buffer.getvalue()
+
+
+def load_npy(content: bytes) -> np.ndarray:
+    return np.load(io.BytesIO(content), allow_pickle=False)
+
+
+@pytest.fixture
+def cpu_settings() -> Settings:
+    return Settings(backend="cpu")
+
+
+async def _client_for(app: FastAPI) -> AsyncIterator[httpx.AsyncClient]:
+    async with app.router.lifespan_context(app):
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://testserver") as client:
+            await wait_ready(client)
+            yield client
+
+
+async def wait_ready(client: httpx.AsyncClient, attempts: int = 600) -> None:
+    import anyio
+
+    for _ in range(attempts):
+        if (await client.get("/readyz")).status_code == 200:
+            return
+        await anyio.sleep(0.05)
+    raise AssertionError(f"never ready: {(await client.get('/v1/info')).json()}")
+
+
+@pytest.fixture
+async def client(cpu_settings: Settings) -> AsyncIterator[httpx.AsyncClient]:
+    """A client of the app on the CPU backend, through the ASGI interface, lifespan run."""
+    async for c in _client_for(create_app(cpu_settings)):
+        yield c
+
+
+@pytest.fixture
+async def gpu_client() -> AsyncIterator[httpx.AsyncClient]:
+    """A client of the app on the GPU backend (for tests marked `gpu`)."""
+    async for c in _client_for(create_app(Settings(backend="gpu"))):
+        yield c

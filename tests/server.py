@@ -1,0 +1,77 @@
+"""Running the service as a real process on a loopback port, for tests where the wire matters."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def uvicorn_command(port: int) -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        "uvicorn",
+        "app.main:create_app",
+        "--factory",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+    ]
+
+
+@contextmanager
+def running_server(
+    command: list[str], port: int, env: Mapping[str, str] | None = None, timeout_s: float = 300
+) -> Iterator[httpx.Client]:
+    """Start `command` in its own process group, wait for /readyz, yield a client, then stop it with SIGTERM."""
+    log = (ROOT / ".pytest_cache").joinpath(f"server-{port}.log")
+    log.parent.mkdir(exist_ok=True)
+    with log.open("wb") as output:
+        process = subprocess.Popen(
+            command,
+            cwd=ROOT,
+            env={**os.environ, **(env or {})},
+            stdout=output,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        try:
+            with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=60) as client:
+                deadline = time.monotonic() + timeout_s
+                while True:
+                    if process.poll() is not None:
+                        raise AssertionError(f"server exited with {process.returncode}:\n{log.read_text()}")
+                    try:
+                        if client.get("/readyz").status_code == 200:
+                            break
+                    except httpx.TransportError:
+                        pass
+                    if time.monotonic() > deadline:
+                        raise AssertionError(f"server not ready after {timeout_s} s:\n{log.read_text()}")
+                    time.sleep(0.2)
+                yield client
+        finally:
+            os.killpg(process.pid, signal.SIGTERM)
+            try:
+                process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(process.pid, signal.SIGKILL)
+                process.wait()

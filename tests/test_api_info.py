@@ -1,0 +1,46 @@
+"""Probes, /v1/info, /v1/kernels and the OpenAPI document."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+pytestmark = pytest.mark.anyio
+
+
+async def test_probes(client: httpx.AsyncClient) -> None:
+    assert (await client.get("/healthz")).json() == {"status": "ok"}
+    assert (await client.get("/readyz")).json() == {"status": "ready"}
+
+
+async def test_info_names_backend_device_and_kernels(client: httpx.AsyncClient) -> None:
+    info = (await client.get("/v1/info")).json()
+    assert info["backend"] == "cpu" and info["state"] == "ready"
+    assert info["device"]["why_cpu"] == "MATMUL_BACKEND=cpu"
+    assert info["queue"] == {"size": 64, "depth": 0}
+    assert [k["name"] for k in info["kernels"]] == ["auto", "numpy"]
+
+
+async def test_kernels(client: httpx.AsyncClient) -> None:
+    listing = (await client.get("/v1/kernels")).json()
+    assert listing["backend"] == "cpu" and listing["default"] == "auto"
+    assert {k["name"]: k["kind"] for k in listing["kernels"]} == {"auto": "auto", "numpy": "library"}
+
+
+async def test_unknown_route_and_method_use_the_error_format(client: httpx.AsyncClient) -> None:
+    r = await client.get("/nowhere")
+    assert r.status_code == 404 and r.json()["code"] == "not_found"
+    r = await client.get("/matmul")
+    assert r.status_code == 405 and r.json()["code"] == "method_not_allowed"
+
+
+async def test_openapi_documents_every_route_parameter_and_error(client: httpx.AsyncClient) -> None:
+    spec = (await client.get("/openapi.json")).json()
+    assert set(spec["paths"]) == {"/matmul", "/healthz", "/readyz", "/v1/kernels", "/v1/info"}
+    post = spec["paths"]["/matmul"]["post"]
+    assert {p["name"] for p in post["parameters"]} == {"kernel", "tile", "dtype"}
+    assert set(post["requestBody"]["content"]) == {"application/json", "multipart/form-data", "application/x-npz"}
+    assert {"200", "406", "413", "415", "422", "503"} <= set(post["responses"])
+    assert "application/x-npy" in post["responses"]["200"]["content"]
+    assert all(op.get("description") for path in spec["paths"].values() for op in path.values())
+    assert (await client.get("/docs")).status_code == 200

@@ -1,0 +1,221 @@
+"""POST /matmul through the real ASGI app on the CPU backend: every format, the numbers, every error path."""
+
+from __future__ import annotations
+
+import httpx
+import numpy as np
+import pytest
+
+from tests.conftest import assert_product, load_npy, npy_bytes, npz_bytes
+
+pytestmark = pytest.mark.anyio
+
+TIMING_FIELDS = ["read_ms", "decode_ms", "queue_ms", "h2d_ms", "kernel_ms", "d2h_ms", "encode_ms", "total_ms"]
+SHAPES = [(1, 1, 1), (1, 7, 1), (5, 1, 3), (17, 33, 9), (64, 64, 64), (3, 0, 4)]
+
+
+def operands(m: int, k: int, n: int, dtype: str = "float32", seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return rng.standard_normal((m, k)).astype(dtype), rng.standard_normal((k, n)).astype(dtype)
+
+
+async def test_json_example_from_the_readme(client: httpx.AsyncClient) -> None:
+    r = await client.post("/matmul", json={"a": [[1, 2], [3, 4]], "b": [[5, 6], [7, 8]]})
+    assert r.status_code == 200, r.text
+    doc = r.json()
+    assert doc["result"] == [[19, 22], [43, 50]]
+    assert doc["shape"] == [2, 2] and doc["dtype"] == "float32"
+    assert doc["kernel"] == "numpy" and doc["backend"] == "cpu" and doc["tile"] is None
+    assert list(doc["timing"]) == TIMING_FIELDS
+    assert all(v >= 0 for v in doc["timing"].values())
+    assert doc["gflops"] > 0
+    names = [part.split(";")[0] for part in r.headers["server-timing"].split(", ")]
+    assert names == [f.removesuffix("_ms") for f in TIMING_FIELDS]
+    assert r.headers["x-matmul-kernel"] == "numpy"
+
+
+@pytest.mark.parametrize(("m", "k", "n"), [s for s in SHAPES if s[1] > 0])
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+async def test_json_numbers(client: httpx.AsyncClient, m: int, k: int, n: int, dtype: str) -> None:
+    a, b = operands(m, k, n, dtype)
+    r = await client.post("/matmul", params={"dtype": dtype}, json={"a": a.tolist(), "b": b.tolist()})
+    assert r.status_code == 200, r.text
+    assert r.json()["dtype"] == dtype
+    assert_product(np.array(r.json()["result"], dtype=np.float64).reshape(m, n), a, b, np.dtype(dtype))
+
+
+@pytest.mark.parametrize(("m", "k", "n"), SHAPES)
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+async def test_multipart_npy_in_npy_out(client: httpx.AsyncClient, m: int, k: int, n: int, dtype: str) -> None:
+    a, b = operands(m, k, n, dtype)
+    r = await client.post(
+        "/matmul",
+        files={"a": ("a.npy", npy_bytes(a)), "b": ("b.npy", npy_bytes(b))},
+        headers={"accept": "application/x-npy"},
+    )
+    assert r.status_code == 200, r.text
+    assert r.headers["content-type"] == "application/x-npy"
+    c = load_npy(r.content)
+    assert c.dtype == np.dtype(dtype)
+    assert_product(c, a, b, np.dtype(dtype))
+    assert r.headers["x-matmul-shape"] == f"{m}x{n}" and r.headers["x-matmul-dtype"] == dtype
+    assert "kernel;dur=" in r.headers["server-timing"]
+
+
+async def test_npz_body(client: httpx.AsyncClient) -> None:
+    a, b = operands(6, 5, 4, "float64")
+    r = await client.post(
+        "/matmul", content=npz_bytes(a=a, b=b), headers={"content-type": "application/x-npz"}, params={"kernel": "auto"}
+    )
+    assert r.status_code == 200, r.text
+    assert r.json()["dtype"] == "float64"
+    assert_product(np.array(r.json()["result"]), a, b, np.dtype(np.float64))
+
+
+async def test_integers_big_endian_and_fortran_inputs_are_converted(client: httpx.AsyncClient) -> None:
+    a = np.asfortranarray(np.arange(12, dtype=">i4").reshape(3, 4))
+    b = np.arange(8, dtype=">f8").reshape(4, 2)
+    r = await client.post(
+        "/matmul",
+        params={"dtype": "float32"},
+        files={"a": ("a.npy", npy_bytes(a)), "b": ("b.npy", npy_bytes(b))},
+        headers={"accept": "application/x-npy"},
+    )
+    assert r.status_code == 200, r.text
+    c = load_npy(r.content)
+    assert c.dtype == np.float32
+    np.testing.assert_array_equal(c, (a @ b).astype(np.float32))
+
+
+async def test_dtype_follows_the_npy_files(client: httpx.AsyncClient) -> None:
+    a, b = operands(2, 2, 2, "float64")
+    r = await client.post("/matmul", files={"a": ("a.npy", npy_bytes(a)), "b": ("b.npy", npy_bytes(b))})
+    assert r.json()["dtype"] == "float64"
+
+
+async def test_options_in_the_json_body(client: httpx.AsyncClient) -> None:
+    r = await client.post("/matmul", json={"a": [[1]], "b": [[2]], "dtype": "float64", "kernel": "numpy"})
+    assert r.status_code == 200, r.text
+    assert r.json()["dtype"] == "float64" and r.json()["kernel"] == "numpy"
+
+
+async def test_nan_from_npy_propagates_and_is_null_in_json(client: httpx.AsyncClient) -> None:
+    a = np.array([[np.nan, 1.0]], np.float32)
+    b = np.ones((2, 1), np.float32)
+    r = await client.post("/matmul", files={"a": ("a.npy", npy_bytes(a)), "b": ("b.npy", npy_bytes(b))})
+    assert r.json()["result"] == [[None]]
+
+
+def _error(r: httpx.Response, status: int, code: str, words: str) -> None:
+    assert r.status_code == status, r.text
+    body = r.json()
+    assert body["code"] == code, body
+    assert words in body["message"], body
+
+
+@pytest.mark.parametrize(
+    ("request_kwargs", "status", "code", "words"),
+    [
+        ({"json": {"a": [[1, 2]], "b": [[1, 2]]}}, 422, "shape_mismatch", "'a' is 1x2 and 'b' is 1x2"),
+        ({"json": {"a": [[1, 2], [1]], "b": [[1]]}}, 422, "invalid_matrix", "ragged"),
+        ({"json": {"a": [["x"]], "b": [[1]]}}, 422, "invalid_matrix", "a[0][0] is a string"),
+        ({"json": {"a": [[1]], "b": [[1]]}, "params": {"kernel": "warp9"}}, 422, "unknown_kernel", "'warp9'"),
+        ({"json": {"a": [[1]], "b": [[1]]}, "params": {"kernel": "tiled"}}, 422, "unknown_kernel", "['auto', 'numpy']"),
+        ({"json": {"a": [[1]], "b": [[1]]}, "params": {"kernel": "cublas"}}, 422, "unknown_kernel", "needs the GPU"),
+        ({"json": {"a": [[1]], "b": [[1]]}, "params": {"tile": 16}}, 422, "invalid_parameter", "tile"),
+        ({"json": {"a": [[1]], "b": [[1]]}, "params": {"tile": "big"}}, 422, "invalid_parameter", "query.tile"),
+        ({"json": {"a": [[1]], "b": [[1]]}, "params": {"tile": 10**30}}, 422, "invalid_parameter", "query.tile"),
+        ({"json": {"a": [[1]], "b": [[1]]}, "params": {"dtype": "int8"}}, 422, "invalid_parameter", "query.dtype"),
+        ({"json": {"a": [[1]], "b": [[1]], "dtype": "int8"}}, 422, "invalid_parameter", "'int8' is not supported"),
+        (
+            {"json": {"a": [[1]], "b": [[1]], "dtype": "float64"}, "params": {"dtype": "float32"}},
+            422,
+            "invalid_parameter",
+            "given twice",
+        ),
+        ({"content": b"{oops", "headers": {"content-type": "application/json"}}, 422, "malformed_payload", "JSON"),
+        ({"content": b"", "headers": {"content-type": "application/json"}}, 422, "malformed_payload", "empty"),
+        ({"content": b"a,b", "headers": {"content-type": "text/csv"}}, 415, "unsupported_media_type", "text/csv"),
+        ({"content": b"x"}, 415, "unsupported_media_type", "(none)"),
+        ({"json": {"a": [[1]], "b": [[1]]}, "headers": {"accept": "text/html"}}, 406, "not_acceptable", "text/html"),
+        (
+            {"files": {"a": ("a.npy", b"\x93NUMPY garbage"), "b": ("b.npy", npy_bytes(np.eye(2)))}},
+            422,
+            "malformed_payload",
+            "'a' is not a valid .npy",
+        ),
+        ({"files": {"a": ("a.npy", npy_bytes(np.eye(2)))}}, 422, "invalid_matrix", "missing ['b']"),
+        (
+            {"files": {"a": ("a.npy", npy_bytes(np.eye(2))), "b": ("b.npy", npy_bytes(np.eye(2))), "c": ("c", b"")}},
+            422,
+            "invalid_matrix",
+            "unexpected ['c']",
+        ),
+        (
+            {"files": {"b": ("b.npy", npy_bytes(np.eye(2)))}, "data": {"a": "1,2"}},
+            422,
+            "invalid_matrix",
+            "part 'a' is a text field",
+        ),
+        (
+            {"content": b"--xx\r\n", "headers": {"content-type": "multipart/form-data"}},
+            422,
+            "malformed_payload",
+            "multipart body cannot be parsed",
+        ),
+        ({"content": b"not a zip", "headers": {"content-type": "application/x-npz"}}, 422, "malformed_payload", "npz"),
+        (
+            {"content": npz_bytes(a=np.eye(2)), "headers": {"content-type": "application/x-npz"}},
+            422,
+            "invalid_matrix",
+            "missing ['b']",
+        ),
+    ],
+)
+async def test_errors(
+    client: httpx.AsyncClient, request_kwargs: dict[str, object], status: int, code: str, words: str
+) -> None:
+    _error(await client.post("/matmul", **request_kwargs), status, code, words)  # type: ignore[arg-type]
+
+
+# Starlette leaves the temporary file of an unterminated part to the garbage collector.
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+async def test_truncated_multipart_body(client: httpx.AsyncClient) -> None:
+    body = b'--xx\r\nContent-Disposition: form-data; name="a"; filename="a.npy"\r\n\r\n' + npy_bytes(np.eye(2))
+    headers = {"content-type": "multipart/form-data; boundary=xx"}
+    _error(await client.post("/matmul", content=body, headers=headers), 422, "invalid_matrix", "missing ['a', 'b']")
+
+
+async def test_pickled_npy_is_refused(client: httpx.AsyncClient) -> None:
+    import io
+
+    buffer = io.BytesIO()
+    np.save(buffer, np.array([[1, None]], dtype=object), allow_pickle=True)
+    files = {"a": ("a.npy", buffer.getvalue()), "b": ("b.npy", npy_bytes(np.eye(2)))}
+    _error(await client.post("/matmul", files=files), 422, "invalid_matrix", "pickled Python objects")
+
+
+async def test_float32_overflow_is_refused_not_turned_into_infinity(client: httpx.AsyncClient) -> None:
+    r = await client.post("/matmul", json={"a": [[1.0, 1e39]], "b": [[1.0], [1.0]]})
+    _error(r, 422, "invalid_matrix", "a[0][1] = 1e+39 is out of range for float32")
+    assert r.json()["location"] == ["a", 0, 1]
+    ok = await client.post("/matmul", json={"a": [[1.0, 1e39]], "b": [[1.0], [1.0]], "dtype": "float64"})
+    assert ok.status_code == 200
+
+
+async def test_body_over_the_limit_is_refused_before_reading(cpu_settings: object) -> None:
+    from app.config import Settings
+    from app.main import create_app
+    from tests.conftest import _client_for
+
+    app = create_app(Settings(backend="cpu", max_body_bytes=2048))
+    async for client in _client_for(app):
+        r = await client.post("/matmul", json={"a": [[1.0] * 300], "b": [[1.0]] * 300})
+        _error(r, 413, "payload_too_large", "over the limit of 2048")
+
+        async def stream() -> object:
+            for _ in range(10):
+                yield b" " * 1000
+
+        r = await client.post("/matmul", content=stream(), headers={"content-type": "application/json"})
+        _error(r, 413, "payload_too_large", "passed the limit of 2048")

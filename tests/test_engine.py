@@ -1,0 +1,164 @@
+"""The worker: readiness, the bounded queue, abandoned jobs and backend failures, with a backend we control."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import AsyncIterator
+from typing import Any, Final
+
+import httpx
+import numpy as np
+import pytest
+
+from app.api.deps import get_engine
+from app.config import Settings
+from app.engine import DeviceTiming, Engine, EngineState, KernelInfo, Plan
+from app.errors import NotReady
+from app.main import create_app
+
+pytestmark = pytest.mark.anyio
+
+
+class GatedBackend:
+    """Multiplies with NumPy, but only as far as the test lets it: each gate is opened by the test."""
+
+    name: Final = "cpu"
+    device_name = "test device"
+
+    def __init__(self, prepare_error: Exception | None = None) -> None:
+        self.prepared = threading.Event()
+        self.step = threading.Semaphore(0)
+        self.started = threading.Semaphore(0)
+        self.prepare_error = prepare_error
+        self.multiplied: list[tuple[int, ...]] = []
+        self.fail_next: Exception | None = None
+
+    def kernels(self) -> list[KernelInfo]:
+        return [KernelInfo(name="numpy", kind="library", summary="test")]
+
+    def plan(self, kernel: str, tile: int | None, m: int, n: int, k: int) -> Plan:
+        return Plan(kernel="numpy")
+
+    def prepare(self) -> None:
+        self.prepared.wait(timeout=10)
+        if self.prepare_error is not None:
+            raise self.prepare_error
+
+    def multiply(self, a: np.ndarray, b: np.ndarray, dtype: np.dtype, plan: Plan) -> tuple[np.ndarray, DeviceTiming]:
+        self.started.release()
+        self.step.acquire(timeout=10)
+        if self.fail_next is not None:
+            error, self.fail_next = self.fail_next, None
+            raise error
+        self.multiplied.append(a.shape)
+        return a @ b, DeviceTiming(h2d_ms=0.0, kernel_ms=1.0, d2h_ms=0.0)
+
+    def describe(self) -> dict[str, Any]:
+        return {"name": self.device_name}
+
+    def close(self) -> None:
+        return None
+
+
+async def _wait(predicate: Any) -> None:
+    for _ in range(200):
+        if predicate():
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError("condition never held")
+
+
+@pytest.fixture
+async def gated() -> AsyncIterator[tuple[GatedBackend, Engine, httpx.AsyncClient]]:
+    backend = GatedBackend()
+    engine = Engine(backend, queue_size=1)
+    app = create_app(Settings(backend="cpu", retry_after_s=7))
+    app.dependency_overrides[get_engine] = lambda: engine
+    async with app.router.lifespan_context(app):
+        engine.start()
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
+            yield backend, engine, client
+            backend.prepared.set()
+            for _ in range(8):
+                backend.step.release()
+        await engine.stop()
+
+
+BODY = {"a": [[1.0, 2.0]], "b": [[3.0], [4.0]]}
+
+
+async def test_not_ready_until_the_kernels_are_prepared(gated: tuple[GatedBackend, Engine, httpx.AsyncClient]) -> None:
+    backend, engine, client = gated
+    r = await client.get("/readyz")
+    assert r.status_code == 503 and r.headers["retry-after"] == "7"
+    assert r.json()["code"] == "not_ready" and "compiled" in r.json()["message"]
+    assert (await client.post("/matmul", json=BODY)).status_code == 503
+    assert (await client.get("/healthz")).status_code == 200
+    backend.prepared.set()
+    await _wait(lambda: engine.state is EngineState.READY)
+    assert (await client.get("/readyz")).status_code == 200
+
+
+async def test_a_full_queue_answers_503_at_once(gated: tuple[GatedBackend, Engine, httpx.AsyncClient]) -> None:
+    backend, engine, client = gated
+    backend.prepared.set()
+    await _wait(lambda: engine.state is EngineState.READY)
+    running = asyncio.create_task(client.post("/matmul", json=BODY))
+    await asyncio.to_thread(backend.started.acquire, True, 5)
+    queued = asyncio.create_task(client.post("/matmul", json=BODY))
+    await _wait(lambda: engine.queue_depth == 1)
+    refused = await client.post("/matmul", json=BODY)
+    assert refused.status_code == 503 and refused.headers["retry-after"] == "7"
+    assert refused.json()["code"] == "overloaded" and "queue is full (1 waiting)" in refused.json()["message"]
+    backend.step.release()
+    backend.step.release()
+    assert (await running).json()["result"] == [[11.0]]
+    assert (await queued).status_code == 200
+
+
+async def test_an_abandoned_job_is_not_run(gated: tuple[GatedBackend, Engine, httpx.AsyncClient]) -> None:
+    backend, engine, _ = gated
+    backend.prepared.set()
+    await _wait(lambda: engine.state is EngineState.READY)
+    plan = Plan(kernel="numpy")
+    first = asyncio.create_task(engine.matmul(np.ones((1, 1)), np.ones((1, 1)), np.dtype(np.float64), plan))
+    await asyncio.to_thread(backend.started.acquire, True, 5)
+    abandoned = asyncio.create_task(engine.matmul(np.ones((2, 1)), np.ones((1, 1)), np.dtype(np.float64), plan))
+    await _wait(lambda: engine.queue_depth == 1)
+    abandoned.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await abandoned
+    backend.step.release()
+    await first
+    await _wait(lambda: engine.queue_depth == 0)
+    backend.step.release()
+    await engine.matmul(np.ones((3, 1)), np.ones((1, 1)), np.dtype(np.float64), plan)
+    assert backend.multiplied == [(1, 1), (3, 1)]
+
+
+async def test_an_unexpected_backend_error_is_a_device_failure_and_the_worker_goes_on(
+    gated: tuple[GatedBackend, Engine, httpx.AsyncClient],
+) -> None:
+    backend, engine, client = gated
+    backend.prepared.set()
+    await _wait(lambda: engine.state is EngineState.READY)
+    backend.fail_next = RuntimeError("cudaErrorLaunchFailure")
+    backend.step.release()
+    r = await client.post("/matmul", json=BODY)
+    assert r.status_code == 500 and r.json()["code"] == "device_failure"
+    assert "cudaErrorLaunchFailure" in r.json()["message"]
+    backend.step.release()
+    assert (await client.post("/matmul", json=BODY)).status_code == 200
+
+
+async def test_a_backend_that_cannot_prepare_is_reported_not_ready() -> None:
+    backend = GatedBackend(prepare_error=RuntimeError("nvrtc: error in tiled.cu"))
+    backend.prepared.set()
+    engine = Engine(backend, queue_size=4)
+    engine.start()
+    await _wait(lambda: engine.state is EngineState.FAILED)
+    with pytest.raises(NotReady, match=r"nvrtc: error in tiled\.cu"):
+        engine.check_ready()
+    await engine.stop()
