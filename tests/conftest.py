@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import io
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 
 import httpx
 import numpy as np
@@ -13,6 +13,7 @@ from fastapi import FastAPI
 from app.config import Settings
 from app.engine.gpu import unavailable_reason
 from app.main import create_app
+from tests.server import free_port, running_server, uvicorn_command
 
 # Relative Frobenius error allowed against a float64 reference. A correct float32 product of k terms errs
 # about sqrt(k) * 2^-24 (4e-6 at k = 4097); float64 about sqrt(k) * 2^-53. Each bound has headroom of ~5x.
@@ -34,6 +35,19 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 @pytest.fixture
 def anyio_backend() -> str:
     return "asyncio"
+
+
+SERVED_MAX_BODY_BYTES = 1 << 20
+"""The body limit of `served_url`'s server: small, so that a test can pass it cheaply."""
+
+
+@pytest.fixture(scope="session")
+def served_url() -> Iterator[str]:
+    """The URL of the service running as a real process on the CPU backend, shared by the tests that need the wire."""
+    port = free_port()
+    env = {"MATMUL_BACKEND": "cpu", "MATMUL_MAX_BODY_BYTES": str(SERVED_MAX_BODY_BYTES)}
+    with running_server(uvicorn_command(port), port, env=env):
+        yield f"http://127.0.0.1:{port}"
 
 
 def relative_error(c: np.ndarray, reference: np.ndarray) -> float:
