@@ -1,0 +1,137 @@
+"""The console scripts: `matmul-client` (multiply two .npy files on a server) and `matmul-service` (serve).
+
+matmul-client a.npy b.npy -o c.npy --kernel tiled --url http://gpu-box:8000
+matmul-service --backend gpu --queue-size 128 --port 8000
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Sequence
+from enum import Enum
+from pathlib import Path
+
+import httpx
+import numpy as np
+import uvicorn
+from pydantic import ValidationError
+
+from app import __version__
+from app.client import DEFAULT_TIMEOUT_S, DEFAULT_URL, FORMATS, MatmulClient, MatmulServiceError, Options, Product
+from app.config import Settings
+
+URL_VARIABLE = "MATMUL_URL"
+ENV_PREFIX = Settings.model_config.get("env_prefix", "")
+
+
+def _load_operand(path: str, parser: argparse.ArgumentParser) -> np.ndarray:
+    try:
+        array: np.ndarray = np.load(path, allow_pickle=False)
+    except (OSError, ValueError) as exc:
+        parser.error(f"cannot read {path} as a .npy file: {exc}")
+    return array
+
+
+def _summary(product: Product, output: str) -> str:
+    tile = f" (tile {product.tile})" if product.tile is not None else ""
+    phases = ", ".join(f"{name} {ms:.3f}" for name, ms in product.timing.items() if name != "total")
+    gflops = f", {product.gflops:.1f} GFLOP/s" if product.gflops is not None else ""
+    return (
+        f"{output}: {'x'.join(map(str, product.c.shape))} {product.c.dtype} by kernel {product.kernel}{tile} on "
+        f"{product.backend} ({product.device}){gflops}\n"
+        f"server ms: total {product.timing.get('total', float('nan')):.3f} = {phases}"
+    )
+
+
+def client_main(argv: Sequence[str] | None = None) -> int:
+    """matmul-client: C = A @ B computed by a matmul-service, from .npy files to a .npy file."""
+    parser = argparse.ArgumentParser(
+        prog="matmul-client", description="Multiply two .npy matrices on a matmul-service and save the product."
+    )
+    parser.add_argument("a", help="the left operand, a 2-D .npy file")
+    parser.add_argument("b", help="the right operand, a 2-D .npy file")
+    parser.add_argument("-o", "--output", required=True, help="where to save the product (.npy)")
+    parser.add_argument(
+        "--url",
+        default=os.environ.get(URL_VARIABLE, DEFAULT_URL),
+        help=f"the server (default: ${URL_VARIABLE}, else {DEFAULT_URL})",
+    )
+    parser.add_argument("--kernel", help="a kernel the server has (GET /v1/kernels); default: the server's auto")
+    parser.add_argument("--tile", type=int, help="tile width, for the tiled kernel")
+    parser.add_argument("--dtype", choices=["float32", "float64"], help="working dtype (default: from the operands)")
+    parser.add_argument(
+        "--format", choices=FORMATS, default="npy", help="request body: npy (multipart, the default), json or npz"
+    )
+    parser.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S, help="seconds to wait for the answer")
+    parser.add_argument("-q", "--quiet", action="store_true", help="print nothing on success")
+    args = parser.parse_args(argv)
+
+    a, b = _load_operand(args.a, parser), _load_operand(args.b, parser)
+    options = Options()
+    if args.kernel is not None:
+        options["kernel"] = args.kernel
+    if args.tile is not None:
+        options["tile"] = args.tile
+    if args.dtype is not None:
+        options["dtype"] = args.dtype
+    try:
+        with MatmulClient(args.url, format=args.format, timeout=args.timeout) as client:
+            product = client.multiply(a, b, **options)
+    except MatmulServiceError as exc:
+        where = f" (at {exc.location})" if exc.location else ""
+        print(f"matmul-client: the server answered {exc.status} {exc.code}: {exc.message}{where}", file=sys.stderr)
+        return 1
+    except httpx.TransportError as exc:
+        print(f"matmul-client: cannot reach {args.url}: {exc}", file=sys.stderr)
+        return 1
+    np.save(Path(args.output), product.c, allow_pickle=False)
+    if not args.quiet:
+        print(_summary(product, args.output), file=sys.stderr)
+    return 0
+
+
+def _add_setting_flags(parser: argparse.ArgumentParser) -> None:
+    """One flag per Settings field (`queue_size` -> --queue-size), so that the two never drift apart.
+
+    Values stay strings here: Settings validates them, with the same rules as the environment variables.
+    """
+    for name, field in Settings.model_fields.items():
+        variable = f"{ENV_PREFIX}{name}".upper()
+        flag = f"--{name.replace('_', '-')}"
+        text = f"{field.description} Overrides ${variable} (default {field.default})."
+        if isinstance(field.annotation, type) and issubclass(field.annotation, Enum):
+            choices = [member.value for member in field.annotation]
+            parser.add_argument(flag, dest=name, choices=choices, help=text)
+        else:
+            metavar = getattr(field.annotation, "__name__", "value").upper()
+            parser.add_argument(flag, dest=name, metavar=metavar, help=text)
+
+
+def service_main(argv: Sequence[str] | None = None) -> int:
+    """matmul-service: start the HTTP service under uvicorn, settings from flags or MATMUL_* variables."""
+    parser = argparse.ArgumentParser(
+        prog="matmul-service",
+        description="Serve POST /matmul. Each flag sets the MATMUL_* variable of the same name; "
+        "what no flag sets comes from the environment (or .env), else the default.",
+    )
+    parser.add_argument("--host", default="0.0.0.0", help="interface to listen on (default: 0.0.0.0)")
+    parser.add_argument("--port", type=int, default=8000, help="port to listen on (default: 8000)")
+    parser.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    parser.add_argument("--version", action="version", version=f"matmul-service {__version__}")
+    _add_setting_flags(parser)
+    args = parser.parse_args(argv)
+
+    given = {name: getattr(args, name) for name in Settings.model_fields if getattr(args, name) is not None}
+    # The app reads its settings from the environment in its lifespan; flags become variables so that it does.
+    os.environ.update({f"{ENV_PREFIX}{name}".upper(): str(value) for name, value in given.items()})
+    try:
+        Settings()
+    except ValidationError as exc:
+        problem = exc.errors()[0]
+        flag = "--" + str(problem["loc"][0]).replace("_", "-")
+        parser.error(f"{flag} {problem['input']!r}: {problem['msg']}")
+
+    uvicorn.run("app.main:create_app", factory=True, host=args.host, port=args.port, log_level=args.log_level)
+    return 0
