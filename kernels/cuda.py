@@ -67,6 +67,11 @@ class KernelLibrary:
     def launch(self, spec: KernelSpec, config: LaunchConfig, a: Any, b: Any, c: Any) -> None:
         """c = a @ b on the current stream; a, b, c are C-contiguous CuPy arrays of one dtype."""
         (m, k), n = a.shape, b.shape[1]
+        if not config.accepts(n, k):
+            raise ValueError(
+                f"{spec.name}/{config.label} needs k a multiple of {config.k_multiple} and n of "
+                f"{config.n_multiple}; got k={k}, n={n}"
+            )
         function = self._functions[(spec.name, a.dtype.name, config.label)]
         function(
             config.grid(m, n),

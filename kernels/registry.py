@@ -39,12 +39,19 @@ class LaunchConfig:
     tile_n: int
     smem_elements: int = 0
     """Dynamic shared memory, in elements of the dtype (0: the kernel declares its shared memory statically)."""
+    k_multiple: int = 1
+    n_multiple: int = 1
+    """Row lengths of A (k) and of B and C (n) must be multiples of these: 16-byte vector accesses need whole,
+    aligned vectors. An instance launched on other shapes would fault, so `accepts` guards every launch."""
 
     def __post_init__(self) -> None:
         if self.threads[0] * self.threads[1] > MAX_THREADS_PER_BLOCK:
             raise ValueError(f"config {self.label}: {self.threads} is more than {MAX_THREADS_PER_BLOCK} threads")
         if self.tile_m <= 0 or self.tile_n <= 0:
             raise ValueError(f"config {self.label}: tiles must be positive, not {self.tile_m}x{self.tile_n}")
+
+    def accepts(self, n: int, k: int) -> bool:
+        return n % self.n_multiple == 0 and k % self.k_multiple == 0
 
     def grid(self, m: int, n: int) -> tuple[int, int, int]:
         """Blocks covering an m x n result; ValueError past CUDA's limit of 65535 blocks along y."""
@@ -117,6 +124,163 @@ def _square_tiles(*widths: int) -> tuple[LaunchConfig, ...]:
     return tuple(LaunchConfig(label=str(w), template_args=(w,), threads=(w, w), tile_m=w, tile_n=w) for w in widths)
 
 
+VECTOR_BYTES = 16
+"""Width of the vectorised loads and stores: a float4 or a double2."""
+VECTOR_MULTIPLE = VECTOR_BYTES // 4
+"""Row lengths that allow 16-byte vectors for both dtypes (a float32 vector holds 4, a float64 one 2)."""
+MAX_ITEMSIZE = 8
+"""Shared-memory sizes are checked for float64, the larger of the two dtypes."""
+MAX_DYNAMIC_SMEM = 227 * 1024
+"""The most dynamic shared memory one block may opt into on sm_90."""
+
+
+def _vector_label(base: str, vec: bool) -> str:
+    return f"{base}-{'vec' if vec else 'scalar'}"
+
+
+def _check(condition: bool, label: str, why: str) -> None:
+    if not condition:
+        raise ValueError(f"config {label}: {why}")
+
+
+def _check_static_smem(label: str, elements: int) -> None:
+    nbytes = elements * MAX_ITEMSIZE
+    _check(
+        nbytes <= STATIC_SMEM_LIMIT, label, f"{nbytes} B of static shared memory (float64) is over {STATIC_SMEM_LIMIT}"
+    )
+
+
+def _coalesced_config(rows: int) -> LaunchConfig:
+    label = f"32x{rows}"
+    _check(rows >= 1 and 32 * rows <= MAX_THREADS_PER_BLOCK, label, f"{rows} warps per block is not in 1..32")
+    return LaunchConfig(label=label, template_args=(), threads=(32, rows), tile_m=rows, tile_n=32)
+
+
+def _blocktile1d_config(bm: int, bn: int, bk: int, tm: int, vec: bool) -> LaunchConfig:
+    label = _vector_label(f"{bm}x{bn}x{bk}", vec)
+    _check(bm % tm == 0, label, f"the block height {bm} is not a multiple of the thread height {tm}")
+    _check(bk % VECTOR_MULTIPLE == 0 and bn % VECTOR_MULTIPLE == 0, label, "tiles must hold whole vectors")
+    threads = bm * bn // tm
+    _check(threads <= MAX_THREADS_PER_BLOCK, label, f"{threads} threads per block")
+    _check_static_smem(label, bk * (bm + bn))
+    multiple = VECTOR_MULTIPLE if vec else 1
+    return LaunchConfig(
+        label=label,
+        template_args=(bm, bn, bk, tm, int(vec)),
+        threads=(threads, 1),
+        tile_m=bm,
+        tile_n=bn,
+        k_multiple=multiple,
+        n_multiple=multiple,
+    )
+
+
+def _blocktile2d_config(bm: int, bn: int, bk: int, tm: int, tn: int, vec: bool) -> LaunchConfig:
+    label = _vector_label(f"{bm}x{bn}x{bk}", vec)
+    _check(bm % tm == 0 and bn % tn == 0, label, f"the block {bm}x{bn} does not split into {tm}x{tn} threads")
+    _check(tm % VECTOR_MULTIPLE == 0 and tn % VECTOR_MULTIPLE == 0, label, "thread tiles must hold whole vectors")
+    _check(bk % VECTOR_MULTIPLE == 0 and bn % VECTOR_MULTIPLE == 0, label, "tiles must hold whole vectors")
+    threads = (bm // tm) * (bn // tn)
+    _check(threads <= MAX_THREADS_PER_BLOCK, label, f"{threads} threads per block")
+    _check_static_smem(label, bk * (bm + bn))
+    multiple = VECTOR_MULTIPLE if vec else 1
+    return LaunchConfig(
+        label=label,
+        template_args=(bm, bn, bk, tm, tn, int(vec)),
+        threads=(threads, 1),
+        tile_m=bm,
+        tile_n=bn,
+        k_multiple=multiple,
+        n_multiple=multiple,
+    )
+
+
+FAST_PAD = 4
+"""Elements of padding at the end of each transposed row of A in kernels/fast.cu (its PAD)."""
+
+
+def _fast_config(
+    bm: int, bn: int, bk: int, warp: tuple[int, int], lane: tuple[int, int], stages: int, vec: bool
+) -> LaunchConfig:
+    """An instance of kernels/fast.cu: block bm x bn x bk, warp tile `warp`, lane tile `lane`, `stages` deep."""
+    (wm, wn), (tm, tn) = warp, lane
+    label = _vector_label(f"{bm}x{bn}x{bk}-s{stages}", vec)
+    _check(bm % wm == 0 and bn % wn == 0, label, f"the block {bm}x{bn} does not split into {wm}x{wn} warps")
+    _check(wm % tm == 0 and wn % tn == 0, label, f"the warp {wm}x{wn} does not split into {tm}x{tn} lanes")
+    _check((wm // tm) * (wn // tn) == 32, label, f"a {wm}x{wn} warp of {tm}x{tn} lanes is not 32 lanes")
+    _check(tm % VECTOR_MULTIPLE == 0 and tn % VECTOR_MULTIPLE == 0, label, "lane tiles must hold whole vectors")
+    _check(stages >= 2, label, f"{stages} stages cannot overlap copies with arithmetic")
+    threads = (bm // wm) * (bn // wn) * 32
+    _check(threads <= MAX_THREADS_PER_BLOCK, label, f"{threads} threads per block")
+    _check(threads % bk == 0 and (bm * bk) % threads == 0, label, f"{threads} threads cannot share the A tile")
+    for itemsize in (4, 8):
+        width = VECTOR_BYTES // itemsize if vec else 1
+        _check(
+            (bk * bn // width) % threads == 0 and threads % (bn // width) == 0,
+            label,
+            f"{threads} threads cannot share the B tile in copies of {width} elements",
+        )
+    smem_elements = stages * bk * (bm + FAST_PAD + bn)
+    nbytes = smem_elements * MAX_ITEMSIZE
+    _check(nbytes <= MAX_DYNAMIC_SMEM, label, f"{nbytes} B of shared memory (float64) is over {MAX_DYNAMIC_SMEM}")
+    return LaunchConfig(
+        label=label,
+        template_args=(bm, bn, bk, wm, wn, tm, tn, stages, int(vec)),
+        threads=(threads, 1),
+        tile_m=bm,
+        tile_n=bn,
+        smem_elements=smem_elements,
+        n_multiple=VECTOR_MULTIPLE if vec else 1,
+    )
+
+
+VECTOR_CHOICES = (True, False)
+"""Every vectorised kernel comes in two instances: 16-byte loads and stores, and the scalar fallback."""
+
+
+def _vector_ok(n: int, k: int) -> bool:
+    """Whether rows of A (length k) and of B and C (length n) may be read and written in 16-byte vectors."""
+    return n % VECTOR_MULTIPLE == 0 and k % VECTOR_MULTIPLE == 0
+
+
+FAST_TILES = {
+    "128x128x16": ((128, 128, 16), (32, 64), (8, 8)),
+    "64x128x16": ((64, 128, 16), (32, 64), (8, 8)),
+    "64x64x16": ((64, 64, 16), (32, 32), (8, 4)),
+}
+"""The flagship's block shapes, largest first: (block m, n, k), warp tile, lane tile. See docs/kernels.md."""
+FAST_STAGES = 3
+FAST_MIN_BLOCKS = 128
+"""A shape gets the largest block tile that still yields this many blocks (an H100 or H200 has 132 SMs):
+fewer blocks than SMs leaves SMs idle, which costs more than the larger tile's better reuse gains."""
+
+
+def _fast_label(tile: str) -> str:
+    return f"{tile}-s{FAST_STAGES}"
+
+
+def _fast_configs() -> tuple[LaunchConfig, ...]:
+    return tuple(
+        _fast_config(bm, bn, bk, warp, lane, FAST_STAGES, vec)
+        for (bm, bn, bk), warp, lane in FAST_TILES.values()
+        for vec in VECTOR_CHOICES
+    )
+
+
+def _choose_fast(m: int, n: int, k: int) -> str:
+    """The flagship's instance for a shape class. Only B is copied in vectors, so only n decides the width."""
+    smallest = list(FAST_TILES)[-1]
+    tile = next(
+        (name for name, ((bm, bn, _), _, _) in FAST_TILES.items() if cdiv(m, bm) * cdiv(n, bn) >= FAST_MIN_BLOCKS),
+        smallest,
+    )
+    return _vector_label(_fast_label(tile), n % VECTOR_MULTIPLE == 0)
+
+
+def _choose_blocktile(base: str) -> Callable[[int, int, int], str]:
+    return lambda m, n, k: _vector_label(base, _vector_ok(n, k))
+
+
 KERNELS: MappingProxyType[str, KernelSpec] = MappingProxyType(
     {
         spec.name: spec
@@ -136,6 +300,37 @@ KERNELS: MappingProxyType[str, KernelSpec] = MappingProxyType(
                 configs=_square_tiles(8, 16, 32),
                 tiles=(8, 16, 32),
                 default_tile=16,
+            ),
+            KernelSpec(
+                name="coalesced",
+                source="coalesced.cu",
+                symbol="matmul_coalesced",
+                summary="One thread per output; a warp reads A 32 elements at a time and shares them by shuffle.",
+                configs=(_coalesced_config(8),),
+            ),
+            KernelSpec(
+                name="blocktile1d",
+                source="blocktile1d.cu",
+                symbol="matmul_blocktile1d",
+                summary="64x64 shared-memory tiles, a column of 8 outputs per thread, 16-byte global loads.",
+                configs=tuple(_blocktile1d_config(64, 64, 8, 8, vec) for vec in VECTOR_CHOICES),
+                choose=_choose_blocktile("64x64x8"),
+            ),
+            KernelSpec(
+                name="blocktile2d",
+                source="blocktile2d.cu",
+                symbol="matmul_blocktile2d",
+                summary="128x128 tiles, an 8x8 block of outputs per thread (outer products), 16-byte loads.",
+                configs=tuple(_blocktile2d_config(128, 128, 8, 8, 8, vec) for vec in VECTOR_CHOICES),
+                choose=_choose_blocktile("128x128x8"),
+            ),
+            KernelSpec(
+                name="fast",
+                source="fast.cu",
+                symbol="matmul_fast",
+                summary="Warp tiles, 8x8 outputs per lane, a multi-stage cp.async pipeline; tiles chosen per shape.",
+                configs=_fast_configs(),
+                choose=_choose_fast,
             ),
         )
     }

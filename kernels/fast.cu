@@ -1,0 +1,202 @@
+// fast: the flagship. Warp tiling, a multi-stage cp.async pipeline, one barrier per step of k.
+//
+// What it changes over `blocktile2d`, and why each part is faster:
+//
+// 1. Copies overlap arithmetic. Tiles travel from global to shared memory with cp.async (sm_80+), which
+//    writes shared memory without passing through registers and without stalling the issuing thread.
+//    STAGES tiles are in flight: while the block multiplies tile t it is already fetching tiles t+1 ..
+//    t+STAGES-1, so the latency of device memory (~600 ns) hides behind STAGES-1 steps of arithmetic
+//    instead of being paid at every step. One barrier per step suffices (see the main loop).
+//
+// 2. Warp tiling. The block is split into warps of WM x WN outputs, and inside a warp the 32 lanes form a
+//    WTM x WTN grid; a lane owns TM x TN outputs, but as (TM/R) x (TN/R) sub-blocks of R x R (R = one
+//    16-byte vector) spaced WTM*R rows and WTN*R columns apart. So at each k the lanes of a warp read one
+//    contiguous run of WTM*R elements of A and one of WTN*R elements of B: every 16-byte shared-memory load
+//    is conflict-free (blocktile2d's contiguous per-thread columns conflicted two ways), and a warp touches
+//    only WM + WN elements per k, which keeps the shared-memory pipe far from its limit. With 8 x 8
+//    outputs per lane there are 64 FFMA per 4 LDS.128: the issue slots go almost all to arithmetic.
+//
+// 3. A is stored transposed (As[k][m]), so a lane's R rows are one vector load. cp.async cannot transpose
+//    a 16-byte vector, so A is copied element by element (4 or 8 bytes): BK consecutive lanes read BK
+//    consecutive elements of a row of A (a full 32-byte sector when BK*sizeof(T) >= 32), and rows of As are
+//    padded by PAD elements so that those lanes, writing down a column of As, hit different banks.
+//    B keeps its layout and is copied 16 bytes at a time when VEC (N a multiple of 16 / sizeof(T)),
+//    otherwise element by element.
+//
+// 4. Edges cost nothing in the inner loop: an out-of-range element is copied with source size 0, which
+//    cp.async fills with zeros, so partial tiles multiply as if padded. Every thread runs every step and
+//    reaches every barrier; only the final stores are guarded.
+//
+// Registers: TM*TN accumulators plus the two fragments. __launch_bounds__ asks for two blocks per SM for
+// float (a 128-register cap at 256 threads: 16 warps per SM to hide shared-memory latency); doubles take
+// twice the registers, so they get one block per SM.
+
+template <typename T, int W>
+struct alignas(sizeof(T) * W) Chunk {
+    T v[W];
+};
+
+__device__ __forceinline__ unsigned shared_address(const void* p) {
+    return static_cast<unsigned>(__cvta_generic_to_shared(p));
+}
+
+// Copy BYTES from global to shared memory asynchronously; when `valid` is false nothing is read and the
+// destination is filled with zeros (the source-size operand is 0), so `src` need only be some valid address.
+template <int BYTES>
+__device__ __forceinline__ void copy_async(void* dst, const void* src, bool valid) {
+    const int src_size = valid ? BYTES : 0;
+    if constexpr (BYTES == 16) {
+        // .cg: 16-byte copies may bypass L1; each B element is used by one block only.
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(shared_address(dst)), "l"(src),
+                     "r"(src_size));
+    } else {
+        asm volatile("cp.async.ca.shared.global [%0], [%1], %2, %3;\n" ::"r"(shared_address(dst)), "l"(src),
+                     "n"(BYTES), "r"(src_size));
+    }
+}
+
+__device__ __forceinline__ void copy_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+
+// Wait until at most PENDING committed groups of this thread are still in flight.
+template <int PENDING>
+__device__ __forceinline__ void copy_async_wait() {
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(PENDING) : "memory");
+}
+
+template <typename T>
+__host__ __device__ constexpr int fast_min_blocks(int threads) {
+    return sizeof(T) == 4 ? (threads <= 512 ? 65536 / (threads * 128) : 1) : 1;
+}
+
+template <typename T, int BM, int BN, int BK, int WM, int WN, int TM, int TN, int STAGES, bool VEC>
+__global__ void __launch_bounds__((BM / WM) * (BN / WN) * 32, fast_min_blocks<T>((BM / WM) * (BN / WN) * 32))
+    matmul_fast(const T* __restrict__ A, const T* __restrict__ B, T* __restrict__ C, int M, int N, int K) {
+    constexpr int NT = (BM / WM) * (BN / WN) * 32;
+    constexpr int R = 16 / sizeof(T);         // elements in one 16-byte vector
+    constexpr int WTN = WN / TN;              // lanes along n in a warp
+    constexpr int WTM = WM / TM;              // lanes along m
+    constexpr int PAD = 4;                    // keeps rows 16-byte aligned and spreads the transposing writes
+    constexpr int LDA = BM + PAD;
+    constexpr int A_STAGE = BK * LDA;
+    constexpr int B_STAGE = BK * BN;
+    constexpr int BW = VEC ? R : 1;           // elements per copy of B
+    constexpr int A_COPIES = BM * BK / NT;    // per thread and stage
+    constexpr int B_COPIES = BK * BN / BW / NT;
+    static_assert(WTM * WTN == 32, "a warp is 32 lanes");
+    static_assert(TM % R == 0 && TN % R == 0, "a lane's outputs come in whole 16-byte vectors");
+    static_assert((BM * BK) % NT == 0 && (BK * BN / BW) % NT == 0, "copies divide evenly among the threads");
+    static_assert(NT % BK == 0 && NT % (BN / BW) == 0, "each thread copies one column of A and of B");
+    using Vec = Chunk<T, R>;
+
+    extern __shared__ __align__(16) unsigned char shared_raw[];
+    T* const As = reinterpret_cast<T*>(shared_raw);  // [STAGES][BK][LDA], transposed
+    T* const Bs = As + STAGES * A_STAGE;              // [STAGES][BK][BN]
+
+    const int tid = threadIdx.x;
+    const int m0 = blockIdx.y * BM;
+    const int n0 = blockIdx.x * BN;
+
+    // Copy assignment, fixed for the whole loop so that a step only adds offsets to two pointers.
+    // A: the thread copies column a_k of rows a_m + i*(NT/BK); consecutive threads take consecutive k, so
+    // BK lanes read one run of a row. B: the thread copies columns b_n .. b_n+BW-1 of rows b_k + i*B_ROWS.
+    constexpr int B_ROWS = NT / (BN / BW);
+    const int a_k = tid % BK;
+    const int a_m = tid / BK;
+    const int b_k = tid / (BN / BW);
+    const int b_n = (tid % (BN / BW)) * BW;
+    unsigned a_rows_in = 0;  // bit i: row a_m + i*(NT/BK) lies inside A
+#pragma unroll
+    for (int i = 0; i < A_COPIES; ++i) a_rows_in |= unsigned(m0 + a_m + i * (NT / BK) < M) << i;
+    const bool b_col_in = n0 + b_n < N;
+    const T* a_src = A + (size_t)(a_rows_in & 1u ? m0 + a_m : 0) * K + a_k;
+    const T* b_src = B + (size_t)b_k * N + (b_col_in ? n0 + b_n : 0);
+    const size_t a_stride = (size_t)(NT / BK) * K;
+    const size_t b_stride = (size_t)B_ROWS * N;
+    T* const a_dst = As + a_k * LDA + a_m;
+    T* const b_dst = Bs + b_k * BN + b_n;
+
+    // Issue the copies of the tile that starts at k0 into `stage`. Rows of A past the first that lie
+    // outside A are never read (size 0), so a_src + i*a_stride needs no clamping.
+    auto load_tile = [&](int stage, int k0) {
+        const bool a_k_in = k0 + a_k < K;
+#pragma unroll
+        for (int i = 0; i < A_COPIES; ++i) {
+            const bool in = a_k_in && (a_rows_in >> i & 1u);
+            copy_async<sizeof(T)>(a_dst + stage * A_STAGE + i * (NT / BK), in ? a_src + k0 + i * a_stride : A, in);
+        }
+#pragma unroll
+        for (int i = 0; i < B_COPIES; ++i) {
+            const bool in = b_col_in && k0 + b_k + i * B_ROWS < K;
+            copy_async<BW * sizeof(T)>(b_dst + stage * B_STAGE + i * B_ROWS * BN,
+                                       in ? b_src + (size_t)k0 * N + i * b_stride : B, in);
+        }
+    };
+
+    const int warp = tid / 32;
+    const int lane = tid % 32;
+    const int wm = (warp / (BN / WN)) * WM + (lane / WTN) * R;  // first row of this lane's first sub-block
+    const int wn = (warp % (BN / WN)) * WN + (lane % WTN) * R;  // its first column
+
+    T acc[TM][TN] = {};
+    T a[TM];
+    T b[TN];
+
+    const int steps = (K + BK - 1) / BK;
+    // Prologue: fill STAGES-1 stages. A group is committed even when empty, so that "the group of step t"
+    // is always the (t+1)-th group and the wait below counts right on the last steps.
+#pragma unroll
+    for (int s = 0; s < STAGES - 1; ++s) {
+        if (s < steps) load_tile(s, s * BK);
+        copy_async_commit();
+    }
+    int read_stage = 0;
+    int write_stage = STAGES - 1;
+    for (int t = 0; t < steps; ++t) {
+        // Tile t has landed for this thread; the barrier makes every thread's copies visible to all, and
+        // also tells that everyone has finished step t-1, whose stage is the one refilled just below.
+        copy_async_wait<STAGES - 2>();
+        __syncthreads();
+        if (t + STAGES - 1 < steps) load_tile(write_stage, (t + STAGES - 1) * BK);
+        copy_async_commit();
+
+        const T* as = As + read_stage * A_STAGE + wm;
+        const T* bs = Bs + read_stage * B_STAGE + wn;
+#pragma unroll
+        for (int k = 0; k < BK; ++k) {
+#pragma unroll
+            for (int i = 0; i < TM / R; ++i)
+                *reinterpret_cast<Vec*>(&a[i * R]) = *reinterpret_cast<const Vec*>(as + k * LDA + i * WTM * R);
+#pragma unroll
+            for (int j = 0; j < TN / R; ++j)
+                *reinterpret_cast<Vec*>(&b[j * R]) = *reinterpret_cast<const Vec*>(bs + k * BN + j * WTN * R);
+#pragma unroll
+            for (int i = 0; i < TM; ++i) {
+#pragma unroll
+                for (int j = 0; j < TN; ++j) acc[i][j] += a[i] * b[j];
+            }
+        }
+        read_stage = read_stage == STAGES - 1 ? 0 : read_stage + 1;
+        write_stage = write_stage == STAGES - 1 ? 0 : write_stage + 1;
+    }
+
+    // Epilogue: sub-block (i / R, j / R) of this lane starts at row wm + (i / R) * WTM * R, column
+    // wn + (j / R) * WTN * R. With VEC, N and every column here are multiples of R, so each vector is wholly
+    // inside C or wholly outside.
+#pragma unroll
+    for (int i = 0; i < TM; ++i) {
+        const int row = m0 + wm + (i / R) * WTM * R + i % R;
+        if (row >= M) continue;  // no barrier follows
+        T* c_row = C + (size_t)row * N;
+#pragma unroll
+        for (int j = 0; j < TN; j += R) {
+            const int col = n0 + wn + (j / R) * WTN * R;
+            if (VEC) {
+                if (col < N) *reinterpret_cast<Vec*>(c_row + col) = *reinterpret_cast<const Vec*>(&acc[i][j]);
+            } else {
+#pragma unroll
+                for (int jj = 0; jj < R; ++jj)
+                    if (col + jj < N) c_row[col + jj] = acc[i][j + jj];
+            }
+        }
+    }
+}

@@ -1,0 +1,291 @@
+"""Benchmark every registered kernel against cuBLAS (cupy.matmul, TF32 off) on the current GPU.
+
+Each (kernel, shape, dtype) is first checked against a float64 product of the same inputs (relative
+Frobenius error, on an output poisoned with NaN beforehand, so an unwritten element fails), then timed:
+warm-up launches, then at least --repeats launches each between its own pair of CUDA events, with L2 flushed
+before each (a buffer twice the L2 size is rewritten) and the inputs rotated among several sets; the median
+is reported. GFLOP/s = 2*m*n*k / t; the ratio is to cuBLAS measured in the same run on the same inputs.
+Prints a table, writes bench_kernels.json and bench_kernels.png (GFLOP/s against size, one line per kernel,
+cuBLAS dashed) under --out.
+
+    python scripts/bench_kernels.py                       # the whole sweep, both dtypes (under 5 minutes)
+    python scripts/bench_kernels.py --kernels fast --sizes 4096 --dtypes float32 --no-odd
+    python scripts/bench_kernels.py --kernels fast --configs all --sizes 2048,4096   # every instance
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from kernels.cuda import KernelLibrary
+from kernels.registry import KERNELS, KernelSpec, LaunchConfig
+
+CUBLAS = "cublas"
+SQUARE_SIZES = (256, 512, 1024, 2048, 4096, 8192)
+ODD_SHAPES = ((1, 1, 1), (17, 9, 33), (1000, 1000, 1), (4095, 31, 4097), (4093, 4099, 4097))
+"""(m, n, k): C is m x n, the inner dimension k. Sides that are not multiples of any tile or vector width."""
+DTYPES = ("float32", "float64")
+TOLERANCE = {"float32": 3e-5, "float64": 1e-13}
+"""Relative Frobenius error allowed (as in tests/conftest.py): a float32 dot product of k terms errs about
+sqrt(k) * 2^-24 (5e-6 at k = 8192), float64 about sqrt(k) * 2^-53; a wrong element gives errors near 1."""
+HEADLINE_SHAPES = ((2048, 2048, 2048), (4096, 4096, 4096), (8192, 8192, 8192), (4093, 4099, 4097))
+"""The shapes the issue sets bars at; the run ends with their rows."""
+SLOW_KERNELS = ("naive", "tiled", "coalesced")
+SLOW_FLOP_LIMIT = {"float32": 2 * 4096**3, "float64": 2 * 2048**3}
+"""The teaching kernels are skipped above these sizes: they would take most of the run's time."""
+INPUT_BYTES_BUDGET = 6 << 30
+"""Rotate among up to 4 input sets, fewer when that would take more device memory than this."""
+
+
+@dataclass
+class Result:
+    kernel: str
+    config: str
+    dtype: str
+    m: int
+    n: int
+    k: int
+    ms: float | None
+    gflops: float | None
+    ratio: float | None
+    rel_error: float | None
+    note: str = ""
+
+
+def shape_name(m: int, n: int, k: int) -> str:
+    return f"{m}^3" if m == n == k else f"{m}x{k}@{k}x{n}"
+
+
+class Bench:
+    def __init__(self, repeats: int, warmup: int) -> None:
+        import cupy
+
+        self.cp = cupy
+        self.repeats = repeats
+        self.warmup = warmup
+        l2 = int(cupy.cuda.Device().attributes["L2CacheSize"])
+        self.flush = cupy.empty(2 * l2 // 4, dtype=cupy.float32)
+        self.library = KernelLibrary()
+
+    def inputs(self, m: int, n: int, k: int, dtype: str) -> tuple[list[tuple[Any, Any]], Any]:
+        """Fresh random input sets (standard normal) and the float64 product of the first."""
+        cp = self.cp
+        itemsize = 4 if dtype == "float32" else 8
+        per_set = (m * k + k * n) * itemsize
+        count = max(1, min(4, INPUT_BYTES_BUDGET // max(per_set, 1)))
+        sets = [
+            (cp.random.standard_normal((m, k)).astype(dtype), cp.random.standard_normal((k, n)).astype(dtype))
+            for _ in range(count)
+        ]
+        a, b = sets[0]
+        return sets, cp.matmul(a.astype(cp.float64), b.astype(cp.float64))
+
+    def error(self, run: Any, sets: list[tuple[Any, Any]], reference: Any, dtype: str) -> float:
+        cp = self.cp
+        a, b = sets[0]
+        c = cp.full((a.shape[0], b.shape[1]), cp.nan, dtype=dtype)
+        run(a, b, c)
+        difference = cp.linalg.norm(c.astype(cp.float64) - reference)
+        scale = cp.linalg.norm(reference)
+        return float(difference / scale) if float(scale) > 0 else float(difference)
+
+    def time(self, run: Any, sets: list[tuple[Any, Any]], dtype: str) -> float:
+        """Median milliseconds of one launch, L2 flushed before each and the inputs rotated."""
+        cp = self.cp
+        outputs = [cp.empty((a.shape[0], b.shape[1]), dtype=dtype) for a, b in sets]
+        for i in range(self.warmup):
+            a, b = sets[i % len(sets)]
+            run(a, b, outputs[i % len(sets)])
+        events = [(cp.cuda.Event(), cp.cuda.Event()) for _ in range(self.repeats)]
+        for i, (start, end) in enumerate(events):
+            a, b = sets[i % len(sets)]
+            self.flush.fill(i)
+            start.record()
+            run(a, b, outputs[i % len(sets)])
+            end.record()
+        events[-1][1].synchronize()
+        return statistics.median(cp.cuda.get_elapsed_time(start, end) for start, end in events)
+
+    def launcher(self, spec: KernelSpec | None, config: LaunchConfig | None) -> Any:
+        if spec is None or config is None:
+            return lambda a, b, c: self.cp.matmul(a, b, out=c)
+        return lambda a, b, c: self.library.launch(spec, config, a, b, c)
+
+
+def plan(kernels: list[str], all_configs: bool, m: int, n: int, k: int) -> list[tuple[KernelSpec, LaunchConfig]]:
+    runs = []
+    for name in kernels:
+        spec = KERNELS[name]
+        configs = [c for c in spec.configs if c.accepts(n, k)] if all_configs else [spec.config_for(m, n, k, None)]
+        runs.extend((spec, config) for config in configs)
+    return runs
+
+
+def run_sweep(args: argparse.Namespace) -> tuple[list[Result], dict[str, Any]]:
+    import cupy
+
+    bench = Bench(args.repeats, args.warmup)
+    shapes = [(s, s, s) for s in args.sizes] + ([] if args.no_odd else list(ODD_SHAPES))
+    results: list[Result] = []
+    for dtype in args.dtypes:
+        for m, n, k in shapes:
+            flop = 2 * m * n * k
+            sets, reference = bench.inputs(m, n, k, dtype)
+            cublas = Result(CUBLAS, "", dtype, m, n, k, None, None, None, None)
+            cublas.rel_error = bench.error(bench.launcher(None, None), sets, reference, dtype)
+            if not args.check_only:
+                cublas.ms = bench.time(bench.launcher(None, None), sets, dtype)
+                cublas.gflops, cublas.ratio = flop / cublas.ms / 1e6, 1.0
+            rows = [cublas]
+            for spec, config in plan(args.kernels, args.configs == "all", m, n, k):
+                row = Result(spec.name, config.label, dtype, m, n, k, None, None, None, None)
+                rows.append(row)
+                if spec.name in SLOW_KERNELS and flop > SLOW_FLOP_LIMIT[dtype] and not args.include_slow:
+                    row.note = "skipped (slow)"
+                    continue
+                run = bench.launcher(spec, config)
+                row.rel_error = bench.error(run, sets, reference, dtype)
+                if not row.rel_error <= TOLERANCE[dtype]:
+                    row.note = "WRONG"
+                    continue
+                if args.check_only:
+                    continue
+                row.ms = bench.time(run, sets, dtype)
+                row.gflops, row.ratio = flop / row.ms / 1e6, cublas.ms / row.ms
+            print_rows(rows)
+            results.extend(rows)
+            del sets, reference
+            cupy.get_default_memory_pool().free_all_blocks()
+    properties = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)
+    meta = {
+        "date": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"),
+        "device": properties["name"].decode(),
+        "multiprocessors": properties["multiProcessorCount"],
+        "cupy": cupy.__version__,
+        "cuda_runtime": cupy.cuda.runtime.runtimeGetVersion(),
+        "cuda_driver": cupy.cuda.runtime.driverGetVersion(),
+        "repeats": args.repeats,
+        "warmup": args.warmup,
+        "timing": "CUDA events around each launch, L2 flushed before each, inputs rotated; median",
+    }
+    return results, meta
+
+
+def format_row(r: Result) -> str:
+    def number(value: float | None, spec: str) -> str:
+        return "-" if value is None else format(value, spec)
+
+    kernel = f"{r.kernel}/{r.config}" if r.config else r.kernel
+    return (
+        f"{kernel:<40} {shape_name(r.m, r.n, r.k):<20} {r.dtype:<8} {number(r.ms, '10.3f')} "
+        f"{number(r.gflops, '10.1f')} {number(r.ratio, '7.2f')} {number(r.rel_error, '10.2e')}  {r.note}"
+    )
+
+
+HEADER = f"{'kernel':<40} {'shape':<20} {'dtype':<8} {'ms':>10} {'GFLOP/s':>10} {'ratio':>7} {'rel.err':>10}"
+
+
+def print_rows(rows: list[Result]) -> None:
+    for r in rows:
+        print(format_row(r), flush=True)
+
+
+def write_plot(results: list[Result], meta: dict[str, Any], path: Path) -> bool:
+    """GFLOP/s against the side of square products, one panel per dtype; False when matplotlib is absent."""
+    try:
+        import matplotlib
+    except ImportError:
+        return False
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    dtypes = sorted({r.dtype for r in results}, key=DTYPES.index)
+    figure, axes = plt.subplots(1, len(dtypes), figsize=(7 * len(dtypes), 5), squeeze=False)
+    for axis, dtype in zip(axes[0], dtypes, strict=True):
+        square = [r for r in results if r.dtype == dtype and r.m == r.n == r.k and r.gflops is not None]
+        for name in dict.fromkeys(f"{r.kernel}/{r.config}" if r.config else r.kernel for r in square):
+            points = sorted(
+                (r.m, r.gflops) for r in square if (f"{r.kernel}/{r.config}" if r.config else r.kernel) == name
+            )
+            style = "--" if name == CUBLAS else "-"
+            axis.plot([p[0] for p in points], [p[1] for p in points], style, marker="o", label=name)
+        axis.set_xscale("log", base=2)
+        axis.set_xlabel("m = n = k")
+        axis.set_ylabel("GFLOP/s")
+        axis.set_title(f"{dtype}")
+        axis.grid(True, alpha=0.3)
+        axis.legend(fontsize=8)
+    figure.suptitle(f"matmul kernels vs cuBLAS: {meta['device']}, {meta['date']}")
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+    return True
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--kernels", default=",".join(KERNELS), help="comma-separated (default: all registered)")
+    parser.add_argument("--sizes", default=",".join(map(str, SQUARE_SIZES)), help="square sides, comma-separated")
+    parser.add_argument("--dtypes", default=",".join(DTYPES), help="float32, float64 or both")
+    parser.add_argument("--no-odd", action="store_true", help="leave out the odd shapes")
+    parser.add_argument(
+        "--configs",
+        choices=("chosen", "all"),
+        default="chosen",
+        help="the instance the registry picks, or every instance",
+    )
+    parser.add_argument("--check-only", action="store_true", help="check against the reference, time nothing")
+    parser.add_argument("--include-slow", action="store_true", help="time the teaching kernels at every size")
+    parser.add_argument("--repeats", type=int, default=10, help="timed launches per measurement (median; >= 10)")
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--out", type=Path, default=Path("docs/bench"), help="directory for the JSON and PNG")
+    args = parser.parse_args(argv)
+    args.kernels = [name for name in args.kernels.split(",") if name]
+    unknown = [name for name in args.kernels if name not in KERNELS]
+    if unknown:
+        parser.error(f"unknown kernels {unknown}; registered: {list(KERNELS)}")
+    args.sizes = [int(s) for s in args.sizes.split(",") if s]
+    args.dtypes = [d for d in args.dtypes.split(",") if d]
+    if any(d not in DTYPES for d in args.dtypes):
+        parser.error(f"dtypes must be among {DTYPES}")
+    if args.repeats < 10:
+        parser.error("--repeats must be at least 10: the median of fewer is noise")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    started = time.perf_counter()
+    print(HEADER, flush=True)
+    results, meta = run_sweep(args)
+    meta["wall_s"] = round(time.perf_counter() - started, 1)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "bench_kernels.json").write_text(
+        json.dumps({"meta": meta, "results": [asdict(r) for r in results]}, indent=1) + "\n", encoding="utf-8"
+    )
+    plotted = not args.check_only and write_plot(results, meta, args.out / "bench_kernels.png")
+    summary = f"\n{meta['device']}, {meta['date']}, {meta['wall_s']} s; wrote {args.out}/bench_kernels.json" + (
+        " and .png" if plotted else " (no PNG: matplotlib is not installed)"
+    )
+    print(summary)
+    print(HEADER)
+    print_rows([r for r in results if (r.m, r.n, r.k) in HEADLINE_SHAPES])
+    wrong = [r for r in results if r.note == "WRONG"]
+    if wrong:
+        print(f"{len(wrong)} kernel run(s) gave wrong results", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
