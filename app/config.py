@@ -32,6 +32,7 @@ class Settings(BaseSettings):
     max_elements: int = Field(
         1 << 28, ge=1, description="Largest number of elements in any one matrix (operand or result)."
     )
+    access_log: bool = Field(True, description="One JSON line per request on stderr (logger app.access).")
     inline_codec_bytes: int = Field(
         256 * 1024,
         ge=0,

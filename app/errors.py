@@ -10,6 +10,7 @@ one place, so routes, codecs and the engine raise them and never build HTTP resp
     │   ├── ShapeMismatch             422  shape_mismatch         inner dimensions differ, or a size limit is passed
     │   ├── UnknownKernel             422  unknown_kernel         not a kernel of this backend
     │   └── InvalidParameter          422  invalid_parameter      bad tile, dtype, or conflicting parameters
+    ├── UnknownModel                  404  unknown_model          inference protocol: no such model or version
     ├── PayloadTooLarge               413  payload_too_large
     ├── UnsupportedMediaType          415  unsupported_media_type
     ├── NotAcceptable                 406  not_acceptable
@@ -64,6 +65,11 @@ class UnknownKernel(InvalidInput):
 
 class InvalidParameter(InvalidInput):
     code = "invalid_parameter"
+
+
+class UnknownModel(MatmulError):
+    status_code = 404
+    code = "unknown_model"
 
 
 class PayloadTooLarge(MatmulError):

@@ -10,9 +10,12 @@ from fastapi import FastAPI
 from app import __version__
 from app.api.errors import install_error_handlers
 from app.api.limits import BodyLimitMiddleware
+from app.api.observe import RequestObserver, configure_access_log
 from app.api.routes import api_router
+from app.api.routes.v2 import new_statistics
 from app.config import Settings
 from app.engine import build_engine
+from app.metrics import ServiceMetrics
 
 
 def create_app(settings: Settings | None = None) -> FastAPI:
@@ -24,6 +27,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         engine = build_engine(resolved)
         app.state.settings = resolved
         app.state.engine = engine
+        app.state.metrics = ServiceMetrics()
+        app.state.inference_stats = new_statistics(engine)
+        configure_access_log(resolved.access_log)
         engine.start()
         try:
             yield
@@ -37,6 +43,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         lifespan=lifespan,
     )
     app.add_middleware(BodyLimitMiddleware)
+    app.add_middleware(RequestObserver)
     install_error_handlers(app)
     app.include_router(api_router)
     return app

@@ -57,6 +57,12 @@ class GatedBackend:
     def describe(self) -> dict[str, Any]:
         return {"name": self.device_name}
 
+    def memory_in_use(self) -> int:
+        return 0
+
+    def compiled_instances(self) -> int:
+        return 1 if self.prepared.is_set() else 0
+
     def close(self) -> None:
         return None
 

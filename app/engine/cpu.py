@@ -61,5 +61,11 @@ class CpuBackend:
             "why_cpu": self._reason,
         }
 
+    def memory_in_use(self) -> int:
+        return 0
+
+    def compiled_instances(self) -> int:
+        return 0
+
     def close(self) -> None:
         return None

@@ -63,6 +63,7 @@ class GpuBackend:
         self.device_name: str = properties["name"].decode()
         self._properties = properties
         self._stream: Any = None
+        self._compiled_instances = 0
         self._events: list[Any] = []
 
     # ------------------------------------------------------------------------------------------- catalogue
@@ -109,6 +110,7 @@ class GpuBackend:
         self._events = [cp.cuda.Event() for _ in range(5)]
         self._library = KernelLibrary()
         self._self_test()
+        self._compiled_instances = len(DTYPE_NAMES) * sum(len(spec.configs) for spec in KERNELS.values())
 
     def _self_test(self) -> None:
         """Run every kernel instance once (the warm-up) and check it against a float64 product."""
@@ -193,6 +195,12 @@ class GpuBackend:
             "cuda_driver_version": cp.cuda.runtime.driverGetVersion(),
             "nvrtc_version": ".".join(map(str, cp.cuda.nvrtc.getVersion())),
         }
+
+    def memory_in_use(self) -> int:
+        return int(self._cp.get_default_memory_pool().used_bytes())
+
+    def compiled_instances(self) -> int:
+        return self._compiled_instances
 
     def close(self) -> None:
         self._cp.get_default_memory_pool().free_all_blocks()

@@ -2,25 +2,21 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from time import perf_counter
-from typing import Annotated, Any, TypeVar, cast
+from typing import Annotated, Any
 
 from fastapi import APIRouter, Query, Request, Response
-from starlette.concurrency import run_in_threadpool
 from starlette.datastructures import UploadFile
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from app import codecs
 from app.api.deps import EngineDep, SettingsDep
-from app.api.schemas import DtypeName, ErrorBody, MatmulMetadata, MatmulResponse, Timing
+from app.api.product import Stopwatch, compute, describe, limits_of, off_loop_if_large, server_timing
+from app.api.schemas import DtypeName, ErrorBody, MatmulMetadata, MatmulResponse
 from app.config import Settings
-from app.engine import Outcome
 from app.errors import InvalidMatrix, MalformedPayload, UnsupportedMediaType
 
 router = APIRouter(tags=["matmul"])
-
-T = TypeVar("T")
 
 _NPY_FILE = {"type": "string", "format": "binary", "description": "A 2-D .npy file (np.save)."}
 _REQUEST_BODY_DOC: dict[str, Any] = {
@@ -86,13 +82,6 @@ DtypeParam = Annotated[
 ]
 
 
-async def _off_loop_if_large(size: int, settings: Settings, function: Callable[..., T], *args: Any) -> T:
-    """Run `function` on the event loop for small inputs, in a worker thread for large ones."""
-    if size <= settings.inline_codec_bytes:
-        return function(*args)
-    return await run_in_threadpool(function, *args)
-
-
 async def _read_multipart(request: Request) -> dict[str, bytes]:
     """The file parts of a multipart body, by name."""
     try:
@@ -128,21 +117,17 @@ async def _read_operands(request: Request, settings: Settings, limits: codecs.Li
     body = await request.body()
     read_ms = (perf_counter() - started) * 1e3
     if content_type == codecs.JSON_MEDIA_TYPE:
-        operands = await _off_loop_if_large(len(body), settings, codecs.decode_json, body, limits)
+        operands = await off_loop_if_large(len(body), settings, codecs.decode_json, body, limits)
     else:
-        operands = await _off_loop_if_large(
+        operands = await off_loop_if_large(
             len(body), settings, codecs.decode_npz, body, limits, settings.max_body_bytes
         )
     return operands, read_ms
 
 
-def _server_timing(timing: Timing) -> str:
-    return ", ".join(f"{name.removesuffix('_ms')};dur={value:.3f}" for name, value in timing.model_dump().items())
-
-
 def _headers(meta: MatmulMetadata) -> dict[str, str]:
     headers = {
-        "Server-Timing": _server_timing(meta.timing),
+        "Server-Timing": server_timing(meta.timing),
         "X-Matmul-Kernel": meta.kernel,
         "X-Matmul-Backend": meta.backend,
         "X-Matmul-Device": meta.device,
@@ -172,46 +157,20 @@ async def matmul(
     dtype: DtypeParam = None,
 ) -> Response:
     """Compute C = A @ B from JSON, multipart .npy parts or an .npz body; answer JSON or .npy (Accept)."""
-    received = perf_counter()
+    clock = Stopwatch()
     answer_as = codecs.choose_encoding(request.headers.get("accept"))
     engine.check_ready()
-    limits = codecs.Limits(max_dim=settings.max_dim, max_elements=settings.max_elements)
-    operands, read_ms = await _read_operands(request, settings, limits)
-    decoded = perf_counter()
+    limits = limits_of(settings)
+    operands, clock.read_ms = await _read_operands(request, settings, limits)
+    clock.mark_decoded()
     options = codecs.RequestOptions(kernel=kernel, tile=tile, dtype=dtype).merged_with(operands.options)
-    a, b = operands.a, operands.b
-    codecs.check_product(a, b, limits)
-    working = codecs.working_dtype(options.dtype, operands)
-    (m, k), n = a.shape, b.shape[1]
-    plan = engine.plan(options.kernel or "auto", options.tile, m, n, k)
-    outcome: Outcome = await engine.matmul(a, b, working, plan)
+    product = await compute(engine, operands, options, limits)
+    c = product.outcome.c
 
-    computed = perf_counter()
-    if answer_as == codecs.NPY_MEDIA_TYPE:
-        body = await _off_loop_if_large(outcome.c.nbytes, settings, codecs.encode_npy, outcome.c)
-    else:
-        body = await _off_loop_if_large(outcome.c.nbytes, settings, codecs.encode_json_matrix, outcome.c)
-    finished = perf_counter()
-    device = outcome.device
-    meta = MatmulMetadata(
-        shape=(m, n),
-        dtype=cast(DtypeName, working.name),
-        kernel=plan.kernel,
-        tile=plan.tile,
-        backend=engine.backend.name,
-        device=engine.backend.device_name,
-        timing=Timing(
-            read_ms=read_ms,
-            decode_ms=(decoded - received) * 1e3 - read_ms,
-            queue_ms=outcome.queue_ms,
-            h2d_ms=device.h2d_ms,
-            kernel_ms=device.kernel_ms,
-            d2h_ms=device.d2h_ms,
-            encode_ms=(finished - computed) * 1e3,
-            total_ms=(finished - received) * 1e3,
-        ),
-        gflops=2 * m * n * k / (device.kernel_ms * 1e6) if m * n * k and device.kernel_ms > 0 else None,
-    )
+    clock.computed = perf_counter()
+    encode = codecs.encode_npy if answer_as == codecs.NPY_MEDIA_TYPE else codecs.encode_json_matrix
+    body = await off_loop_if_large(c.nbytes, settings, encode, c)
+    meta = describe(request, engine, product, clock)
     if answer_as == codecs.JSON_MEDIA_TYPE:
         body = codecs.encode_json_envelope(body, meta.model_dump())
     return Response(content=body, media_type=answer_as, headers=_headers(meta))

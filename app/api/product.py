@@ -1,0 +1,103 @@
+"""The steps every product route shares: check, plan, run on the engine, time, and leave a record.
+
+`/matmul` and the inference protocol's `infer` differ only in how bodies are read and answers written;
+everything between (shape checks, dtype, kernel plan, the engine, the timing breakdown) lives here, and
+the record left on `request.state.product` is what access logs and metrics read.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from time import perf_counter
+from typing import Any, TypeVar, cast
+
+import numpy as np
+from fastapi import Request
+from starlette.concurrency import run_in_threadpool
+
+from app import codecs
+from app.api.schemas import DtypeName, MatmulMetadata, Timing
+from app.config import Settings
+from app.engine import Engine, Outcome
+
+T = TypeVar("T")
+
+
+async def off_loop_if_large(size: int, settings: Settings, function: Callable[..., T], *args: Any) -> T:
+    """Run `function` on the event loop for small inputs, in a worker thread for large ones."""
+    if size <= settings.inline_codec_bytes:
+        return function(*args)
+    return await run_in_threadpool(function, *args)
+
+
+def limits_of(settings: Settings) -> codecs.Limits:
+    return codecs.Limits(max_dim=settings.max_dim, max_elements=settings.max_elements)
+
+
+@dataclass
+class Stopwatch:
+    """The checkpoints of one request, in perf_counter seconds."""
+
+    received: float = field(default_factory=perf_counter)
+    read_ms: float = 0.0
+    decoded: float = 0.0
+    computed: float = 0.0
+
+    def mark_decoded(self) -> None:
+        self.decoded = perf_counter()
+
+
+@dataclass(frozen=True)
+class Product:
+    outcome: Outcome
+    dtype: np.dtype
+    m: int
+    k: int
+    n: int
+
+
+async def compute(
+    engine: Engine, operands: codecs.Operands, options: codecs.RequestOptions, limits: codecs.Limits
+) -> Product:
+    """Check the operands multiply, resolve dtype and kernel, and run the product on the engine."""
+    a, b = operands.a, operands.b
+    codecs.check_product(a, b, limits)
+    working = codecs.working_dtype(options.dtype, operands)
+    (m, k), n = a.shape, b.shape[1]
+    plan = engine.plan(options.kernel or "auto", options.tile, m, n, k)
+    outcome = await engine.matmul(a, b, working, plan)
+    return Product(outcome=outcome, dtype=working, m=m, k=k, n=n)
+
+
+def describe(request: Request, engine: Engine, product: Product, clock: Stopwatch) -> MatmulMetadata:
+    """The metadata of a finished product (encoding done now), also left on request.state for observers."""
+    finished = perf_counter()
+    device = product.outcome.device
+    flops = 2 * product.m * product.n * product.k
+    meta = MatmulMetadata(
+        shape=(product.m, product.n),
+        dtype=cast(DtypeName, product.dtype.name),
+        kernel=product.outcome.plan.kernel,
+        tile=product.outcome.plan.tile,
+        backend=engine.backend.name,
+        device=engine.backend.device_name,
+        timing=Timing(
+            read_ms=clock.read_ms,
+            decode_ms=(clock.decoded - clock.received) * 1e3 - clock.read_ms,
+            queue_ms=product.outcome.queue_ms,
+            h2d_ms=device.h2d_ms,
+            kernel_ms=device.kernel_ms,
+            d2h_ms=device.d2h_ms,
+            encode_ms=(finished - clock.computed) * 1e3,
+            total_ms=(finished - clock.received) * 1e3,
+        ),
+        gflops=flops / (device.kernel_ms * 1e6) if flops and device.kernel_ms > 0 else None,
+    )
+    request.state.product = meta
+    return meta
+
+
+def server_timing(timing: Timing) -> str:
+    """The W3C Server-Timing header value: `read;dur=0.021, decode;dur=0.090, ...` in milliseconds."""
+    return ", ".join(f"{name.removesuffix('_ms')};dur={value:.3f}" for name, value in timing.model_dump().items())

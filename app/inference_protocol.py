@@ -1,0 +1,181 @@
+"""The Open Inference Protocol v2 (KServe / Triton HTTP) for one model shape: inputs A (m x k), B (k x n), output C.
+
+Decodes an infer request, JSON tensors (`data`, flat or nested, row-major) or Triton's binary tensor data
+extension (the JSON header, then each binary input's raw little-endian bytes in order, the header's length
+in `Inference-Header-Content-Length`, each tensor's size in `parameters.binary_data_size`), into the same
+`Operands` the `/matmul` codecs produce; encodes C as JSON `data` or as binary data after the header.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import orjson
+
+from app.codecs import Limits, Operands, RequestOptions, check_shape
+from app.errors import InvalidMatrix, InvalidParameter, MalformedPayload
+
+HEADER_LENGTH = "Inference-Header-Content-Length"
+BINARY_MEDIA_TYPE = "application/octet-stream"
+INPUTS = ("A", "B")
+OUTPUT = "C"
+DATATYPES: dict[str, np.dtype] = {"FP32": np.dtype("<f4"), "FP64": np.dtype("<f8")}
+DATATYPE_OF = {"float32": "FP32", "float64": "FP64"}
+
+
+@dataclass(frozen=True)
+class InferRequest:
+    """An infer request, decoded: the operands, the options, and how C is to be sent back."""
+
+    id: str | None
+    operands: Operands
+    binary_output: bool
+
+
+def _object(value: Any, where: str) -> Mapping[str, Any]:
+    if not isinstance(value, dict):
+        raise MalformedPayload(f"{where} must be a JSON object")
+    return value
+
+
+def _options(parameters: Mapping[str, Any], declared: list[str]) -> RequestOptions:
+    kernel, tile = parameters.get("kernel"), parameters.get("tile")
+    if kernel is not None and not isinstance(kernel, str):
+        raise InvalidParameter("parameters.kernel must be a string", location=["parameters", "kernel"])
+    if tile is not None and (isinstance(tile, bool) or not isinstance(tile, int)):
+        raise InvalidParameter("parameters.tile must be an integer", location=["parameters", "tile"])
+    dtype = "float64" if "FP64" in declared else "float32"
+    return RequestOptions(kernel=kernel, tile=tile, dtype=dtype)
+
+
+def _shape(tensor: Mapping[str, Any], name: str, limits: Limits) -> tuple[int, int]:
+    shape = tensor.get("shape")
+    if (
+        not isinstance(shape, list)
+        or len(shape) != 2
+        or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape)
+    ):
+        raise InvalidMatrix(
+            f"input '{name}' must have a shape of two non-negative integers, got {shape!r}", location=[name]
+        )
+    check_shape((shape[0], shape[1]), name, limits)
+    return shape[0], shape[1]
+
+
+def _json_tensor(data: Any, shape: tuple[int, int], name: str, may_hold_booleans: bool) -> np.ndarray:
+    try:
+        array = np.array(data)
+    except ValueError:
+        raise InvalidMatrix(f"input '{name}' data is ragged", location=[name]) from None
+    if array.dtype.kind not in "iuf" and array.size:
+        raise InvalidMatrix(f"input '{name}' data must be numbers, found {array.dtype.kind!r} values", location=[name])
+    if may_hold_booleans and any(isinstance(x, bool) for x in np.ravel(np.array(data, dtype=object))):
+        raise InvalidMatrix(f"input '{name}' data holds booleans, expected numbers", location=[name])
+    if array.size != math.prod(shape):
+        raise InvalidMatrix(
+            f"input '{name}' has {array.size} values but its shape {list(shape)} needs {math.prod(shape)}",
+            location=[name],
+        )
+    return array.reshape(shape)
+
+
+def decode_infer(body: bytes, header_length: str | None, limits: Limits) -> InferRequest:
+    """An infer request body (with the value of Inference-Header-Content-Length, if sent) -> InferRequest."""
+    if header_length is None:
+        header, binary = body, memoryview(b"")
+    else:
+        if not header_length.isdigit() or not 0 < int(header_length) <= len(body):
+            raise MalformedPayload(
+                f"{HEADER_LENGTH} is {header_length!r}, but the body has {len(body)} bytes", location=[HEADER_LENGTH]
+            )
+        header, binary = body[: int(header_length)], memoryview(body)[int(header_length) :]
+    try:
+        doc = _object(orjson.loads(header), "the inference request")
+    except orjson.JSONDecodeError as exc:
+        raise MalformedPayload(f"the inference request is not valid JSON: {exc}") from exc
+    inputs = doc.get("inputs")
+    if not isinstance(inputs, list):
+        raise MalformedPayload("the inference request needs a list 'inputs' with tensors A and B", location=["inputs"])
+    tensors = [_object(t, "each input") for t in inputs]
+    names = [t.get("name") for t in tensors]
+    if sorted(map(str, names)) != sorted(INPUTS):
+        raise InvalidMatrix(f"inputs must be exactly {list(INPUTS)}, got {names}", location=["inputs"])
+
+    may_hold_booleans = b"true" in header or b"false" in header
+    arrays: dict[str, np.ndarray] = {}
+    declared: list[str] = []
+    offset = 0
+    for tensor in tensors:
+        name = str(tensor["name"])
+        datatype = tensor.get("datatype")
+        if datatype not in DATATYPES:
+            raise InvalidMatrix(
+                f"input '{name}' has datatype {datatype!r}; this model takes {list(DATATYPES)}", location=[name]
+            )
+        declared.append(datatype)
+        shape = _shape(tensor, name, limits)
+        size = _object(tensor.get("parameters", {}), f"input '{name}' parameters").get("binary_data_size")
+        if size is None:
+            if "data" not in tensor:
+                raise InvalidMatrix(f"input '{name}' has neither data nor parameters.binary_data_size", location=[name])
+            arrays[name] = _json_tensor(tensor["data"], shape, name, may_hold_booleans)
+            continue
+        expected = math.prod(shape) * DATATYPES[datatype].itemsize
+        if size != expected:
+            raise MalformedPayload(
+                f"input '{name}' is {shape[0]}x{shape[1]} {datatype} ({expected} bytes), "
+                f"but its binary_data_size is {size!r}",
+                location=[name],
+            )
+        if offset + expected > len(binary):
+            raise MalformedPayload(
+                f"input '{name}' needs {expected} bytes of binary data, only {len(binary) - offset} follow",
+                location=[name],
+            )
+        arrays[name] = np.frombuffer(binary, DATATYPES[datatype], math.prod(shape), offset).reshape(shape)
+        offset += expected
+    if offset != len(binary):
+        raise MalformedPayload(f"{len(binary) - offset} bytes of binary data follow the inputs and belong to none")
+
+    parameters = _object(doc.get("parameters", {}), "parameters")
+    binary_output = bool(parameters.get("binary_data_output", False))
+    outputs = doc.get("outputs")
+    if outputs is not None:
+        if not isinstance(outputs, list) or [_object(o, "each output").get("name") for o in outputs] != [OUTPUT]:
+            raise InvalidMatrix(f"outputs, when given, must be exactly [{OUTPUT!r}]", location=["outputs"])
+        binary_output = bool(
+            _object(outputs[0].get("parameters", {}), "output parameters").get("binary_data", binary_output)
+        )
+    request_id = doc.get("id")
+    return InferRequest(
+        id=str(request_id) if request_id is not None else None,
+        operands=Operands(a=arrays["A"], b=arrays["B"], options=_options(parameters, declared)),
+        binary_output=binary_output,
+    )
+
+
+def encode_infer(
+    c: np.ndarray, model: str, request_id: str | None, binary: bool, parameters: Mapping[str, Any]
+) -> tuple[bytes, int | None]:
+    """The infer response body, and the JSON header's length when C follows it as binary data."""
+    output: dict[str, Any] = {"name": OUTPUT, "datatype": DATATYPE_OF[c.dtype.name], "shape": list(c.shape)}
+    if binary:
+        output["parameters"] = {"binary_data_size": c.nbytes}
+    else:
+        output["data"] = c.reshape(-1)
+    response: dict[str, Any] = {
+        "model_name": model,
+        "model_version": "1",
+        "outputs": [output],
+        "parameters": dict(parameters),
+    }
+    if request_id is not None:
+        response["id"] = request_id
+    header = orjson.dumps(response, option=orjson.OPT_SERIALIZE_NUMPY)
+    if not binary:
+        return header, None
+    return b"".join((header, np.ascontiguousarray(c).data.cast("B"))), len(header)

@@ -1,0 +1,65 @@
+"""Prometheus metrics of the service, in a registry of its own (built per app, so tests can build many).
+
+With several worker processes, set PROMETHEUS_MULTIPROC_DIR (an empty directory, the same for all of them)
+before the server starts: prometheus-client then keeps every value in files there, and `render` merges
+them, so any worker's /metrics answers for all of them.
+"""
+
+from __future__ import annotations
+
+import os
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.multiprocess import MultiProcessCollector
+
+from app.api.schemas import Timing
+
+# Seconds; from 50 us (a tiny product's kernel) to 60 s (a huge JSON body).
+BUCKETS = (5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 60.0)
+STAGES = ("queue", "h2d", "kernel", "d2h")
+
+
+class ServiceMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter(
+            "matmul_requests", "HTTP requests answered, by route, method, status and kernel.",
+            ["route", "method", "status", "kernel"], registry=r,
+        )  # fmt: skip
+        self.latency = Histogram(
+            "matmul_request_duration_seconds", "Time from request start to the last byte of the answer.",
+            ["route"], buckets=BUCKETS, registry=r,
+        )  # fmt: skip
+        self.stage = Histogram(
+            "matmul_stage_duration_seconds", "Time of each stage of a product: queue, h2d, kernel, d2h.",
+            ["stage", "kernel"], buckets=BUCKETS, registry=r,
+        )  # fmt: skip
+        self.bytes_in = Counter("matmul_request_bytes", "Bytes of request bodies received.", ["route"], registry=r)
+        self.bytes_out = Counter("matmul_response_bytes", "Bytes of response bodies sent.", ["route"], registry=r)
+        self.in_flight = Gauge(
+            "matmul_requests_in_flight", "Requests being handled now.", registry=r, multiprocess_mode="livesum"
+        )
+        self.queue_depth = Gauge(
+            "matmul_queue_depth", "Products waiting in the worker's queue.", registry=r, multiprocess_mode="livesum"
+        )
+        self.device_memory = Gauge(
+            "matmul_device_memory_bytes", "Device memory the worker's CuPy pool holds in arrays now.",
+            registry=r, multiprocess_mode="livesum",
+        )  # fmt: skip
+        self.kernels_compiled = Gauge(
+            "matmul_kernels_compiled", "Kernel instances compiled and self-tested by the worker.",
+            registry=r, multiprocess_mode="liveall",
+        )  # fmt: skip
+
+    def observe_product(self, kernel: str, timing: Timing) -> None:
+        for stage in STAGES:
+            self.stage.labels(stage=stage, kernel=kernel).observe(getattr(timing, f"{stage}_ms") / 1e3)
+
+    def render(self) -> tuple[bytes, str]:
+        """The exposition text of every metric, merged across processes in multiprocess mode."""
+        if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+            merged = CollectorRegistry()
+            MultiProcessCollector(merged)  # type: ignore[no-untyped-call]
+            return generate_latest(merged), CONTENT_TYPE_LATEST
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST
