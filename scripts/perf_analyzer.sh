@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# Drive the service with Triton's perf_analyzer (pip install perf-analyzer; its binary needs glibc >= 2.38),
+# through the inference protocol, for a short bounded run, and keep its CSV.
+#
+#   scripts/perf_analyzer.sh [URL] [MODEL] [SIZE] [OUT_DIR]
+#   scripts/perf_analyzer.sh localhost:8000 matmul_cublas 512 out/
+#
+# Each request multiplies SIZE x SIZE FP32 matrices (random data, binary tensors); concurrency 1, 4 and 16,
+# each level measured over 3 windows of 200 requests.
+set -euo pipefail
+url=${1:-localhost:8000}
+model=${2:-matmul}
+size=${3:-512}
+out=${4:-perf_analyzer_out}
+mkdir -p "$out"
+exec perf_analyzer -i http -u "$url" -m "$model" \
+  --shape "A:$size,$size" --shape "B:$size,$size" \
+  --concurrency-range 1:16:4 \
+  --measurement-mode count_windows --measurement-request-count 200 --max-trials 3 --stability-percentage 50 \
+  -f "$out/perf_analyzer_${model}_${size}.csv"
