@@ -23,7 +23,7 @@ async def test_info_names_backend_device_and_kernels(client: httpx.AsyncClient) 
 
 async def test_kernels(client: httpx.AsyncClient) -> None:
     listing = (await client.get("/v1/kernels")).json()
-    assert listing["backend"] == "cpu" and listing["default"] == "auto"
+    assert listing["backend"] == "cpu" and listing["default"] == "auto" and listing["auto"] == []
     assert {k["name"]: k["kind"] for k in listing["kernels"]} == {"auto": "auto", "numpy": "library"}
 
 

@@ -14,6 +14,7 @@ import pytest
 from app.api.deps import get_engine
 from app.config import Settings
 from app.engine import DeviceTiming, Engine, EngineState, KernelInfo, Plan
+from app.engine.autotune import AutoChoice
 from app.errors import NotReady
 from app.main import create_app
 
@@ -59,6 +60,9 @@ class GatedBackend:
 
     def memory_in_use(self) -> int:
         return 0
+
+    def auto_choices(self) -> list[AutoChoice]:
+        return []
 
     def compiled_instances(self) -> int:
         return 1 if self.prepared.is_set() else 0

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from app.engine.base import CUBLAS, Plan
-from kernels.registry import KERNELS, KernelSpec, LaunchConfig
+from kernels.registry import KERNELS, KernelSpec, LaunchConfig, cdiv
 from tests.conftest import assert_product, load_npy, npy_bytes
 
 pytestmark = pytest.mark.gpu
@@ -36,6 +36,11 @@ def library() -> Any:
     return KernelLibrary()
 
 
+def fitted(config: LaunchConfig, m: int, k: int, n: int) -> tuple[int, int, int]:
+    """The shape, with k and n rounded up to what a vector instance accepts (the rest stay odd)."""
+    return m, cdiv(k, config.k_multiple) * config.k_multiple, cdiv(n, config.n_multiple) * config.n_multiple
+
+
 def operands(m: int, k: int, n: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
     rng = np.random.default_rng(seed)
     return rng.standard_normal((m, k)), rng.standard_normal((k, n))
@@ -49,6 +54,7 @@ def test_kernel_writes_every_element_correctly(
 ) -> None:
     import cupy as cp
 
+    m, k, n = fitted(config, m, k, n)
     a, b = operands(m, k, n, seed=m * 31 + n)
     a_dev, b_dev = cp.asarray(a, dtype=dtype), cp.asarray(b, dtype=dtype)
     c_dev = cp.full((m, n), cp.nan, dtype=dtype)  # poison: an element the kernel skips stays NaN
@@ -74,8 +80,9 @@ PLANS = [Plan(kernel=CUBLAS)] + [
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("plan", PLANS, ids=lambda p: f"{p.kernel}-{p.config.label if p.config else ''}")
 def test_the_engine_path_converts_stages_and_times(backend: Any, plan: Plan, dtype: np.dtype) -> None:
-    a = np.asfortranarray(np.random.default_rng(5).integers(-50, 50, (129, 77)).astype(">i4"))
-    b = np.random.default_rng(6).standard_normal((77, 65)).astype(">f8")
+    m, k, n = fitted(plan.config, 129, 77, 65) if plan.config else (129, 77, 65)
+    a = np.asfortranarray(np.random.default_rng(5).integers(-50, 50, (m, k)).astype(">i4"))
+    b = np.random.default_rng(6).standard_normal((k, n)).astype(">f8")
     c, timing = backend.multiply(a, b, dtype, plan)
     assert c.dtype == dtype and c.flags.c_contiguous
     assert_product(c, a.astype(np.float64), b.astype(dtype), dtype)
@@ -94,8 +101,13 @@ async def test_the_service_on_the_gpu_backend(gpu_client: httpx.AsyncClient) -> 
     info = (await gpu_client.get("/v1/info")).json()
     assert info["backend"] == "gpu" and info["state"] == "ready"
     assert info["device"]["compute_capability"] and info["device"]["memory_total_bytes"] > 0
-    names = [k["name"] for k in (await gpu_client.get("/v1/kernels")).json()["kernels"]]
-    assert {"auto", "naive", "tiled", "cublas"} <= set(names)
+    listing = (await gpu_client.get("/v1/kernels")).json()
+    names = [k["name"] for k in listing["kernels"]]
+    assert {"auto", "naive", "tiled", "cublas", *KERNELS} == set(names)
+    assert [choice["shape_class"] for choice in listing["auto"]] == ["small", "medium", "large", "huge"]
+    for choice in listing["auto"]:
+        assert set(choice["probe_ms"]) == set(names) - {"auto"}
+        assert choice["probe_ms"][choice["kernel"]] == min(choice["probe_ms"].values())
 
     rng = np.random.default_rng(9)
     a, b = rng.standard_normal((333, 257)).astype(np.float32), rng.standard_normal((257, 129)).astype(np.float32)

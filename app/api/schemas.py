@@ -66,10 +66,19 @@ class KernelModel(BaseModel):
     default_tile: int | None
 
 
+class AutoChoiceModel(BaseModel):
+    shape_class: str = Field(description="Products whose size, the cube root of m*n*k, is at most `up_to`.")
+    up_to: int | None
+    kernel: str = Field(description="What `auto` runs for this class: the fastest on the probe.")
+    probe: list[int] = Field(description="The product timed at start-up for this class, [m, k, n].")
+    probe_ms: dict[str, float] = Field(description="Milliseconds per launch of every kernel on the probe (float32).")
+
+
 class KernelListing(BaseModel):
     backend: BackendName
     default: str = Field(description="The kernel used when a request names none.")
     kernels: list[KernelModel]
+    auto: list[AutoChoiceModel] = Field(description="What `auto` picks per shape class (empty: always the one kernel).")
 
 
 class QueueModel(BaseModel):

@@ -7,6 +7,7 @@ from typing import Any, Literal, Protocol
 
 import numpy as np
 
+from app.engine.autotune import AutoChoice
 from kernels.registry import LaunchConfig
 
 AUTO = "auto"
@@ -80,6 +81,10 @@ class Backend(Protocol):
 
     def describe(self) -> dict[str, Any]:
         """Device facts for `GET /v1/info`."""
+        ...
+
+    def auto_choices(self) -> list[AutoChoice]:
+        """What `auto` runs for each shape class, with the timings that decided it (empty: one choice only)."""
         ...
 
     def memory_in_use(self) -> int:

@@ -9,6 +9,7 @@ from typing import Any, Final
 
 import numpy as np
 
+from app.engine.autotune import AutoChoice
 from app.engine.base import AUTO, CUBLAS, NUMPY, DeviceTiming, KernelInfo, Plan
 from app.engine.staging import to_working
 from app.errors import InvalidParameter, UnknownKernel
@@ -60,6 +61,9 @@ class CpuBackend:
             "numpy_version": np.__version__,
             "why_cpu": self._reason,
         }
+
+    def auto_choices(self) -> list[AutoChoice]:
+        return []
 
     def memory_in_use(self) -> int:
         return 0

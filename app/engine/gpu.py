@@ -14,11 +14,12 @@ from typing import Any, Final
 
 import numpy as np
 
+from app.engine.autotune import AUTO_REPEATS, SHAPE_CLASSES, AutoChoice, pick_auto
 from app.engine.base import AUTO, CUBLAS, DTYPE_NAMES, DeviceTiming, KernelInfo, Plan
 from app.engine.staging import cast_into
 from app.errors import InvalidParameter, ShapeMismatch, UnknownKernel
 from kernels.cuda import KernelLibrary
-from kernels.registry import KERNELS, KernelSpec
+from kernels.registry import KERNELS, KernelSpec, LaunchConfig, cdiv
 
 # Self-test shape at start-up: no side a multiple of any tile, so every edge guard is exercised.
 SELF_TEST_SHAPE = (67, 45, 39)
@@ -39,6 +40,14 @@ def unavailable_reason(device: int) -> str | None:
     if device >= count:
         return f"device {device} was asked for, but {count} CUDA device(s) are visible"
     return None
+
+
+def _fitted(shape: tuple[int, int, int], config: LaunchConfig | None) -> tuple[int, int, int]:
+    """`shape` with k and n rounded up to what a vector instance accepts."""
+    m, k, n = shape
+    if config is None:
+        return shape
+    return m, cdiv(k, config.k_multiple) * config.k_multiple, cdiv(n, config.n_multiple) * config.n_multiple
 
 
 def _pinned_bucket(nbytes: int) -> int:
@@ -65,12 +74,15 @@ class GpuBackend:
         self._stream: Any = None
         self._compiled_instances = 0
         self._events: list[Any] = []
+        self._auto: list[AutoChoice] = []
 
     # ------------------------------------------------------------------------------------------- catalogue
 
     def kernels(self) -> list[KernelInfo]:
         return [
-            KernelInfo(name=AUTO, kind="auto", summary="The fastest kernel for the shape: cuBLAS."),
+            KernelInfo(
+                name=AUTO, kind="auto", summary="The kernel measured fastest at start-up for the shape's class."
+            ),
             *(
                 KernelInfo(
                     name=spec.name, kind="cuda", summary=spec.summary, tiles=spec.tiles, default_tile=spec.default_tile
@@ -82,7 +94,7 @@ class GpuBackend:
 
     def plan(self, kernel: str, tile: int | None, m: int, n: int, k: int) -> Plan:
         if kernel == AUTO:
-            kernel = CUBLAS
+            kernel = pick_auto(self._auto, m, n, k, fallback=CUBLAS)
         spec: KernelSpec | None = KERNELS.get(kernel)
         if spec is None and kernel != CUBLAS:
             offered = [info.name for info in self.kernels()]
@@ -110,26 +122,59 @@ class GpuBackend:
         self._events = [cp.cuda.Event() for _ in range(5)]
         self._library = KernelLibrary()
         self._self_test()
+        self._tune_auto()
         self._compiled_instances = len(DTYPE_NAMES) * sum(len(spec.configs) for spec in KERNELS.values())
 
-    def _self_test(self) -> None:
-        """Run every kernel instance once (the warm-up) and check it against a float64 product."""
-        m, k, n = SELF_TEST_SHAPE
-        rng = np.random.default_rng(0)
-        a, b = rng.standard_normal((m, k)), rng.standard_normal((k, n))
-        reference = a @ b
-        plans = [Plan(kernel=CUBLAS)] + [
+    def _instances(self) -> list[Plan]:
+        """A plan for every compiled instance, and cuBLAS."""
+        return [Plan(kernel=CUBLAS)] + [
             Plan(kernel=spec.name, tile=int(config.label) if spec.tiles else None, config=config)
             for spec in KERNELS.values()
             for config in spec.configs
         ]
-        for dtype in DTYPE_NAMES:
-            for plan in plans:
+
+    def _self_test(self) -> None:
+        """Run every kernel instance once (the warm-up) and check it against a float64 product."""
+        rng = np.random.default_rng(0)
+        for plan in self._instances():
+            m, k, n = _fitted(SELF_TEST_SHAPE, plan.config)
+            a, b = rng.standard_normal((m, k)), rng.standard_normal((k, n))
+            reference = a @ b
+            for dtype in DTYPE_NAMES:
                 c, _ = self.multiply(a, b, np.dtype(dtype), plan)
                 error = np.linalg.norm(c - reference) / np.linalg.norm(reference)
                 if not error <= SELF_TEST_TOLERANCE[dtype]:
                     label = plan.config.label if plan.config else ""
                     raise RuntimeError(f"self-test failed: {plan.kernel}/{label}/{dtype} relative error {error:.3g}")
+
+    def _tune_auto(self) -> None:
+        """Time every kernel on one shape per class, in float32, and let `auto` pick the fastest of each."""
+        cp = self._cp
+        start, stop = cp.cuda.Event(), cp.cuda.Event()
+        choices = []
+        for shape_class in SHAPE_CLASSES:
+            size = shape_class.probe
+            a = cp.random.standard_normal((size, size), dtype=cp.float32)
+            b = cp.random.standard_normal((size, size), dtype=cp.float32)
+            c = cp.empty((size, size), dtype=cp.float32)
+            timings: dict[str, float] = {}
+            for name in [CUBLAS, *KERNELS]:
+                plan = self.plan(name, None, size, size, size)
+                with self._stream:
+                    self._launch(plan, a, b, c)
+                    start.record(self._stream)
+                    for _ in range(AUTO_REPEATS):
+                        self._launch(plan, a, b, c)
+                    stop.record(self._stream)
+                stop.synchronize()
+                timings[name] = cp.cuda.get_elapsed_time(start, stop) / AUTO_REPEATS
+            fastest = min(timings, key=timings.__getitem__)
+            choices.append(AutoChoice(shape_class=shape_class, kernel=fastest, probe_ms=timings))
+        self._auto = choices
+        cp.get_default_memory_pool().free_all_blocks()
+
+    def auto_choices(self) -> list[AutoChoice]:
+        return list(self._auto)
 
     def _pinned(self, shape: tuple[int, int], dtype: np.dtype) -> np.ndarray:
         count = math.prod(shape)

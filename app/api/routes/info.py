@@ -6,7 +6,7 @@ from fastapi import APIRouter
 
 from app import __version__
 from app.api.deps import EngineDep
-from app.api.schemas import InfoResponse, KernelListing, KernelModel, QueueModel
+from app.api.schemas import AutoChoiceModel, InfoResponse, KernelListing, KernelModel, QueueModel
 from app.engine import Engine
 
 router = APIRouter(prefix="/v1", tags=["info"])
@@ -28,8 +28,18 @@ def _kernel_models(engine: Engine) -> list[KernelModel]:
 
 @router.get("/kernels", summary="List the kernels")
 async def kernels(engine: EngineDep) -> KernelListing:
-    """The kernels a request may name on this server's backend, with their tiles and dtypes."""
-    return KernelListing(backend=engine.backend.name, default="auto", kernels=_kernel_models(engine))
+    """The kernels a request may name on this server's backend, their tiles and dtypes, and what auto picks."""
+    auto = [
+        AutoChoiceModel(
+            shape_class=choice.shape_class.name,
+            up_to=choice.shape_class.up_to,
+            kernel=choice.kernel,
+            probe=[choice.shape_class.probe] * 3,
+            probe_ms=dict(choice.probe_ms),
+        )
+        for choice in engine.backend.auto_choices()
+    ]
+    return KernelListing(backend=engine.backend.name, default="auto", kernels=_kernel_models(engine), auto=auto)
 
 
 @router.get("/info", summary="Describe the server")

@@ -1,0 +1,50 @@
+"""How `auto` chooses: shapes fall into classes by size, and each class runs the kernel measured fastest on it.
+
+The GPU backend times every kernel once at start-up on one square probe per class (the table is then in
+`GET /v1/kernels`); a request's class is the first whose bound its size does not pass, its size being the
+cube root of m*n*k (the side of the cube with as many multiply-adds).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+AUTO_REPEATS = 5
+"""Launches timed per kernel and class, after one untimed warm-up launch."""
+
+
+@dataclass(frozen=True)
+class ShapeClass:
+    name: str
+    up_to: int | None
+    """Largest size in the class (None: no bound)."""
+    probe: int
+    """Side of the square product timed for this class at start-up."""
+
+
+SHAPE_CLASSES = (
+    ShapeClass("small", up_to=384, probe=256),
+    ShapeClass("medium", up_to=1536, probe=1024),
+    ShapeClass("large", up_to=3072, probe=2048),
+    ShapeClass("huge", up_to=None, probe=4096),
+)
+
+
+@dataclass(frozen=True)
+class AutoChoice:
+    shape_class: ShapeClass
+    kernel: str
+    probe_ms: Mapping[str, float]
+    """Milliseconds per launch of every kernel on the class's probe."""
+
+
+def shape_class_of(m: int, n: int, k: int) -> ShapeClass:
+    size = (m * n * k) ** (1 / 3)
+    return next(c for c in SHAPE_CLASSES if c.up_to is None or size <= c.up_to)
+
+
+def pick_auto(choices: list[AutoChoice], m: int, n: int, k: int, fallback: str) -> str:
+    """The kernel `auto` runs for an m x k @ k x n product (`fallback` until the choices are measured)."""
+    wanted = shape_class_of(m, n, k)
+    return next((choice.kernel for choice in choices if choice.shape_class == wanted), fallback)

@@ -1,0 +1,28 @@
+"""How `auto` maps a shape to a class and a class to the kernel measured fastest."""
+
+from __future__ import annotations
+
+import pytest
+
+from app.engine.autotune import SHAPE_CLASSES, AutoChoice, pick_auto, shape_class_of
+
+
+@pytest.mark.parametrize(
+    ("shape", "expected"),
+    [((1, 1, 1), "small"), ((384, 384, 384), "small"), ((385, 384, 384), "medium"), ((4096, 1, 4096), "small"),
+     ((2048, 2048, 2048), "large"), ((8192, 8192, 8192), "huge"), ((0, 5, 5), "small")],
+)  # fmt: skip
+def test_a_shape_falls_in_the_class_of_its_cube_root(shape: tuple[int, int, int], expected: str) -> None:
+    assert shape_class_of(*shape).name == expected
+
+
+def test_auto_picks_the_measured_choice_of_the_class_and_falls_back_before_measuring() -> None:
+    choices = [AutoChoice(shape_class=c, kernel=f"k-{c.name}", probe_ms={}) for c in SHAPE_CLASSES]
+    assert pick_auto(choices, 1024, 1024, 1024, fallback="cublas") == "k-medium"
+    assert pick_auto([], 1024, 1024, 1024, fallback="cublas") == "cublas"
+
+
+def test_every_size_has_a_class_and_probes_lie_inside_their_class() -> None:
+    assert SHAPE_CLASSES[-1].up_to is None
+    for shape_class in SHAPE_CLASSES:
+        assert shape_class_of(shape_class.probe, shape_class.probe, shape_class.probe) == shape_class
