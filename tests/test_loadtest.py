@@ -3,32 +3,22 @@
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import subprocess
 import sys
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import pytest
 
+from tests.scripts import import_script
 from tests.server import ROOT
 
 SCRIPT = ROOT / "scripts" / "loadtest.py"
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
-def load_script() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("loadtest", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
-
-
-loadtest = load_script()
+loadtest = import_script("loadtest")
 
 
 def run_loadtest(url: str, out: Path, *args: str) -> tuple[dict[str, Any], str]:

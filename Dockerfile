@@ -1,0 +1,74 @@
+# syntax=docker/dockerfile:1
+#
+# matmul-service on an NVIDIA GPU:   docker compose up   (or: docker build -t matmul-service . &&
+#                                    docker run --gpus all -p 8000:8000 -v cupy-cache:/var/cache/cupy matmul-service)
+#
+# CUDA user-space comes from PyPI, not from the base image. CuPy compiles our kernels with NVRTC when the
+# service starts, and NVRTC needs the CUDA headers (cuda_fp16.h, cuda_runtime.h, ...): the official
+# `-runtime-` images have NVRTC and cuBLAS but no headers, and the `-devel-` ones add them with nvcc and
+# several GB we never use. `cupy-cuda12x[ctk]` installs exactly the CUDA 12 components CuPy is built and
+# tested against (cudart with its headers, NVRTC, cuBLAS, ...) as wheels that CuPy finds by itself; so the
+# base is the small official `-base-` image, which brings what the NVIDIA container runtime expects
+# (NVIDIA_VISIBLE_DEVICES, NVIDIA_DRIVER_CAPABILITIES, the CUDA compat setup), and the host supplies the driver.
+ARG CUDA_IMAGE=nvidia/cuda:12.8.1-base-ubuntu24.04
+
+# ---------------------------------------------------------------------------------------------- build
+FROM ${CUDA_IMAGE} AS build
+# Python 3.12 as the Ubuntu release behind the pinned base tag ships it (DL3008: no per-package pins).
+# hadolint ignore=DL3008
+RUN apt-get update \
+ && apt-get install -y --no-install-recommends python3 python3-venv \
+ && rm -rf /var/lib/apt/lists/*
+ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
+RUN python3 -m venv /opt/venv
+WORKDIR /src
+COPY pyproject.toml README.md ./
+COPY app app
+COPY kernels kernels
+RUN /opt/venv/bin/pip install ".[gpu]" "cupy-cuda12x[ctk]>=14.2"
+
+# ------------------------------------------------------------- loadtest (docker compose --profile loadtest)
+FROM python:3.12-slim AS loadtest
+ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 PYTHONUNBUFFERED=1
+WORKDIR /loadtest
+COPY pyproject.toml README.md ./
+COPY app app
+COPY kernels kernels
+COPY scripts/loadtest.py scripts/loadtest.py
+# The versions are the project's own, in pyproject.toml (DL3013: no pins on the command line).
+# hadolint ignore=DL3013
+RUN pip install ".[loadtest]" \
+ && groupadd --system --gid 10002 loadtest \
+ && useradd --system --uid 10002 --gid 10002 --create-home loadtest \
+ && mkdir /reports && chown 10002:10002 /reports
+USER 10002:10002
+ENTRYPOINT ["python", "scripts/loadtest.py"]
+CMD ["--help"]
+
+# ---------------------------------------------------------------------------------------------- service
+FROM ${CUDA_IMAGE} AS service
+# The same python3 as the build stage, so that the venv copied from there finds its interpreter.
+# hadolint ignore=DL3008
+RUN apt-get update \
+ && apt-get install -y --no-install-recommends python3 \
+ && rm -rf /var/lib/apt/lists/* \
+ && groupadd --system --gid 10001 matmul \
+ && useradd --system --uid 10001 --gid 10001 --create-home matmul \
+ && mkdir -p /var/cache/cupy && chown 10001:10001 /var/cache/cupy
+COPY --from=build /opt/venv /opt/venv
+# Kernels are compiled (and this cache filled) at start-up, before /readyz says ready; the volume keeps
+# them compiled across restarts.
+ENV PATH=/opt/venv/bin:$PATH \
+    PYTHONUNBUFFERED=1 \
+    CUPY_CACHE_DIR=/var/cache/cupy \
+    MATMUL_BACKEND=gpu \
+    UVICORN_HOST=0.0.0.0 \
+    UVICORN_PORT=8000
+VOLUME ["/var/cache/cupy"]
+USER 10001:10001
+WORKDIR /home/matmul
+EXPOSE 8000
+HEALTHCHECK --interval=10s --timeout=3s --start-period=20s --retries=3 \
+    CMD ["python3", "-c", "import urllib.request; urllib.request.urlopen('http://127.0.0.1:8000/healthz', timeout=2)"]
+# Settings come from the environment: MATMUL_* for the service, UVICORN_* (host, port, log level) for uvicorn.
+CMD ["uvicorn", "app.main:create_app", "--factory"]

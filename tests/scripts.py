@@ -1,0 +1,21 @@
+"""The tools in scripts/ (a folder, not a package), imported as modules so that tests can call into them."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from types import ModuleType
+
+from tests.server import ROOT
+
+
+def import_script(name: str) -> ModuleType:
+    """scripts/<name>.py as a module named <name>, imported once."""
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module

@@ -1,0 +1,228 @@
+"""Dockerfile, docker-compose.yml and .dockerignore, checked without a Docker engine (there is none here or in CI).
+
+The compose file is validated against the compose-spec JSON schema (check-jsonschema's vendored copy), the
+Dockerfile is linted by hadolint and parsed by BuildKit's own parser (the `dockerfile` package); then both are
+checked against what they deploy: the settings, the load-test script's flags, the files COPY needs.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+import tomllib
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+import dockerfile
+import pytest
+import yaml
+from packaging.requirements import Requirement
+
+from app.config import Settings
+from tests.scripts import import_script
+from tests.server import ROOT
+
+SCRIPTS = Path(sys.executable).parent
+loadtest = import_script("loadtest")
+COMPOSE_PATH = ROOT / "docker-compose.yml"
+COMPOSE: dict[str, Any] = yaml.safe_load(COMPOSE_PATH.read_text())
+INSTRUCTIONS = dockerfile.parse_file(str(ROOT / "Dockerfile"))
+PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
+SETTING_VARIABLES = {f"MATMUL_{name.upper()}" for name in Settings.model_fields}
+
+
+def stages() -> dict[str, list[dockerfile.Command]]:
+    """The instructions of each build stage, by stage name."""
+    named: dict[str, list[dockerfile.Command]] = {}
+    current: list[dockerfile.Command] = []
+    for instruction in INSTRUCTIONS:
+        if instruction.cmd == "FROM":
+            current = named.setdefault(instruction.value[-1], [])
+        current.append(instruction)
+    return named
+
+
+def one(stage: list[dockerfile.Command], cmd: str) -> dockerfile.Command:
+    found = [instruction for instruction in stage if instruction.cmd == cmd]
+    assert len(found) == 1, f"expected one {cmd} in the stage, found {len(found)}"
+    return found[0]
+
+
+def environment(stage: list[dockerfile.Command]) -> dict[str, str]:
+    pairs: dict[str, str] = {}
+    for instruction in stage:
+        if instruction.cmd == "ENV":
+            pairs.update(zip(instruction.value[::2], instruction.value[1::2], strict=True))
+    return pairs
+
+
+def image_of(stage: list[dockerfile.Command]) -> str:
+    """The stage's base image, ARG defaults substituted."""
+    defaults = dict(arg.value[0].split("=", 1) for arg in INSTRUCTIONS if arg.cmd == "ARG" and "=" in arg.value[0])
+    return re.sub(r"\$\{(\w+)\}", lambda m: defaults[m.group(1)], stage[0].value[0])
+
+
+SERVICE, LOADTEST = stages()["service"], stages()["loadtest"]
+SERVICE_ENV = environment(SERVICE)
+
+
+def run_tool(name: str, *args: str) -> subprocess.CompletedProcess[str]:
+    """A checker installed by the `test` extra into this interpreter's environment."""
+    return subprocess.run([str(SCRIPTS / name), *args], capture_output=True, text=True, cwd=ROOT, timeout=120)
+
+
+# -------------------------------------------------------------------------------------------- linters
+
+
+def test_compose_file_follows_the_compose_spec() -> None:
+    done = run_tool("check-jsonschema", "--builtin-schema", "vendor.compose-spec", str(COMPOSE_PATH))
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_the_compose_spec_check_catches_a_misspelt_key(tmp_path: Path) -> None:
+    broken = tmp_path / "docker-compose.yml"
+    broken.write_text(COMPOSE_PATH.read_text().replace("capabilities:", "capability:"))
+    done = run_tool("check-jsonschema", "--builtin-schema", "vendor.compose-spec", str(broken))
+    assert done.returncode == 1 and "'capabilities' is a required property" in done.stdout
+
+
+def test_hadolint_finds_nothing() -> None:
+    done = run_tool("hadolint", "--no-color", "Dockerfile")
+    assert done.returncode == 0 and done.stdout == "", done.stdout + done.stderr
+
+
+# ------------------------------------------------------------------------------------------ Dockerfile
+
+
+def test_the_service_runs_on_an_official_cuda_12_image_as_a_user() -> None:
+    assert re.fullmatch(r"nvidia/cuda:12\.\d+\.\d+-\w+-ubuntu\d+\.\d+", image_of(SERVICE))
+    assert image_of(stages()["build"]) == image_of(SERVICE), "the venv is built on the image it runs on"
+    user = [instruction for instruction in SERVICE if instruction.cmd == "USER"][-1].value[0]
+    assert user.split(":")[0] not in ("root", "0")
+    assert [instruction.cmd for instruction in LOADTEST if instruction.cmd == "USER"], "the load test too"
+
+
+def test_cupy_14_2_or_later_is_installed_with_the_cuda_components_it_needs() -> None:
+    install = " ".join(i.value[0] for i in stages()["build"] if i.cmd == "RUN" and "pip install" in i.value[0])
+    extras = PYPROJECT["project"]["optional-dependencies"]
+    from_extras = [line for extra in re.findall(r'"\.\[(\w+)\]"', install) for line in extras[extra]]
+    named = [word.strip('"') for word in install.split() if word.startswith('"cupy')]
+    cupy = [r for r in map(Requirement, from_extras + named) if r.name.startswith("cupy")]
+    assert {r.name for r in cupy} == {"cupy-cuda12x"} and len(cupy) == 2
+    assert all("14.2" in r.specifier and "14.1" not in r.specifier for r in cupy)
+    assert {"ctk"} in [r.extras for r in cupy]
+
+
+def test_every_extra_installed_in_an_image_exists() -> None:
+    runs = " ".join(i.value[0] for i in INSTRUCTIONS if i.cmd == "RUN")
+    named = set(re.findall(r'"\.\[(\w+)\]"', runs))
+    assert named == {"gpu", "loadtest"} and named <= set(PYPROJECT["project"]["optional-dependencies"])
+
+
+def test_cmd_is_exec_form_uvicorn_on_the_app_factory_with_settings_from_the_environment() -> None:
+    cmd = one(SERVICE, "CMD")
+    assert cmd.json and list(cmd.value) == ["uvicorn", "app.main:create_app", "--factory"]
+    assert SERVICE_ENV["UVICORN_HOST"] == "0.0.0.0" and one(SERVICE, "EXPOSE").value == (SERVICE_ENV["UVICORN_PORT"],)
+    assert set(SERVICE_ENV) & SETTING_VARIABLES == {"MATMUL_BACKEND"} and SERVICE_ENV["MATMUL_BACKEND"] == "gpu"
+    assert SERVICE_ENV["PATH"].startswith("/opt/venv/bin:")
+
+
+def test_healthcheck_probes_healthz_on_the_served_port() -> None:
+    check = one(SERVICE, "HEALTHCHECK")
+    assert check.json and check.value[0] == "CMD"
+    assert f"http://127.0.0.1:{SERVICE_ENV['UVICORN_PORT']}/healthz" in " ".join(check.value)
+
+
+def test_the_cupy_cache_is_a_volume() -> None:
+    assert one(SERVICE, "VOLUME").value == (SERVICE_ENV["CUPY_CACHE_DIR"],)
+
+
+# ------------------------------------------------------------------------------------------ .dockerignore
+
+
+def dockerignore_rules() -> list[tuple[bool, re.Pattern[str]]]:
+    """.dockerignore as Docker reads it: (is an exception `!`, pattern); `*` stays within one path segment."""
+    rules = []
+    for line in (ROOT / ".dockerignore").read_text().splitlines():
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        negate, pattern = line.startswith("!"), line.lstrip("!").strip("/")
+        parts = re.split(r"(\*\*/|\*\*|\*|\?)", pattern)
+        wild = {"**/": "(?:.*/)?", "**": ".*", "*": "[^/]*", "?": "[^/]"}
+        rules.append((negate, re.compile("".join(wild.get(part, re.escape(part)) for part in parts))))
+    return rules
+
+
+def ignored(path: str) -> bool:
+    """Whether Docker leaves `path` out of the build context: the last rule matching it or a parent decides."""
+    prefixes = ["/".join(path.split("/")[: i + 1]) for i in range(path.count("/") + 1)]
+    verdict = False
+    for negate, pattern in dockerignore_rules():
+        if any(pattern.fullmatch(prefix) for prefix in prefixes):
+            verdict = not negate
+    return verdict
+
+
+def copied_files() -> Iterator[str]:
+    for instruction in INSTRUCTIONS:
+        if instruction.cmd == "COPY" and not any(flag.startswith("--from") for flag in instruction.flags):
+            for source in instruction.value[:-1]:
+                path = ROOT / source
+                assert path.exists(), f"COPY {source}: no such file"
+                files = sorted(path.rglob("*")) if path.is_dir() else [path]
+                yield from (str(f.relative_to(ROOT)) for f in files if f.is_file() and "__pycache__" not in f.parts)
+
+
+def test_the_build_context_holds_what_copy_needs_and_not_the_rest() -> None:
+    needed = list(copied_files())
+    assert "kernels/registry.py" in needed and "scripts/loadtest.py" in needed
+    assert [path for path in needed if ignored(path)] == []
+    for path in (".venv/bin/python", ".git/HEAD", "tests/test_client.py", "app/__pycache__/main.cpython-312.pyc"):
+        assert ignored(path), path
+
+
+# -------------------------------------------------------------------------------------------- compose
+
+
+def test_the_service_reserves_a_gpu_and_is_health_checked() -> None:
+    service = COMPOSE["services"]["matmul"]
+    assert service["build"]["target"] == "service"
+    devices = service["deploy"]["resources"]["reservations"]["devices"]
+    assert devices == [{"driver": "nvidia", "count": 1, "capabilities": ["gpu"]}]
+    assert service["healthcheck"]["start_period"] and "test" not in service["healthcheck"], "the image's probe"
+    container_ports = {mapping.rsplit(":", 1)[1] for mapping in service["ports"]}
+    assert container_ports == {SERVICE_ENV["UVICORN_PORT"]}
+
+
+def test_the_service_settings_are_real_settings() -> None:
+    variables = set(COMPOSE["services"]["matmul"]["environment"])
+    assert variables <= SETTING_VARIABLES and {"MATMUL_BACKEND", "MATMUL_QUEUE_SIZE"} <= variables
+
+
+def test_the_kernel_cache_is_a_named_volume_at_cupy_cache_dir() -> None:
+    volumes = [mount.split(":") for mount in COMPOSE["services"]["matmul"]["volumes"]]
+    assert [SERVICE_ENV["CUPY_CACHE_DIR"]] == [target for name, target in volumes if name in COMPOSE["volumes"]]
+
+
+def test_the_loadtest_service_runs_the_script_against_the_service() -> None:
+    service = COMPOSE["services"]["loadtest"]
+    assert service["profiles"] == ["loadtest"] and service["build"]["target"] == "loadtest"
+    assert service["depends_on"] == {"matmul": {"condition": "service_healthy"}}
+    assert list(one(LOADTEST, "ENTRYPOINT").value) == ["python", "scripts/loadtest.py"]
+    args = loadtest.parse_args(service["command"])
+    url = urlsplit(args.url)
+    assert url.hostname == "matmul" and str(url.port) == SERVICE_ENV["UVICORN_PORT"]
+    assert args.wait_ready > 0, (
+        "the service is healthy before its kernels are compiled; the load test waits for /readyz"
+    )
+    mounts = {mount.split(":")[1] for mount in service["volumes"]}
+    assert str(Path(args.out).parent) in mounts
+
+
+@pytest.mark.parametrize("name", ["matmul", "loadtest"])
+def test_each_build_target_is_a_stage(name: str) -> None:
+    assert COMPOSE["services"][name]["build"]["target"] in stages()
