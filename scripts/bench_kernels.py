@@ -201,7 +201,8 @@ def print_rows(rows: list[Result]) -> None:
 
 
 def write_plot(results: list[Result], meta: dict[str, Any], path: Path) -> bool:
-    """GFLOP/s against the side of square products, one panel per dtype; False when matplotlib is absent."""
+    """GFLOP/s against the side of the square products, one panel per dtype, one line per kernel (per instance
+    when every instance was timed), cuBLAS dashed; False when matplotlib is absent."""
     try:
         import matplotlib
     except ImportError:
@@ -209,20 +210,25 @@ def write_plot(results: list[Result], meta: dict[str, Any], path: Path) -> bool:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    def line(r: Result) -> str:
+        return f"{r.kernel}/{r.config}" if meta["configs"] == "all" and r.config else r.kernel
+
     dtypes = sorted({r.dtype for r in results}, key=DTYPES.index)
     figure, axes = plt.subplots(1, len(dtypes), figsize=(7 * len(dtypes), 5), squeeze=False)
     for axis, dtype in zip(axes[0], dtypes, strict=True):
-        square = [r for r in results if r.dtype == dtype and r.m == r.n == r.k and r.gflops is not None]
-        for name in dict.fromkeys(f"{r.kernel}/{r.config}" if r.config else r.kernel for r in square):
-            points = sorted(
-                (r.m, r.gflops) for r in square if (f"{r.kernel}/{r.config}" if r.config else r.kernel) == name
-            )
-            style = "--" if name == CUBLAS else "-"
-            axis.plot([p[0] for p in points], [p[1] for p in points], style, marker="o", label=name)
+        square = [
+            r
+            for r in results
+            if r.dtype == dtype and r.m == r.n == r.k and (r.m, r.n, r.k) not in ODD_SHAPES and r.gflops is not None
+        ]
+        for name in dict.fromkeys(line(r) for r in square):
+            points = sorted((r.m, r.gflops) for r in square if line(r) == name)
+            style = {"linestyle": "--", "color": "black"} if name == CUBLAS else {"linestyle": "-"}
+            axis.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=name, **style)
         axis.set_xscale("log", base=2)
         axis.set_xlabel("m = n = k")
         axis.set_ylabel("GFLOP/s")
-        axis.set_title(f"{dtype}")
+        axis.set_title(dtype)
         axis.grid(True, alpha=0.3)
         axis.legend(fontsize=8)
     figure.suptitle(f"matmul kernels vs cuBLAS: {meta['device']}, {meta['date']}")
@@ -230,6 +236,16 @@ def write_plot(results: list[Result], meta: dict[str, Any], path: Path) -> bool:
     figure.savefig(path, dpi=120)
     plt.close(figure)
     return True
+
+
+def replot(path: Path) -> int:
+    """Draw the PNG again from a JSON this script wrote, next to it."""
+    document = json.loads(path.read_text(encoding="utf-8"))
+    results = [Result(**row) for row in document["results"]]
+    if not write_plot(results, document["meta"], path.with_suffix(".png")):
+        print("matplotlib is not installed", file=sys.stderr)
+        return 1
+    return 0
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -248,6 +264,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--include-slow", action="store_true", help="time the teaching kernels at every size")
     parser.add_argument("--repeats", type=int, default=10, help="timed launches per measurement (median; >= 10)")
     parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--replot", type=Path, metavar="JSON", help="only redraw the PNG of a JSON written before")
     parser.add_argument("--out", type=Path, default=Path("docs/bench"), help="directory for the JSON and PNG")
     args = parser.parse_args(argv)
     args.kernels = [name for name in args.kernels.split(",") if name]
@@ -265,17 +282,20 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.replot is not None:
+        return replot(args.replot)
     started = time.perf_counter()
     print(HEADER, flush=True)
     results, meta = run_sweep(args)
     meta["wall_s"] = round(time.perf_counter() - started, 1)
+    meta["configs"] = args.configs
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "bench_kernels.json").write_text(
         json.dumps({"meta": meta, "results": [asdict(r) for r in results]}, indent=1) + "\n", encoding="utf-8"
     )
     plotted = not args.check_only and write_plot(results, meta, args.out / "bench_kernels.png")
     summary = f"\n{meta['device']}, {meta['date']}, {meta['wall_s']} s; wrote {args.out}/bench_kernels.json" + (
-        " and .png" if plotted else " (no PNG: matplotlib is not installed)"
+        " and .png" if plotted else " (no PNG: nothing was timed, or matplotlib is not installed)"
     )
     print(summary)
     print(HEADER)
