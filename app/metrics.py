@@ -44,7 +44,7 @@ class ServiceMetrics:
             "matmul_queue_depth", "Products waiting in the worker's queue.", registry=r, multiprocess_mode="livesum"
         )
         self.device_memory = Gauge(
-            "matmul_device_memory_bytes", "Device memory the worker's CuPy pool holds in arrays now.",
+            "matmul_device_memory_bytes", "Device memory the worker's CuPy pool holds (in arrays or cached for reuse).",
             registry=r, multiprocess_mode="livesum",
         )  # fmt: skip
         self.kernels_compiled = Gauge(

@@ -5,8 +5,8 @@
 #   scripts/perf_analyzer.sh [URL] [MODEL] [SIZE] [OUT_DIR]
 #   scripts/perf_analyzer.sh localhost:8000 matmul_cublas 512 out/
 #
-# Each request multiplies SIZE x SIZE FP32 matrices (random data, binary tensors); concurrency 1, 4 and 16,
-# each level measured over 3 windows of 200 requests.
+# Each request multiplies SIZE x SIZE FP32 matrices (random data, binary tensors) at concurrency 1, 5, 9
+# and 13; each level is measured in windows of 300 requests until two agree within 30%, 8 windows at most.
 set -euo pipefail
 url=${1:-localhost:8000}
 model=${2:-matmul}
@@ -16,5 +16,5 @@ mkdir -p "$out"
 exec perf_analyzer -i http -u "$url" -m "$model" \
   --shape "A:$size,$size" --shape "B:$size,$size" \
   --concurrency-range 1:16:4 \
-  --measurement-mode count_windows --measurement-request-count 200 --max-trials 3 --stability-percentage 50 \
+  --measurement-mode count_windows --measurement-request-count 300 --max-trials 8 --stability-percentage 30 \
   -f "$out/perf_analyzer_${model}_${size}.csv"

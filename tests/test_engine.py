@@ -58,7 +58,7 @@ class GatedBackend:
     def describe(self) -> dict[str, Any]:
         return {"name": self.device_name}
 
-    def memory_in_use(self) -> int:
+    def memory_held(self) -> int:
         return 0
 
     def auto_choices(self) -> list[AutoChoice]:

@@ -87,8 +87,8 @@ class Backend(Protocol):
         """What `auto` runs for each shape class, with the timings that decided it (empty: one choice only)."""
         ...
 
-    def memory_in_use(self) -> int:
-        """Bytes of device memory held in arrays now (0 on the CPU)."""
+    def memory_held(self) -> int:
+        """Bytes of device memory the backend holds, in arrays or cached for reuse (0 on the CPU)."""
         ...
 
     def compiled_instances(self) -> int:

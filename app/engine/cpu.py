@@ -65,7 +65,7 @@ class CpuBackend:
     def auto_choices(self) -> list[AutoChoice]:
         return []
 
-    def memory_in_use(self) -> int:
+    def memory_held(self) -> int:
         return 0
 
     def compiled_instances(self) -> int:

@@ -241,8 +241,8 @@ class GpuBackend:
             "nvrtc_version": ".".join(map(str, cp.cuda.nvrtc.getVersion())),
         }
 
-    def memory_in_use(self) -> int:
-        return int(self._cp.get_default_memory_pool().used_bytes())
+    def memory_held(self) -> int:
+        return int(self._cp.get_default_memory_pool().total_bytes())
 
     def compiled_instances(self) -> int:
         return self._compiled_instances
