@@ -63,12 +63,14 @@ ENV PATH=/opt/venv/bin:$PATH \
     CUPY_CACHE_DIR=/var/cache/cupy \
     MATMUL_BACKEND=gpu \
     UVICORN_HOST=0.0.0.0 \
-    UVICORN_PORT=8000
+    UVICORN_PORT=8000 \
+    UVICORN_ACCESS_LOG=false
 VOLUME ["/var/cache/cupy"]
 USER 10001:10001
 WORKDIR /home/matmul
 EXPOSE 8000
 HEALTHCHECK --interval=10s --timeout=3s --start-period=20s --retries=3 \
     CMD ["python3", "-c", "import urllib.request; urllib.request.urlopen('http://127.0.0.1:8000/healthz', timeout=2)"]
-# Settings come from the environment: MATMUL_* for the service, UVICORN_* (host, port, log level) for uvicorn.
+# Settings come from the environment: MATMUL_* for the service, UVICORN_* (host, port, log level) for uvicorn,
+# whose plain access log is off because the service writes its own, in JSON (MATMUL_ACCESS_LOG).
 CMD ["uvicorn", "app.main:create_app", "--factory"]

@@ -133,5 +133,8 @@ def service_main(argv: Sequence[str] | None = None) -> int:
         flag = "--" + str(problem["loc"][0]).replace("_", "-")
         parser.error(f"{flag} {problem['input']!r}: {problem['msg']}")
 
-    uvicorn.run("app.main:create_app", factory=True, host=args.host, port=args.port, log_level=args.log_level)
+    # No uvicorn access log: the service writes its own, in JSON (MATMUL_ACCESS_LOG).
+    uvicorn.run(
+        "app.main:create_app", factory=True, host=args.host, port=args.port, log_level=args.log_level, access_log=False
+    )
     return 0

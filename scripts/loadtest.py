@@ -293,7 +293,7 @@ def build_report(args: argparse.Namespace, samples: list[Sample], elapsed_s: flo
 
 def _row(name: str, summary: dict[str, float]) -> list[str]:
     return [name, f"{summary['count']:.0f}"] + [
-        f"{summary[key]:.3f}" if key in summary else "-" for key in ("mean", "p50", "p90", "p99", "max")
+        f"{summary[key]:.2f}" if key in summary else "-" for key in ("mean", "p50", "p90", "p99", "max")
     ]
 
 
@@ -305,11 +305,12 @@ def print_report(report: dict[str, Any], console: Console) -> None:
     errors = ", ".join(f"{status}: {count}" for status, count in sorted(report["errors"].items())) or "none"
     console.print(
         f"{report['url']} ({where}): {report['requests']} requests in {report['duration_s']:.2f} s, "
-        f"{report['ok']} answered 200, {report['throughput_rps']:.1f} req/s; errors: {errors}"
+        f"{report['ok']} answered 200, {report['throughput_rps']:.1f} req/s; errors: {errors}",
+        soft_wrap=True,
     )
     table = Table(title="Latency (ms)")
     for column in ("", "n", "mean", "p50", "p90", "p99", "max"):
-        table.add_column(column, justify="left" if not column else "right")
+        table.add_column(column, justify="left" if not column else "right", no_wrap=not column)
     table.add_row(*_row("client latency", report["latency_ms"]))
     for group in report["by_request"]:
         table.add_row(*_row(f"  {group['kernel']} {group['size']} {group['format']}", group["latency_ms"]))
@@ -401,7 +402,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     traffic = Traffic(args.sizes, args.formats, args.kernels, args.dtype, args.seed)
     samples, elapsed_s, server = asyncio.run(measure(args, traffic, console))
     report = build_report(args, samples, elapsed_s, server)
-    print_report(report, Console())
+    print_report(report, Console(width=None if sys.stdout.isatty() else 110))  # piped: no 80-column wrap
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps(report, indent=1))

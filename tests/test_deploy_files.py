@@ -125,6 +125,7 @@ def test_every_extra_installed_in_an_image_exists() -> None:
 def test_cmd_is_exec_form_uvicorn_on_the_app_factory_with_settings_from_the_environment() -> None:
     cmd = one(SERVICE, "CMD")
     assert cmd.json and list(cmd.value) == ["uvicorn", "app.main:create_app", "--factory"]
+    assert SERVICE_ENV["UVICORN_ACCESS_LOG"] == "false", "the service writes its own access log"
     assert SERVICE_ENV["UVICORN_HOST"] == "0.0.0.0" and one(SERVICE, "EXPOSE").value == (SERVICE_ENV["UVICORN_PORT"],)
     assert set(SERVICE_ENV) & SETTING_VARIABLES == {"MATMUL_BACKEND"} and SERVICE_ENV["MATMUL_BACKEND"] == "gpu"
     assert SERVICE_ENV["PATH"].startswith("/opt/venv/bin:")
