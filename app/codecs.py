@@ -36,6 +36,7 @@ class Limits:
 
     max_dim: int
     max_elements: int
+    max_result_elements: int
 
 
 @dataclass(frozen=True)
@@ -98,16 +99,17 @@ def check_dtype(dtype: np.dtype, name: str) -> None:
         )
 
 
-def check_shape(shape: tuple[int, ...], name: str, limits: Limits) -> None:
+def check_shape(shape: tuple[int, ...], name: str, limits: Limits, max_elements: int | None = None) -> None:
+    """Every dimension within max_dim and the element count within max_elements (or the limit given)."""
     for axis, size in enumerate(shape):
         if size > limits.max_dim:
             raise ShapeMismatch(
                 f"dimension {axis} of '{name}' is {size}, over the limit of {limits.max_dim}", location=[name]
             )
-    if math.prod(shape) > limits.max_elements:
+    bound = limits.max_elements if max_elements is None else max_elements
+    if math.prod(shape) > bound:
         raise ShapeMismatch(
-            f"matrix '{name}' has {math.prod(shape)} elements, over the limit of {limits.max_elements}",
-            location=[name],
+            f"matrix '{name}' has {math.prod(shape)} elements, over the limit of {bound}", location=[name]
         )
 
 
@@ -120,7 +122,7 @@ def check_product(a: np.ndarray, b: np.ndarray, limits: Limits) -> None:
             f"b's rows ({k2})",
             location=["b", 0],
         )
-    check_shape((m, n), "result", limits)
+    check_shape((m, n), "result", limits, max_elements=limits.max_result_elements)
 
 
 def working_dtype(requested: str | None, operands: Operands) -> np.dtype:
@@ -312,10 +314,12 @@ def decode_npz(body: bytes, limits: Limits, max_member_bytes: int) -> Operands:
 
 
 def encode_npy(array: np.ndarray) -> bytes:
-    """The `.npy` file of a C-contiguous array: header, then the data copied once."""
+    """The `.npy` file of an array, always C-ordered: header, then the data copied once."""
+    contiguous = np.ascontiguousarray(array)
     head = io.BytesIO()
-    np.lib.format.write_array_header_1_0(head, np.lib.format.header_data_from_array_1_0(array))
-    return b"".join((head.getvalue(), np.ascontiguousarray(array).data.cast("B")))
+    np.lib.format.write_array_header_1_0(head, np.lib.format.header_data_from_array_1_0(contiguous))
+    data = contiguous.data.cast("B") if contiguous.size else b""
+    return b"".join((head.getvalue(), data))
 
 
 def encode_json_matrix(array: np.ndarray) -> bytes:

@@ -29,8 +29,15 @@ class Settings(BaseSettings):
         1 << 30, ge=1024, description="Largest request body accepted; larger bodies get 413 before being read."
     )
     max_dim: int = Field(65_536, ge=1, le=1 << 30, description="Largest size of any matrix dimension.")
-    max_elements: int = Field(
-        1 << 28, ge=1, description="Largest number of elements in any one matrix (operand or result)."
+    max_elements: int = Field(1 << 28, ge=1, description="Largest number of elements of either operand.")
+    max_result_elements: int = Field(1 << 28, ge=1, description="Largest number of elements of the product.")
+    max_json_bytes: int = Field(
+        64 << 20,
+        ge=1024,
+        description="Largest JSON body (JSON costs ~20x the memory and time of .npy per element); 413 beyond.",
+    )
+    body_timeout_s: float = Field(
+        30.0, gt=0, le=3600, description="Longest wait for the next piece of a body that has not all arrived; 408."
     )
     access_log: bool = Field(True, description="One JSON line per request on stderr (logger app.access).")
     inline_codec_bytes: int = Field(

@@ -11,12 +11,16 @@ one place, so routes, codecs and the engine raise them and never build HTTP resp
     │   ├── UnknownKernel             422  unknown_kernel         not a kernel of this backend
     │   └── InvalidParameter          422  invalid_parameter      bad tile, dtype, or conflicting parameters
     ├── UnknownModel                  404  unknown_model          inference protocol: no such model or version
+    ├── Unauthorized                  401  unauthorized           no or wrong API key (sent with WWW-Authenticate)
+    ├── BodyTimeout                   408  body_timeout           the body stopped arriving
     ├── PayloadTooLarge               413  payload_too_large
     ├── UnsupportedMediaType          415  unsupported_media_type
     ├── NotAcceptable                 406  not_acceptable
     ├── ServiceUnavailable            503  service_unavailable    (sent with Retry-After)
     │   ├── Overloaded                503  overloaded             the worker's queue is full
-    │   └── NotReady                  503  not_ready              kernels still compiling, or the device failed
+    │   ├── NotReady                  503  not_ready              kernels still compiling, or the device failed
+    │   └── DeviceOutOfMemory         503  device_out_of_memory   the product does not fit in device memory now
+    ├── DeadlineExceeded              504  deadline_exceeded      still queued when the request's deadline passed
     └── DeviceFailure                 500  device_failure         the device raised an error we did not expect
 
 Library errors (NumPy, CuPy, CUDA, zipfile, ...) are translated into these with ``raise ... from exc``
@@ -72,6 +76,16 @@ class UnknownModel(MatmulError):
     code = "unknown_model"
 
 
+class Unauthorized(MatmulError):
+    status_code = 401
+    code = "unauthorized"
+
+
+class BodyTimeout(MatmulError):
+    status_code = 408
+    code = "body_timeout"
+
+
 class PayloadTooLarge(MatmulError):
     status_code = 413
     code = "payload_too_large"
@@ -98,6 +112,15 @@ class Overloaded(ServiceUnavailable):
 
 class NotReady(ServiceUnavailable):
     code = "not_ready"
+
+
+class DeviceOutOfMemory(ServiceUnavailable):
+    code = "device_out_of_memory"
+
+
+class DeadlineExceeded(MatmulError):
+    status_code = 504
+    code = "deadline_exceeded"
 
 
 class DeviceFailure(MatmulError):

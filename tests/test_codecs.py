@@ -13,7 +13,7 @@ from app import codecs
 from app.errors import InvalidMatrix, InvalidParameter, MalformedPayload, NotAcceptable, ShapeMismatch
 from tests.conftest import load_npy, npy_bytes, npz_bytes
 
-LIMITS = codecs.Limits(max_dim=1000, max_elements=10_000)
+LIMITS = codecs.Limits(max_dim=1000, max_elements=10_000, max_result_elements=100_000)
 
 
 def json_body(**doc: object) -> bytes:
@@ -171,7 +171,8 @@ class TestChecks:
             codecs.check_product(np.ones((2, 3)), np.ones((4, 5)), LIMITS)
 
     def test_result_limit(self) -> None:
-        with pytest.raises(ShapeMismatch, match="'result' has 160000 elements"):
+        codecs.check_product(np.ones((300, 1)), np.ones((1, 300)), LIMITS)
+        with pytest.raises(ShapeMismatch, match="'result' has 160000 elements, over the limit of 100000"):
             codecs.check_product(np.ones((400, 1)), np.ones((1, 400)), LIMITS)
 
     @pytest.mark.parametrize(
@@ -221,6 +222,15 @@ class TestEncoding:
     def test_unacceptable(self) -> None:
         with pytest.raises(NotAcceptable, match="text/csv"):
             codecs.choose_encoding("text/csv")
+
+    @pytest.mark.parametrize("shape", [(0, 3), (3, 0), (0, 0)])
+    def test_npy_of_an_empty_product(self, shape: tuple[int, int]) -> None:
+        decoded = load_npy(codecs.encode_npy(np.zeros(shape, np.float32)))
+        assert decoded.shape == shape and decoded.dtype == np.float32
+
+    def test_npy_of_a_fortran_ordered_array_keeps_its_values(self) -> None:
+        array = np.asfortranarray(np.arange(6, dtype=np.float64).reshape(2, 3))
+        np.testing.assert_array_equal(load_npy(codecs.encode_npy(array)), array)
 
     def test_npy_round_trip(self) -> None:
         array = np.random.default_rng(1).standard_normal((5, 7)).astype(np.float32)

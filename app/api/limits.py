@@ -1,11 +1,14 @@
-"""Refuse bodies over `max_body_bytes` before reading them, and stop reading once a body passes it."""
+"""Refuse bodies over `max_body_bytes` before reading them, stop reading once a body passes it, and give up
+on a body whose next piece does not come within `body_timeout_s` (a client that declared more than it sends)."""
 
 from __future__ import annotations
+
+import asyncio
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from app.api.errors import error_response
-from app.errors import MalformedPayload, PayloadTooLarge
+from app.errors import BodyTimeout, MalformedPayload, PayloadTooLarge
 
 
 class BodyLimitMiddleware:
@@ -32,12 +35,22 @@ class BodyLimitMiddleware:
             return
 
         received = 0
+        body_done = False
+        timeout_s: float = settings.body_timeout_s
 
         async def counting_receive() -> Message:
-            nonlocal received
-            message = await receive()
+            nonlocal received, body_done
+            if body_done:
+                return await receive()  # after the body, receive() waits for a disconnect: no timeout
+            try:
+                message = await asyncio.wait_for(receive(), timeout_s)
+            except TimeoutError:
+                raise BodyTimeout(
+                    f"the body stopped arriving: nothing for {timeout_s:g} s after {received} bytes"
+                ) from None
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))
+                body_done = not message.get("more_body", False)
                 if received > limit:
                     raise PayloadTooLarge(f"the body passed the limit of {limit} bytes")
             return message

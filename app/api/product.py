@@ -20,6 +20,7 @@ from app import codecs
 from app.api.schemas import DtypeName, MatmulMetadata, Timing
 from app.config import Settings
 from app.engine import Engine, Outcome
+from app.errors import PayloadTooLarge
 
 T = TypeVar("T")
 
@@ -31,8 +32,27 @@ async def off_loop_if_large(size: int, settings: Settings, function: Callable[..
     return await run_in_threadpool(function, *args)
 
 
+async def read_body(request: Request, limit: int, what: str) -> bytes:
+    """The whole body, refused with 413 as soon as it passes `limit` bytes (declared or received)."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise PayloadTooLarge(f"the {what} is {int(declared)} bytes, over the limit of {limit}")
+    chunks: list[bytes] = []
+    received = 0
+    async for chunk in request.stream():
+        received += len(chunk)
+        if received > limit:
+            raise PayloadTooLarge(f"the {what} passed the limit of {limit} bytes")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
 def limits_of(settings: Settings) -> codecs.Limits:
-    return codecs.Limits(max_dim=settings.max_dim, max_elements=settings.max_elements)
+    return codecs.Limits(
+        max_dim=settings.max_dim,
+        max_elements=settings.max_elements,
+        max_result_elements=settings.max_result_elements,
+    )
 
 
 @dataclass

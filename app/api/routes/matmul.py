@@ -11,7 +11,15 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from app import codecs
 from app.api.deps import EngineDep, SettingsDep
-from app.api.product import Stopwatch, compute, describe, limits_of, off_loop_if_large, server_timing
+from app.api.product import (
+    Stopwatch,
+    compute,
+    describe,
+    limits_of,
+    off_loop_if_large,
+    read_body,
+    server_timing,
+)
 from app.api.schemas import DtypeName, ErrorBody, MatmulMetadata, MatmulResponse
 from app.config import Settings
 from app.errors import InvalidMatrix, MalformedPayload, UnsupportedMediaType
@@ -114,7 +122,10 @@ async def _read_operands(request: Request, settings: Settings, limits: codecs.Li
             f"Content-Type {content_type or '(none)'!r} is not supported; send {codecs.JSON_MEDIA_TYPE}, "
             f"multipart/form-data with .npy parts 'a' and 'b', or {codecs.NPZ_MEDIA_TYPE}"
         )
-    body = await request.body()
+    if content_type == codecs.JSON_MEDIA_TYPE:
+        body = await read_body(request, settings.max_json_bytes, "JSON body")
+    else:
+        body = await read_body(request, settings.max_body_bytes, "body")
     read_ms = (perf_counter() - started) * 1e3
     if content_type == codecs.JSON_MEDIA_TYPE:
         operands = await off_loop_if_large(len(body), settings, codecs.decode_json, body, limits)

@@ -18,7 +18,15 @@ from fastapi.routing import APIRoute
 
 from app import __version__, inference_protocol
 from app.api.deps import EngineDep, SettingsDep
-from app.api.product import Stopwatch, compute, describe, limits_of, off_loop_if_large, server_timing
+from app.api.product import (
+    Stopwatch,
+    compute,
+    describe,
+    limits_of,
+    off_loop_if_large,
+    read_body,
+    server_timing,
+)
 from app.codecs import JSON_MEDIA_TYPE, Operands, RequestOptions
 from app.engine import Engine
 from app.errors import InvalidParameter, MatmulError, ServiceUnavailable, UnknownModel
@@ -219,7 +227,7 @@ async def infer(
     try:
         engine.check_ready()
         limits = limits_of(settings)
-        body = await request.body()
+        body = await read_body(request, settings.max_body_bytes, "body")
         clock.read_ms = (perf_counter() - clock.received) * 1e3
         header_length = request.headers.get(inference_protocol.HEADER_LENGTH)
         decoded = await off_loop_if_large(
