@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 from enum import StrEnum
+from typing import Annotated, Any
 
-from pydantic import Field
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic import Field, SecretStr, field_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 
 class BackendChoice(StrEnum):
@@ -39,6 +40,24 @@ class Settings(BaseSettings):
     body_timeout_s: float = Field(
         30.0, gt=0, le=3600, description="Longest wait for the next piece of a body that has not all arrived; 408."
     )
+    request_timeout_s: float = Field(
+        60.0,
+        gt=0,
+        le=86_400,
+        description="Longest a product may wait in the queue before 504; a request may ask for less with the "
+        "X-Request-Timeout header (seconds).",
+    )
+    device_memory_limit_bytes: int = Field(
+        0, ge=0, description="Most device memory the worker's pool may hold (0: no limit); beyond it, 503."
+    )
+    api_keys: Annotated[list[SecretStr], NoDecode] = Field(
+        default_factory=list,
+        description="Comma-separated keys; when set, every route but the health probes needs one "
+        "(Authorization: Bearer <key> or X-API-Key).",
+    )
+    fault_injection: bool = Field(
+        False, description="Tests only: accept kernel=fault_trap, which poisons the CUDA context on purpose."
+    )
     access_log: bool = Field(True, description="One JSON line per request on stderr (logger app.access).")
     inline_codec_bytes: int = Field(
         256 * 1024,
@@ -46,3 +65,11 @@ class Settings(BaseSettings):
         description="Bodies and results up to this size are decoded/encoded on the event loop; larger ones "
         "in a worker thread so the loop never blocks.",
     )
+
+    @field_validator("api_keys", mode="before")
+    @classmethod
+    def _split_keys(cls, value: Any) -> Any:
+        """MATMUL_API_KEYS is a comma-separated list; empty entries are ignored."""
+        if isinstance(value, str):
+            return [key.strip() for key in value.split(",") if key.strip()]
+        return value

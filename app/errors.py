@@ -19,8 +19,10 @@ one place, so routes, codecs and the engine raise them and never build HTTP resp
     ├── ServiceUnavailable            503  service_unavailable    (sent with Retry-After)
     │   ├── Overloaded                503  overloaded             the worker's queue is full
     │   ├── NotReady                  503  not_ready              kernels still compiling, or the device failed
-    │   └── DeviceOutOfMemory         503  device_out_of_memory   the product does not fit in device memory now
+    │   ├── DeviceOutOfMemory         503  device_out_of_memory   the product does not fit in device memory now
+    │   └── DeviceLost                503  device_lost            a sticky CUDA error: the process must restart
     ├── DeadlineExceeded              504  deadline_exceeded      still queued when the request's deadline passed
+    ├── ClientGone                    499  client_gone            the client disconnected (nobody reads this answer)
     └── DeviceFailure                 500  device_failure         the device raised an error we did not expect
 
 Library errors (NumPy, CuPy, CUDA, zipfile, ...) are translated into these with ``raise ... from exc``
@@ -118,9 +120,18 @@ class DeviceOutOfMemory(ServiceUnavailable):
     code = "device_out_of_memory"
 
 
+class DeviceLost(ServiceUnavailable):
+    code = "device_lost"
+
+
 class DeadlineExceeded(MatmulError):
     status_code = 504
     code = "deadline_exceeded"
+
+
+class ClientGone(MatmulError):
+    status_code = 499
+    code = "client_gone"
 
 
 class DeviceFailure(MatmulError):

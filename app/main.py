@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import logging
+import os
+import signal
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
 
 from app import __version__
+from app.api.auth import ApiKeyMiddleware
 from app.api.errors import install_error_handlers
 from app.api.limits import BodyLimitMiddleware
 from app.api.observe import RequestObserver, configure_access_log
@@ -17,6 +21,15 @@ from app.config import Settings
 from app.engine import build_engine
 from app.metrics import ServiceMetrics
 
+DEVICE_LOST_EXIT_CODE = 75
+"""EX_TEMPFAIL: the process exits after its CUDA context was poisoned, to be restarted with a fresh one."""
+
+
+def _shut_down_for_restart() -> None:
+    """Graceful shutdown (uvicorn's SIGTERM path: stop accepting, finish in-flight answers, run the lifespan's
+    end), after which the lifespan exits with DEVICE_LOST_EXIT_CODE for the supervisor to restart us."""
+    signal.raise_signal(signal.SIGTERM)
+
 
 def create_app(settings: Settings | None = None) -> FastAPI:
     """The ASGI app. Settings come from MATMUL_* env vars unless given (tests pass their own)."""
@@ -24,7 +37,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         resolved = settings if settings is not None else Settings()
-        engine = build_engine(resolved)
+        engine = build_engine(resolved, on_device_lost=_shut_down_for_restart)
         app.state.settings = resolved
         app.state.engine = engine
         app.state.metrics = ServiceMetrics()
@@ -35,6 +48,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             yield
         finally:
             await engine.stop()
+        if engine.device_lost:
+            logging.shutdown()
+            os._exit(DEVICE_LOST_EXIT_CODE)
 
     app = FastAPI(
         title="matmul-service",
@@ -43,6 +59,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         lifespan=lifespan,
     )
     app.add_middleware(BodyLimitMiddleware)
+    app.add_middleware(ApiKeyMiddleware)
     app.add_middleware(RequestObserver)
     install_error_handlers(app)
     app.include_router(api_router)

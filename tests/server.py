@@ -10,6 +10,7 @@ import sys
 import time
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -37,11 +38,26 @@ def uvicorn_command(port: int) -> list[str]:
     ]
 
 
+@dataclass(frozen=True)
+class Server:
+    client: httpx.Client
+    process: subprocess.Popen[bytes]
+
+
 @contextmanager
 def running_server(
     command: list[str], port: int, env: Mapping[str, str] | None = None, timeout_s: float = 300
 ) -> Iterator[httpx.Client]:
     """Start `command` in its own process group, wait for /readyz, yield a client, then stop it with SIGTERM."""
+    with serving(command, port, env, timeout_s) as server:
+        yield server.client
+
+
+@contextmanager
+def serving(
+    command: list[str], port: int, env: Mapping[str, str] | None = None, timeout_s: float = 300
+) -> Iterator[Server]:
+    """As running_server, yielding the process too (for tests of how it ends)."""
     log = (ROOT / ".pytest_cache").joinpath(f"server-{port}.log")
     log.parent.mkdir(exist_ok=True)
     with log.open("wb") as output:
@@ -67,11 +83,20 @@ def running_server(
                     if time.monotonic() > deadline:
                         raise AssertionError(f"server not ready after {timeout_s} s:\n{log.read_text()}")
                     time.sleep(0.2)
-                yield client
+                yield Server(client=client, process=process)
         finally:
-            os.killpg(process.pid, signal.SIGTERM)
-            try:
-                process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.killpg(process.pid, signal.SIGKILL)
-                process.wait()
+            _stop_group(process)
+
+
+def _stop_group(process: subprocess.Popen[bytes]) -> None:
+    """SIGTERM to the server's process group (uvicorn and any workers), SIGKILL if that is not enough."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(process.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            process.wait(timeout=30)
+            return
+        except subprocess.TimeoutExpired:
+            continue

@@ -99,6 +99,17 @@ async def gated() -> AsyncIterator[tuple[GatedBackend, Engine, httpx.AsyncClient
 BODY = {"a": [[1.0, 2.0]], "b": [[3.0], [4.0]]}
 
 
+async def _one_product_running(
+    backend: GatedBackend, engine: Engine, client: httpx.AsyncClient
+) -> asyncio.Task[httpx.Response]:
+    """Let the engine get ready, then start one request and wait until the backend is inside it."""
+    backend.prepared.set()
+    await _wait(lambda: engine.state is EngineState.READY)
+    running = asyncio.create_task(client.post("/matmul", json=BODY))
+    await asyncio.to_thread(backend.started.acquire, True, 5)
+    return running
+
+
 async def test_not_ready_until_the_kernels_are_prepared(gated: tuple[GatedBackend, Engine, httpx.AsyncClient]) -> None:
     backend, engine, client = gated
     r = await client.get("/readyz")
@@ -113,10 +124,7 @@ async def test_not_ready_until_the_kernels_are_prepared(gated: tuple[GatedBacken
 
 async def test_a_full_queue_answers_503_at_once(gated: tuple[GatedBackend, Engine, httpx.AsyncClient]) -> None:
     backend, engine, client = gated
-    backend.prepared.set()
-    await _wait(lambda: engine.state is EngineState.READY)
-    running = asyncio.create_task(client.post("/matmul", json=BODY))
-    await asyncio.to_thread(backend.started.acquire, True, 5)
+    running = await _one_product_running(backend, engine, client)
     queued = asyncio.create_task(client.post("/matmul", json=BODY))
     await _wait(lambda: engine.queue_depth == 1)
     refused = await client.post("/matmul", json=BODY)
@@ -171,4 +179,84 @@ async def test_a_backend_that_cannot_prepare_is_reported_not_ready() -> None:
     await _wait(lambda: engine.state is EngineState.FAILED)
     with pytest.raises(NotReady, match=r"nvrtc: error in tiled\.cu"):
         engine.check_ready()
+    await engine.stop()
+
+
+async def test_a_product_still_queued_past_its_deadline_gets_504_and_is_never_run(
+    gated: tuple[GatedBackend, Engine, httpx.AsyncClient],
+) -> None:
+    backend, engine, client = gated
+    running = await _one_product_running(backend, engine, client)
+    late = await client.post("/matmul", json={"a": [[9.0]], "b": [[9.0]]}, headers={"x-request-timeout": "0.05"})
+    assert late.status_code == 504 and late.json()["code"] == "deadline_exceeded"
+    backend.step.release()
+    assert (await running).status_code == 200
+    await _wait(lambda: engine.queue_depth == 0)
+    assert backend.multiplied == [(1, 2)]
+
+
+@pytest.mark.parametrize("sent", ["0", "-1", "soon", "nan", "1e9"])
+async def test_a_bad_request_timeout_is_refused(client: httpx.AsyncClient, sent: str) -> None:
+    r = await client.post("/matmul", json=BODY, headers={"x-request-timeout": sent})
+    assert r.status_code == 422 and r.json()["location"] == ["X-Request-Timeout"]
+
+
+async def test_a_client_that_disconnects_while_queued_takes_its_product_out_of_the_queue(
+    gated: tuple[GatedBackend, Engine, httpx.AsyncClient],
+) -> None:
+    backend, engine, client = gated
+    running = await _one_product_running(backend, engine, client)
+
+    gone = asyncio.Event()
+    body = [{"type": "http.request", "body": b'{"a": [[5.0]], "b": [[5.0]]}', "more_body": False}]
+
+    async def receive() -> dict[str, object]:
+        if body:
+            return body.pop()
+        await gone.wait()
+        return {"type": "http.disconnect"}
+
+    async def send(message: dict[str, object]) -> None:
+        return None
+
+    scope = {
+        "type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST", "scheme": "http",
+        "path": "/matmul", "raw_path": b"/matmul", "query_string": b"", "root_path": "", "state": {},
+        "headers": [(b"content-type", b"application/json")], "client": ("127.0.0.1", 1), "server": ("t", 80),
+    }  # fmt: skip
+    call = asyncio.create_task(client._transport.app(scope, receive, send))  # type: ignore[attr-defined]
+    await _wait(lambda: engine.queue_depth == 1)
+    gone.set()
+    await asyncio.wait_for(call, 5)
+    backend.step.release()
+    assert (await running).status_code == 200
+    await _wait(lambda: engine.queue_depth == 0)
+    assert backend.multiplied == [(1, 2)]
+
+
+async def test_a_lost_device_fails_the_engine_answers_the_queue_with_503_and_asks_for_a_restart() -> None:
+    from app.errors import DeviceLost
+
+    backend = GatedBackend()
+    backend.prepared.set()
+    lost = asyncio.Event()
+    engine = Engine(backend, queue_size=4, on_device_lost=lost.set)
+    engine.start()
+    await _wait(lambda: engine.state is EngineState.READY)
+    plan = Plan(kernel="numpy")
+    backend.fail_next = DeviceLost("cudaErrorIllegalInstruction; the CUDA context is unusable")
+    first = asyncio.create_task(engine.matmul(np.ones((1, 1)), np.ones((1, 1)), np.dtype(np.float64), plan))
+    await asyncio.to_thread(backend.started.acquire, True, 5)
+    queued = asyncio.create_task(engine.matmul(np.ones((2, 1)), np.ones((1, 1)), np.dtype(np.float64), plan))
+    await _wait(lambda: engine.queue_depth == 1)
+    backend.step.release()
+    with pytest.raises(DeviceLost):
+        await first
+    with pytest.raises(NotReady, match="the device was lost"):
+        await queued
+    await asyncio.wait_for(lost.wait(), 5)
+    assert engine.state is EngineState.FAILED and engine.device_lost
+    with pytest.raises(NotReady, match="the device was lost"):
+        engine.check_ready()
+    assert backend.multiplied == []
     await engine.stop()

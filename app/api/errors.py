@@ -10,17 +10,30 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from app.api.schemas import ErrorBody
-from app.errors import MatmulError, ServiceUnavailable
+from app.errors import MatmulError, ServiceUnavailable, Unauthorized
 
 log = logging.getLogger(__name__)
 
 _HTTP_CODES = {404: "not_found", 405: "method_not_allowed"}
 
 
+def _headers(exc: MatmulError, retry_after_s: int) -> dict[str, str]:
+    if isinstance(exc, ServiceUnavailable):
+        return {"Retry-After": str(retry_after_s)}
+    if isinstance(exc, Unauthorized):
+        return {"WWW-Authenticate": 'Bearer realm="matmul-service"'}
+    return {}
+
+
 def error_response(exc: MatmulError, retry_after_s: int) -> JSONResponse:
-    headers = {"Retry-After": str(retry_after_s)} if isinstance(exc, ServiceUnavailable) else None
+    """The service's error answer: {"code", "message", "location"}."""
     body = ErrorBody(code=exc.code, message=exc.message, location=exc.location)
-    return JSONResponse(body.model_dump(), status_code=exc.status_code, headers=headers)
+    return JSONResponse(body.model_dump(), status_code=exc.status_code, headers=_headers(exc, retry_after_s))
+
+
+def protocol_error_response(exc: MatmulError, retry_after_s: int) -> JSONResponse:
+    """The inference protocol's error answer: {"error": "<message>"}."""
+    return JSONResponse({"error": exc.message}, status_code=exc.status_code, headers=_headers(exc, retry_after_s))
 
 
 def _retry_after(request: Request) -> int:

@@ -7,6 +7,8 @@ the record left on `request.state.product` is what access logs and metrics read.
 
 from __future__ import annotations
 
+import asyncio
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from time import perf_counter
@@ -20,9 +22,10 @@ from app import codecs
 from app.api.schemas import DtypeName, MatmulMetadata, Timing
 from app.config import Settings
 from app.engine import Engine, Outcome
-from app.errors import PayloadTooLarge
+from app.errors import ClientGone, InvalidParameter, PayloadTooLarge
 
 T = TypeVar("T")
+TIMEOUT_HEADER = "X-Request-Timeout"
 
 
 async def off_loop_if_large(size: int, settings: Settings, function: Callable[..., T], *args: Any) -> T:
@@ -77,17 +80,50 @@ class Product:
     n: int
 
 
+def queue_timeout_s(request: Request, settings: Settings) -> float:
+    """How long the product may wait in the queue: X-Request-Timeout (seconds) if sent, at most the default."""
+    sent = request.headers.get(TIMEOUT_HEADER)
+    if sent is None:
+        return settings.request_timeout_s
+    try:
+        seconds = float(sent)
+    except ValueError:
+        seconds = math.nan
+    if not 0 < seconds <= 86_400:
+        raise InvalidParameter(
+            f"{TIMEOUT_HEADER} must be a number of seconds in (0, 86400], not {sent!r}", location=[TIMEOUT_HEADER]
+        )
+    return min(seconds, settings.request_timeout_s)
+
+
+async def _until_disconnected(request: Request) -> None:
+    """Returns when the client closes the connection (the body has been read: nothing else comes)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
 async def compute(
-    engine: Engine, operands: codecs.Operands, options: codecs.RequestOptions, limits: codecs.Limits
+    request: Request, engine: Engine, settings: Settings, operands: codecs.Operands, options: codecs.RequestOptions
 ) -> Product:
-    """Check the operands multiply, resolve dtype and kernel, and run the product on the engine."""
+    """Check the operands multiply, resolve dtype and kernel, and run the product on the engine; a client
+    that disconnects while its product waits takes the product out of the queue."""
+    limits = limits_of(settings)
     a, b = operands.a, operands.b
     codecs.check_product(a, b, limits)
     working = codecs.working_dtype(options.dtype, operands)
     (m, k), n = a.shape, b.shape[1]
     plan = engine.plan(options.kernel or "auto", options.tile, m, n, k)
-    outcome = await engine.matmul(a, b, working, plan)
-    return Product(outcome=outcome, dtype=working, m=m, k=k, n=n)
+    product = asyncio.ensure_future(engine.matmul(a, b, working, plan, timeout_s=queue_timeout_s(request, settings)))
+    disconnect = asyncio.ensure_future(_until_disconnected(request))
+    try:
+        await asyncio.wait({product, disconnect}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        disconnect.cancel()
+        if not product.done():
+            product.cancel()
+    if not product.done() or product.cancelled():
+        raise ClientGone("the client disconnected before its product was computed")
+    return Product(outcome=product.result(), dtype=working, m=m, k=k, n=n)
 
 
 def describe(request: Request, engine: Engine, product: Product, clock: Stopwatch) -> MatmulMetadata:

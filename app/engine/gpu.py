@@ -9,20 +9,25 @@ handed to the encoder as it is. CUDA events around each step give h2d, kernel an
 from __future__ import annotations
 
 import math
+from pathlib import Path
 from time import perf_counter
 from typing import Any, Final
 
 import numpy as np
 
+import kernels
 from app.engine.autotune import AUTO_REPEATS, SHAPE_CLASSES, AutoChoice, pick_auto
 from app.engine.base import AUTO, CUBLAS, DTYPE_NAMES, DeviceTiming, KernelInfo, Plan
 from app.engine.staging import cast_into
-from app.errors import InvalidParameter, ShapeMismatch, UnknownKernel
+from app.errors import DeviceLost, DeviceOutOfMemory, InvalidParameter, ShapeMismatch, UnknownKernel
 from kernels.cuda import KernelLibrary
 from kernels.registry import KERNELS, KernelSpec, LaunchConfig, cdiv
 
 # Self-test shape at start-up: no side a multiple of any tile, so every edge guard is exercised.
 SELF_TEST_SHAPE = (67, 45, 39)
+# A kernel that executes `trap`, for tests of device loss; exists only with MATMUL_FAULT_INJECTION=1.
+FAULT_TRAP = "fault_trap"
+CUDA_ERROR_MEMORY_ALLOCATION = 2
 # Relative Frobenius error allowed against a float64 reference; float32 sums of k terms err ~sqrt(k)*2^-24.
 SELF_TEST_TOLERANCE = {"float32": 1e-5, "float64": 1e-12}
 
@@ -63,11 +68,14 @@ class GpuBackend:
     _library: KernelLibrary
     """Compiled by `prepare`, on the worker thread."""
 
-    def __init__(self, device: int) -> None:
+    def __init__(self, device: int, memory_limit_bytes: int = 0, fault_injection: bool = False) -> None:
         import cupy
 
         self._cp = cupy
         self._device_id = device
+        self._memory_limit_bytes = memory_limit_bytes
+        self._fault_injection = fault_injection
+        self._trap: Any = None
         properties = cupy.cuda.runtime.getDeviceProperties(device)
         self.device_name: str = properties["name"].decode()
         self._properties = properties
@@ -93,6 +101,8 @@ class GpuBackend:
         ]
 
     def plan(self, kernel: str, tile: int | None, m: int, n: int, k: int) -> Plan:
+        if kernel == FAULT_TRAP and self._fault_injection:
+            return Plan(kernel=FAULT_TRAP)
         if kernel == AUTO:
             kernel = pick_auto(self._auto, m, n, k, fallback=CUBLAS)
         spec: KernelSpec | None = KERNELS.get(kernel)
@@ -118,6 +128,12 @@ class GpuBackend:
     def prepare(self) -> None:
         cp = self._cp
         cp.cuda.Device(self._device_id).use()
+        if self._memory_limit_bytes:
+            cp.get_default_memory_pool().set_limit(size=self._memory_limit_bytes)
+        if self._fault_injection:
+            source = (Path(kernels.__file__).parent / "fault_trap.cu").read_text(encoding="utf-8")
+            self._trap = cp.RawKernel(source, "fault_trap")
+            self._trap.compile()
         self._stream = cp.cuda.Stream(non_blocking=True)
         self._events = [cp.cuda.Event() for _ in range(5)]
         self._library = KernelLibrary()
@@ -141,7 +157,7 @@ class GpuBackend:
             a, b = rng.standard_normal((m, k)), rng.standard_normal((k, n))
             reference = a @ b
             for dtype in DTYPE_NAMES:
-                c, _ = self.multiply(a, b, np.dtype(dtype), plan)
+                c, _ = self._multiply(a, b, np.dtype(dtype), plan)
                 error = np.linalg.norm(c - reference) / np.linalg.norm(reference)
                 if not error <= SELF_TEST_TOLERANCE[dtype]:
                     label = plan.config.label if plan.config else ""
@@ -182,6 +198,36 @@ class GpuBackend:
         return np.frombuffer(memory, dtype, count).reshape(shape)
 
     def multiply(self, a: np.ndarray, b: np.ndarray, dtype: np.dtype, plan: Plan) -> tuple[np.ndarray, DeviceTiming]:
+        """The product, with CUDA's failures translated: out of memory -> 503 after freeing the pools' cached
+        blocks; a sticky error (the context no longer works) -> DeviceLost; anything else propagates."""
+        cp = self._cp
+        try:
+            return self._multiply(a, b, dtype, plan)
+        except cp.cuda.memory.OutOfMemoryError as exc:
+            self._free_cached_memory()
+            raise DeviceOutOfMemory(f"the product does not fit in device memory now: {exc}") from exc
+        except cp.cuda.runtime.CUDARuntimeError as exc:
+            if exc.status == CUDA_ERROR_MEMORY_ALLOCATION:
+                self._free_cached_memory()
+                raise DeviceOutOfMemory(f"pinned host or device memory could not be allocated: {exc}") from exc
+            if not self._context_works():
+                raise DeviceLost(f"{exc}; the CUDA context is unusable") from exc
+            raise
+
+    def _free_cached_memory(self) -> None:
+        self._cp.get_default_memory_pool().free_all_blocks()
+        self._cp.get_default_pinned_memory_pool().free_all_blocks()
+
+    def _context_works(self) -> bool:
+        """Whether the device still runs work: after a sticky error every call fails, even this one."""
+        try:
+            probe = self._cp.zeros(1, dtype=self._cp.float32)
+            self._cp.cuda.runtime.deviceSynchronize()
+            return bool(probe.get()[0] == 0)
+        except Exception:
+            return False
+
+    def _multiply(self, a: np.ndarray, b: np.ndarray, dtype: np.dtype, plan: Plan) -> tuple[np.ndarray, DeviceTiming]:
         cp = self._cp
         (m, k), n = a.shape, b.shape[1]
         if m == 0 or n == 0:
@@ -216,7 +262,9 @@ class GpuBackend:
         )
 
     def _launch(self, plan: Plan, a: Any, b: Any, c: Any) -> None:
-        if plan.config is None:
+        if plan.kernel == FAULT_TRAP:
+            self._trap((1,), (1,), ())
+        elif plan.config is None:
             self._cp.matmul(a, b, out=c)
         else:
             self._library.launch(KERNELS[plan.kernel], plan.config, a, b, c)

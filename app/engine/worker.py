@@ -2,8 +2,13 @@
 
 The event loop only enqueues and awaits: `matmul()` puts a job on the queue (503 at once when it is full)
 and waits on an asyncio future that the worker settles with `call_soon_threadsafe`. The worker compiles
-and warms the kernels first (`/readyz` answers 503 until then), then runs jobs one at a time; a job whose
-caller has gone away (its future cancelled) is skipped, so no device time is spent for nobody.
+and warms the kernels first (`/readyz` answers 503 until then), then runs jobs one at a time.
+
+A job leaves the queue unrun when its caller goes away (cancelled) or its deadline passes while it still
+waits (504): whichever of the worker (starting it) and the event loop (dropping it) comes first wins, under
+the job's lock, so no device time is spent for nobody and no answer is lost. When the backend reports the
+device lost (a sticky CUDA error poisons the process's context), the engine fails, answers every queued job
+with 503, and calls `on_device_lost` so the process can exit and be restarted with a fresh context.
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ import asyncio
 import logging
 import queue
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import StrEnum
 from time import perf_counter
@@ -20,7 +26,7 @@ from typing import Any
 import numpy as np
 
 from app.engine.base import Backend, KernelInfo, Outcome, Plan
-from app.errors import DeviceFailure, MatmulError, NotReady, Overloaded
+from app.errors import DeadlineExceeded, DeviceFailure, DeviceLost, MatmulError, NotReady, Overloaded
 
 log = logging.getLogger(__name__)
 
@@ -32,6 +38,12 @@ class EngineState(StrEnum):
     STOPPED = "stopped"
 
 
+class _JobState(StrEnum):
+    QUEUED = "queued"
+    RUNNING = "running"
+    DROPPED = "dropped"
+
+
 @dataclass
 class _Job:
     a: np.ndarray
@@ -41,24 +53,47 @@ class _Job:
     loop: asyncio.AbstractEventLoop
     future: asyncio.Future[Outcome]
     enqueued_at: float = field(default_factory=perf_counter)
-    abandoned: threading.Event = field(default_factory=threading.Event)
+    state: _JobState = _JobState.QUEUED
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def _leave_queue(self, to: _JobState) -> bool:
+        with self.lock:
+            if self.state is not _JobState.QUEUED:
+                return False
+            self.state = to
+            return True
+
+    def start(self) -> bool:
+        """The worker takes the job; False when the event loop dropped it first."""
+        return self._leave_queue(_JobState.RUNNING)
+
+    def drop(self) -> bool:
+        """The event loop gives the job up; False when the worker already started it."""
+        return self._leave_queue(_JobState.DROPPED)
 
 
 class Engine:
     """Runs products on its backend's device, one at a time, in arrival order."""
 
-    def __init__(self, backend: Backend, queue_size: int) -> None:
+    def __init__(self, backend: Backend, queue_size: int, on_device_lost: Callable[[], None] | None = None) -> None:
         self.backend = backend
         self.queue_size = queue_size
+        self._on_device_lost = on_device_lost
+        self._loop: asyncio.AbstractEventLoop | None = None
         self._queue: queue.Queue[_Job | None] = queue.Queue(maxsize=queue_size)
         self._thread = threading.Thread(target=self._run, name=f"{backend.name}-worker", daemon=True)
         self._state = EngineState.STARTING
         self._failure: str | None = None
+        self._device_lost = False
 
     # ----------------------------------------------------------------------------------------- lifecycle
 
     def start(self) -> None:
         """Start the worker; it prepares the backend in the background, so this returns at once."""
+        try:
+            self._loop = asyncio.get_running_loop()
+        except RuntimeError:
+            self._loop = None
         self._thread.start()
 
     async def stop(self) -> None:
@@ -71,6 +106,11 @@ class Engine:
     @property
     def state(self) -> EngineState:
         return self._state
+
+    @property
+    def device_lost(self) -> bool:
+        """Whether a sticky device error ended the engine: the process must restart to use the device again."""
+        return self._device_lost
 
     @property
     def failure(self) -> str | None:
@@ -97,8 +137,11 @@ class Engine:
         if self._state is not EngineState.READY:
             raise NotReady(f"the {self.backend.name} backend is {self._state.value}: {self._failure or 'shut down'}")
 
-    async def matmul(self, a: np.ndarray, b: np.ndarray, dtype: np.dtype, plan: Plan) -> Outcome:
-        """a @ b on the device; Overloaded at once when the queue is full."""
+    async def matmul(
+        self, a: np.ndarray, b: np.ndarray, dtype: np.dtype, plan: Plan, timeout_s: float | None = None
+    ) -> Outcome:
+        """a @ b on the device. Overloaded at once when the queue is full; DeadlineExceeded when the job is
+        still queued `timeout_s` after it was enqueued (a job already running is waited for)."""
         self.check_ready()
         loop = asyncio.get_running_loop()
         job = _Job(a=a, b=b, dtype=dtype, plan=plan, loop=loop, future=loop.create_future())
@@ -108,8 +151,18 @@ class Engine:
             raise Overloaded(
                 f"the {self.backend.name} worker's queue is full ({self.queue_size} waiting); retry later"
             ) from None
-        job.future.add_done_callback(lambda f: job.abandoned.set() if f.cancelled() else None)
-        return await job.future
+        try:
+            async with asyncio.timeout(timeout_s):
+                return await asyncio.shield(job.future)
+        except TimeoutError:
+            if job.drop():
+                raise DeadlineExceeded(
+                    f"the product was still queued after its deadline of {timeout_s:g} s and was dropped"
+                ) from None
+            return await job.future
+        except asyncio.CancelledError:
+            job.drop()
+            raise
 
     # -------------------------------------------------------------------------------- the worker thread
 
@@ -127,9 +180,11 @@ class Engine:
             "%s backend ready on %s in %.2f s", self.backend.name, self.backend.device_name, perf_counter() - started
         )
         while (job := self._queue.get()) is not None:
-            if job.abandoned.is_set():
-                continue
-            self._execute(job)
+            if job.start():
+                self._execute(job)
+            if self._state is EngineState.FAILED:
+                self._fail_queued()
+                return
         self.backend.close()
 
     def _execute(self, job: _Job) -> None:
@@ -138,6 +193,12 @@ class Engine:
         try:
             c, device = self.backend.multiply(job.a, job.b, job.dtype, job.plan)
             settled = Outcome(c=c, plan=job.plan, queue_ms=(began - job.enqueued_at) * 1e3, device=device)
+        except DeviceLost as exc:
+            log.critical("device lost running '%s': %s", job.plan.kernel, exc.message)
+            self._failure = f"the device was lost: {exc.message}"
+            self._device_lost = True
+            self._state = EngineState.FAILED
+            settled = exc
         except MatmulError as exc:
             settled = exc
         except Exception as exc:
@@ -145,6 +206,18 @@ class Engine:
             settled = DeviceFailure(f"the {self.backend.name} backend failed running '{job.plan.kernel}': {exc}")
             settled.__cause__ = exc
         job.loop.call_soon_threadsafe(_settle, job.future, settled)
+
+    def _fail_queued(self) -> None:
+        """After the device is lost: answer every queued job with 503, then tell the process."""
+        while True:
+            try:
+                job = self._queue.get_nowait()
+            except queue.Empty:
+                break
+            if job is not None and job.start():
+                job.loop.call_soon_threadsafe(_settle, job.future, NotReady(self._failure or "the device was lost"))
+        if self._on_device_lost is not None and self._loop is not None:
+            self._loop.call_soon_threadsafe(self._on_device_lost)
 
 
 def _settle(future: asyncio.Future[Outcome], outcome: Outcome | BaseException) -> None:

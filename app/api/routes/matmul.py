@@ -175,7 +175,7 @@ async def matmul(
     operands, clock.read_ms = await _read_operands(request, settings, limits)
     clock.mark_decoded()
     options = codecs.RequestOptions(kernel=kernel, tile=tile, dtype=dtype).merged_with(operands.options)
-    product = await compute(engine, operands, options, limits)
+    product = await compute(request, engine, settings, operands, options)
     c = product.outcome.c
 
     clock.computed = perf_counter()

@@ -18,6 +18,7 @@ from fastapi.routing import APIRoute
 
 from app import __version__, inference_protocol
 from app.api.deps import EngineDep, SettingsDep
+from app.api.errors import protocol_error_response
 from app.api.product import (
     Stopwatch,
     compute,
@@ -29,7 +30,7 @@ from app.api.product import (
 )
 from app.codecs import JSON_MEDIA_TYPE, Operands, RequestOptions
 from app.engine import Engine
-from app.errors import InvalidParameter, MatmulError, ServiceUnavailable, UnknownModel
+from app.errors import InvalidParameter, MatmulError, UnknownModel
 from app.inference_stats import ModelStatistics
 
 MODEL = "matmul"
@@ -46,10 +47,7 @@ class V2Route(APIRoute):
             try:
                 return await handler(request)
             except MatmulError as exc:
-                headers = None
-                if isinstance(exc, ServiceUnavailable):
-                    headers = {"Retry-After": str(request.app.state.settings.retry_after_s)}
-                return JSONResponse({"error": exc.message}, status_code=exc.status_code, headers=headers)
+                return protocol_error_response(exc, request.app.state.settings.retry_after_s)
             except RequestValidationError as exc:
                 first = exc.errors()[0]
                 where = ".".join(str(part) for part in first.get("loc", ()))
@@ -240,7 +238,7 @@ async def infer(
                 raise InvalidParameter(f"model '{model}' runs kernel '{fixed_kernel}'; use model '{MODEL}' to choose")
             options = RequestOptions(kernel=fixed_kernel, tile=options.tile, dtype=options.dtype)
         operands = Operands(a=decoded.operands.a, b=decoded.operands.b, options=options)
-        product = await compute(engine, operands, options, limits)
+        product = await compute(request, engine, settings, operands, options)
         clock.computed = perf_counter()
         c = product.outcome.c
         parameters = {"kernel": product.outcome.plan.kernel, "backend": engine.backend.name}
