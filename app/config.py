@@ -23,7 +23,10 @@ class Settings(BaseSettings):
     backend: BackendChoice = Field(
         BackendChoice.AUTO, description="cpu, gpu, or auto (the GPU when CuPy sees a device, else the CPU)."
     )
-    device: int = Field(0, ge=0, description="CUDA device ordinal the GPU worker owns.")
+    devices: Annotated[list[int], NoDecode] = Field(
+        default_factory=list,
+        description="Comma-separated CUDA device ordinals, one GPU worker each (empty: every visible device).",
+    )
     queue_size: int = Field(64, ge=1, le=100_000, description="Requests waiting for the worker before 503.")
     retry_after_s: int = Field(1, ge=1, le=3600, description="Retry-After sent with 503 answers.")
     max_body_bytes: int = Field(
@@ -58,6 +61,9 @@ class Settings(BaseSettings):
     fault_injection: bool = Field(
         False, description="Tests only: accept kernel=fault_trap, which poisons the CUDA context on purpose."
     )
+    echo_route: bool = Field(
+        False, description="Benchmarks only: POST /v1/echo answers with as many bytes as it read (transport ceiling)."
+    )
     access_log: bool = Field(True, description="One JSON line per request on stderr (logger app.access).")
     inline_codec_bytes: int = Field(
         256 * 1024,
@@ -66,10 +72,10 @@ class Settings(BaseSettings):
         "in a worker thread so the loop never blocks.",
     )
 
-    @field_validator("api_keys", mode="before")
+    @field_validator("api_keys", "devices", mode="before")
     @classmethod
-    def _split_keys(cls, value: Any) -> Any:
-        """MATMUL_API_KEYS is a comma-separated list; empty entries are ignored."""
+    def _split_list(cls, value: Any) -> Any:
+        """MATMUL_API_KEYS and MATMUL_DEVICES are comma-separated lists; empty entries are ignored."""
         if isinstance(value, str):
-            return [key.strip() for key in value.split(",") if key.strip()]
+            return [item.strip() for item in value.split(",") if item.strip()]
         return value

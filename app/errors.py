@@ -10,7 +10,8 @@ one place, so routes, codecs and the engine raise them and never build HTTP resp
     │   ├── ShapeMismatch             422  shape_mismatch         inner dimensions differ, or a size limit is passed
     │   ├── UnknownKernel             422  unknown_kernel         not a kernel of this backend
     │   └── InvalidParameter          422  invalid_parameter      bad tile, dtype, or conflicting parameters
-    ├── UnknownModel                  404  unknown_model          inference protocol: no such model or version
+    ├── NotFound                      404  not_found              a route that is switched off
+    │   └── UnknownModel              404  unknown_model          inference protocol: no such model or version
     ├── Unauthorized                  401  unauthorized           no or wrong API key (sent with WWW-Authenticate)
     ├── BodyTimeout                   408  body_timeout           the body stopped arriving
     ├── PayloadTooLarge               413  payload_too_large
@@ -73,8 +74,12 @@ class InvalidParameter(InvalidInput):
     code = "invalid_parameter"
 
 
-class UnknownModel(MatmulError):
+class NotFound(MatmulError):
     status_code = 404
+    code = "not_found"
+
+
+class UnknownModel(NotFound):
     code = "unknown_model"
 
 

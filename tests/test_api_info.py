@@ -16,7 +16,8 @@ async def test_probes(client: httpx.AsyncClient) -> None:
 async def test_info_names_backend_device_and_kernels(client: httpx.AsyncClient) -> None:
     info = (await client.get("/v1/info")).json()
     assert info["backend"] == "cpu" and info["state"] == "ready"
-    assert info["device"]["why_cpu"] == "MATMUL_BACKEND=cpu"
+    (device,) = info["devices"]
+    assert device["why_cpu"] == "MATMUL_BACKEND=cpu" and device["state"] == "ready" and device["queue_depth"] == 0
     assert info["queue"] == {"size": 64, "depth": 0}
     assert [k["name"] for k in info["kernels"]] == ["auto", "numpy"]
 

@@ -13,7 +13,7 @@ import pytest
 
 from app.api.deps import get_engine
 from app.config import Settings
-from app.engine import DeviceTiming, Engine, EngineState, KernelInfo, Plan
+from app.engine import DeviceTiming, Engine, EngineState, KernelInfo, Plan, Worker
 from app.engine.autotune import AutoChoice
 from app.errors import NotReady
 from app.main import create_app
@@ -25,9 +25,9 @@ class GatedBackend:
     """Multiplies with NumPy, but only as far as the test lets it: each gate is opened by the test."""
 
     name: Final = "cpu"
-    device_name = "test device"
 
-    def __init__(self, prepare_error: Exception | None = None) -> None:
+    def __init__(self, prepare_error: Exception | None = None, device_name: str = "test device") -> None:
+        self.device_name = device_name
         self.prepared = threading.Event()
         self.step = threading.Semaphore(0)
         self.started = threading.Semaphore(0)
@@ -82,7 +82,7 @@ async def _wait(predicate: Any) -> None:
 @pytest.fixture
 async def gated() -> AsyncIterator[tuple[GatedBackend, Engine, httpx.AsyncClient]]:
     backend = GatedBackend()
-    engine = Engine(backend, queue_size=1)
+    engine = Engine([Worker(backend, queue_size=1)])
     app = create_app(Settings(backend="cpu", retry_after_s=7))
     app.dependency_overrides[get_engine] = lambda: engine
     async with app.router.lifespan_context(app):
@@ -140,10 +140,10 @@ async def test_an_abandoned_job_is_not_run(gated: tuple[GatedBackend, Engine, ht
     backend, engine, _ = gated
     backend.prepared.set()
     await _wait(lambda: engine.state is EngineState.READY)
-    plan = Plan(kernel="numpy")
-    first = asyncio.create_task(engine.matmul(np.ones((1, 1)), np.ones((1, 1)), np.dtype(np.float64), plan))
+    f64 = np.dtype(np.float64)
+    first = asyncio.create_task(engine.matmul(np.ones((1, 1)), np.ones((1, 1)), f64, "numpy", None, None))
     await asyncio.to_thread(backend.started.acquire, True, 5)
-    abandoned = asyncio.create_task(engine.matmul(np.ones((2, 1)), np.ones((1, 1)), np.dtype(np.float64), plan))
+    abandoned = asyncio.create_task(engine.matmul(np.ones((2, 1)), np.ones((1, 1)), f64, "numpy", None, None))
     await _wait(lambda: engine.queue_depth == 1)
     abandoned.cancel()
     with pytest.raises(asyncio.CancelledError):
@@ -152,7 +152,7 @@ async def test_an_abandoned_job_is_not_run(gated: tuple[GatedBackend, Engine, ht
     await first
     await _wait(lambda: engine.queue_depth == 0)
     backend.step.release()
-    await engine.matmul(np.ones((3, 1)), np.ones((1, 1)), np.dtype(np.float64), plan)
+    await engine.matmul(np.ones((3, 1)), np.ones((1, 1)), f64, "numpy", None, None)
     assert backend.multiplied == [(1, 1), (3, 1)]
 
 
@@ -174,7 +174,7 @@ async def test_an_unexpected_backend_error_is_a_device_failure_and_the_worker_go
 async def test_a_backend_that_cannot_prepare_is_reported_not_ready() -> None:
     backend = GatedBackend(prepare_error=RuntimeError("nvrtc: error in tiled.cu"))
     backend.prepared.set()
-    engine = Engine(backend, queue_size=4)
+    engine = Worker(backend, queue_size=4)
     engine.start()
     await _wait(lambda: engine.state is EngineState.FAILED)
     with pytest.raises(NotReady, match=r"nvrtc: error in tiled\.cu"):
@@ -240,7 +240,7 @@ async def test_a_lost_device_fails_the_engine_answers_the_queue_with_503_and_ask
     backend = GatedBackend()
     backend.prepared.set()
     lost = asyncio.Event()
-    engine = Engine(backend, queue_size=4, on_device_lost=lost.set)
+    engine = Worker(backend, queue_size=4, on_device_lost=lost.set)
     engine.start()
     await _wait(lambda: engine.state is EngineState.READY)
     plan = Plan(kernel="numpy")
@@ -259,4 +259,23 @@ async def test_a_lost_device_fails_the_engine_answers_the_queue_with_503_and_ask
     with pytest.raises(NotReady, match="the device was lost"):
         engine.check_ready()
     assert backend.multiplied == []
+    await engine.stop()
+
+
+async def test_each_product_goes_to_the_least_loaded_device() -> None:
+    first, second = GatedBackend(device_name="gpu0"), GatedBackend(device_name="gpu1")
+    engine = Engine([Worker(first, queue_size=4), Worker(second, queue_size=4)])
+    for backend in (first, second):
+        backend.prepared.set()
+    engine.start()
+    await _wait(lambda: engine.state is EngineState.READY)
+    f64 = np.dtype(np.float64)
+    busy = asyncio.create_task(engine.matmul(np.ones((1, 1)), np.ones((1, 1)), f64, "numpy", None, None))
+    await asyncio.to_thread(first.started.acquire, True, 5)
+    second.step.release()
+    outcome = await engine.matmul(np.ones((2, 1)), np.ones((1, 1)), f64, "numpy", None, None)
+    assert outcome.device_name == "gpu1" and second.multiplied == [(2, 1)]
+    assert [d["name"] for d in engine.describe()] == ["gpu0", "gpu1"]
+    first.step.release()
+    assert (await busy).device_name == "gpu0"
     await engine.stop()

@@ -93,3 +93,16 @@ async def test_a_body_that_stops_arriving_gets_408_not_a_hang(small: tuple[FastA
     await asyncio.wait_for(app(scope, receive, send), timeout=5)
     assert sent[0]["status"] == 408
     assert orjson.loads(sent[1]["body"])["code"] == "body_timeout"  # type: ignore[arg-type]
+
+
+async def test_the_echo_route_is_off_unless_asked_for(client: httpx.AsyncClient) -> None:
+    r = await client.post("/v1/echo", content=b"abc")
+    assert r.status_code == 404 and r.json()["code"] == "not_found"
+
+
+async def test_the_echo_route_answers_with_what_it_read() -> None:
+    app = create_app(Settings(backend="cpu", echo_route=True, access_log=False))
+    async for client in _client_for(app):
+        body = bytes(range(256)) * 1000
+        r = await client.post("/v1/echo", content=body)
+        assert r.status_code == 200 and r.content == body

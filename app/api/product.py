@@ -112,8 +112,8 @@ async def compute(
     codecs.check_product(a, b, limits)
     working = codecs.working_dtype(options.dtype, operands)
     (m, k), n = a.shape, b.shape[1]
-    plan = engine.plan(options.kernel or "auto", options.tile, m, n, k)
-    product = asyncio.ensure_future(engine.matmul(a, b, working, plan, timeout_s=queue_timeout_s(request, settings)))
+    timeout_s = queue_timeout_s(request, settings)
+    product = asyncio.ensure_future(engine.matmul(a, b, working, options.kernel or "auto", options.tile, timeout_s))
     disconnect = asyncio.ensure_future(_until_disconnected(request))
     try:
         await asyncio.wait({product, disconnect}, return_when=asyncio.FIRST_COMPLETED)
@@ -136,8 +136,8 @@ def describe(request: Request, engine: Engine, product: Product, clock: Stopwatc
         dtype=cast(DtypeName, product.dtype.name),
         kernel=product.outcome.plan.kernel,
         tile=product.outcome.plan.tile,
-        backend=engine.backend.name,
-        device=engine.backend.device_name,
+        backend=engine.backend_name,
+        device=product.outcome.device_name,
         timing=Timing(
             read_ms=clock.read_ms,
             decode_ms=(clock.decoded - clock.received) * 1e3 - clock.read_ms,

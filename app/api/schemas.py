@@ -82,8 +82,8 @@ class KernelListing(BaseModel):
 
 
 class QueueModel(BaseModel):
-    size: int = Field(description="Requests that may wait before new ones get 503.")
-    depth: int = Field(description="Requests waiting now.")
+    size: int = Field(description="Requests each worker may hold waiting before new ones get 503.")
+    depth: int = Field(description="Requests waiting now, on all workers.")
 
 
 class InfoResponse(BaseModel):
@@ -92,7 +92,10 @@ class InfoResponse(BaseModel):
     backend: BackendName
     state: Literal["starting", "ready", "failed", "stopped"]
     failure: str | None
-    device: dict[str, Any] = Field(description="Device name, memory, compute capability, CuPy/CUDA versions.")
+    devices: list[dict[str, Any]] = Field(
+        description="Each device a worker owns: name, memory, compute capability, CuPy/CUDA versions, its "
+        "worker's state and queue depth (the CPU backend: one entry)."
+    )
     queue: QueueModel
     kernels: list[KernelModel]
 

@@ -1,4 +1,4 @@
-"""The compute engine: a worker thread that owns the device, and the backends it can drive."""
+"""The compute engine: worker threads that each own a device, and the backends they drive."""
 
 from __future__ import annotations
 
@@ -8,27 +8,35 @@ from collections.abc import Callable
 from app.config import BackendChoice, Settings
 from app.engine.base import Backend, DeviceTiming, KernelInfo, Outcome, Plan
 from app.engine.cpu import CpuBackend
-from app.engine.worker import Engine, EngineState
+from app.engine.engine import Engine
+from app.engine.worker import EngineState, Worker
 
-__all__ = ["DeviceTiming", "Engine", "EngineState", "KernelInfo", "Outcome", "Plan", "build_engine"]
+__all__ = ["DeviceTiming", "Engine", "EngineState", "KernelInfo", "Outcome", "Plan", "Worker", "build_engine"]
 
 log = logging.getLogger(__name__)
 
 
-def _choose_backend(settings: Settings) -> Backend:
+def _choose_backends(settings: Settings) -> list[Backend]:
+    """One backend per device: the GPUs listed in MATMUL_DEVICES (or every visible one), else the CPU."""
     if settings.backend is BackendChoice.CPU:
-        return CpuBackend(reason="MATMUL_BACKEND=cpu")
+        return [CpuBackend(reason="MATMUL_BACKEND=cpu")]
     from app.engine import gpu
 
-    reason = gpu.unavailable_reason(settings.device)
+    devices = settings.devices or list(range(gpu.device_count())) or [0]
+    reason = next((r for r in map(gpu.unavailable_reason, devices) if r is not None), None)
     if reason is None:
-        return gpu.GpuBackend(settings.device, settings.device_memory_limit_bytes, settings.fault_injection)
+        return [gpu.GpuBackend(d, settings.device_memory_limit_bytes, settings.fault_injection) for d in devices]
     if settings.backend is BackendChoice.GPU:
         raise RuntimeError(f"MATMUL_BACKEND=gpu, but the GPU backend cannot start: {reason}")
     log.warning("no usable GPU (%s): running on the CPU backend", reason)
-    return CpuBackend(reason=reason)
+    return [CpuBackend(reason=reason)]
 
 
 def build_engine(settings: Settings, on_device_lost: Callable[[], None] | None = None) -> Engine:
     """The engine for these settings, not yet started."""
-    return Engine(_choose_backend(settings), queue_size=settings.queue_size, on_device_lost=on_device_lost)
+    return Engine(
+        [
+            Worker(backend, queue_size=settings.queue_size, on_device_lost=on_device_lost)
+            for backend in _choose_backends(settings)
+        ]
+    )

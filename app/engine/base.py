@@ -54,6 +54,7 @@ class Outcome:
     plan: Plan
     queue_ms: float
     device: DeviceTiming
+    device_name: str
 
 
 class Backend(Protocol):

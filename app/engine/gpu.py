@@ -32,6 +32,16 @@ CUDA_ERROR_MEMORY_ALLOCATION = 2
 SELF_TEST_TOLERANCE = {"float32": 1e-5, "float64": 1e-12}
 
 
+def device_count() -> int:
+    """CUDA devices CuPy sees here (0 without CuPy or a driver)."""
+    try:
+        import cupy
+
+        return int(cupy.cuda.runtime.getDeviceCount())
+    except Exception:
+        return 0
+
+
 def unavailable_reason(device: int) -> str | None:
     """Why the GPU backend cannot run here (None when it can): no CuPy, no driver, no such device."""
     try:

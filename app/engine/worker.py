@@ -1,4 +1,4 @@
-"""The engine: one worker thread that owns the backend's device, fed through a bounded queue.
+"""A worker: one thread that owns one backend's device, fed through a bounded queue.
 
 The event loop only enqueues and awaits: `matmul()` puts a job on the queue (503 at once when it is full)
 and waits on an asyncio future that the worker settles with `call_soon_threadsafe`. The worker compiles
@@ -21,11 +21,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import StrEnum
 from time import perf_counter
-from typing import Any
 
 import numpy as np
 
-from app.engine.base import Backend, KernelInfo, Outcome, Plan
+from app.engine.base import Backend, Outcome, Plan
 from app.errors import DeadlineExceeded, DeviceFailure, DeviceLost, MatmulError, NotReady, Overloaded
 
 log = logging.getLogger(__name__)
@@ -72,7 +71,7 @@ class _Job:
         return self._leave_queue(_JobState.DROPPED)
 
 
-class Engine:
+class Worker:
     """Runs products on its backend's device, one at a time, in arrival order."""
 
     def __init__(self, backend: Backend, queue_size: int, on_device_lost: Callable[[], None] | None = None) -> None:
@@ -81,10 +80,13 @@ class Engine:
         self._on_device_lost = on_device_lost
         self._loop: asyncio.AbstractEventLoop | None = None
         self._queue: queue.Queue[_Job | None] = queue.Queue(maxsize=queue_size)
-        self._thread = threading.Thread(target=self._run, name=f"{backend.name}-worker", daemon=True)
+        self._thread = threading.Thread(
+            target=self._run, name=f"{backend.name}-worker-{backend.device_name}", daemon=True
+        )
         self._state = EngineState.STARTING
         self._failure: str | None = None
         self._device_lost = False
+        self._running = 0
 
     # ----------------------------------------------------------------------------------------- lifecycle
 
@@ -120,16 +122,12 @@ class Engine:
     def queue_depth(self) -> int:
         return self._queue.qsize()
 
-    def kernels(self) -> list[KernelInfo]:
-        return self.backend.kernels()
-
-    def describe(self) -> dict[str, Any]:
-        return self.backend.describe()
+    @property
+    def load(self) -> int:
+        """Products waiting or running: what least-loaded dispatch compares."""
+        return self._queue.qsize() + self._running
 
     # --------------------------------------------------------------------------------------- requests
-
-    def plan(self, kernel: str, tile: int | None, m: int, n: int, k: int) -> Plan:
-        return self.backend.plan(kernel, tile, m, n, k)
 
     def check_ready(self) -> None:
         if self._state is EngineState.STARTING:
@@ -181,7 +179,9 @@ class Engine:
         )
         while (job := self._queue.get()) is not None:
             if job.start():
+                self._running = 1
                 self._execute(job)
+                self._running = 0
             if self._state is EngineState.FAILED:
                 self._fail_queued()
                 return
@@ -192,7 +192,13 @@ class Engine:
         settled: Outcome | BaseException
         try:
             c, device = self.backend.multiply(job.a, job.b, job.dtype, job.plan)
-            settled = Outcome(c=c, plan=job.plan, queue_ms=(began - job.enqueued_at) * 1e3, device=device)
+            settled = Outcome(
+                c=c,
+                plan=job.plan,
+                queue_ms=(began - job.enqueued_at) * 1e3,
+                device=device,
+                device_name=self.backend.device_name,
+            )
         except DeviceLost as exc:
             log.critical("device lost running '%s': %s", job.plan.kernel, exc.message)
             self._failure = f"the device was lost: {exc.message}"

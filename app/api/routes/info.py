@@ -37,9 +37,9 @@ async def kernels(engine: EngineDep) -> KernelListing:
             probe=[choice.shape_class.probe] * 3,
             probe_ms=dict(choice.probe_ms),
         )
-        for choice in engine.backend.auto_choices()
+        for choice in engine.auto_choices()
     ]
-    return KernelListing(backend=engine.backend.name, default="auto", kernels=_kernel_models(engine), auto=auto)
+    return KernelListing(backend=engine.backend_name, default="auto", kernels=_kernel_models(engine), auto=auto)
 
 
 @router.get("/info", summary="Describe the server")
@@ -48,10 +48,10 @@ async def info(engine: EngineDep) -> InfoResponse:
     return InfoResponse(
         service="matmul-service",
         version=__version__,
-        backend=engine.backend.name,
+        backend=engine.backend_name,
         state=engine.state.value,
         failure=engine.failure,
-        device=engine.describe(),
+        devices=engine.describe(),
         queue=QueueModel(size=engine.queue_size, depth=engine.queue_depth),
         kernels=_kernel_models(engine),
     )

@@ -20,7 +20,7 @@ async def metrics(request: Request, engine: EngineDep) -> Response:
     """Requests by route/status/kernel, latency and stage histograms, queue depth, in-flight, device memory, bytes."""
     service_metrics: ServiceMetrics = request.app.state.metrics
     service_metrics.queue_depth.set(engine.queue_depth)
-    service_metrics.device_memory.set(engine.backend.memory_held())
-    service_metrics.kernels_compiled.set(engine.backend.compiled_instances())
+    service_metrics.device_memory.set(engine.memory_held())
+    service_metrics.kernels_compiled.set(engine.compiled_instances())
     body, content_type = service_metrics.render()
     return Response(content=body, media_type=content_type)

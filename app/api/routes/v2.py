@@ -94,7 +94,7 @@ def _metadata(model: str, engine: Engine) -> dict[str, Any]:
         "platform": "matmul-service",
         "inputs": [tensor(name) for name in inference_protocol.INPUTS],
         "outputs": [tensor(inference_protocol.OUTPUT)],
-        "parameters": {"backend": engine.backend.name, "datatypes": list(inference_protocol.DATATYPES)},
+        "parameters": {"backend": engine.backend_name, "datatypes": list(inference_protocol.DATATYPES)},
     }
 
 
@@ -158,7 +158,7 @@ async def model_config(model: ModelName, engine: EngineDep, version: VersionName
     return {
         "name": model,
         "platform": "matmul-service",
-        "backend": engine.backend.name,
+        "backend": engine.backend_name,
         "max_batch_size": 0,
         "input": [tensor(name) for name in inference_protocol.INPUTS],
         "output": [tensor(inference_protocol.OUTPUT)],
@@ -241,7 +241,7 @@ async def infer(
         product = await compute(request, engine, settings, operands, options)
         clock.computed = perf_counter()
         c = product.outcome.c
-        parameters = {"kernel": product.outcome.plan.kernel, "backend": engine.backend.name}
+        parameters = {"kernel": product.outcome.plan.kernel, "backend": engine.backend_name}
         body, header_size = await off_loop_if_large(
             c.nbytes, settings, inference_protocol.encode_infer, c, model, decoded.id, decoded.binary_output, parameters
         )

@@ -1,0 +1,93 @@
+"""The engine the routes see: one worker per device, each product sent to the least-loaded one."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any, Literal
+
+import numpy as np
+
+from app.engine.autotune import AutoChoice
+from app.engine.base import KernelInfo, Outcome
+from app.engine.worker import EngineState, Worker
+from app.errors import NotReady
+
+
+class Engine:
+    """Workers of one backend kind (one CPU worker, or one GPU worker per device)."""
+
+    def __init__(self, workers: list[Worker]) -> None:
+        if not workers:
+            raise ValueError("an engine needs at least one worker")
+        self.workers = workers
+
+    @property
+    def backend_name(self) -> Literal["cpu", "gpu"]:
+        return self.workers[0].backend.name
+
+    def start(self) -> None:
+        for worker in self.workers:
+            worker.start()
+
+    async def stop(self) -> None:
+        await asyncio.gather(*(worker.stop() for worker in self.workers))
+
+    @property
+    def state(self) -> EngineState:
+        """READY when every worker is; otherwise the first state that is not."""
+        return next((w.state for w in self.workers if w.state is not EngineState.READY), EngineState.READY)
+
+    @property
+    def failure(self) -> str | None:
+        return next((w.failure for w in self.workers if w.failure), None)
+
+    @property
+    def device_lost(self) -> bool:
+        return any(worker.device_lost for worker in self.workers)
+
+    def check_ready(self) -> None:
+        for worker in self.workers:
+            worker.check_ready()
+
+    @property
+    def queue_size(self) -> int:
+        """Products each worker may hold waiting."""
+        return self.workers[0].queue_size
+
+    @property
+    def queue_depth(self) -> int:
+        return sum(worker.queue_depth for worker in self.workers)
+
+    def kernels(self) -> list[KernelInfo]:
+        return self.workers[0].backend.kernels()
+
+    def auto_choices(self) -> list[AutoChoice]:
+        """What auto picks, as the first device measured it (devices of one server are alike)."""
+        return self.workers[0].backend.auto_choices()
+
+    def describe(self) -> list[dict[str, Any]]:
+        """Every device, with its worker's state and queue."""
+        return [
+            {**worker.backend.describe(), "state": worker.state.value, "queue_depth": worker.queue_depth}
+            for worker in self.workers
+        ]
+
+    def memory_held(self) -> int:
+        return sum(worker.backend.memory_held() for worker in self.workers)
+
+    def compiled_instances(self) -> int:
+        return sum(worker.backend.compiled_instances() for worker in self.workers)
+
+    async def matmul(
+        self, a: np.ndarray, b: np.ndarray, dtype: np.dtype, kernel: str, tile: int | None, timeout_s: float | None
+    ) -> Outcome:
+        """a @ b on the least-loaded ready worker's device, with `kernel` (and `tile`) checked and resolved
+        there (UnknownKernel, InvalidParameter) before the product is queued."""
+        ready = [worker for worker in self.workers if worker.state is EngineState.READY]
+        if not ready:
+            self.check_ready()
+            raise NotReady("no device is ready")
+        worker = min(ready, key=lambda w: w.load)
+        (m, k), n = a.shape, b.shape[1]
+        plan = worker.backend.plan(kernel, tile, m, n, k)
+        return await worker.matmul(a, b, dtype, plan, timeout_s=timeout_s)
