@@ -161,6 +161,24 @@ def _error(r: httpx.Response, status: int, code: str, words: str) -> None:
             {"content": b"--xx\r\n", "headers": {"content-type": "multipart/form-data"}},
             422,
             "malformed_payload",
+            "has no boundary",
+        ),
+        (
+            {
+                "content": b"--xx\r\nContent-Disposition: attachment\r\n\r\nabc\r\n--xx--\r\n",
+                "headers": {"content-type": "multipart/form-data; boundary=xx"},
+            },
+            422,
+            "malformed_payload",
+            "no Content-Disposition: form-data",
+        ),
+        (
+            {
+                "content": b"--xx\r\nbroken header line\r\n",
+                "headers": {"content-type": "multipart/form-data; boundary=xx"},
+            },
+            422,
+            "malformed_payload",
             "multipart body cannot be parsed",
         ),
         ({"content": b"not a zip", "headers": {"content-type": "application/x-npz"}}, 422, "malformed_payload", "npz"),
@@ -178,8 +196,6 @@ async def test_errors(
     _error(await client.post("/matmul", **request_kwargs), status, code, words)  # type: ignore[arg-type]
 
 
-# Starlette leaves the temporary file of an unterminated part to the garbage collector.
-@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 async def test_truncated_multipart_body(client: httpx.AsyncClient) -> None:
     body = b'--xx\r\nContent-Disposition: form-data; name="a"; filename="a.npy"\r\n\r\n' + npy_bytes(np.eye(2))
     headers = {"content-type": "multipart/form-data; boundary=xx"}
@@ -219,3 +235,35 @@ async def test_body_over_the_limit_is_refused_before_reading(cpu_settings: objec
 
         r = await client.post("/matmul", content=stream(), headers={"content-type": "application/json"})
         _error(r, 413, "payload_too_large", "passed the limit of 2048")
+
+
+def _multipart(*parts: tuple[str, bytes]) -> bytes:
+    return (
+        b"".join(
+            b'--xx\r\nContent-Disposition: form-data; name="'
+            + name.encode()
+            + b'"; filename="f.npy"\r\n\r\n'
+            + data
+            + b"\r\n"
+            for name, data in parts
+        )
+        + b"--xx--\r\n"
+    )
+
+
+@pytest.mark.parametrize(
+    ("parts", "code", "words"),
+    [
+        (
+            [("a", npy_bytes(np.eye(2))), ("a", npy_bytes(np.eye(2))), ("b", npy_bytes(np.eye(2)))],
+            "invalid_matrix",
+            "sent twice",
+        ),
+        ([(f"p{i}", b"") for i in range(9)], "malformed_payload", "more than 8 parts"),
+    ],
+)
+async def test_multipart_framing_errors(
+    client: httpx.AsyncClient, parts: list[tuple[str, bytes]], code: str, words: str
+) -> None:
+    headers = {"content-type": "multipart/form-data; boundary=xx"}
+    _error(await client.post("/matmul", content=_multipart(*parts), headers=headers), 422, code, words)

@@ -6,11 +6,10 @@ from time import perf_counter
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Query, Request, Response
-from starlette.datastructures import UploadFile
-from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from app import codecs
 from app.api.deps import EngineDep, SettingsDep
+from app.api.multipart import parse_file_parts
 from app.api.product import (
     Stopwatch,
     compute,
@@ -22,9 +21,10 @@ from app.api.product import (
 )
 from app.api.schemas import DtypeName, ErrorBody, MatmulMetadata, MatmulResponse
 from app.config import Settings
-from app.errors import InvalidMatrix, MalformedPayload, UnsupportedMediaType
+from app.errors import UnsupportedMediaType
 
 router = APIRouter(tags=["matmul"])
+MULTIPART_MEDIA_TYPE = "multipart/form-data"
 
 _NPY_FILE = {"type": "string", "format": "binary", "description": "A 2-D .npy file (np.save)."}
 _REQUEST_BODY_DOC: dict[str, Any] = {
@@ -90,34 +90,11 @@ DtypeParam = Annotated[
 ]
 
 
-async def _read_multipart(request: Request) -> dict[str, bytes]:
-    """The file parts of a multipart body, by name."""
-    try:
-        async with request.form(max_files=8, max_fields=8) as form:
-            parts: dict[str, bytes] = {}
-            for name, value in form.multi_items():
-                if not isinstance(value, UploadFile):
-                    raise InvalidMatrix(
-                        f"part '{name}' is a text field; send each matrix as a .npy file (curl -F {name}=@{name}.npy)",
-                        location=[name],
-                    )
-                if name in parts:
-                    raise InvalidMatrix(f"part '{name}' is sent twice", location=[name])
-                parts[name] = await value.read()
-    except StarletteHTTPException as exc:
-        raise MalformedPayload(f"the multipart body cannot be parsed: {exc.detail}") from exc
-    return parts
-
-
 async def _read_operands(request: Request, settings: Settings, limits: codecs.Limits) -> tuple[codecs.Operands, float]:
     """The decoded operands, and the milliseconds spent receiving the body (the rest is decoding)."""
     content_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
     started = perf_counter()
-    if content_type == "multipart/form-data":
-        parts = await _read_multipart(request)
-        read_ms = (perf_counter() - started) * 1e3
-        return codecs.decode_parts(parts, limits, container="multipart body"), read_ms
-    if content_type not in (codecs.JSON_MEDIA_TYPE, codecs.NPZ_MEDIA_TYPE):
+    if content_type not in (codecs.JSON_MEDIA_TYPE, codecs.NPZ_MEDIA_TYPE, MULTIPART_MEDIA_TYPE):
         raise UnsupportedMediaType(
             f"Content-Type {content_type or '(none)'!r} is not supported; send {codecs.JSON_MEDIA_TYPE}, "
             f"multipart/form-data with .npy parts 'a' and 'b', or {codecs.NPZ_MEDIA_TYPE}"
@@ -127,7 +104,10 @@ async def _read_operands(request: Request, settings: Settings, limits: codecs.Li
     else:
         body = await read_body(request, settings.max_body_bytes, "body")
     read_ms = (perf_counter() - started) * 1e3
-    if content_type == codecs.JSON_MEDIA_TYPE:
+    if content_type == MULTIPART_MEDIA_TYPE:
+        parts = await off_loop_if_large(len(body), settings, parse_file_parts, body, request.headers["content-type"])
+        operands = codecs.decode_parts(parts, limits, container="multipart body")
+    elif content_type == codecs.JSON_MEDIA_TYPE:
         operands = await off_loop_if_large(len(body), settings, codecs.decode_json, body, limits)
     else:
         operands = await off_loop_if_large(
