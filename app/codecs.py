@@ -9,8 +9,11 @@ device runs the product; nothing here calls `np.load` (so nothing can unpickle).
 from __future__ import annotations
 
 import io
+import lzma
 import math
+import tokenize
 import zipfile
+import zlib
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -250,12 +253,15 @@ def decode_npy(data: bytes | memoryview, name: str, limits: Limits) -> np.ndarra
             shape, fortran_order, dtype = np.lib.format.read_array_header_2_0(head)
         else:
             raise ValueError(f"unsupported .npy format version {version[0]}.{version[1]}")
-    except (ValueError, SyntaxError, EOFError) as exc:
+    # A header Python cannot parse is re-read by NumPy's tokenizer (for Python 2 headers), which has errors of its own.
+    except (ValueError, SyntaxError, EOFError, tokenize.TokenError) as exc:
         raise MalformedPayload(f"'{name}' is not a valid .npy file: {exc}", location=[name]) from exc
     if len(shape) != 2:
         raise InvalidMatrix(
             f"matrix '{name}' must be 2-D, got {len(shape)}-D with shape {list(shape)}", location=[name]
         )
+    if min(shape) < 0:
+        raise MalformedPayload(f"'{name}' has a negative dimension in its .npy header: {list(shape)}", location=[name])
     check_dtype(dtype, name)
     check_shape(shape, name, limits)
     offset = head.tell()
@@ -305,7 +311,19 @@ def decode_npz(body: bytes, limits: Limits, max_member_bytes: int) -> Operands:
                 )
             with archive.open(info) as stream:
                 parts[member] = stream.read(max_member_bytes + 1)
-    except (zipfile.BadZipFile, zipfile.LargeZipFile, NotImplementedError, EOFError, OSError) as exc:
+    # zipfile lets the errors of what it reads through: a negative seek (ValueError), an encrypted member
+    # (RuntimeError), data that zlib or lzma cannot inflate (bz2 raises OSError).
+    except (
+        zipfile.BadZipFile,
+        zipfile.LargeZipFile,
+        NotImplementedError,
+        EOFError,
+        OSError,
+        ValueError,
+        RuntimeError,
+        zlib.error,
+        lzma.LZMAError,
+    ) as exc:
         raise MalformedPayload(f"the body is not a valid .npz archive: {exc}") from exc
     return decode_parts(parts, limits, container=".npz archive")
 
@@ -323,8 +341,10 @@ def encode_npy(array: np.ndarray) -> bytes:
 
 
 def encode_json_matrix(array: np.ndarray) -> bytes:
-    """A matrix as nested JSON lists. JSON has no NaN or Infinity: those elements are written as null."""
-    return orjson.dumps(array, option=orjson.OPT_SERIALIZE_NUMPY)
+    """A matrix as nested JSON lists, whatever its byte order and layout (orjson reads native C order only, so
+    others are copied once). JSON has no NaN or Infinity: those elements are written as null."""
+    native = np.ascontiguousarray(array, dtype=array.dtype.newbyteorder("="))
+    return orjson.dumps(native, option=orjson.OPT_SERIALIZE_NUMPY)
 
 
 def encode_json_envelope(result_json: bytes, fields: Mapping[str, Any]) -> bytes:

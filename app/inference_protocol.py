@@ -83,16 +83,23 @@ def _json_tensor(data: Any, shape: tuple[int, int], name: str, may_hold_booleans
     return array.reshape(shape)
 
 
+def _header_length(value: str, body_size: int) -> int:
+    """The JSON header's length: ASCII digits (str.isdigit also takes '²'), from 1 to the body's size."""
+    digits = value.lstrip("0")
+    if value.isascii() and value.isdigit() and len(digits) <= len(str(body_size)) and 0 < int(value) <= body_size:
+        return int(value)
+    raise MalformedPayload(
+        f"{HEADER_LENGTH} is {value!r}, but the body has {body_size} bytes", location=[HEADER_LENGTH]
+    )
+
+
 def decode_infer(body: bytes, header_length: str | None, limits: Limits) -> InferRequest:
     """An infer request body (with the value of Inference-Header-Content-Length, if sent) -> InferRequest."""
     if header_length is None:
         header, binary = body, memoryview(b"")
     else:
-        if not header_length.isdigit() or not 0 < int(header_length) <= len(body):
-            raise MalformedPayload(
-                f"{HEADER_LENGTH} is {header_length!r}, but the body has {len(body)} bytes", location=[HEADER_LENGTH]
-            )
-        header, binary = body[: int(header_length)], memoryview(body)[int(header_length) :]
+        split = _header_length(header_length, len(body))
+        header, binary = body[:split], memoryview(body)[split:]
     try:
         doc = _object(orjson.loads(header), "the inference request")
     except orjson.JSONDecodeError as exc:
@@ -112,7 +119,7 @@ def decode_infer(body: bytes, header_length: str | None, limits: Limits) -> Infe
     for tensor in tensors:
         name = str(tensor["name"])
         datatype = tensor.get("datatype")
-        if datatype not in DATATYPES:
+        if not isinstance(datatype, str) or datatype not in DATATYPES:
             raise InvalidMatrix(
                 f"input '{name}' has datatype {datatype!r}; this model takes {list(DATATYPES)}", location=[name]
             )
@@ -178,4 +185,5 @@ def encode_infer(
     header = orjson.dumps(response, option=orjson.OPT_SERIALIZE_NUMPY)
     if not binary:
         return header, None
-    return b"".join((header, np.ascontiguousarray(c).data.cast("B"))), len(header)
+    data = np.ascontiguousarray(c).data.cast("B") if c.size else b""  # memoryview casts no empty shape
+    return b"".join((header, data)), len(header)

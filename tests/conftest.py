@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import io
+import os
 from collections.abc import AsyncIterator, Iterator
 
 import httpx
 import numpy as np
 import pytest
 from fastapi import FastAPI
+from hypothesis import settings
 
 from app.config import Settings
 from app.engine.gpu import unavailable_reason
@@ -20,6 +22,12 @@ from tests.server import free_port, running_server, uvicorn_command
 REL_TOLERANCE = {np.dtype(np.float32): 3e-5, np.dtype(np.float64): 1e-13}
 
 GPU_MISSING = unavailable_reason(0)
+
+# Hypothesis (the codec properties, and schemathesis's fuzzing): few examples, no per-example deadline, so
+# the suite stays quick and steady on CI's two cores; HYPOTHESIS_PROFILE=thorough searches far longer.
+settings.register_profile("ci", max_examples=100, deadline=None)
+settings.register_profile("thorough", max_examples=5000, deadline=None)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
