@@ -61,6 +61,11 @@ class Settings(BaseSettings):
     fault_injection: bool = Field(
         False, description="Tests only: accept kernel=fault_trap, which poisons the CUDA context on purpose."
     )
+    batching: bool = Field(False, description="Run queued products of one shape, dtype and kernel as one launch.")
+    max_batch_size: int = Field(32, ge=1, le=1024, description="Most products in one batched launch.")
+    max_queue_delay_us: int = Field(
+        500, ge=0, le=1_000_000, description="Longest the first product of a batch waits for others to join it."
+    )
     echo_route: bool = Field(
         False, description="Benchmarks only: POST /v1/echo answers with as many bytes as it read (transport ceiling)."
     )

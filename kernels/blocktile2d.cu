@@ -25,6 +25,10 @@ struct alignas(sizeof(T) * W) Chunk {
 template <typename T, int BM, int BN, int BK, int TM, int TN, bool VEC>
 __global__ void __launch_bounds__(BM * BN / (TM * TN))
     matmul_blocktile2d(const T* __restrict__ A, const T* __restrict__ B, T* __restrict__ C, int M, int N, int K) {
+    // A batched launch runs gridDim.z products of one shape, stored back to back: blockIdx.z picks one.
+    A += (size_t)blockIdx.z * M * K;
+    B += (size_t)blockIdx.z * K * N;
+    C += (size_t)blockIdx.z * M * N;
     constexpr int NT = BM * BN / (TM * TN);
     constexpr int W = VEC ? 16 / sizeof(T) : 1;
     constexpr int R = 16 / sizeof(T);  // shared-memory reads are always 16 bytes: the tiles are aligned

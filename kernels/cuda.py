@@ -65,8 +65,12 @@ class KernelLibrary:
                     self._functions[(spec.name, dtype, config.label)] = function
 
     def launch(self, spec: KernelSpec, config: LaunchConfig, a: Any, b: Any, c: Any) -> None:
-        """c = a @ b on the current stream; a, b, c are C-contiguous CuPy arrays of one dtype."""
-        (m, k), n = a.shape, b.shape[1]
+        """c = a @ b on the current stream: 2-D C-contiguous CuPy arrays of one dtype, or 3-D stacks of a
+        batch of products of one shape (one launch, gridDim.z = batch) for kernels that are `batched`."""
+        batch = a.shape[0] if a.ndim == 3 else 1
+        (m, k), n = a.shape[-2:], b.shape[-1]
+        if batch > 1 and not spec.batched:
+            raise ValueError(f"{spec.name} runs one product per launch, not a batch of {batch}")
         if not config.accepts(n, k):
             raise ValueError(
                 f"{spec.name}/{config.label} needs k a multiple of {config.k_multiple} and n of "
@@ -74,7 +78,7 @@ class KernelLibrary:
             )
         function = self._functions[(spec.name, a.dtype.name, config.label)]
         function(
-            config.grid(m, n),
+            config.grid(m, n, batch),
             config.block(),
             (a, b, c, np.int32(m), np.int32(n), np.int32(k)),
             shared_mem=config.smem_bytes(a.dtype.itemsize),

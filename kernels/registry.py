@@ -53,12 +53,14 @@ class LaunchConfig:
     def accepts(self, n: int, k: int) -> bool:
         return n % self.n_multiple == 0 and k % self.k_multiple == 0
 
-    def grid(self, m: int, n: int) -> tuple[int, int, int]:
-        """Blocks covering an m x n result; ValueError past CUDA's limit of 65535 blocks along y."""
+    def grid(self, m: int, n: int, batch: int = 1) -> tuple[int, int, int]:
+        """Blocks covering `batch` m x n results (z picks the product); ValueError past CUDA's 65535 along y, z."""
         rows = cdiv(m, self.tile_m)
         if rows > MAX_GRID_Y:
             raise ValueError(f"config {self.label}: {m} rows need {rows} blocks along y, over CUDA's {MAX_GRID_Y}")
-        return (cdiv(n, self.tile_n), rows, 1)
+        if batch > MAX_GRID_Y:
+            raise ValueError(f"config {self.label}: a batch of {batch} is over CUDA's {MAX_GRID_Y} blocks along z")
+        return (cdiv(n, self.tile_n), rows, batch)
 
     def block(self) -> tuple[int, int, int]:
         return (self.threads[0], self.threads[1], 1)
@@ -79,6 +81,8 @@ class KernelSpec:
     tiles: tuple[int, ...] = ()
     """Tile widths a request may choose with `tile=`; the config labelled str(tile) serves each."""
     default_tile: int | None = None
+    batched: bool = True
+    """Whether one launch may run several products of one shape (gridDim.z of them, stored back to back)."""
     choose: Callable[[int, int, int], str] | None = field(default=None, compare=False)
     """Label of the config to run for an (m, n, k) when the request names no tile; None: the first config."""
 
@@ -331,6 +335,9 @@ KERNELS: MappingProxyType[str, KernelSpec] = MappingProxyType(
                 summary="Warp tiles, 8x8 outputs per lane, a multi-stage cp.async pipeline; tiles chosen per shape.",
                 configs=_fast_configs(),
                 choose=_choose_fast,
+                # Its float32 instances sit at their 127-register cap: the batch offset moves the 64-bit bases
+                # of A and B out of the constant bank into registers and they spill (scripts/check_kernels.py).
+                batched=False,
             ),
         )
     }

@@ -19,6 +19,10 @@
 template <typename T, int TILE>
 __global__ void matmul_tiled(const T* __restrict__ A, const T* __restrict__ B, T* __restrict__ C,
                              int M, int N, int K) {
+    // A batched launch runs gridDim.z products of one shape, stored back to back: blockIdx.z picks one.
+    A += (size_t)blockIdx.z * M * K;
+    B += (size_t)blockIdx.z * K * N;
+    C += (size_t)blockIdx.z * M * N;
     __shared__ T As[TILE][TILE];
     __shared__ T Bs[TILE][TILE];
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from typing import Any, Final
 
 import httpx
@@ -13,7 +13,7 @@ import pytest
 
 from app.api.deps import get_engine
 from app.config import Settings
-from app.engine import DeviceTiming, Engine, EngineState, KernelInfo, Plan, Worker
+from app.engine import BatchPolicy, DeviceTiming, Engine, EngineState, KernelInfo, Plan, Worker
 from app.engine.autotune import AutoChoice
 from app.errors import NotReady
 from app.main import create_app
@@ -33,6 +33,7 @@ class GatedBackend:
         self.started = threading.Semaphore(0)
         self.prepare_error = prepare_error
         self.multiplied: list[tuple[int, ...]] = []
+        self.batches: list[int] = []
         self.fail_next: Exception | None = None
 
     def kernels(self) -> list[KernelInfo]:
@@ -46,14 +47,20 @@ class GatedBackend:
         if self.prepare_error is not None:
             raise self.prepare_error
 
-    def multiply(self, a: np.ndarray, b: np.ndarray, dtype: np.dtype, plan: Plan) -> tuple[np.ndarray, DeviceTiming]:
+    def batchable(self, plan: Plan) -> bool:
+        return True
+
+    def multiply(
+        self, pairs: Sequence[tuple[np.ndarray, np.ndarray]], dtype: np.dtype, plan: Plan
+    ) -> tuple[list[np.ndarray], DeviceTiming]:
         self.started.release()
         self.step.acquire(timeout=10)
         if self.fail_next is not None:
             error, self.fail_next = self.fail_next, None
             raise error
-        self.multiplied.append(a.shape)
-        return a @ b, DeviceTiming(h2d_ms=0.0, kernel_ms=1.0, d2h_ms=0.0)
+        self.multiplied.extend(a.shape for a, _ in pairs)
+        self.batches.append(len(pairs))
+        return [a @ b for a, b in pairs], DeviceTiming(h2d_ms=0.0, kernel_ms=1.0, d2h_ms=0.0)
 
     def describe(self) -> dict[str, Any]:
         return {"name": self.device_name}
@@ -279,3 +286,64 @@ async def test_each_product_goes_to_the_least_loaded_device() -> None:
     first.step.release()
     assert (await busy).device_name == "gpu0"
     await engine.stop()
+
+
+@pytest.mark.parametrize("policy", [None, BatchPolicy(max_size=8, max_delay_s=0.5)])
+async def test_queued_products_of_one_shape_run_as_one_batch(policy: BatchPolicy | None) -> None:
+    backend = GatedBackend()
+    backend.prepared.set()
+    engine = Engine([Worker(backend, queue_size=16, batching=policy)])
+    engine.start()
+    await _wait(lambda: engine.state is EngineState.READY)
+    f64 = np.dtype(np.float64)
+    first = asyncio.create_task(engine.matmul(np.ones((1, 1)), np.ones((1, 1)), f64, "numpy", None, None))
+    await asyncio.to_thread(backend.started.acquire, True, 5)
+    shapes = [(2, 3), (2, 3), (5, 3), (2, 3), (2, 3)]
+    rest = [
+        asyncio.create_task(engine.matmul(np.full(shape, i + 1.0), np.ones((3, 1)), f64, "numpy", None, None))
+        for i, shape in enumerate(shapes)
+    ]
+    await _wait(lambda: engine.queue_depth == len(shapes))
+    for _ in range(8):
+        backend.step.release()
+    outcomes = [await first, *[await task for task in rest]]
+    if policy is None:
+        assert backend.batches == [1] * 6
+    else:
+        # the first ran alone (nothing else was queued), then the four (2, 3) in one launch, then (5, 3)
+        assert backend.batches == [1, 4, 1]
+        assert [o.batch_size for o in outcomes] == [1, 4, 4, 1, 4, 4]
+    for i, outcome in enumerate(outcomes[1:]):
+        np.testing.assert_array_equal(outcome.c, np.full((shapes[i][0], 1), 3.0 * (i + 1)))
+    await engine.stop()
+
+
+async def test_a_bad_operand_in_a_batch_fails_only_its_own_request() -> None:
+    settings = Settings(backend="cpu", batching=True, max_queue_delay_us=200_000, access_log=False)
+    app = create_app(settings)
+    async with app.router.lifespan_context(app):
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
+            await _wait_ready(client)
+            backend = app.state.engine.workers[0].backend
+            launches: list[int] = []
+            multiply = backend.multiply
+
+            def counting_multiply(pairs: Sequence[tuple[np.ndarray, np.ndarray]], *args: Any) -> Any:
+                launches.append(len(pairs))
+                return multiply(pairs, *args)
+
+            backend.multiply = counting_multiply
+            bodies = [{"a": [[1.0, 2.0]], "b": [[3.0], [4.0]]}] * 3 + [{"a": [[1.0, 1e39]], "b": [[3.0], [4.0]]}]
+            answers = await asyncio.gather(*(client.post("/matmul", json=body) for body in bodies))
+    assert launches == [4, 1, 1, 1, 1]  # the batch, refused by the bad operand, then each alone
+    assert [r.status_code for r in answers] == [200, 200, 200, 422]
+    assert all(r.json()["result"] == [[11.0]] for r in answers[:3])
+    assert "out of range for float32" in answers[3].json()["message"]
+
+
+async def _wait_ready(client: httpx.AsyncClient) -> None:
+    for _ in range(200):
+        if (await client.get("/readyz")).status_code == 200:
+            return
+        await asyncio.sleep(0.01)

@@ -63,6 +63,47 @@ def test_kernel_writes_every_element_correctly(
     assert_product(cp.asnumpy(c_dev), a.astype(dtype), b.astype(dtype), dtype)
 
 
+BATCHED = [(spec, config) for spec, config in INSTANCES if spec.batched]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize(("spec", "config"), BATCHED, ids=[f"{s.name}-{c.label}" for s, c in BATCHED])
+def test_a_batched_launch_computes_every_product_of_the_batch(
+    library: Any, spec: KernelSpec, config: LaunchConfig, dtype: np.dtype
+) -> None:
+    import cupy as cp
+
+    m, k, n = fitted(config, 67, 45, 39)
+    rng = np.random.default_rng(11)
+    a, b = rng.standard_normal((5, m, k)), rng.standard_normal((5, k, n))
+    c_dev = cp.full((5, m, n), cp.nan, dtype=dtype)
+    library.launch(spec, config, cp.asarray(a, dtype=dtype), cp.asarray(b, dtype=dtype), c_dev)
+    c = cp.asnumpy(c_dev)
+    for i in range(5):
+        assert_product(c[i], a[i].astype(dtype), b[i].astype(dtype), dtype)
+
+
+def test_a_kernel_that_does_not_batch_refuses_a_batch(library: Any) -> None:
+    import cupy as cp
+
+    spec = KERNELS["fast"]
+    config = spec.config_for(64, 64, 64, None)
+    x = cp.ones((2, 64, 64), dtype=cp.float32)
+    with pytest.raises(ValueError, match="not a batch of 2"):
+        library.launch(spec, config, x, x, x)
+
+
+@pytest.mark.parametrize("kernel", [CUBLAS, "tiled"])
+def test_the_engine_path_batches(backend: Any, kernel: str) -> None:
+    rng = np.random.default_rng(12)
+    pairs = [(rng.standard_normal((33, 17)), rng.standard_normal((17, 9))) for _ in range(4)]
+    plan = backend.plan(kernel, None, 33, 9, 17)
+    products, timing = backend.multiply(pairs, np.dtype(np.float32), plan)
+    for (a, b), c in zip(pairs, products, strict=True):
+        assert_product(c, a, b, np.dtype(np.float32))
+    assert timing.kernel_ms > 0
+
+
 @pytest.fixture(scope="module")
 def backend() -> Any:
     from app.engine.gpu import GpuBackend
@@ -83,7 +124,7 @@ def test_the_engine_path_converts_stages_and_times(backend: Any, plan: Plan, dty
     m, k, n = fitted(plan.config, 129, 77, 65) if plan.config else (129, 77, 65)
     a = np.asfortranarray(np.random.default_rng(5).integers(-50, 50, (m, k)).astype(">i4"))
     b = np.random.default_rng(6).standard_normal((k, n)).astype(">f8")
-    c, timing = backend.multiply(a, b, dtype, plan)
+    (c,), timing = backend.multiply([(a, b)], dtype, plan)
     assert c.dtype == dtype and c.flags.c_contiguous
     assert_product(c, a.astype(np.float64), b.astype(dtype), dtype)
     assert timing.kernel_ms > 0 and timing.h2d_ms > 0 and timing.d2h_ms > 0
@@ -92,7 +133,7 @@ def test_the_engine_path_converts_stages_and_times(backend: Any, plan: Plan, dty
 @pytest.mark.parametrize("shape", [(0, 3, 4), (3, 4, 0), (3, 0, 4)])
 def test_empty_products(backend: Any, shape: tuple[int, int, int]) -> None:
     m, k, n = shape
-    c, _ = backend.multiply(np.ones((m, k)), np.ones((k, n)), np.dtype(np.float32), Plan(kernel=CUBLAS))
+    (c,), _ = backend.multiply([(np.ones((m, k)), np.ones((k, n)))], np.dtype(np.float32), Plan(kernel=CUBLAS))
     np.testing.assert_array_equal(c, np.zeros((m, n), np.float32))
 
 

@@ -148,7 +148,10 @@ def describe(request: Request, engine: Engine, product: Product, clock: Stopwatc
             encode_ms=(finished - clock.computed) * 1e3,
             total_ms=(finished - clock.received) * 1e3,
         ),
-        gflops=flops / (device.kernel_ms * 1e6) if flops and device.kernel_ms > 0 else None,
+        gflops=flops * product.outcome.batch_size / (device.kernel_ms * 1e6)
+        if flops and device.kernel_ms > 0
+        else None,
+        batch_size=product.outcome.batch_size,
     )
     request.state.product = meta
     return meta

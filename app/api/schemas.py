@@ -46,7 +46,13 @@ class MatmulMetadata(BaseModel):
     backend: BackendName
     device: str
     timing: Timing
-    gflops: float | None = Field(description="2*m*n*k / kernel_ms; null when no arithmetic was done.")
+    gflops: float | None = Field(
+        description="2*m*n*k / kernel_ms; null when no arithmetic was done. For a batched product, the launch's "
+        "rate: the whole batch's work over its kernel time."
+    )
+    batch_size: int = Field(
+        description="Products computed in the same launch (dynamic batching); its timings are the launch's."
+    )
 
 
 class MatmulResponse(MatmulMetadata):

@@ -9,9 +9,19 @@ from app.config import BackendChoice, Settings
 from app.engine.base import Backend, DeviceTiming, KernelInfo, Outcome, Plan
 from app.engine.cpu import CpuBackend
 from app.engine.engine import Engine
-from app.engine.worker import EngineState, Worker
+from app.engine.worker import BatchPolicy, EngineState, Worker
 
-__all__ = ["DeviceTiming", "Engine", "EngineState", "KernelInfo", "Outcome", "Plan", "Worker", "build_engine"]
+__all__ = [
+    "BatchPolicy",
+    "DeviceTiming",
+    "Engine",
+    "EngineState",
+    "KernelInfo",
+    "Outcome",
+    "Plan",
+    "Worker",
+    "build_engine",
+]
 
 log = logging.getLogger(__name__)
 
@@ -34,9 +44,14 @@ def _choose_backends(settings: Settings) -> list[Backend]:
 
 def build_engine(settings: Settings, on_device_lost: Callable[[], None] | None = None) -> Engine:
     """The engine for these settings, not yet started."""
+    batching = (
+        BatchPolicy(max_size=settings.max_batch_size, max_delay_s=settings.max_queue_delay_us / 1e6)
+        if settings.batching
+        else None
+    )
     return Engine(
         [
-            Worker(backend, queue_size=settings.queue_size, on_device_lost=on_device_lost)
+            Worker(backend, queue_size=settings.queue_size, on_device_lost=on_device_lost, batching=batching)
             for backend in _choose_backends(settings)
         ]
     )

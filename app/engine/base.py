@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
@@ -55,6 +56,8 @@ class Outcome:
     queue_ms: float
     device: DeviceTiming
     device_name: str
+    batch_size: int = 1
+    """Products in the launch that computed this one (dynamic batching); its timings are the launch's."""
 
 
 class Backend(Protocol):
@@ -76,8 +79,15 @@ class Backend(Protocol):
         """Compile and warm every kernel; raise if any instance gives a wrong answer."""
         ...
 
-    def multiply(self, a: np.ndarray, b: np.ndarray, dtype: np.dtype, plan: Plan) -> tuple[np.ndarray, DeviceTiming]:
-        """a @ b in `dtype`; the operands are as decoded (any integer/float dtype, byte order, layout)."""
+    def batchable(self, plan: Plan) -> bool:
+        """Whether products with this plan can run several to a launch."""
+        ...
+
+    def multiply(
+        self, pairs: Sequence[tuple[np.ndarray, np.ndarray]], dtype: np.dtype, plan: Plan
+    ) -> tuple[list[np.ndarray], DeviceTiming]:
+        """a @ b in `dtype` for every pair, all of one shape, in one launch (pairs of one, unless batchable);
+        the operands are as decoded (any integer/float dtype, byte order, layout)."""
         ...
 
     def describe(self) -> dict[str, Any]:

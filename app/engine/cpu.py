@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import platform
+from collections.abc import Sequence
 from time import perf_counter
 from typing import Any, Final
 
@@ -11,7 +12,7 @@ import numpy as np
 
 from app.engine.autotune import AutoChoice
 from app.engine.base import AUTO, CUBLAS, NUMPY, DeviceTiming, KernelInfo, Plan
-from app.engine.staging import to_working
+from app.engine.staging import cast_into
 from app.errors import InvalidParameter, UnknownKernel
 from kernels.registry import KERNELS
 
@@ -46,13 +47,22 @@ class CpuBackend:
     def prepare(self) -> None:
         np.matmul(np.ones((2, 2), np.float32), np.ones((2, 2), np.float32))
 
-    def multiply(self, a: np.ndarray, b: np.ndarray, dtype: np.dtype, plan: Plan) -> tuple[np.ndarray, DeviceTiming]:
+    def batchable(self, plan: Plan) -> bool:
+        return True
+
+    def multiply(
+        self, pairs: Sequence[tuple[np.ndarray, np.ndarray]], dtype: np.dtype, plan: Plan
+    ) -> tuple[list[np.ndarray], DeviceTiming]:
         start = perf_counter()
-        a, b = to_working(a, dtype, "a"), to_working(b, dtype, "b")
+        (m, k), n = pairs[0][0].shape, pairs[0][1].shape[1]
+        a, b = np.empty((len(pairs), m, k), dtype), np.empty((len(pairs), k, n), dtype)
+        for i, (a_i, b_i) in enumerate(pairs):
+            cast_into(a[i], a_i, "a")
+            cast_into(b[i], b_i, "b")
         staged = perf_counter()
         c = np.matmul(a, b)
         done = perf_counter()
-        return c, DeviceTiming(h2d_ms=(staged - start) * 1e3, kernel_ms=(done - staged) * 1e3, d2h_ms=0.0)
+        return list(c), DeviceTiming(h2d_ms=(staged - start) * 1e3, kernel_ms=(done - staged) * 1e3, d2h_ms=0.0)
 
     def describe(self) -> dict[str, Any]:
         return {

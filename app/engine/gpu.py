@@ -9,6 +9,7 @@ handed to the encoder as it is. CUDA events around each step give h2d, kernel an
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from pathlib import Path
 from time import perf_counter
 from typing import Any, Final
@@ -160,18 +161,25 @@ class GpuBackend:
         ]
 
     def _self_test(self) -> None:
-        """Run every kernel instance once (the warm-up) and check it against a float64 product."""
+        """Run every kernel instance once (the warm-up), alone and, where it batches, as a batch of three, and
+        check each product against a float64 one."""
         rng = np.random.default_rng(0)
         for plan in self._instances():
             m, k, n = _fitted(SELF_TEST_SHAPE, plan.config)
-            a, b = rng.standard_normal((m, k)), rng.standard_normal((k, n))
-            reference = a @ b
+            pairs = [(rng.standard_normal((m, k)), rng.standard_normal((k, n))) for _ in range(3)]
             for dtype in DTYPE_NAMES:
-                c, _ = self._multiply(a, b, np.dtype(dtype), plan)
-                error = np.linalg.norm(c - reference) / np.linalg.norm(reference)
-                if not error <= SELF_TEST_TOLERANCE[dtype]:
-                    label = plan.config.label if plan.config else ""
-                    raise RuntimeError(f"self-test failed: {plan.kernel}/{label}/{dtype} relative error {error:.3g}")
+                launches = [pairs[:1], pairs] if self.batchable(plan) else [pairs[:1]]
+                for launch in launches:
+                    products, _ = self._multiply(launch, np.dtype(dtype), plan)
+                    for (a, b), c in zip(launch, products, strict=True):
+                        reference = a @ b
+                        error = np.linalg.norm(c - reference) / np.linalg.norm(reference)
+                        if not error <= SELF_TEST_TOLERANCE[dtype]:
+                            label = plan.config.label if plan.config else ""
+                            raise RuntimeError(
+                                f"self-test failed: {plan.kernel}/{label}/{dtype}, batch of {len(launch)}: "
+                                f"relative error {error:.3g}"
+                            )
 
     def _tune_auto(self) -> None:
         """Time every kernel on one shape per class, in float32, and let `auto` pick the fastest of each."""
@@ -202,17 +210,22 @@ class GpuBackend:
     def auto_choices(self) -> list[AutoChoice]:
         return list(self._auto)
 
-    def _pinned(self, shape: tuple[int, int], dtype: np.dtype) -> np.ndarray:
+    def _pinned(self, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
         count = math.prod(shape)
         memory = self._cp.cuda.alloc_pinned_memory(_pinned_bucket(count * dtype.itemsize))
         return np.frombuffer(memory, dtype, count).reshape(shape)
 
-    def multiply(self, a: np.ndarray, b: np.ndarray, dtype: np.dtype, plan: Plan) -> tuple[np.ndarray, DeviceTiming]:
-        """The product, with CUDA's failures translated: out of memory -> 503 after freeing the pools' cached
+    def batchable(self, plan: Plan) -> bool:
+        return plan.kernel == CUBLAS or (plan.kernel in KERNELS and KERNELS[plan.kernel].batched)
+
+    def multiply(
+        self, pairs: Sequence[tuple[np.ndarray, np.ndarray]], dtype: np.dtype, plan: Plan
+    ) -> tuple[list[np.ndarray], DeviceTiming]:
+        """The products, with CUDA's failures translated: out of memory -> 503 after freeing the pools' cached
         blocks; a sticky error (the context no longer works) -> DeviceLost; anything else propagates."""
         cp = self._cp
         try:
-            return self._multiply(a, b, dtype, plan)
+            return self._multiply(pairs, dtype, plan)
         except cp.cuda.memory.OutOfMemoryError as exc:
             self._free_cached_memory()
             raise DeviceOutOfMemory(f"the product does not fit in device memory now: {exc}") from exc
@@ -237,35 +250,41 @@ class GpuBackend:
         except Exception:
             return False
 
-    def _multiply(self, a: np.ndarray, b: np.ndarray, dtype: np.dtype, plan: Plan) -> tuple[np.ndarray, DeviceTiming]:
+    def _multiply(
+        self, pairs: Sequence[tuple[np.ndarray, np.ndarray]], dtype: np.dtype, plan: Plan
+    ) -> tuple[list[np.ndarray], DeviceTiming]:
+        """All pairs (one shape) staged into one pinned buffer each for A, B and C, one copy in, one launch
+        (gridDim.z = len(pairs) when more than one), one copy out."""
         cp = self._cp
-        (m, k), n = a.shape, b.shape[1]
+        (m, k), n = pairs[0][0].shape, pairs[0][1].shape[1]
         if m == 0 or n == 0:
-            return np.zeros((m, n), dtype), DeviceTiming(h2d_ms=0.0, kernel_ms=0.0, d2h_ms=0.0)
+            return [np.zeros((m, n), dtype) for _ in pairs], DeviceTiming(h2d_ms=0.0, kernel_ms=0.0, d2h_ms=0.0)
+        stack: tuple[int, ...] = (len(pairs),) if len(pairs) > 1 else ()
         stream = self._stream
         copy_in, copied_in, launch, launched, copied_out = self._events
         start = perf_counter()
-        a_host, b_host = self._pinned((m, k), dtype), self._pinned((k, n), dtype)
-        cast_into(a_host, a, "a")
-        cast_into(b_host, b, "b")
+        a_host, b_host = self._pinned((*stack, m, k), dtype), self._pinned((*stack, k, n), dtype)
+        for i, (a, b) in enumerate(pairs):
+            cast_into(a_host[i] if stack else a_host, a, "a")
+            cast_into(b_host[i] if stack else b_host, b, "b")
         staging_ms = (perf_counter() - start) * 1e3
         with stream:
             copy_in.record(stream)
-            a_dev = cp.empty((m, k), dtype)
-            b_dev = cp.empty((k, n), dtype)
+            a_dev = cp.empty(a_host.shape, dtype)
+            b_dev = cp.empty(b_host.shape, dtype)
             a_dev.set(a_host, stream=stream)
             b_dev.set(b_host, stream=stream)
             copied_in.record(stream)
-            c_dev = cp.empty((m, n), dtype)
+            c_dev = cp.empty((*stack, m, n), dtype)
             launch.record(stream)
             self._launch(plan, a_dev, b_dev, c_dev)
             launched.record(stream)
-            c_host = self._pinned((m, n), dtype)
+            c_host = self._pinned(c_dev.shape, dtype)
             c_dev.get(stream=stream, out=c_host, blocking=False)
             copied_out.record(stream)
         copied_out.synchronize()
         elapsed = cp.cuda.get_elapsed_time
-        return c_host, DeviceTiming(
+        return list(c_host) if stack else [c_host], DeviceTiming(
             h2d_ms=staging_ms + elapsed(copy_in, copied_in),
             kernel_ms=elapsed(launch, launched),
             d2h_ms=elapsed(launched, copied_out),

@@ -14,6 +14,7 @@ with 503, and calls `on_device_lost` so the process can exit and be restarted wi
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import queue
 import threading
@@ -25,7 +26,15 @@ from time import perf_counter
 import numpy as np
 
 from app.engine.base import Backend, Outcome, Plan
-from app.errors import DeadlineExceeded, DeviceFailure, DeviceLost, MatmulError, NotReady, Overloaded
+from app.errors import (
+    DeadlineExceeded,
+    DeviceFailure,
+    DeviceLost,
+    InvalidInput,
+    MatmulError,
+    NotReady,
+    Overloaded,
+)
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +44,15 @@ class EngineState(StrEnum):
     READY = "ready"
     FAILED = "failed"
     STOPPED = "stopped"
+
+
+@dataclass(frozen=True)
+class BatchPolicy:
+    """Dynamic batching: up to `max_size` queued products of one shape, dtype and kernel run as one launch,
+    the first waiting at most `max_delay_s` for others to join."""
+
+    max_size: int
+    max_delay_s: float
 
 
 class _JobState(StrEnum):
@@ -62,6 +80,12 @@ class _Job:
             self.state = to
             return True
 
+    @property
+    def batch_key(self) -> tuple[object, ...]:
+        """Jobs with equal keys can run as one batched launch."""
+        label = self.plan.config.label if self.plan.config is not None else None
+        return (self.a.shape, self.b.shape, self.dtype, self.plan.kernel, label)
+
     def start(self) -> bool:
         """The worker takes the job; False when the event loop dropped it first."""
         return self._leave_queue(_JobState.RUNNING)
@@ -74,9 +98,17 @@ class _Job:
 class Worker:
     """Runs products on its backend's device, one at a time, in arrival order."""
 
-    def __init__(self, backend: Backend, queue_size: int, on_device_lost: Callable[[], None] | None = None) -> None:
+    def __init__(
+        self,
+        backend: Backend,
+        queue_size: int,
+        on_device_lost: Callable[[], None] | None = None,
+        batching: BatchPolicy | None = None,
+    ) -> None:
         self.backend = backend
         self.queue_size = queue_size
+        self.batching = batching
+        self._held: collections.deque[_Job | None] = collections.deque()
         self._on_device_lost = on_device_lost
         self._loop: asyncio.AbstractEventLoop | None = None
         self._queue: queue.Queue[_Job | None] = queue.Queue(maxsize=queue_size)
@@ -125,7 +157,7 @@ class Worker:
     @property
     def load(self) -> int:
         """Products waiting or running: what least-loaded dispatch compares."""
-        return self._queue.qsize() + self._running
+        return self._queue.qsize() + len(self._held) + self._running
 
     # --------------------------------------------------------------------------------------- requests
 
@@ -177,47 +209,87 @@ class Worker:
         log.info(
             "%s backend ready on %s in %.2f s", self.backend.name, self.backend.device_name, perf_counter() - started
         )
-        while (job := self._queue.get()) is not None:
-            if job.start():
-                self._running = 1
-                self._execute(job)
+        while (job := self._next_job()) is not None:
+            batch = [j for j in self._gather(job) if j.start()]
+            if batch:
+                self._running = len(batch)
+                self._execute(batch)
                 self._running = 0
             if self._state is EngineState.FAILED:
                 self._fail_queued()
                 return
         self.backend.close()
 
-    def _execute(self, job: _Job) -> None:
+    def _next_job(self) -> _Job | None:
+        return self._held.popleft() if self._held else self._queue.get()
+
+    def _gather(self, first: _Job) -> list[_Job]:
+        """`first` and the jobs of the same shape, dtype and kernel that arrive within the batching delay, up
+        to the batch size; other jobs pulled meanwhile are held, in order, for the next rounds."""
+        policy = self.batching
+        if policy is None or policy.max_size == 1 or not self.backend.batchable(first.plan):
+            return [first]
+        batch = [first]
+        deadline = perf_counter() + policy.max_delay_s
+        while len(batch) < policy.max_size:
+            try:
+                job = self._queue.get(timeout=max(deadline - perf_counter(), 0.0))
+            except queue.Empty:
+                break
+            if job is not None and job.batch_key == first.batch_key:
+                batch.append(job)
+            else:
+                self._held.append(job)
+            if job is None:
+                break
+        return batch
+
+    def _execute(self, batch: list[_Job]) -> None:
+        """Run the batch as one product on the device; if one operand spoils it (an overflowing value), run
+        each job alone so that only its own request gets the error."""
         began = perf_counter()
-        settled: Outcome | BaseException
+        first = batch[0]
+        settled: list[Outcome | BaseException]
         try:
-            c, device = self.backend.multiply(job.a, job.b, job.dtype, job.plan)
-            settled = Outcome(
-                c=c,
-                plan=job.plan,
-                queue_ms=(began - job.enqueued_at) * 1e3,
-                device=device,
-                device_name=self.backend.device_name,
-            )
+            products, device = self.backend.multiply([(j.a, j.b) for j in batch], first.dtype, first.plan)
+            settled = [
+                Outcome(
+                    c=c,
+                    plan=j.plan,
+                    queue_ms=(began - j.enqueued_at) * 1e3,
+                    device=device,
+                    device_name=self.backend.device_name,
+                    batch_size=len(batch),
+                )
+                for j, c in zip(batch, products, strict=True)
+            ]
+        except InvalidInput as exc:
+            if len(batch) > 1:
+                for job in batch:
+                    self._execute([job])
+                return
+            settled = [exc]
         except DeviceLost as exc:
-            log.critical("device lost running '%s': %s", job.plan.kernel, exc.message)
+            log.critical("device lost running '%s': %s", first.plan.kernel, exc.message)
             self._failure = f"the device was lost: {exc.message}"
             self._device_lost = True
             self._state = EngineState.FAILED
-            settled = exc
+            settled = [exc] * len(batch)
         except MatmulError as exc:
-            settled = exc
+            settled = [exc] * len(batch)
         except Exception as exc:
-            log.exception("%s failed on the %s backend", job.plan.kernel, self.backend.name)
-            settled = DeviceFailure(f"the {self.backend.name} backend failed running '{job.plan.kernel}': {exc}")
-            settled.__cause__ = exc
-        job.loop.call_soon_threadsafe(_settle, job.future, settled)
+            log.exception("%s failed on the %s backend", first.plan.kernel, self.backend.name)
+            failure = DeviceFailure(f"the {self.backend.name} backend failed running '{first.plan.kernel}': {exc}")
+            failure.__cause__ = exc
+            settled = [failure] * len(batch)
+        for job, result in zip(batch, settled, strict=True):
+            job.loop.call_soon_threadsafe(_settle, job.future, result)
 
     def _fail_queued(self) -> None:
         """After the device is lost: answer every queued job with 503, then tell the process."""
         while True:
             try:
-                job = self._queue.get_nowait()
+                job = self._held.popleft() if self._held else self._queue.get_nowait()
             except queue.Empty:
                 break
             if job is not None and job.start():

@@ -124,6 +124,7 @@ def _headers(meta: MatmulMetadata) -> dict[str, str]:
         "X-Matmul-Device": meta.device,
         "X-Matmul-Shape": f"{meta.shape[0]}x{meta.shape[1]}",
         "X-Matmul-Dtype": meta.dtype,
+        "X-Matmul-Batch-Size": str(meta.batch_size),
     }
     if meta.tile is not None:
         headers["X-Matmul-Tile"] = str(meta.tile)
