@@ -72,15 +72,19 @@ class LocalService:
                 time.sleep(0.2)
 
     def stop(self) -> None:
-        """SIGTERM to the process group (uvicorn and its workers), SIGKILL if that is not enough within 30 s."""
-        for sig in (signal.SIGTERM, signal.SIGKILL):
-            try:
-                os.killpg(self.process.pid, sig)
-            except ProcessLookupError:
-                break
-            try:
-                self.process.wait(timeout=30)
-                break
-            except subprocess.TimeoutExpired:
-                continue
+        stop_group(self.process)
         shutil.rmtree(self._metrics_dir, ignore_errors=True)
+
+
+def stop_group(process: subprocess.Popen[bytes], timeout_s: float = 30) -> None:
+    """SIGTERM to a process started in a session of its own and to its children, SIGKILL if they outlive `timeout_s`."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(process.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            process.wait(timeout=timeout_s)
+            return
+        except subprocess.TimeoutExpired:
+            continue
