@@ -57,7 +57,20 @@ class V2Route(APIRoute):
 
 
 router = APIRouter(prefix="/v2", tags=["inference protocol v2"], route_class=V2Route)
-_ERROR = {"content": {"application/json": {"example": {"error": "inner dimensions differ: ..."}}}}
+_ERROR_BODY = {"type": "object", "required": ["error"], "properties": {"error": {"type": "string"}}}
+
+
+def _error(description: str) -> dict[str, Any]:
+    """An error answer of the protocol, `{"error": "<message>"}`, documented."""
+    example = {"error": "inner dimensions differ: ..."}
+    return {"description": description, "content": {"application/json": {"schema": _ERROR_BODY, "example": example}}}
+
+
+_ERROR = _error("The protocol's error answer.")
+# A range, not 422 alone: FastAPI would otherwise document its own 422 body, which these routes never send.
+_MODEL_ERRORS: dict[int | str, dict[str, Any]] = {
+    "4XX": _error("400: a path or query parameter out of its bounds; 404: no such model or version.")
+}
 
 
 def model_kernels(engine: Engine) -> dict[str, str | None]:
@@ -127,17 +140,19 @@ async def all_statistics(request: Request) -> dict[str, Any]:
     return {"model_stats": [stats.as_json(name) for name, stats in _statistics(request).items()]}
 
 
-@router.get("/models/{model}", summary="Model metadata", responses={404: _ERROR})
-@router.get("/models/{model}/versions/{version}", summary="Model version metadata", responses={404: _ERROR})
+@router.get("/models/{model}", summary="Model metadata", responses=_MODEL_ERRORS)
+@router.get("/models/{model}/versions/{version}", summary="Model version metadata", responses=_MODEL_ERRORS)
 async def model_metadata(model: ModelName, engine: EngineDep, version: VersionName | None = None) -> dict[str, Any]:
     """Inputs A (m x k) and B (k x n), output C (m x n), FP32 or FP64; -1 marks a variable dimension."""
     _model(model, engine, version)
     return _metadata(model, engine)
 
 
-@router.get("/models/{model}/ready", summary="Model readiness", responses={404: _ERROR, 503: _ERROR})
+@router.get("/models/{model}/ready", summary="Model readiness", responses={**_MODEL_ERRORS, 503: _ERROR})
 @router.get(
-    "/models/{model}/versions/{version}/ready", summary="Model version readiness", responses={404: _ERROR, 503: _ERROR}
+    "/models/{model}/versions/{version}/ready",
+    summary="Model version readiness",
+    responses={**_MODEL_ERRORS, 503: _ERROR},
 )
 async def model_ready(model: ModelName, engine: EngineDep, version: VersionName | None = None) -> dict[str, Any]:
     """200 when the model exists and the kernels are ready."""
@@ -146,8 +161,8 @@ async def model_ready(model: ModelName, engine: EngineDep, version: VersionName 
     return {"name": model, "ready": True}
 
 
-@router.get("/models/{model}/config", summary="Model configuration", responses={404: _ERROR})
-@router.get("/models/{model}/versions/{version}/config", summary="Model version configuration", responses={404: _ERROR})
+@router.get("/models/{model}/config", summary="Model configuration", responses=_MODEL_ERRORS)
+@router.get("/models/{model}/versions/{version}/config", summary="Model version configuration", responses=_MODEL_ERRORS)
 async def model_config(model: ModelName, engine: EngineDep, version: VersionName | None = None) -> dict[str, Any]:
     """Triton's model configuration extension: a minimal config (no batching dimension)."""
     _model(model, engine, version)
@@ -165,8 +180,8 @@ async def model_config(model: ModelName, engine: EngineDep, version: VersionName
     }
 
 
-@router.get("/models/{model}/stats", summary="Model statistics", responses={404: _ERROR})
-@router.get("/models/{model}/versions/{version}/stats", summary="Model version statistics", responses={404: _ERROR})
+@router.get("/models/{model}/stats", summary="Model statistics", responses=_MODEL_ERRORS)
+@router.get("/models/{model}/versions/{version}/stats", summary="Model version statistics", responses=_MODEL_ERRORS)
 async def model_statistics(
     model: ModelName, request: Request, engine: EngineDep, version: VersionName | None = None
 ) -> dict[str, Any]:
