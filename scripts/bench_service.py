@@ -3,11 +3,14 @@
 Each configuration (batching off/on, 1 or N HTTP workers) is a fresh server started here on 127.0.0.1
 (uvicorn on the app factory, `--workers N`). Each cell is a closed loop (scripts/loadtest.py's) of
 `--duration` seconds at most (and `--max-requests`), after `--warmup` requests per connection that are left
-out. The load comes from `--client-processes` processes sharing the cell's connections and starting together,
-so that the client is not what limits small requests. For each cell: req/s, latency p50/p99, payload GB/s
-(request + response bytes of the 200 answers per second), errors, and the mean of each phase the server
-reports in Server-Timing (read, decode, queue, h2d, kernel, d2h, encode, total) with the client-observed
-rest (latency less the server's total: HTTP, ASGI and the transport).
+out. The load comes from `--client-processes` processes sharing the cell's connections and starting together:
+httpx slows down with many connections in one process (64 connections to one CPU-backend server: 104 req/s
+from one process, 531 from eight), and the client must not be what limits small requests.
+
+For each cell: req/s, latency p50/p99, payload GB/s (request + response bytes of the 200 answers per second),
+errors, the mean of each phase the server reports in Server-Timing (read, decode, queue, h2d, kernel, d2h,
+encode, total) with the client-observed rest (latency less the server's total: HTTP, ASGI and the transport),
+and the mean batch size the answers report.
 
 The transport ceiling: on every server, POST /v1/echo (MATMUL_ECHO_ROUTE=true) with the .npy body of the
 largest size at each concurrency; the ratio matmul GB/s / echo GB/s is printed for that size. So is
@@ -106,6 +109,7 @@ class ShareResult:
     finished: float
     request_bytes: int
     response_bytes: int
+    batch_sizes: list[int]
 
 
 @dataclass
@@ -127,16 +131,20 @@ class EchoRun(loadtest.Run):
         self.samples.append(loadtest.Sample(due - started, latency_ms, status, job.size, job.format, "echo", {}))
 
 
-class ResponseBytes:
-    """An httpx response hook adding up the Content-Length of 200 answers while `counting`."""
+class AnswerCounter:
+    """An httpx response hook adding up, over the 200 answers while `counting`, their Content-Length and the
+    batch size each says it ran in (X-Matmul-Batch-Size, where the server sends it)."""
 
     def __init__(self) -> None:
         self.counting = False
-        self.total = 0
+        self.bytes = 0
+        self.batch_sizes: list[int] = []
 
     async def __call__(self, response: httpx.Response) -> None:
         if self.counting and response.status_code == 200:
-            self.total += int(response.headers.get("content-length", 0))
+            self.bytes += int(response.headers.get("content-length", 0))
+            if "x-matmul-batch-size" in response.headers:
+                self.batch_sizes.append(int(response.headers["x-matmul-batch-size"]))
 
 
 @dataclass
@@ -176,7 +184,7 @@ async def _drive(share: Share) -> ShareResult:
     assert _child is not None, "_prepare runs first in every client process"
     traffic = _child.traffic[share.shape, share.format, share.kernel]
     body_bytes = len(traffic.next().payload.content)
-    counter = ResponseBytes()
+    counter = AnswerCounter()
     limits = httpx.Limits(max_connections=share.concurrency, max_keepalive_connections=share.concurrency)
     http = httpx.AsyncClient(
         base_url=share.url,
@@ -203,7 +211,7 @@ async def _drive(share: Share) -> ShareResult:
         await loadtest.closed_loop(run, share.concurrency, share.requests, until, lambda: None)
         finished = time.time()
     ok = sum(sample.status == "200" for sample in run.samples)
-    return ShareResult(run.samples, started, finished, ok * body_bytes, counter.total)
+    return ShareResult(run.samples, started, finished, ok * body_bytes, counter.bytes, counter.batch_sizes)
 
 
 class ClientPool:
@@ -280,6 +288,7 @@ def measure_cell(clients: ClientPool, args: argparse.Namespace, url: str, cell: 
     elapsed_s = max(r.finished for r in results) - min(r.started for r in results)
     summary = loadtest.build_report(argparse.Namespace(url=url), samples, elapsed_s, {})
     payload = sum(r.request_bytes + r.response_bytes for r in results)
+    batch_sizes = [size for result in results for size in result.batch_sizes]
     return {
         "route": cell.route,
         "size": cell.size,
@@ -290,6 +299,7 @@ def measure_cell(clients: ClientPool, args: argparse.Namespace, url: str, cell: 
         "server_ms": summary["server_ms"],
         "payload_bytes": payload,
         "payload_gbps": payload / elapsed_s / 1e9 if elapsed_s > 0 else 0.0,
+        "mean_batch_size": sum(batch_sizes) / len(batch_sizes) if batch_sizes else None,
     }
 
 
@@ -414,8 +424,10 @@ def print_report(report: dict[str, Any], console: Console) -> None:
     throughput = Table(title="Throughput")
     for column in ("server", "route", "size", "format", "conc", "req/s", "p50 ms", "p99 ms", "GB/s", "errors"):
         throughput.add_column(column, justify="left" if column in ("server", "route", "format") else "right")
-    phases = Table(title="Where the time goes: mean ms per request (server phases, then the client-observed rest)")
-    for column in ("server", "size", "format", "conc", *PHASES):
+    phases = Table(
+        title="Where the time goes: mean ms per request (server phases, the client-observed rest), mean batch size"
+    )
+    for column in ("server", "size", "format", "conc", *PHASES, "batch"):
         phases.add_column(column, justify="left" if column in ("server", "format") else "right")
     for cell in report["cells"]:
         where = (cell["config"], cell["route"], cell["size"], cell["format"], str(cell["concurrency"]))
@@ -425,7 +437,8 @@ def print_report(report: dict[str, Any], console: Console) -> None:
                            f"{cell['payload_gbps']:.3f}", errors)  # fmt: skip
         if cell["route"] == "matmul":
             means = [_ms(cell["server_ms"].get(phase, {}), "mean") for phase in PHASES]
-            phases.add_row(cell["config"], cell["size"], cell["format"], str(cell["concurrency"]), *means)
+            batch = f"{cell['mean_batch_size']:.1f}" if cell["mean_batch_size"] is not None else "-"
+            phases.add_row(cell["config"], cell["size"], cell["format"], str(cell["concurrency"]), *means, batch)
     console.print(throughput)
     console.print(phases)
     for skipped in report["skipped"]:
@@ -496,8 +509,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--client-processes",
         type=int,
-        default=max(1, min(4, (os.cpu_count() or 1) // 4)),
-        help="processes sending the load, sharing each cell's connections (default: a quarter of the cores, 1-4)",
+        default=8,
+        help="processes sending the load, sharing each cell's connections (default: 8; a cell uses at most one "
+        "per connection)",
     )
     parser.add_argument("--no-echo", dest="echo", action="store_false", help="skip the /v1/echo transport ceiling")
     parser.add_argument(

@@ -37,7 +37,9 @@ def test_a_tiny_matrix_on_two_servers(tmp_path: Path) -> None:
         phases = cell["server_ms"]
         assert {"read", "decode", "queue", "kernel", "encode", "total", "client+network"} <= set(phases)
         assert phases["total"]["count"] == cell["ok"]
+        assert cell["mean_batch_size"] >= 1, "every answer says the batch it ran in"
     echoes = [cell for cell in cells if cell["route"] == "echo"]
+    assert all(cell["mean_batch_size"] is None for cell in echoes)
     assert {(cell["config"], cell["size"], cell["concurrency"]) for cell in echoes} == {
         (config, "16x16x16", concurrency) for config in ("off-1", "on-2") for concurrency in (1, 3)
     }, "the echo carries the largest .npy body"
