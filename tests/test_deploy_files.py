@@ -27,6 +27,7 @@ from tests.server import ROOT
 
 SCRIPTS = Path(sys.executable).parent
 loadtest = import_script("loadtest")
+scaleout = import_script("scaleout_local")
 COMPOSE_PATH = ROOT / "docker-compose.yml"
 COMPOSE: dict[str, Any] = yaml.safe_load(COMPOSE_PATH.read_text())
 INSTRUCTIONS = dockerfile.parse_file(str(ROOT / "Dockerfile"))
@@ -224,6 +225,58 @@ def test_the_loadtest_service_runs_the_script_against_the_service() -> None:
     assert str(Path(args.out).parent) in mounts
 
 
-@pytest.mark.parametrize("name", ["matmul", "loadtest"])
+@pytest.mark.parametrize("name", ["matmul", "loadtest", "replica"])
 def test_each_build_target_is_a_stage(name: str) -> None:
     assert COMPOSE["services"][name]["build"]["target"] in stages()
+
+
+# ------------------------------------------------------------------------------- scale-out (nginx)
+
+
+def nginx_directives(text: str) -> dict[str, list[str]]:
+    """Every one-line simple directive of an nginx config (`name args;`), by name: the argument strings in order."""
+    directives: dict[str, list[str]] = {}
+    for name, arguments in re.findall(r"^[ \t]*(\w+)(?:[ \t]+([^;#\n]*))?;", text, re.MULTILINE):
+        directives.setdefault(name, []).append(arguments.strip())
+    return directives
+
+
+NGINX_TEMPLATE = (ROOT / "deploy" / "nginx.conf").read_text()
+NGINX = nginx_directives(NGINX_TEMPLATE)
+
+
+def test_the_scale_profile_puts_replicas_of_the_service_behind_the_official_nginx() -> None:
+    services = COMPOSE["services"]
+    replica, balancer = services["replica"], services["balancer"]
+    assert replica["profiles"] == balancer["profiles"] == ["scale"]
+    assert replica["image"] == services["matmul"]["image"] and replica["build"] == services["matmul"]["build"]
+    assert replica["environment"] == services["matmul"]["environment"]
+    assert replica["healthcheck"] == services["matmul"]["healthcheck"]
+    assert re.fullmatch(r"nginx:\d+\.\d+", balancer["image"]), "the official image, a pinned minor version"
+    mounts = {source: target for source, target, *_ in (mount.split(":") for mount in balancer["volumes"])}
+    assert mounts == {"./deploy/nginx.conf": "/etc/nginx/templates/default.conf.template"}
+    assert balancer["depends_on"] == {"replica": {"condition": "service_healthy"}}
+    placeholders = set(re.findall(r"\$\{(\w+)\}", NGINX_TEMPLATE))
+    assert placeholders == set(balancer["environment"]) == {"NGINX_LISTEN", "NGINX_UPSTREAM"}
+    host, port = balancer["environment"]["NGINX_UPSTREAM"].split(":")
+    assert host == "replica" and port == SERVICE_ENV["UVICORN_PORT"]
+    assert balancer["ports"] == ["${MATMUL_LB_PORT:-8080}:" + balancer["environment"]["NGINX_LISTEN"]]
+
+
+def test_nginx_balances_by_least_connections_and_streams_bodies_up_to_the_service_limit() -> None:
+    assert NGINX["least_conn"] == [""] and int(NGINX["keepalive"][0]) > 0
+    assert NGINX_TEMPLATE.index("least_conn") < NGINX_TEMPLATE.index("keepalive"), "the method comes first"
+    assert NGINX["proxy_request_buffering"] == NGINX["proxy_buffering"] == ["off"]
+    assert NGINX["proxy_http_version"] == ["1.1"] and 'Connection ""' in NGINX["proxy_set_header"]
+    size = NGINX["client_max_body_size"][0]
+    assert int(size[:-1]) << {"k": 10, "m": 20, "g": 30}[size[-1]] == Settings.model_fields["max_body_bytes"].default
+    assert "X-Request-ID $matmul_request_id" in NGINX["proxy_set_header"]
+    assert "max_fails=" in NGINX["server"][0] and "fail_timeout=" in NGINX["server"][0]
+
+
+@pytest.mark.skipif(scaleout.find_nginx() is None, reason="nginx is not installed (apt-get install nginx)")
+def test_nginx_accepts_the_template_as_the_local_script_renders_it(tmp_path: Path) -> None:
+    scaleout.write_prefix(tmp_path, 8080, ["127.0.0.1:8001", "127.0.0.1:8002"])
+    nginx = scaleout.find_nginx()
+    done = subprocess.run(scaleout.nginx_command(nginx, tmp_path, "-t"), capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and "test is successful" in done.stderr, done.stderr
