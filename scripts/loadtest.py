@@ -299,9 +299,8 @@ def _row(name: str, summary: dict[str, float]) -> list[str]:
 
 def print_report(report: dict[str, Any], console: Console) -> None:
     server = report["server"]
-    where = (
-        f"{server.get('backend')} backend, {server.get('device', {}).get('name', '?')}" if "backend" in server else ""
-    )
+    devices = ", ".join(device.get("name", "?") for device in server.get("devices", [])) or "?"
+    where = f"{server.get('backend')} backend, {devices}" if "backend" in server else ""
     errors = ", ".join(f"{status}: {count}" for status, count in sorted(report["errors"].items())) or "none"
     console.print(
         f"{report['url']} ({where}): {report['requests']} requests in {report['duration_s']:.2f} s, "

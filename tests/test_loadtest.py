@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import platform
 import subprocess
 import sys
 from pathlib import Path
@@ -58,6 +59,7 @@ def test_closed_loop_over_every_format(served_url: str, tmp_path: Path) -> None:
     assert sum(group["latency_ms"]["count"] for group in report["by_request"]) == 60
     assert all(s["latency_ms"] >= s["server_ms"]["total"] for s in samples)
     assert "client latency" in printed and "server queue" in printed and "errors: none" in printed
+    assert f"(cpu backend, {platform.machine()})" in printed, "the devices /v1/info lists"
 
 
 def test_open_loop_starts_requests_at_the_rate(served_url: str, tmp_path: Path) -> None:
