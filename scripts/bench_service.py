@@ -548,16 +548,16 @@ def compare_devices(clients: ClientPool, args: argparse.Namespace, console: Cons
     """The compute-bound cell on MATMUL_DEVICES=ONE, then on =MANY, on fresh servers: req/s of each and the ratio."""
     config = Config(batching=False, workers=args.workers)
     cell = Cell("matmul", args.compare_size, "npy", args.compare_concurrency)
-    runs = {}
-    for devices in args.compare_devices:
-        _, (result,) = run_server(clients, args, config, [cell], devices, console)
-        runs[devices] = result | {"devices": devices}
-    one, many = (runs[devices] for devices in args.compare_devices)
+    one, many = (
+        run_server(clients, args, config, [cell], devices, console)[1][0] | {"devices": devices}
+        for devices in args.compare_devices
+    )
     ratio = many["throughput_rps"] / one["throughput_rps"] if one["throughput_rps"] else 0.0
     console.print(
         f"devices, {cell.size} npy, kernel {args.kernel}, concurrency {cell.concurrency}, {config.name}: "
         f"{many['throughput_rps']:.1f} req/s (MATMUL_DEVICES={many['devices']}) / {one['throughput_rps']:.1f} "
-        f"req/s (MATMUL_DEVICES={one['devices']}) = {ratio:.2f}x"
+        f"req/s (MATMUL_DEVICES={one['devices']}) = {ratio:.2f}x",
+        soft_wrap=True,
     )
     return {"cells": [one, many], "ratio": ratio}
 
@@ -567,6 +567,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     console = Console(width=None if sys.stdout.isatty() else 200)  # piped: no 80-column wrap
     progress = Console(stderr=True)
     args.out.mkdir(parents=True, exist_ok=True)
+    began = time.monotonic()
     report: dict[str, Any] = {
         "finished": "",
         "backend": args.backend,
@@ -600,8 +601,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         plot_report(report, args.out / "bench-service.png")
         path = args.out / "bench-service.json"
     report["finished"] = datetime.now(UTC).isoformat(timespec="seconds")
+    report["elapsed_s"] = time.monotonic() - began
     path.write_text(json.dumps(report, indent=1))
-    progress.print(f"wrote {path}" + ("" if args.compare_devices else f" and {args.out / 'bench-service.png'}"))
+    written = "" if args.compare_devices else f" and {args.out / 'bench-service.png'}"
+    progress.print(f"{report['elapsed_s']:.0f} s in all; wrote {path}{written}")
     return 0
 
 

@@ -24,6 +24,7 @@ def test_a_tiny_matrix_on_two_servers(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stderr
     report = json.loads((tmp_path / "bench-service.json").read_text())
     assert (tmp_path / "bench-service.png").read_bytes().startswith(PNG_MAGIC)
+    assert 0 < report["elapsed_s"] < 120
     assert set(report["servers"]) == {"off-1", "on-2"} and report["servers"]["on-2"]["backend"] == "cpu"
     cells = report["cells"]
     products = [cell for cell in cells if cell["route"] == "matmul"]
@@ -54,6 +55,22 @@ def test_a_tiny_matrix_on_two_servers(tmp_path: Path) -> None:
     )
     assert batching["ratio"] == batching["on_rps"] / batching["off_rps"]
     assert "Where the time goes" in done.stdout and "batching, 16x16x16 npy at concurrency 3" in done.stdout
+
+
+def test_the_device_comparison_runs_one_cell_per_device_list(tmp_path: Path) -> None:
+    command = [
+        *(sys.executable, str(ROOT / "scripts" / "bench_service.py"), "--backend", "cpu", "--out", str(tmp_path)),
+        *("--compare-devices", "0", "0", "--compare-size", "16", "--compare-kernel", "numpy"),
+        *("--compare-concurrency", "2", "--duration", "0.25", "--workers", "1", "--client-processes", "2"),
+    ]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    compared = json.loads((tmp_path / "bench-devices.json").read_text())["compare_devices"]
+    one, many = compared["cells"]
+    assert [one["devices"], many["devices"]] == ["0", "0"] and one["size"] == "16x16x16"
+    assert one["errors"] == many["errors"] == {} and one["concurrency"] == 2
+    assert compared["ratio"] == many["throughput_rps"] / one["throughput_rps"]
+    assert "MATMUL_DEVICES=0) =" in done.stderr
 
 
 def test_json_cells_too_big_for_the_server_are_skipped() -> None:
