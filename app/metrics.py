@@ -9,7 +9,15 @@ from __future__ import annotations
 
 import os
 
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    ProcessCollector,
+    generate_latest,
+)
 from prometheus_client.multiprocess import MultiProcessCollector
 
 from app.api.schemas import Timing
@@ -47,6 +55,8 @@ class ServiceMetrics:
             "matmul_device_memory_bytes", "Device memory the worker's CuPy pool holds (in arrays or cached for reuse).",
             registry=r, multiprocess_mode="livesum",
         )  # fmt: skip
+        # process_resident_memory_bytes, CPU seconds, open fds, ... from /proc (Linux); not merged in multiprocess mode
+        ProcessCollector(registry=r)
         self.kernels_compiled = Gauge(
             "matmul_kernels_compiled", "Kernel instances compiled and self-tested by the worker.",
             registry=r, multiprocess_mode="liveall",

@@ -1,0 +1,484 @@
+"""Soak a running matmul-service: minutes of valid, invalid and oversized requests at a rate above its capacity.
+
+Requests start at a fixed `--rate` whatever the server does (open loop, as in loadtest.py), over up to
+`--concurrency` connections (more than the server's queue holds, so that it overflows), drawn from a mix of
+three kinds (`--mix`):
+
+- valid: products of four shapes up to 256^3, float32 and float64, as multipart `.npy`, JSON and `.npz` (those
+  within `--max-body-bytes`); a sampled fraction of the answers (`--check-fraction`) is compared with NumPy;
+- invalid: malformed, empty and non-object JSON, ragged rows, strings, NaN tokens, truncated `.npy`, shapes
+  that do not multiply, unknown kernels, out-of-range and huge parameters, wrong media types, an Accept the
+  service cannot answer, garbage `.npz`, broken inference requests and an unknown model;
+- oversized: `.npy` headers that claim 2^31 x 2^31, a product whose result would have 2^32 elements (over the
+  default limits), and a body one byte over the server's limit (`--max-body-bytes`; sent when at most 64 MiB).
+
+The run stops after `--minutes` or `--max-requests` (default: rate x duration), whichever comes first, then
+waits for the answers still due and for the server's queue to empty. It fails (exit 1) unless:
+
+1. no answer is a 5xx other than 503 (overloaded, not ready) or 504 (deadline exceeded);
+2. no answer checked against NumPy is wrong;
+3. the server's resident memory (`process_resident_memory_bytes`) and device pool (`matmul_device_memory_bytes`),
+   read from GET /metrics after a warm-up (one of each request) and at the end, grew by at most
+   `--max-rss-growth-mib` and `--max-device-growth-mib`.
+
+    python scripts/soak.py --url http://localhost:8000 --minutes 3 --rate 400
+    python scripts/soak.py --minutes 0.1 --rate 100 --mix valid:1,invalid:1 --out out/soak-short
+
+Prints a summary and writes `--out` (default out/soak.json): the configuration, counts by status and kind,
+latency by kind, every failure found (request, status, the server's message) and the memory readings.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import io
+import json
+import random
+import sys
+import time
+import zipfile
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any, Literal
+
+import httpx
+import numpy as np
+from prometheus_client.parser import text_string_to_metric_families
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from loadtest import open_loop, parse_mix, summarize, wait_ready
+
+from app.client import FORMATS, AsyncMatmulClient, RequestFormat, encode_payload
+from app.codecs import JSON_MEDIA_TYPE, NPY_MEDIA_TYPE, NPZ_MEDIA_TYPE
+
+Kind = Literal["valid", "invalid", "oversized"]
+KINDS: tuple[Kind, ...] = ("valid", "invalid", "oversized")
+TOLERATED_5XX = (503, 504)
+"""Overload (queue full, not ready) and deadlines: what a service above its capacity answers, by design."""
+REL_TOLERANCE = {np.dtype(np.float32): 1e-4, np.dtype(np.float64): 1e-12}
+"""Relative Frobenius error allowed against NumPy in float64: a correct product errs about sqrt(k) * eps (k <= 256)."""
+RSS_METRIC = "process_resident_memory_bytes"
+DEVICE_METRIC = "matmul_device_memory_bytes"
+QUEUE_METRIC = "matmul_queue_depth"
+OVERSIZED_BODY_CAP = 64 << 20
+VALID_SHAPES = ((8, 8, 8), (64, 64, 64), (128, 32, 96), (256, 256, 256))
+MIB = 1 << 20
+
+
+# ------------------------------------------------------------------------------------------- the requests
+
+
+@dataclass(frozen=True)
+class Probe:
+    """One request the soak sends again and again; a valid one carries its operands, to check the answer."""
+
+    kind: Kind
+    name: str
+    content: bytes = field(repr=False)
+    content_type: str
+    path: str = "/matmul"
+    params: dict[str, str] = field(default_factory=dict)
+    accept: str = NPY_MEDIA_TYPE
+    operands: tuple[np.ndarray, np.ndarray] | None = field(default=None, repr=False)
+
+
+def _npy(array: np.ndarray) -> bytes:
+    buffer = io.BytesIO()
+    np.save(buffer, array, allow_pickle=False)
+    return buffer.getvalue()
+
+
+def _npz(a: bytes, b: bytes) -> bytes:
+    """An .npz archive of two member files given as they are (whole, cut short, or only a header)."""
+    buffer = io.BytesIO()
+    with zipfile.ZipFile(buffer, "w") as archive:
+        archive.writestr("a.npy", a)
+        archive.writestr("b.npy", b)
+    return buffer.getvalue()
+
+
+def _header_claiming(shape: tuple[int, int]) -> bytes:
+    """A float32 .npy header that claims `shape`, followed by 16 bytes of data."""
+    buffer = io.BytesIO()
+    header = {"descr": "<f4", "fortran_order": False, "shape": shape}
+    np.lib.format.write_array_header_1_0(buffer, header)
+    return buffer.getvalue() + bytes(16)
+
+
+def _product(
+    kind: Kind, name: str, a: np.ndarray, b: np.ndarray, format: RequestFormat = "npy", **params: str
+) -> Probe:
+    """A /matmul request for a @ b, encoded as the client encodes it."""
+    payload = encode_payload(a, b, format)
+    accept = JSON_MEDIA_TYPE if payload.answer == "json" else NPY_MEDIA_TYPE
+    operands = (a, b) if kind == "valid" else None
+    return Probe(kind, name, payload.content, payload.content_type, params=params, accept=accept, operands=operands)
+
+
+def valid_probes(rng: np.random.Generator, max_body_bytes: int) -> list[Probe]:
+    """Every shape x dtype x format whose body the server's limit lets through."""
+    probes = []
+    for m, k, n in VALID_SHAPES:
+        for dtype in ("float32", "float64"):
+            a, b = rng.standard_normal((m, k)).astype(dtype), rng.standard_normal((k, n)).astype(dtype)
+            for format in FORMATS:
+                probes.append(_product("valid", f"{format} {m}x{k}x{n} {dtype}", a, b, format, dtype=dtype))
+    return [probe for probe in probes if len(probe.content) <= max_body_bytes]
+
+
+def invalid_probes(rng: np.random.Generator) -> list[Probe]:
+    a, b = rng.standard_normal((4, 3)), rng.standard_normal((3, 2))
+    infer, json = "/v2/models/matmul/infer", JSON_MEDIA_TYPE
+    lying_infer = (
+        b'{"inputs": [{"name": "A", "shape": [2, 2], "datatype": "FP32", "data": [1, 2, 3]},'
+        b' {"name": "B", "shape": [2, 2], "datatype": "FP32", "data": [1, 2, 3, 4]}]}'
+    )
+    bodies = {
+        "json not an object": b"[1, 2]",
+        "json malformed": b'{"a": [[1, 2]',
+        "json empty": b"",
+        "json ragged": b'{"a": [[1, 2], [3]], "b": [[1]]}',
+        "json strings": b'{"a": [["x"]], "b": [[1]]}',
+        "json NaN token": b'{"a": [[NaN]], "b": [[1]]}',
+    }
+    return [
+        *(Probe("invalid", name, body, json, accept=json) for name, body in bodies.items()),
+        _product("invalid", "shapes do not multiply", a, a),
+        _product("invalid", "unknown kernel", a, b, kernel="no-such-kernel"),
+        _product("invalid", "tile out of range", a, b, tile="100000"),
+        _product("invalid", "huge query number", a, b, tile="9" * 400),
+        _product("invalid", "unsupported dtype", a, b, dtype="float16"),
+        Probe("invalid", "truncated npy", _npz(_npy(a)[:100], _npy(b)), NPZ_MEDIA_TYPE),
+        Probe("invalid", "garbage npz", rng.bytes(512), NPZ_MEDIA_TYPE),
+        Probe("invalid", "wrong media type", b"a,b\n1,2\n", "text/csv"),
+        Probe("invalid", "not acceptable", _npz(_npy(a), _npy(b)), NPZ_MEDIA_TYPE, accept="text/html"),
+        Probe("invalid", "infer malformed", b'{"inputs": [', json, path=infer, accept=json),
+        Probe("invalid", "infer data short of its shape", lying_infer, json, path=infer, accept=json),
+        Probe("invalid", "infer unknown model", b"{}", json, path="/v2/models/no-such-model/infer", accept=json),
+    ]
+
+
+def oversized_probes(max_body_bytes: int) -> list[Probe]:
+    claims = _header_claiming((1 << 31, 1 << 31))
+    column, row = np.ones((65_536, 1), np.float32), np.ones((1, 65_536), np.float32)
+    probes = [
+        Probe("oversized", "npy headers claim 2^31 x 2^31", _npz(claims, claims), NPZ_MEDIA_TYPE),
+        _product("oversized", "result of 2^32 elements", column, row),
+    ]
+    if max_body_bytes + 1 <= OVERSIZED_BODY_CAP:
+        probes.append(Probe("oversized", "body one byte over the limit", bytes(max_body_bytes + 1), NPZ_MEDIA_TYPE))
+    return probes
+
+
+# ------------------------------------------------------------------------------------------------ the run
+
+
+@dataclass
+class Sample:
+    start_s: float
+    """When the request was due, from the start of the measured run."""
+    latency_ms: float
+    """From when it was due to its answer (open loop: time waiting for a connection counts)."""
+    kind: Kind
+    name: str
+    status: str
+    """The HTTP status, or the httpx exception's name where no answer came."""
+    checked: bool = False
+
+
+@dataclass
+class Soak:
+    """What `loadtest.open_loop` drives: `issued`, and `one()` sending the next request drawn from the mix."""
+
+    http: httpx.AsyncClient
+    probes: dict[Kind, list[Probe]]
+    mix: list[tuple[Kind, float]]
+    check_fraction: float
+    seed: int
+    issued: int = 0
+    samples: list[Sample] = field(default_factory=list)
+    server_errors: list[dict[str, str]] = field(default_factory=list)
+    wrong_results: list[dict[str, str]] = field(default_factory=list)
+    _random: random.Random = field(init=False)
+
+    def __post_init__(self) -> None:
+        self._random = random.Random(self.seed)
+
+    def draw(self) -> Probe:
+        kinds = [kind for kind, _ in self.mix]
+        kind = self._random.choices(kinds, weights=[weight for _, weight in self.mix])[0]
+        return self._random.choice(self.probes[kind])
+
+    async def send(self, probe: Probe) -> httpx.Response:
+        headers = {"content-type": probe.content_type, "accept": probe.accept}
+        return await self.http.post(probe.path, params=probe.params, headers=headers, content=probe.content)
+
+    async def one(self, started: float, due: float) -> None:
+        probe = self.draw()
+        checked = False
+        try:
+            response = await self.send(probe)
+            status = str(response.status_code)
+            if response.status_code >= 500 and response.status_code not in TOLERATED_5XX:
+                self.server_errors.append({"request": probe.name, "status": status, "body": response.text[:300]})
+            if (
+                probe.operands is not None
+                and response.status_code == 200
+                and self._random.random() < self.check_fraction
+            ):
+                checked = True
+                wrong = wrong_result(response, *probe.operands)
+                if wrong is not None:
+                    self.wrong_results.append({"request": probe.name, "error": wrong})
+        except httpx.HTTPError as exc:
+            status = type(exc).__name__
+        sample = Sample(due - started, (time.perf_counter() - due) * 1e3, probe.kind, probe.name, status, checked)
+        self.samples.append(sample)
+
+
+def wrong_result(response: httpx.Response, a: np.ndarray, b: np.ndarray) -> str | None:
+    """What is wrong with the product in `response` (a .npy or JSON answer), or None when it is a @ b."""
+    if response.headers.get("content-type", "").startswith(NPY_MEDIA_TYPE):
+        c = np.load(io.BytesIO(response.content), allow_pickle=False)
+    else:
+        c = np.array(response.json()["result"], dtype=np.float64)  # JSON null (NaN, Inf) reads as NaN
+    reference = a.astype(np.float64) @ b.astype(np.float64)
+    if c.shape != reference.shape:
+        return f"shape {list(c.shape)}, expected {list(reference.shape)}"
+    if not np.isfinite(c).all():
+        return "the product holds NaN or Inf; the operands are finite"
+    error = float(np.linalg.norm(c.astype(np.float64) - reference) / np.linalg.norm(reference))
+    bound = REL_TOLERANCE[np.result_type(a.dtype, b.dtype)]
+    return f"relative error {error:.3g} over {bound:g}" if error > bound else None
+
+
+async def read_metrics(http: httpx.AsyncClient) -> dict[str, float]:
+    """The server's resident memory, device pool and queue depth from GET /metrics (summed over label sets)."""
+    response = await http.get("/metrics")
+    response.raise_for_status()
+    wanted = (RSS_METRIC, DEVICE_METRIC, QUEUE_METRIC)
+    values: dict[str, float] = {}
+    for family in text_string_to_metric_families(response.text):
+        for sample in family.samples:
+            if sample.name in wanted:
+                values[sample.name] = values.get(sample.name, 0.0) + sample.value
+    return values
+
+
+async def settle(http: httpx.AsyncClient, seconds: float = 30.0) -> None:
+    """Wait (at most `seconds`) for the server's queue to empty, so the end reading sees no request's data."""
+    for _ in range(round(seconds / 0.2)):
+        if (await read_metrics(http)).get(QUEUE_METRIC, 0.0) == 0:
+            return
+        await asyncio.sleep(0.2)
+
+
+# --------------------------------------------------------------------------------------------- the report
+
+
+def memory_check(name: str, start: dict[str, float], end: dict[str, float], bound_mib: float) -> dict[str, Any]:
+    if name not in start or name not in end:
+        return {"metric": name, "passed": False, "error": f"GET /metrics does not expose {name}"}
+    growth = (end[name] - start[name]) / MIB
+    return {
+        "metric": name,
+        "start_mib": start[name] / MIB,
+        "end_mib": end[name] / MIB,
+        "growth_mib": growth,
+        "bound_mib": bound_mib,
+        "passed": growth <= bound_mib,
+    }
+
+
+def build_report(
+    args: argparse.Namespace,
+    run: Soak,
+    elapsed_s: float,
+    server: Any,
+    memory: tuple[dict[str, float], dict[str, float]],
+) -> dict[str, Any]:
+    samples = run.samples
+    answered = [s for s in samples if s.status.isdigit()]
+    checks = {
+        "no_5xx_but_503_504": {"count": len(run.server_errors), "passed": not run.server_errors},
+        "no_wrong_results": {
+            "checked": sum(s.checked for s in samples),
+            "wrong": len(run.wrong_results),
+            "passed": not run.wrong_results,
+        },
+        "rss": memory_check(RSS_METRIC, *memory, args.max_rss_growth_mib),
+        "device_pool": memory_check(DEVICE_METRIC, *memory, args.max_device_growth_mib),
+    }
+    return {
+        "url": args.url,
+        "finished": datetime.now(UTC).isoformat(timespec="seconds"),
+        "config": {key: value for key, value in vars(args).items() if key != "out"},
+        "server": server,
+        "duration_s": elapsed_s,
+        "requests": len(samples),
+        "answered_rps": len(answered) / elapsed_s if elapsed_s > 0 else 0.0,
+        "by_status": dict(Counter(s.status for s in samples)),
+        "by_kind": {kind: dict(Counter(s.status for s in samples if s.kind == kind)) for kind in KINDS},
+        "latency_ms": {kind: summarize([s.latency_ms for s in answered if s.kind == kind]) for kind in KINDS},
+        "server_errors": run.server_errors[:20],
+        "wrong_results": run.wrong_results[:20],
+        "checks": checks,
+        "passed": all(check["passed"] for check in checks.values()),
+    }
+
+
+def _counts(counts: dict[str, int]) -> str:
+    return ", ".join(f"{status}: {count}" for status, count in sorted(counts.items())) or "none"
+
+
+def _memory_line(label: str, check: dict[str, Any]) -> str:
+    if "error" in check:
+        return f"{label}: {check['error']}"
+    return (
+        f"{label} {check['start_mib']:.1f} -> {check['end_mib']:.1f} MiB "
+        f"({check['growth_mib']:+.1f}, bound +{check['bound_mib']:g})"
+    )
+
+
+def print_report(report: dict[str, Any]) -> None:
+    checks = report["checks"]
+    print(
+        f"soak {report['url']}: {report['requests']} requests in {report['duration_s']:.1f} s, "
+        f"{report['answered_rps']:.1f} answered/s; by status: {_counts(report['by_status'])}"
+    )
+    for kind in KINDS:
+        latency = report["latency_ms"][kind]
+        figures = f"p50 {latency['p50']:.1f} ms, p99 {latency['p99']:.1f} ms" if latency["count"] else "no answers"
+        print(f"  {kind:9} {_counts(report['by_kind'][kind])} ({figures})")
+    verdicts = {True: "ok", False: "FAILED"}
+    wrong = checks["no_wrong_results"]
+    lines = [
+        f"5xx other than 503/504: {checks['no_5xx_but_503_504']['count']}",
+        f"wrong results: {wrong['wrong']} of {wrong['checked']} checked against NumPy",
+        _memory_line("server RSS", checks["rss"]),
+        _memory_line("device pool", checks["device_pool"]),
+    ]
+    for line, check in zip(lines, checks.values(), strict=True):
+        print(f"  [{verdicts[check['passed']]}] {line}")
+    for failure in report["server_errors"] + report["wrong_results"]:
+        print(f"  {failure}")
+    print("PASSED" if report["passed"] else "FAILED")
+
+
+# ------------------------------------------------------------------------------------------------ the CLI
+
+
+async def soak(args: argparse.Namespace) -> dict[str, Any]:
+    rng = np.random.default_rng(args.seed)
+    probes = {
+        "valid": valid_probes(rng, args.max_body_bytes),
+        "invalid": invalid_probes(rng),
+        "oversized": oversized_probes(args.max_body_bytes),
+    }
+    limits = httpx.Limits(max_connections=args.concurrency, max_keepalive_connections=args.concurrency)
+    # A request still waiting for a connection after --timeout s is counted as PoolTimeout, not queued forever.
+    async with httpx.AsyncClient(base_url=args.url, timeout=args.timeout, limits=limits) as http:
+        client = AsyncMatmulClient(http=http)
+        if args.wait_ready:
+            await wait_ready(client, args.wait_ready)
+        server = await client.info()
+        run = Soak(http, probes, args.mix, args.check_fraction, args.seed)
+        for probe in (probe for kind in KINDS for probe in probes[kind]):
+            await run.send(probe)  # warm-up: one of each, before the first memory reading
+        start = await read_metrics(http)
+        started = time.perf_counter()
+        await open_loop(run, args.rate, args.max_requests, started + args.minutes * 60, lambda: None)
+        elapsed = time.perf_counter() - started
+        await settle(http)
+        end = await read_metrics(http)
+    return build_report(args, run, elapsed, server, (start, end))
+
+
+def parse_kind(text: str) -> Kind:
+    for kind in KINDS:
+        if text == kind:
+            return kind
+    raise ValueError(f"a kind is one of {', '.join(KINDS)}")
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
+    parser.add_argument("--url", default="http://localhost:8000", help="the server (default: %(default)s)")
+    parser.add_argument("--minutes", type=float, default=1.0, help="how long to send (default: %(default)s)")
+    parser.add_argument(
+        "--rate",
+        type=float,
+        default=200.0,
+        help="requests started per second; above the capacity (default: %(default)s)",
+    )
+    parser.add_argument("--max-requests", type=int, help="stop after this many requests (default: rate x duration)")
+    parser.add_argument(
+        "--concurrency",
+        type=int,
+        default=256,
+        help="most connections open at once; above the server's MATMUL_QUEUE_SIZE, so that its queue can fill "
+        "(default: %(default)s)",
+    )
+    parser.add_argument(
+        "--mix", default="valid:6,invalid:3,oversized:1", help="weights of the kinds (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--check-fraction",
+        type=float,
+        default=0.1,
+        help="share of valid answers checked against NumPy (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--max-body-bytes", type=int, default=1 << 30, help="the server's MATMUL_MAX_BODY_BYTES (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--max-rss-growth-mib",
+        type=float,
+        default=256.0,
+        help="bound on the server's RSS growth: room for the allocator to keep what --concurrency requests in "
+        "flight at once held (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--max-device-growth-mib",
+        type=float,
+        default=512.0,
+        help="bound on the device pool's growth: room for the blocks it caches for the largest products "
+        "(default: %(default)s)",
+    )
+    parser.add_argument(
+        "--timeout", type=float, default=30.0, help="seconds one request may take (default: %(default)s)"
+    )
+    parser.add_argument("--wait-ready", type=float, default=0, help="first wait up to this many seconds for /readyz")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the operands and the draws (default: %(default)s)")
+    parser.add_argument("--out", default="out/soak.json", help="the JSON report (default: %(default)s)")
+    args = parser.parse_args(argv)
+    if args.minutes <= 0 or args.rate <= 0 or args.concurrency < 1 or not 0 <= args.check_fraction <= 1:
+        parser.error("--minutes, --rate and --concurrency must be positive, --check-fraction within [0, 1]")
+    if args.max_requests is None:
+        args.max_requests = max(1, round(args.rate * args.minutes * 60))
+    try:
+        args.mix = parse_mix(args.mix, parse_kind)
+    except argparse.ArgumentTypeError as exc:
+        parser.error(str(exc))
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    report = asyncio.run(soak(args))
+    print_report(report)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=1))
+    print(f"wrote {out}")
+    return 0 if report["passed"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
