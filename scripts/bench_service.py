@@ -2,9 +2,10 @@
 
 Each configuration (batching off/on, 1 or N HTTP workers) is a fresh server started here on 127.0.0.1
 (uvicorn on the app factory, `--workers N`). Each cell is a closed loop (scripts/loadtest.py's) of
-`--duration` seconds at most (and `--max-requests`), after `--warmup` requests per connection that are left
-out. The load comes from `--client-processes` processes sharing the cell's connections and starting together:
-httpx slows down with many connections in one process (64 connections to one CPU-backend server: 104 req/s
+`--duration` seconds at most (and `--max-requests`), after `--warmup` requests from each client process that
+are left out (the first products of a shape; more would cost minutes at 4096 x 4096 and concurrency 64).
+The load comes from `--client-processes` processes sharing the cell's connections and starting together: httpx
+slows down with many connections in one process (64 connections to one CPU-backend server: 104 req/s
 from one process, 531 from eight), and the client must not be what limits small requests.
 
 For each cell: req/s, latency p50/p99, payload GB/s (request + response bytes of the 200 answers per second),
@@ -277,7 +278,7 @@ def measure_cell(clients: ClientPool, args: argparse.Namespace, url: str, cell: 
     """One cell's figures: loadtest's summary of the merged samples, with payload GB/s and the processes used."""
     processes = min(clients.processes, cell.concurrency)
     shares = [
-        Share(url, cell.route, cell.shape, cell.format, args.kernel, connections, args.warmup * connections,
+        Share(url, cell.route, cell.shape, cell.format, args.kernel, connections, args.warmup,
               requests, args.duration, args.timeout)
         for connections, requests in zip(
             split(cell.concurrency, processes), split(args.max_requests, processes), strict=True
@@ -501,9 +502,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--backend", choices=["auto", "cpu", "gpu"], default="auto", help="MATMUL_BACKEND")
     parser.add_argument("--devices", help="MATMUL_DEVICES, e.g. 0 or 0,1 (default: every visible device)")
     parser.add_argument("--kernel", default="auto", help="the kernel every product asks for (default: auto)")
-    parser.add_argument("--duration", type=float, default=3.0, help="seconds each cell sends for (default: 3)")
+    parser.add_argument("--duration", type=float, default=2.0, help="seconds each cell sends for (default: 2)")
     parser.add_argument("--max-requests", type=int, default=20_000, help="requests per cell at most (default: 20000)")
-    parser.add_argument("--warmup", type=int, default=2, help="requests per connection before each cell (default: 2)")
+    parser.add_argument("--warmup", type=int, default=2, help="requests per client process first (default: 2)")
     parser.add_argument("--timeout", type=float, default=60.0, help="seconds one request may take (default: 60)")
     parser.add_argument("--ready-timeout", type=float, default=300.0, help="seconds a server may take to be ready")
     parser.add_argument(
