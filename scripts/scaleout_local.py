@@ -42,6 +42,7 @@ MAIN_CONFIG = """\
 daemon off;
 worker_processes 2;
 pid nginx.pid;
+error_log stderr warn;
 events {
     worker_connections 1024;
 }
@@ -84,7 +85,7 @@ def write_prefix(prefix: Path, port: int, upstreams: Sequence[str]) -> Path:
 
 
 def nginx_command(nginx: str, prefix: Path, *flags: str) -> list[str]:
-    return [nginx, "-p", f"{prefix}/", "-c", str(prefix / "nginx.conf"), "-e", str(prefix / "error.log"), *flags]
+    return [nginx, "-p", f"{prefix}/", "-c", str(prefix / "nginx.conf"), *flags]
 
 
 def matmul_requests(url: str) -> int:
