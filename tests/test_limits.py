@@ -106,3 +106,25 @@ async def test_the_echo_route_answers_with_what_it_read() -> None:
         body = bytes(range(256)) * 1000
         r = await client.post("/v1/echo", content=body)
         assert r.status_code == 200 and r.content == body
+
+
+async def test_a_client_that_leaves_during_the_upload_is_not_an_error(small: tuple[FastAPI, httpx.AsyncClient]) -> None:
+    app, _ = small
+    sent: list[dict[str, object]] = []
+    pieces = [{"type": "http.disconnect"}, {"type": "http.request", "body": b'{"a": [[1', "more_body": True}]
+
+    async def receive() -> dict[str, object]:
+        return pieces.pop()
+
+    async def send(message: dict[str, object]) -> None:
+        sent.append(message)
+
+    scope = {
+        "type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST", "scheme": "http",
+        "path": "/matmul", "raw_path": b"/matmul", "query_string": b"", "root_path": "",
+        "headers": [(b"content-type", b"application/json")], "client": ("127.0.0.1", 1), "server": ("t", 80),
+        "state": {},
+    }  # fmt: skip
+    await asyncio.wait_for(app(scope, receive, send), timeout=5)
+    assert sent[0]["status"] == 499
+    assert orjson.loads(sent[1]["body"])["code"] == "client_gone"  # type: ignore[arg-type]

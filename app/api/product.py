@@ -17,6 +17,7 @@ from typing import Any, TypeVar, cast
 import numpy as np
 from fastapi import Request
 from starlette.concurrency import run_in_threadpool
+from starlette.requests import ClientDisconnect
 
 from app import codecs
 from app.api.schemas import DtypeName, MatmulMetadata, Timing
@@ -42,11 +43,14 @@ async def read_body(request: Request, limit: int, what: str) -> bytes:
         raise PayloadTooLarge(f"the {what} is {int(declared)} bytes, over the limit of {limit}")
     chunks: list[bytes] = []
     received = 0
-    async for chunk in request.stream():
-        received += len(chunk)
-        if received > limit:
-            raise PayloadTooLarge(f"the {what} passed the limit of {limit} bytes")
-        chunks.append(chunk)
+    try:
+        async for chunk in request.stream():
+            received += len(chunk)
+            if received > limit:
+                raise PayloadTooLarge(f"the {what} passed the limit of {limit} bytes")
+            chunks.append(chunk)
+    except ClientDisconnect:
+        raise ClientGone(f"the client disconnected after sending {received} bytes of the {what}") from None
     return b"".join(chunks)
 
 
