@@ -12,8 +12,10 @@ three kinds (`--mix`):
 - oversized: `.npy` headers that claim 2^31 x 2^31, a product whose result would have 2^32 elements (over the
   default limits), and a body one byte over the server's limit (`--max-body-bytes`; sent when at most 64 MiB).
 
-The run stops after `--minutes` or `--max-requests` (default: rate x duration), whichever comes first, then
-waits for the answers still due and for the server's queue to empty. It fails (exit 1) unless:
+The run stops starting requests after `--minutes` or `--max-requests` (default: rate x duration), whichever
+comes first, waits up to `--grace` seconds for the answers still due (those left are counted as `abandoned`;
+where the client itself cannot keep up, its lag shows in the latencies), then for the server's queue to
+empty. It fails (exit 1) unless:
 
 1. no answer is a 5xx other than 503 (overloaded, not ready) or 504 (deadline exceeded);
 2. no answer checked against NumPy is wrong;
@@ -32,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import io
 import json
 import random
@@ -305,6 +308,7 @@ def build_report(
 ) -> dict[str, Any]:
     samples = run.samples
     answered = [s for s in samples if s.status.isdigit()]
+    abandoned = run.issued - len(samples)
     checks = {
         "no_5xx_but_503_504": {"count": len(run.server_errors), "passed": not run.server_errors},
         "no_wrong_results": {
@@ -321,9 +325,9 @@ def build_report(
         "config": {key: value for key, value in vars(args).items() if key != "out"},
         "server": server,
         "duration_s": elapsed_s,
-        "requests": len(samples),
+        "requests": run.issued,
         "answered_rps": len(answered) / elapsed_s if elapsed_s > 0 else 0.0,
-        "by_status": dict(Counter(s.status for s in samples)),
+        "by_status": dict(Counter(s.status for s in samples)) | ({"abandoned": abandoned} if abandoned else {}),
         "by_kind": {kind: dict(Counter(s.status for s in samples if s.kind == kind)) for kind in KINDS},
         "latency_ms": {kind: summarize([s.latency_ms for s in answered if s.kind == kind]) for kind in KINDS},
         "server_errors": run.server_errors[:20],
@@ -393,7 +397,11 @@ async def soak(args: argparse.Namespace) -> dict[str, Any]:
             await run.send(probe)  # warm-up: one of each, before the first memory reading
         start = await read_metrics(http)
         started = time.perf_counter()
-        await open_loop(run, args.rate, args.max_requests, started + args.minutes * 60, lambda: None)
+        until = started + args.minutes * 60
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(
+                open_loop(run, args.rate, args.max_requests, until, lambda: None), args.minutes * 60 + args.grace
+            )
         elapsed = time.perf_counter() - started
         await settle(http)
         end = await read_metrics(http)
@@ -453,6 +461,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--timeout", type=float, default=30.0, help="seconds one request may take (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--grace",
+        type=float,
+        default=30.0,
+        help="seconds to wait for answers after the last start (default: %(default)s)",
     )
     parser.add_argument("--wait-ready", type=float, default=0, help="first wait up to this many seconds for /readyz")
     parser.add_argument("--seed", type=int, default=0, help="seed of the operands and the draws (default: %(default)s)")

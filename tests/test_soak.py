@@ -67,8 +67,7 @@ async def test_a_500_a_wrong_product_or_memory_growth_fail_the_soak() -> None:
     probes = {"valid": soak.valid_probes(rng, MAX_BODY_BYTES)[:1], "invalid": [], "oversized": []}
     async with httpx.AsyncClient(transport=httpx.MockTransport(server), base_url="http://soak") as http:
         run = soak.Soak(http, probes, [("valid", 1.0)], check_fraction=1.0, seed=0)
-        for _ in range(3):
-            await run.one(0.0, 0.0)
+        await soak.open_loop(run, 1000.0, 3, float("inf"), lambda: None)
     args = soak.parse_args(["--max-rss-growth-mib", "10"])
     rss = {soak.RSS_METRIC: 100 * soak.MIB, soak.DEVICE_METRIC: 0.0}
     report = soak.build_report(args, run, 1.0, {}, (rss, {**rss, soak.RSS_METRIC: 111 * soak.MIB}))
