@@ -7,7 +7,7 @@ import asyncio
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from app.api.errors import error_response
+from app.api.errors import error_response, protocol_error_response
 from app.errors import BodyTimeout, MalformedPayload, PayloadTooLarge
 
 
@@ -26,12 +26,13 @@ class BodyLimitMiddleware:
         declared = dict(scope["headers"]).get(b"content-length")
         error: PayloadTooLarge | MalformedPayload | None = None
         if declared is not None:
-            if not declared.isdigit():
-                error = MalformedPayload(f"Content-Length {declared.decode('latin-1')!r} is not a byte count")
-            elif int(declared) > limit:
-                error = PayloadTooLarge(f"the body is {int(declared)} bytes, over the limit of {limit}")
+            if not (declared.isascii() and declared.isdigit()):
+                error = MalformedPayload(f"Content-Length {declared[:40].decode('latin-1')!r} is not a byte count")
+            elif len(declared) > len(str(limit)) or int(declared) > limit:
+                error = PayloadTooLarge(f"the body is {declared[:40].decode()} bytes, over the limit of {limit}")
         if error is not None:
-            await error_response(error, settings.retry_after_s)(scope, receive, send)
+            respond = protocol_error_response if scope["path"].startswith("/v2") else error_response
+            await respond(error, settings.retry_after_s)(scope, receive, send)
             return
 
         received = 0
