@@ -227,3 +227,15 @@ async def test_statistics_count_successes_failures_and_stages(client: httpx.Asyn
         assert parts[stage]["count"] == 3 and parts[stage]["ns"] > 0
     every = (await client.get("/v2/models/stats")).json()["model_stats"]
     assert {s["name"] for s in every} == {"matmul", "matmul_numpy"}
+
+
+async def test_only_the_versioned_routes_take_a_version(client: httpx.AsyncClient) -> None:
+    spec = (await client.get("/openapi.json")).json()
+    for path, item in spec["paths"].items():
+        if path.startswith("/v2/models/{model}"):
+            names = {p["name"] for op in item.values() for p in op.get("parameters", [])}
+            assert ("version" in names) == ("{version}" in path), path
+    r = await client.get("/v2/models/matmul/versions/2/ready")
+    assert r.status_code == 404 and "no version '2'" in r.json()["error"]
+    r = await client.get("/v2/models/nope/versions/1/config")
+    assert r.status_code == 404 and "unknown model 'nope'" in r.json()["error"]

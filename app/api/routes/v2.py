@@ -11,7 +11,7 @@ from collections.abc import Callable, Coroutine
 from time import perf_counter
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Path, Request, Response
+from fastapi import APIRouter, Depends, Path, Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from fastapi.routing import APIRoute
@@ -97,6 +97,14 @@ ModelName = Annotated[str, Path(max_length=128, description="`matmul` (auto), or
 VersionName = Annotated[str, Path(max_length=32, description="The model version; only `1` exists.")]
 
 
+def _known_version(model: ModelName, version: VersionName, engine: EngineDep) -> None:
+    """The `{version}` of the versioned routes: the model must have it (the unversioned routes take none)."""
+    _model(model, engine, version)
+
+
+VERSIONED = [Depends(_known_version)]
+
+
 def _metadata(model: str, engine: Engine) -> dict[str, Any]:
     def tensor(name: str) -> dict[str, Any]:
         return {"name": name, "datatype": "FP32", "shape": [-1, -1]}
@@ -141,31 +149,42 @@ async def all_statistics(request: Request) -> dict[str, Any]:
 
 
 @router.get("/models/{model}", summary="Model metadata", responses=_MODEL_ERRORS)
-@router.get("/models/{model}/versions/{version}", summary="Model version metadata", responses=_MODEL_ERRORS)
-async def model_metadata(model: ModelName, engine: EngineDep, version: VersionName | None = None) -> dict[str, Any]:
+@router.get(
+    "/models/{model}/versions/{version}",
+    dependencies=VERSIONED,
+    summary="Model version metadata",
+    responses=_MODEL_ERRORS,
+)
+async def model_metadata(model: ModelName, engine: EngineDep) -> dict[str, Any]:
     """Inputs A (m x k) and B (k x n), output C (m x n), FP32 or FP64; -1 marks a variable dimension."""
-    _model(model, engine, version)
+    _model(model, engine)
     return _metadata(model, engine)
 
 
 @router.get("/models/{model}/ready", summary="Model readiness", responses={**_MODEL_ERRORS, 503: _ERROR})
 @router.get(
     "/models/{model}/versions/{version}/ready",
+    dependencies=VERSIONED,
     summary="Model version readiness",
     responses={**_MODEL_ERRORS, 503: _ERROR},
 )
-async def model_ready(model: ModelName, engine: EngineDep, version: VersionName | None = None) -> dict[str, Any]:
+async def model_ready(model: ModelName, engine: EngineDep) -> dict[str, Any]:
     """200 when the model exists and the kernels are ready."""
-    _model(model, engine, version)
+    _model(model, engine)
     engine.check_ready()
     return {"name": model, "ready": True}
 
 
 @router.get("/models/{model}/config", summary="Model configuration", responses=_MODEL_ERRORS)
-@router.get("/models/{model}/versions/{version}/config", summary="Model version configuration", responses=_MODEL_ERRORS)
-async def model_config(model: ModelName, engine: EngineDep, version: VersionName | None = None) -> dict[str, Any]:
+@router.get(
+    "/models/{model}/versions/{version}/config",
+    dependencies=VERSIONED,
+    summary="Model version configuration",
+    responses=_MODEL_ERRORS,
+)
+async def model_config(model: ModelName, engine: EngineDep) -> dict[str, Any]:
     """Triton's model configuration extension: a minimal config (no batching dimension)."""
-    _model(model, engine, version)
+    _model(model, engine)
 
     def tensor(name: str) -> dict[str, Any]:
         return {"name": name, "data_type": "TYPE_FP32", "dims": [-1, -1]}
@@ -181,12 +200,15 @@ async def model_config(model: ModelName, engine: EngineDep, version: VersionName
 
 
 @router.get("/models/{model}/stats", summary="Model statistics", responses=_MODEL_ERRORS)
-@router.get("/models/{model}/versions/{version}/stats", summary="Model version statistics", responses=_MODEL_ERRORS)
-async def model_statistics(
-    model: ModelName, request: Request, engine: EngineDep, version: VersionName | None = None
-) -> dict[str, Any]:
+@router.get(
+    "/models/{model}/versions/{version}/stats",
+    dependencies=VERSIONED,
+    summary="Model version statistics",
+    responses=_MODEL_ERRORS,
+)
+async def model_statistics(model: ModelName, request: Request, engine: EngineDep) -> dict[str, Any]:
     """The statistics extension: counts and cumulative nanoseconds of success, fail, queue and compute stages."""
-    _model(model, engine, version)
+    _model(model, engine)
     return {"model_stats": [_statistics(request)[model].as_json(model)]}
 
 
@@ -227,16 +249,15 @@ def _record_failure(request: Request, model: str, clock: Stopwatch) -> None:
 )
 @router.post(
     "/models/{model}/versions/{version}/infer",
+    dependencies=VERSIONED,
     summary="Infer (versioned)",
     responses={400: _ERROR, 404: _ERROR, 422: _ERROR, 503: _ERROR},
     openapi_extra=_INFER_BODY,
 )
-async def infer(
-    model: ModelName, request: Request, engine: EngineDep, settings: SettingsDep, version: VersionName | None = None
-) -> Response:
+async def infer(model: ModelName, request: Request, engine: EngineDep, settings: SettingsDep) -> Response:
     """C = A @ B; tensors as JSON data or binary tensor data; C in binary when the request asks for it."""
     clock = Stopwatch()
-    fixed_kernel = _model(model, engine, version)
+    fixed_kernel = _model(model, engine)
     try:
         engine.check_ready()
         limits = limits_of(settings)
