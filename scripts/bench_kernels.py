@@ -114,7 +114,7 @@ class Bench:
             run(a, b, outputs[i % len(sets)])
             end.record()
         events[-1][1].synchronize()
-        return statistics.median(cp.cuda.get_elapsed_time(start, end) for start, end in events)
+        return float(statistics.median(cp.cuda.get_elapsed_time(start, end) for start, end in events))
 
     def launcher(self, spec: KernelSpec | None, config: LaunchConfig | None) -> Any:
         if spec is None or config is None:
@@ -123,7 +123,7 @@ class Bench:
 
 
 def plan(kernels: list[str], all_configs: bool, m: int, n: int, k: int) -> list[tuple[KernelSpec, LaunchConfig]]:
-    runs = []
+    runs: list[tuple[KernelSpec, LaunchConfig]] = []
     for name in kernels:
         spec = KERNELS[name]
         configs = [c for c in spec.configs if c.accepts(n, k)] if all_configs else [spec.config_for(m, n, k, None)]
@@ -161,7 +161,9 @@ def run_sweep(args: argparse.Namespace) -> tuple[list[Result], dict[str, Any]]:
                 if args.check_only:
                     continue
                 row.ms = bench.time(run, sets, dtype)
-                row.gflops, row.ratio = flop / row.ms / 1e6, cublas.ms / row.ms
+                row.gflops = flop / row.ms / 1e6
+                if cublas.ms is not None:
+                    row.ratio = cublas.ms / row.ms
             print_rows(rows)
             results.extend(rows)
             del sets, reference

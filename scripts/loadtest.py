@@ -32,7 +32,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import httpx
 import numpy as np
@@ -192,7 +192,15 @@ async def closed_loop(run: Run, concurrency: int, requests: int | None, until: f
     await asyncio.gather(*(worker() for _ in range(concurrency)))
 
 
-async def open_loop(run: Run, rate: float, requests: int | None, until: float, tick: Callable[[], None]) -> None:
+class Sender(Protocol):
+    """What open_loop drives: a count of requests issued, and the sending of the next one."""
+
+    issued: int
+
+    async def one(self, started: float, due: float) -> None: ...
+
+
+async def open_loop(run: Sender, rate: float, requests: int | None, until: float, tick: Callable[[], None]) -> None:
     started = time.perf_counter()
     pending: set[asyncio.Task[None]] = set()
 

@@ -42,7 +42,7 @@ import sys
 import time
 import zipfile
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -337,6 +337,27 @@ def build_report(
     }
 
 
+def progress_printer(run: Soak, started: float, every_s: float = 15.0) -> Callable[[], None]:
+    """A tick for open_loop that prints the answers so far every `every_s` seconds, so that a run stopped
+    from outside still leaves its figures behind."""
+    last = started
+
+    def tick() -> None:
+        nonlocal last
+        now = time.perf_counter()
+        if now - last < every_s:
+            return
+        last = now
+        by_status = Counter(sample.status for sample in run.samples)
+        print(
+            f"{now - started:6.0f} s: {len(run.samples)} answered ({_counts(dict(by_status))}), "
+            f"{len(run.server_errors)} unexpected 5xx, {len(run.wrong_results)} wrong",
+            flush=True,
+        )
+
+    return tick
+
+
 def _counts(counts: dict[str, int]) -> str:
     return ", ".join(f"{status}: {count}" for status, count in sorted(counts.items())) or "none"
 
@@ -380,7 +401,7 @@ def print_report(report: dict[str, Any]) -> None:
 
 async def soak(args: argparse.Namespace) -> dict[str, Any]:
     rng = np.random.default_rng(args.seed)
-    probes = {
+    probes: dict[Kind, list[Probe]] = {
         "valid": valid_probes(rng, args.max_body_bytes),
         "invalid": invalid_probes(rng),
         "oversized": oversized_probes(args.max_body_bytes),
@@ -400,7 +421,8 @@ async def soak(args: argparse.Namespace) -> dict[str, Any]:
         until = started + args.minutes * 60
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(
-                open_loop(run, args.rate, args.max_requests, until, lambda: None), args.minutes * 60 + args.grace
+                open_loop(run, args.rate, args.max_requests, until, progress_printer(run, started)),
+                args.minutes * 60 + args.grace,
             )
         elapsed = time.perf_counter() - started
         await settle(http)
