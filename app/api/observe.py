@@ -15,7 +15,6 @@ from app.api.schemas import MatmulMetadata
 from app.metrics import ServiceMetrics
 
 access_log = logging.getLogger("app.access")
-REQUEST_ID_HEADER = "X-Request-ID"
 _VALID_REQUEST_ID = re.compile(rb"[A-Za-z0-9._:-]{1,128}")
 
 

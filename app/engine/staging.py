@@ -25,12 +25,3 @@ def cast_into(dst: np.ndarray, src: np.ndarray, name: str) -> None:
             f"{name}[{row}][{col}] = {src[row, col].item()!r} is out of range for {dst.dtype} (largest {limit:.4g})",
             location=[name, int(row), int(col)],
         ) from None
-
-
-def to_working(src: np.ndarray, dtype: np.dtype, name: str) -> np.ndarray:
-    """`src` as a C-contiguous array of `dtype`: itself when it already is one, else one converted copy."""
-    if src.dtype == dtype and src.flags.c_contiguous:
-        return src
-    dst = np.empty(src.shape, dtype)
-    cast_into(dst, src, name)
-    return dst
