@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -90,13 +89,6 @@ def serving(
 
 def _stop_group(process: subprocess.Popen[bytes]) -> None:
     """SIGTERM to the server's process group (uvicorn and any workers), SIGKILL if that is not enough."""
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        try:
-            os.killpg(process.pid, sig)
-        except ProcessLookupError:
-            return
-        try:
-            process.wait(timeout=30)
-            return
-        except subprocess.TimeoutExpired:
-            continue
+    from tests.scripts import import_script  # it imports this module for ROOT
+
+    import_script("local_service").stop_group(process)
