@@ -331,13 +331,19 @@ def decode_npz(body: bytes, limits: Limits, max_member_bytes: int) -> Operands:
 # ------------------------------------------------------------------------------------------------- out
 
 
-def encode_npy(array: np.ndarray) -> bytes:
-    """The `.npy` file of an array, always C-ordered: header, then the data copied once."""
+def npy_parts(array: np.ndarray) -> tuple[bytes, memoryview]:
+    """The `.npy` file of an array, always C-ordered, as its header and a view of the data: a C-ordered array's
+    data is not copied (the view keeps the array alive until the bytes are sent)."""
     contiguous = np.ascontiguousarray(array)
     head = io.BytesIO()
     np.lib.format.write_array_header_1_0(head, np.lib.format.header_data_from_array_1_0(contiguous))
-    data = contiguous.data.cast("B") if contiguous.size else b""
-    return b"".join((head.getvalue(), data))
+    data = contiguous.data.cast("B") if contiguous.size else memoryview(b"")
+    return head.getvalue(), data
+
+
+def encode_npy(array: np.ndarray) -> bytes:
+    """The `.npy` file of an array as one bytes object (the data copied once)."""
+    return b"".join(npy_parts(array))
 
 
 def encode_json_matrix(array: np.ndarray) -> bytes:

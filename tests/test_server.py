@@ -25,6 +25,14 @@ def exercise(client: httpx.Client, backend: str) -> None:
     )
     assert r.status_code == 200, r.text
     assert_product(load_npy(r.content), a, b, np.dtype(np.float32))
+    big_a, big_b = rng.standard_normal((600, 500)), rng.standard_normal((500, 700))
+    r = client.post(
+        "/matmul",
+        files={"a": ("a.npy", npy_bytes(big_a)), "b": ("b.npy", npy_bytes(big_b))},
+        headers={"accept": "application/x-npy"},
+    )
+    assert r.status_code == 200 and int(r.headers["content-length"]) == len(r.content) > 600 * 700 * 8
+    assert_product(load_npy(r.content), big_a, big_b, np.dtype(np.float64))  # 3.4 MB sent from the array itself
     assert client.get("/v1/info").json()["backend"] == backend
 
 

@@ -19,6 +19,7 @@ from app.api.product import (
     read_body,
     server_timing,
 )
+from app.api.responses import BuffersResponse
 from app.api.schemas import DtypeName, ErrorBody, MatmulMetadata, MatmulResponse
 from app.config import Settings
 from app.errors import UnsupportedMediaType
@@ -160,9 +161,10 @@ async def matmul(
     c = product.outcome.c
 
     clock.computed = perf_counter()
-    encode = codecs.encode_npy if answer_as == codecs.NPY_MEDIA_TYPE else codecs.encode_json_matrix
-    body = await off_loop_if_large(c.nbytes, settings, encode, c)
+    if answer_as == codecs.NPY_MEDIA_TYPE:
+        npy = codecs.npy_parts(c)
+        return BuffersResponse(npy, media_type=answer_as, headers=_headers(describe(request, engine, product, clock)))
+    matrix = await off_loop_if_large(c.nbytes, settings, codecs.encode_json_matrix, c)
     meta = describe(request, engine, product, clock)
-    if answer_as == codecs.JSON_MEDIA_TYPE:
-        body = codecs.encode_json_envelope(body, meta.model_dump())
+    body = codecs.encode_json_envelope(matrix, meta.model_dump())
     return Response(content=body, media_type=answer_as, headers=_headers(meta))
