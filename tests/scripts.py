@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import importlib.util
 import sys
+from pathlib import Path
 from types import ModuleType
 
-from tests.server import ROOT
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def import_script(name: str) -> ModuleType:

@@ -3,24 +3,18 @@
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import time
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
-from pathlib import Path
 
 import httpx
 
-ROOT = Path(__file__).resolve().parent.parent
+from tests.scripts import ROOT, import_script
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+free_port = import_script("local_service").free_port
 
 
 def uvicorn_command(port: int) -> list[str]:
@@ -89,6 +83,4 @@ def serving(
 
 def _stop_group(process: subprocess.Popen[bytes]) -> None:
     """SIGTERM to the server's process group (uvicorn and any workers), SIGKILL if that is not enough."""
-    from tests.scripts import import_script  # it imports this module for ROOT
-
     import_script("local_service").stop_group(process)

@@ -6,7 +6,7 @@ import hmac
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from app.api.errors import error_response, protocol_error_response
+from app.api.errors import error_response_for
 from app.errors import Unauthorized
 
 OPEN_PATHS = frozenset({"/healthz", "/readyz", "/v2/health/live", "/v2/health/ready"})
@@ -48,8 +48,4 @@ class ApiKeyMiddleware:
             if presented is None
             else "the API key is not valid"
         )
-        if scope["path"].startswith("/v2"):
-            response = protocol_error_response(error, settings.retry_after_s)
-        else:
-            response = error_response(error, settings.retry_after_s)
-        await response(scope, receive, send)
+        await error_response_for(scope["path"], error, settings.retry_after_s)(scope, receive, send)

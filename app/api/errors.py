@@ -15,6 +15,7 @@ from app.errors import MatmulError, ServiceUnavailable, Unauthorized
 log = logging.getLogger(__name__)
 
 _HTTP_CODES = {404: "not_found", 405: "method_not_allowed"}
+PROTOCOL_PREFIX = "/v2"
 
 
 def _headers(exc: MatmulError, retry_after_s: int) -> dict[str, str]:
@@ -34,6 +35,13 @@ def error_response(exc: MatmulError, retry_after_s: int) -> JSONResponse:
 def protocol_error_response(exc: MatmulError, retry_after_s: int) -> JSONResponse:
     """The inference protocol's error answer: {"error": "<message>"}."""
     return JSONResponse({"error": exc.message}, status_code=exc.status_code, headers=_headers(exc, retry_after_s))
+
+
+def error_response_for(path: str, exc: MatmulError, retry_after_s: int) -> JSONResponse:
+    """The error answer in the format of the route `path` belongs to, for middleware that answers before
+    routing: the inference protocol's under /v2, the service's everywhere else."""
+    respond = protocol_error_response if path.startswith(PROTOCOL_PREFIX) else error_response
+    return respond(exc, retry_after_s)
 
 
 def _retry_after(request: Request) -> int:

@@ -7,7 +7,7 @@ import asyncio
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from app.api.errors import error_response, protocol_error_response
+from app.api.errors import error_response_for
 from app.errors import BodyTimeout, MalformedPayload, PayloadTooLarge
 
 
@@ -31,8 +31,7 @@ class BodyLimitMiddleware:
             elif len(declared) > len(str(limit)) or int(declared) > limit:
                 error = PayloadTooLarge(f"the body is {declared[:40].decode()} bytes, over the limit of {limit}")
         if error is not None:
-            respond = protocol_error_response if scope["path"].startswith("/v2") else error_response
-            await respond(error, settings.retry_after_s)(scope, receive, send)
+            await error_response_for(scope["path"], error, settings.retry_after_s)(scope, receive, send)
             return
 
         received = 0

@@ -18,7 +18,7 @@ from fastapi.routing import APIRoute
 
 from app import __version__, inference_protocol
 from app.api.deps import EngineDep, SettingsDep
-from app.api.errors import protocol_error_response
+from app.api.errors import PROTOCOL_PREFIX, protocol_error_response
 from app.api.product import (
     Stopwatch,
     compute,
@@ -56,7 +56,7 @@ class V2Route(APIRoute):
         return protocol_errors
 
 
-router = APIRouter(prefix="/v2", tags=["inference protocol v2"], route_class=V2Route)
+router = APIRouter(prefix=PROTOCOL_PREFIX, tags=["inference protocol v2"], route_class=V2Route)
 _ERROR_BODY = {"type": "object", "required": ["error"], "properties": {"error": {"type": "string"}}}
 
 
