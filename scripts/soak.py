@@ -1,8 +1,10 @@
 """Soak a running matmul-service: minutes of valid, invalid and oversized requests at a rate above its capacity.
 
 Requests start at a fixed `--rate` whatever the server does (open loop, as in loadtest.py), over up to
-`--concurrency` connections (more than the server's queue holds, so that it overflows), drawn from a mix of
-three kinds (`--mix`):
+`--concurrency` connections (more than the server's queue holds, so that it overflows), from
+`--client-processes` processes that share the rate and the connections (one Python process sends a few hundred
+requests a second at most: the client must not be what limits the load), drawn from a mix of three kinds
+(`--mix`):
 
 - valid: products of four shapes up to 256^3, float32 and float64, as multipart `.npy`, JSON and `.npz` (those
   within `--max-body-bytes`); a sampled fraction of the answers (`--check-fraction`) is compared with NumPy;
@@ -21,7 +23,9 @@ empty. It fails (exit 1) unless:
 2. no answer checked against NumPy is wrong;
 3. the server's resident memory (`process_resident_memory_bytes`) and device pool (`matmul_device_memory_bytes`),
    read from GET /metrics after a warm-up (one of each request) and at the end, grew by at most
-   `--max-rss-growth-mib` and `--max-device-growth-mib`.
+   `--max-rss-growth-mib` and `--max-device-growth-mib`. The resident memory is also read every 15 s while the
+   load runs, so that a plateau (what the allocator keeps of the most requests in flight at once) can be told
+   from a leak (growth with the number of requests).
 
     python scripts/soak.py --url http://localhost:8000 --minutes 3 --rate 400
     python scripts/soak.py --minutes 0.1 --rate 100 --mix valid:1,invalid:1 --out out/soak-short
@@ -37,12 +41,14 @@ import asyncio
 import contextlib
 import io
 import json
+import multiprocessing
 import random
 import sys
 import time
 import zipfile
 from collections import Counter
 from collections.abc import Callable, Sequence
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -72,6 +78,7 @@ QUEUE_METRIC = "matmul_queue_depth"
 OVERSIZED_BODY_CAP = 64 << 20
 VALID_SHAPES = ((8, 8, 8), (64, 64, 64), (128, 32, 96), (256, 256, 256))
 MIB = 1 << 20
+MEMORY_EVERY_S = 15.0
 
 
 # ------------------------------------------------------------------------------------------- the requests
@@ -179,6 +186,16 @@ def oversized_probes(max_body_bytes: int) -> list[Probe]:
     return probes
 
 
+def build_probes(seed: int, max_body_bytes: int) -> dict[Kind, list[Probe]]:
+    """Every request the soak may send, the same in every client process (operands drawn from `seed`)."""
+    rng = np.random.default_rng(seed)
+    return {
+        "valid": valid_probes(rng, max_body_bytes),
+        "invalid": invalid_probes(rng),
+        "oversized": oversized_probes(max_body_bytes),
+    }
+
+
 # ------------------------------------------------------------------------------------------------ the run
 
 
@@ -218,15 +235,11 @@ class Soak:
         kind = self._random.choices(kinds, weights=[weight for _, weight in self.mix])[0]
         return self._random.choice(self.probes[kind])
 
-    async def send(self, probe: Probe) -> httpx.Response:
-        headers = {"content-type": probe.content_type, "accept": probe.accept}
-        return await self.http.post(probe.path, params=probe.params, headers=headers, content=probe.content)
-
     async def one(self, started: float, due: float) -> None:
         probe = self.draw()
         checked = False
         try:
-            response = await self.send(probe)
+            response = await send(self.http, probe)
             status = str(response.status_code)
             if response.status_code >= 500 and response.status_code not in TOLERATED_5XX:
                 self.server_errors.append({"request": probe.name, "status": status, "body": response.text[:300]})
@@ -243,6 +256,87 @@ class Soak:
             status = type(exc).__name__
         sample = Sample(due - started, (time.perf_counter() - due) * 1e3, probe.kind, probe.name, status, checked)
         self.samples.append(sample)
+
+
+async def send(http: httpx.AsyncClient, probe: Probe) -> httpx.Response:
+    headers = {"content-type": probe.content_type, "accept": probe.accept}
+    return await http.post(probe.path, params=probe.params, headers=headers, content=probe.content)
+
+
+@dataclass(frozen=True)
+class ClientShare:
+    """What one client process sends: its part of the rate, the request cap and the connections."""
+
+    index: int
+    processes: int
+    url: str
+    rate: float
+    max_requests: int
+    concurrency: int
+    seconds: float
+    grace: float
+    timeout: float
+    mix: list[tuple[Kind, float]]
+    check_fraction: float
+    max_body_bytes: int
+    seed: int
+
+
+@dataclass
+class ClientResult:
+    issued: int
+    samples: list[Sample]
+    server_errors: list[dict[str, str]]
+    wrong_results: list[dict[str, str]]
+
+
+def run_client(share: ClientShare) -> ClientResult:
+    """A client process: its share of the open loop, then everything it saw."""
+    return asyncio.run(_drive(share))
+
+
+async def _drive(share: ClientShare) -> ClientResult:
+    probes = build_probes(share.seed, share.max_body_bytes)
+    limits = httpx.Limits(max_connections=share.concurrency, max_keepalive_connections=share.concurrency)
+    # A request still waiting for a connection after --timeout s is counted as PoolTimeout, not queued forever.
+    async with httpx.AsyncClient(base_url=share.url, timeout=share.timeout, limits=limits) as http:
+        run = Soak(http, probes, share.mix, share.check_fraction, share.seed + 1 + share.index)
+        started = time.perf_counter()
+        tick = progress_printer(run, started, f"client {share.index + 1}/{share.processes}")
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(
+                open_loop(run, share.rate, share.max_requests, started + share.seconds, tick),
+                share.seconds + share.grace,
+            )
+    return ClientResult(run.issued, run.samples, run.server_errors, run.wrong_results)
+
+
+def split(total: int, parts: int) -> list[int]:
+    return [total // parts + (i < total % parts) for i in range(parts)]
+
+
+def shares(args: argparse.Namespace) -> list[ClientShare]:
+    processes = min(args.client_processes, args.concurrency)
+    return [
+        ClientShare(
+            index=i,
+            processes=processes,
+            url=args.url,
+            rate=args.rate / processes,
+            max_requests=requests,
+            concurrency=concurrency,
+            seconds=args.minutes * 60,
+            grace=args.grace,
+            timeout=args.timeout,
+            mix=args.mix,
+            check_fraction=args.check_fraction,
+            max_body_bytes=args.max_body_bytes,
+            seed=args.seed,
+        )
+        for i, (requests, concurrency) in enumerate(
+            zip(split(args.max_requests, processes), split(args.concurrency, processes), strict=True)
+        )
+    ]
 
 
 def wrong_result(response: httpx.Response, a: np.ndarray, b: np.ndarray) -> str | None:
@@ -274,6 +368,22 @@ async def read_metrics(http: httpx.AsyncClient) -> dict[str, float]:
     return values
 
 
+async def watch_memory(
+    http: httpx.AsyncClient, clients: list[asyncio.Future[ClientResult]], started: float
+) -> list[dict[str, float | None]]:
+    """The server's resident memory every MEMORY_EVERY_S seconds until every client process is done."""
+    timeline: list[dict[str, float | None]] = []
+    while not all(client.done() for client in clients):
+        await asyncio.wait(clients, timeout=MEMORY_EVERY_S)
+        try:
+            rss: float | None = (await read_metrics(http)).get(RSS_METRIC, 0.0) / MIB
+        except httpx.HTTPError:
+            rss = None  # the server too busy to answer in time: a gap, not a failure
+        timeline.append({"s": round(time.perf_counter() - started, 1), "rss_mib": rss})
+        print(f"{timeline[-1]['s']:6.0f} s: server RSS {'-' if rss is None else f'{rss:.1f} MiB'}", flush=True)
+    return timeline
+
+
 async def settle(http: httpx.AsyncClient, seconds: float = 30.0) -> None:
     """Wait (at most `seconds`) for the server's queue to empty, so the end reading sees no request's data."""
     for _ in range(round(seconds / 0.2)):
@@ -301,20 +411,24 @@ def memory_check(name: str, start: dict[str, float], end: dict[str, float], boun
 
 def build_report(
     args: argparse.Namespace,
-    run: Soak,
+    clients: list[ClientResult],
     elapsed_s: float,
     server: Any,
     memory: tuple[dict[str, float], dict[str, float]],
+    rss_timeline: list[dict[str, float | None]],
 ) -> dict[str, Any]:
-    samples = run.samples
+    samples = [sample for client in clients for sample in client.samples]
+    server_errors = [error for client in clients for error in client.server_errors]
+    wrong_results = [wrong for client in clients for wrong in client.wrong_results]
+    issued = sum(client.issued for client in clients)
     answered = [s for s in samples if s.status.isdigit()]
-    abandoned = run.issued - len(samples)
+    abandoned = issued - len(samples)
     checks = {
-        "no_5xx_but_503_504": {"count": len(run.server_errors), "passed": not run.server_errors},
+        "no_5xx_but_503_504": {"count": len(server_errors), "passed": not server_errors},
         "no_wrong_results": {
             "checked": sum(s.checked for s in samples),
-            "wrong": len(run.wrong_results),
-            "passed": not run.wrong_results,
+            "wrong": len(wrong_results),
+            "passed": not wrong_results,
         },
         "rss": memory_check(RSS_METRIC, *memory, args.max_rss_growth_mib),
         "device_pool": memory_check(DEVICE_METRIC, *memory, args.max_device_growth_mib),
@@ -325,19 +439,21 @@ def build_report(
         "config": {key: value for key, value in vars(args).items() if key != "out"},
         "server": server,
         "duration_s": elapsed_s,
-        "requests": run.issued,
+        "requests": issued,
+        "requests_by_client": [client.issued for client in clients],
         "answered_rps": len(answered) / elapsed_s if elapsed_s > 0 else 0.0,
         "by_status": dict(Counter(s.status for s in samples)) | ({"abandoned": abandoned} if abandoned else {}),
         "by_kind": {kind: dict(Counter(s.status for s in samples if s.kind == kind)) for kind in KINDS},
         "latency_ms": {kind: summarize([s.latency_ms for s in answered if s.kind == kind]) for kind in KINDS},
-        "server_errors": run.server_errors[:20],
-        "wrong_results": run.wrong_results[:20],
+        "server_errors": server_errors[:20],
+        "wrong_results": wrong_results[:20],
+        "rss_timeline": rss_timeline,
         "checks": checks,
         "passed": all(check["passed"] for check in checks.values()),
     }
 
 
-def progress_printer(run: Soak, started: float, every_s: float = 15.0) -> Callable[[], None]:
+def progress_printer(run: Soak, started: float, label: str, every_s: float = 15.0) -> Callable[[], None]:
     """A tick for open_loop that prints the answers so far every `every_s` seconds, so that a run stopped
     from outside still leaves its figures behind."""
     last = started
@@ -350,7 +466,7 @@ def progress_printer(run: Soak, started: float, every_s: float = 15.0) -> Callab
         last = now
         by_status = Counter(sample.status for sample in run.samples)
         print(
-            f"{now - started:6.0f} s: {len(run.samples)} answered ({_counts(dict(by_status))}), "
+            f"{now - started:6.0f} s: {label}: {len(run.samples)} answered ({_counts(dict(by_status))}), "
             f"{len(run.server_errors)} unexpected 5xx, {len(run.wrong_results)} wrong",
             flush=True,
         )
@@ -391,6 +507,9 @@ def print_report(report: dict[str, Any]) -> None:
     ]
     for line, check in zip(lines, checks.values(), strict=True):
         print(f"  [{verdicts[check['passed']]}] {line}")
+    readings = [f"{r['rss_mib']:.0f}" if r["rss_mib"] is not None else "-" for r in report["rss_timeline"]]
+    if readings:
+        print(f"  server RSS every {MEMORY_EVERY_S:g} s under load (MiB): {' '.join(readings)}")
     for failure in report["server_errors"] + report["wrong_results"]:
         print(f"  {failure}")
     print("PASSED" if report["passed"] else "FAILED")
@@ -400,34 +519,25 @@ def print_report(report: dict[str, Any]) -> None:
 
 
 async def soak(args: argparse.Namespace) -> dict[str, Any]:
-    rng = np.random.default_rng(args.seed)
-    probes: dict[Kind, list[Probe]] = {
-        "valid": valid_probes(rng, args.max_body_bytes),
-        "invalid": invalid_probes(rng),
-        "oversized": oversized_probes(args.max_body_bytes),
-    }
-    limits = httpx.Limits(max_connections=args.concurrency, max_keepalive_connections=args.concurrency)
-    # A request still waiting for a connection after --timeout s is counted as PoolTimeout, not queued forever.
-    async with httpx.AsyncClient(base_url=args.url, timeout=args.timeout, limits=limits) as http:
+    async with httpx.AsyncClient(base_url=args.url, timeout=args.timeout) as http:
         client = AsyncMatmulClient(http=http)
         if args.wait_ready:
             await wait_ready(client, args.wait_ready)
         server = await client.info()
-        run = Soak(http, probes, args.mix, args.check_fraction, args.seed)
+        probes = build_probes(args.seed, args.max_body_bytes)
         for probe in (probe for kind in KINDS for probe in probes[kind]):
-            await run.send(probe)  # warm-up: one of each, before the first memory reading
+            await send(http, probe)  # warm-up: one of each, before the first memory reading
         start = await read_metrics(http)
         started = time.perf_counter()
-        until = started + args.minutes * 60
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(
-                open_loop(run, args.rate, args.max_requests, until, progress_printer(run, started)),
-                args.minutes * 60 + args.grace,
-            )
+        spawn = multiprocessing.get_context("spawn")
+        with ProcessPoolExecutor(max_workers=args.client_processes, mp_context=spawn) as pool:
+            clients = [asyncio.wrap_future(pool.submit(run_client, share)) for share in shares(args)]
+            rss_timeline = await watch_memory(http, clients, started)
+            results = [client.result() for client in clients]
         elapsed = time.perf_counter() - started
         await settle(http)
         end = await read_metrics(http)
-    return build_report(args, run, elapsed, server, (start, end))
+    return build_report(args, results, elapsed, server, (start, end), rss_timeline)
 
 
 def parse_kind(text: str) -> Kind:
@@ -454,6 +564,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         default=256,
         help="most connections open at once; above the server's MATMUL_QUEUE_SIZE, so that its queue can fill "
         "(default: %(default)s)",
+    )
+    parser.add_argument(
+        "--client-processes",
+        type=int,
+        default=4,
+        help="processes sending, each a share of --rate and --concurrency (default: %(default)s)",
     )
     parser.add_argument(
         "--mix", default="valid:6,invalid:3,oversized:1", help="weights of the kinds (default: %(default)s)"
@@ -496,6 +612,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.minutes <= 0 or args.rate <= 0 or args.concurrency < 1 or not 0 <= args.check_fraction <= 1:
         parser.error("--minutes, --rate and --concurrency must be positive, --check-fraction within [0, 1]")
+    if args.client_processes < 1:
+        parser.error("--client-processes must be positive")
     if args.max_requests is None:
         args.max_requests = max(1, round(args.rate * args.minutes * 60))
     try:

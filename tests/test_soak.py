@@ -34,6 +34,7 @@ def test_five_seconds_of_mixed_requests_over_capacity(tmp_path: Path) -> None:
     assert report["passed"] and "PASSED" in done.stdout
     assert report["requests"] == sum(report["by_status"].values()) == 720, "150/s for 4.8 s"
     assert report["server"]["backend"] == "cpu"
+    assert report["requests_by_client"] == [180] * 4, "four client processes, a quarter of the load each"
     valid, invalid, oversized = (report["by_kind"][kind] for kind in soak.KINDS)
     assert set(valid) <= {"200", "503"} and valid["200"] > 0
     assert invalid and all(400 <= int(status) < 500 or status == "503" for status in invalid), invalid
@@ -70,7 +71,10 @@ async def test_a_500_a_wrong_product_or_memory_growth_fail_the_soak() -> None:
         await soak.open_loop(run, 1000.0, 3, float("inf"), lambda: None)
     args = soak.parse_args(["--max-rss-growth-mib", "10"])
     rss = {soak.RSS_METRIC: 100 * soak.MIB, soak.DEVICE_METRIC: 0.0}
-    report = soak.build_report(args, run, 1.0, {}, (rss, {**rss, soak.RSS_METRIC: 111 * soak.MIB}))
+    seen = soak.ClientResult(run.issued, run.samples, run.server_errors, run.wrong_results)
+    timeline: list[dict[str, float | None]] = [{"s": 15.0, "rss_mib": 105.0}, {"s": 30.0, "rss_mib": None}]
+    report = soak.build_report(args, [seen], 1.0, {}, (rss, {**rss, soak.RSS_METRIC: 111 * soak.MIB}), timeline)
+    assert report["rss_timeline"] == timeline
     assert report["by_status"] == {"503": 1, "200": 1, "500": 1}
     checks = report["checks"]
     assert checks["no_5xx_but_503_504"] == {"count": 1, "passed": False}
@@ -78,5 +82,5 @@ async def test_a_500_a_wrong_product_or_memory_growth_fail_the_soak() -> None:
     assert checks["no_wrong_results"] == {"checked": 1, "wrong": 1, "passed": False}
     assert "relative error" in report["wrong_results"][0]["error"]
     assert not checks["rss"]["passed"] and checks["device_pool"]["passed"] and not report["passed"]
-    missing = soak.build_report(args, run, 1.0, {}, ({}, {}))["checks"]["rss"]
+    missing = soak.build_report(args, [seen], 1.0, {}, ({}, {}), [])["checks"]["rss"]
     assert not missing["passed"] and soak.RSS_METRIC in missing["error"]
