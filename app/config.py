@@ -66,6 +66,13 @@ class Settings(BaseSettings):
     max_queue_delay_us: int = Field(
         500, ge=0, le=1_000_000, description="Longest the first product of a batch waits for others to join it."
     )
+    pipeline_depth: int = Field(
+        2,
+        ge=1,
+        le=8,
+        description="Launches a GPU worker keeps in flight: at 2, one product's copies run under the previous "
+        "one's kernel; 1 runs them one after another.",
+    )
     echo_route: bool = Field(
         False, description="Benchmarks only: POST /v1/echo answers with as many bytes as it read (transport ceiling)."
     )

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any, Final
 
 import httpx
@@ -13,9 +13,10 @@ import pytest
 
 from app.api.deps import get_engine
 from app.config import Settings
-from app.engine import BatchPolicy, DeviceTiming, Engine, EngineState, KernelInfo, Plan, Worker
+from app.engine import BatchPolicy, DeviceTiming, Engine, EngineState, KernelInfo, Outcome, Plan, Worker
 from app.engine.autotune import AutoChoice
-from app.errors import NotReady
+from app.engine.base import Finished
+from app.errors import DeviceOutOfMemory, NotReady
 from app.main import create_app
 
 pytestmark = pytest.mark.anyio
@@ -50,9 +51,13 @@ class GatedBackend:
     def batchable(self, plan: Plan) -> bool:
         return True
 
-    def multiply(
-        self, pairs: Sequence[tuple[np.ndarray, np.ndarray]], dtype: np.dtype, plan: Plan
-    ) -> tuple[list[np.ndarray], DeviceTiming]:
+    @property
+    def max_in_flight(self) -> int:
+        return 1
+
+    def submit(
+        self, pairs: Sequence[tuple[np.ndarray, np.ndarray]], dtype: np.dtype, plan: Plan, on_done: Callable[[], None]
+    ) -> Finished:
         self.started.release()
         self.step.acquire(timeout=10)
         if self.fail_next is not None:
@@ -60,7 +65,7 @@ class GatedBackend:
             raise error
         self.multiplied.extend(a.shape for a, _ in pairs)
         self.batches.append(len(pairs))
-        return [a @ b for a, b in pairs], DeviceTiming(h2d_ms=0.0, kernel_ms=1.0, d2h_ms=0.0)
+        return Finished([a @ b for a, b in pairs], DeviceTiming(h2d_ms=0.0, kernel_ms=1.0, d2h_ms=0.0))
 
     def describe(self) -> dict[str, Any]:
         return {"name": self.device_name}
@@ -318,6 +323,119 @@ async def test_queued_products_of_one_shape_run_as_one_batch(policy: BatchPolicy
     await engine.stop()
 
 
+class PipelinedBackend(GatedBackend):
+    """Keeps two launches in flight; each one finishes only when the test sets its event, and what the worker
+    does (submit or collect, with the first operand's value) is logged in order."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.prepared.set()
+        self.log: list[str] = []
+        self.launches: list[HeldLaunch] = []
+
+    @property
+    def max_in_flight(self) -> int:
+        return 2
+
+    def submit(
+        self, pairs: Sequence[tuple[np.ndarray, np.ndarray]], dtype: np.dtype, plan: Plan, on_done: Callable[[], None]
+    ) -> HeldLaunch:
+        label = f"{pairs[0][0][0, 0]:g}"
+        self.log.append(f"submit {label}")
+        launch = HeldLaunch(self, label, [a @ b for a, b in pairs], on_done)
+        self.launches.append(launch)
+        return launch
+
+
+class HeldLaunch:
+    def __init__(
+        self, backend: PipelinedBackend, label: str, products: list[np.ndarray], on_done: Callable[[], None]
+    ) -> None:
+        self.backend, self.label, self.products, self.on_done = backend, label, products, on_done
+        self.finished = threading.Event()
+        self.error: Exception | None = None
+
+    def finish(self, error: Exception | None = None) -> None:
+        """What the device does: the launch ends (with `error`, if given) and calls back."""
+        self.error = error
+        self.finished.set()
+        self.on_done()
+
+    def done(self) -> bool:
+        return self.finished.is_set()
+
+    def result(self) -> tuple[list[np.ndarray], DeviceTiming]:
+        assert self.finished.wait(timeout=10)
+        self.backend.log.append(f"collect {self.label}")
+        if self.error is not None:
+            raise self.error
+        return self.products, DeviceTiming(h2d_ms=1.0, kernel_ms=1.0, d2h_ms=1.0)
+
+
+async def _pipelined(backend: PipelinedBackend) -> Engine:
+    engine = Engine([Worker(backend, queue_size=8)])
+    engine.start()
+    await _wait(lambda: engine.state is EngineState.READY)
+    return engine
+
+
+def _product(engine: Engine, value: float) -> asyncio.Task[Outcome]:
+    f64 = np.dtype(np.float64)
+    return asyncio.create_task(engine.matmul(np.full((1, 1), value), np.ones((1, 1)), f64, "numpy", None, None))
+
+
+async def test_the_next_launch_is_submitted_while_the_previous_one_runs() -> None:
+    backend = PipelinedBackend()
+    engine = await _pipelined(backend)
+    first = _product(engine, 1)
+    await _wait(lambda: len(backend.launches) == 1)
+    rest = [_product(engine, 2), _product(engine, 3)]
+    await _wait(lambda: len(backend.launches) == 2)
+    await asyncio.sleep(0.05)
+    # two in flight, none collected: the third waits for the first to be answered
+    assert backend.log == ["submit 1", "submit 2"] and engine.queue_depth == 1 and engine.workers[0].load == 3
+    assert not first.done()
+    backend.launches[0].finish()
+    assert (await first).c[0, 0] == 1.0
+    await _wait(lambda: len(backend.launches) == 3)
+    for launch in backend.launches[1:]:
+        launch.finish()
+    assert [(await task).c[0, 0] for task in rest] == [2.0, 3.0]
+    assert backend.log == ["submit 1", "submit 2", "collect 1", "submit 3", "collect 2", "collect 3"]
+    await engine.stop()
+
+
+async def test_a_finished_launch_is_collected_before_the_next_is_submitted() -> None:
+    backend = PipelinedBackend()
+    engine = await _pipelined(backend)
+    first = _product(engine, 1)
+    await _wait(lambda: len(backend.launches) == 1)
+    backend.launches[0].finish()
+    await first
+    second = _product(engine, 2)
+    await _wait(lambda: len(backend.launches) == 2)
+    backend.launches[1].finish()
+    await second
+    assert backend.log == ["submit 1", "collect 1", "submit 2", "collect 2"]
+    await engine.stop()
+
+
+async def test_a_launch_that_fails_on_the_device_fails_only_its_own_requests() -> None:
+    backend = PipelinedBackend()
+    engine = await _pipelined(backend)
+    first = _product(engine, 1)
+    await _wait(lambda: len(backend.launches) == 1)
+    second = _product(engine, 2)
+    await _wait(lambda: len(backend.launches) == 2)
+    backend.launches[0].finish(DeviceOutOfMemory("the product does not fit in device memory now"))
+    backend.launches[1].finish()
+    with pytest.raises(DeviceOutOfMemory):
+        await first
+    assert (await second).c[0, 0] == 2.0
+    assert engine.state is EngineState.READY
+    await engine.stop()
+
+
 async def test_a_bad_operand_in_a_batch_fails_only_its_own_request() -> None:
     settings = Settings(backend="cpu", batching=True, max_queue_delay_us=200_000, access_log=False)
     app = create_app(settings)
@@ -327,13 +445,13 @@ async def test_a_bad_operand_in_a_batch_fails_only_its_own_request() -> None:
             await _wait_ready(client)
             backend = app.state.engine.workers[0].backend
             launches: list[int] = []
-            multiply = backend.multiply
+            submit = backend.submit
 
-            def counting_multiply(pairs: Sequence[tuple[np.ndarray, np.ndarray]], *args: Any) -> Any:
+            def counting_submit(pairs: Sequence[tuple[np.ndarray, np.ndarray]], *args: Any) -> Any:
                 launches.append(len(pairs))
-                return multiply(pairs, *args)
+                return submit(pairs, *args)
 
-            backend.multiply = counting_multiply
+            backend.submit = counting_submit
             bodies = [{"a": [[1.0, 2.0]], "b": [[3.0], [4.0]]}] * 3 + [{"a": [[1.0, 1e39]], "b": [[3.0], [4.0]]}]
             answers = await asyncio.gather(*(client.post("/matmul", json=body) for body in bodies))
     assert launches == [4, 1, 1, 1, 1]  # the batch, refused by the bad operand, then each alone

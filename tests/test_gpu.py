@@ -41,6 +41,10 @@ def fitted(config: LaunchConfig, m: int, k: int, n: int) -> tuple[int, int, int]
     return m, cdiv(k, config.k_multiple) * config.k_multiple, cdiv(n, config.n_multiple) * config.n_multiple
 
 
+def _nothing() -> None:
+    """on_done for launches whose result the test waits for at once."""
+
+
 def operands(m: int, k: int, n: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
     rng = np.random.default_rng(seed)
     return rng.standard_normal((m, k)), rng.standard_normal((k, n))
@@ -98,7 +102,7 @@ def test_the_engine_path_batches(backend: Any, kernel: str) -> None:
     rng = np.random.default_rng(12)
     pairs = [(rng.standard_normal((33, 17)), rng.standard_normal((17, 9))) for _ in range(4)]
     plan = backend.plan(kernel, None, 33, 9, 17)
-    products, timing = backend.multiply(pairs, np.dtype(np.float32), plan)
+    products, timing = backend.submit(pairs, np.dtype(np.float32), plan, on_done=_nothing).result()
     for (a, b), c in zip(pairs, products, strict=True):
         assert_product(c, a, b, np.dtype(np.float32))
     assert timing.kernel_ms > 0
@@ -124,16 +128,94 @@ def test_the_engine_path_converts_stages_and_times(backend: Any, plan: Plan, dty
     m, k, n = fitted(plan.config, 129, 77, 65) if plan.config else (129, 77, 65)
     a = np.asfortranarray(np.random.default_rng(5).integers(-50, 50, (m, k)).astype(">i4"))
     b = np.random.default_rng(6).standard_normal((k, n)).astype(">f8")
-    (c,), timing = backend.multiply([(a, b)], dtype, plan)
+    (c,), timing = backend.submit([(a, b)], dtype, plan, on_done=_nothing).result()
     assert c.dtype == dtype and c.flags.c_contiguous
     assert_product(c, a.astype(np.float64), b.astype(dtype), dtype)
     assert timing.kernel_ms > 0 and timing.h2d_ms > 0 and timing.d2h_ms > 0
 
 
+def test_launches_in_flight_each_get_their_own_product(backend: Any) -> None:
+    """Four launches queued on the streams before any is collected: no launch's buffers are handed to
+    another while it still uses them."""
+    rng = np.random.default_rng(14)
+    f32 = np.dtype(np.float32)
+    cases = [(CUBLAS, (256, 128, 64)), ("tiled", (100, 37, 3)), ("fast", (512, 512, 512)), ("naive", (1, 1, 1))]
+    submitted = []
+    for kernel, (m, k, n) in cases:
+        a, b = rng.standard_normal((m, k)), rng.standard_normal((k, n))
+        launch = backend.submit([(a, b)], f32, backend.plan(kernel, None, m, n, k), on_done=_nothing)
+        submitted.append((a, b, launch))
+    for a, b, launch in submitted:
+        (c,), _ = launch.result()
+        assert_product(c, a, b, f32)
+
+
+def test_the_next_launch_copies_while_the_previous_one_computes(backend: Any) -> None:
+    """The copy-in, compute and copy-out streams overlap: read from the launches' own events, not a clock."""
+    import cupy
+
+    f64 = np.dtype(np.float64)
+    rng = np.random.default_rng(15)
+
+    def submit(kernel: str, m: int, k: int, n: int) -> Any:
+        a, b = rng.standard_normal((m, k)), rng.standard_normal((k, n))
+        return backend.submit([(a, b)], f64, backend.plan(kernel, None, m, n, k), on_done=_nothing)
+
+    def ms(origin: Any, event: Any) -> float:
+        return float(cupy.cuda.get_elapsed_time(origin, event))
+
+    for _ in range(2):  # the first round fills the pinned pool
+        slow, quick = submit("naive", 2048, 2048, 2048), submit(CUBLAS, 8, 8, 8)
+        for launch in (slow, quick):
+            launch.result()
+    # the small product's copy in finished while the long kernel before it still ran
+    assert ms(slow.events.copy_in, quick.events.copied_in) < ms(slow.events.copy_in, slow.events.launched)
+    for _ in range(2):
+        first, second = submit("naive", 4096, 16, 4096), submit("naive", 4096, 16, 4096)
+        for launch in (first, second):
+            launch.result()
+    # 128 MB of the first product were still being copied out when the second kernel began
+    assert ms(first.events.copy_in, second.events.launch) < ms(first.events.copy_in, first.events.copied_out)
+
+
+def _two_launches_in_flight(backend: Any, plan: Plan, a: np.ndarray, b: np.ndarray) -> None:
+    launches = [backend.submit([(a, b)], np.dtype(np.float32), plan, on_done=_nothing) for _ in range(2)]
+    for launch in launches:
+        (c,), _ = launch.result()
+        assert_product(c, a, b, np.dtype(np.float32))
+
+
+def test_after_the_first_launches_pinned_buffers_are_reused(backend: Any) -> None:
+    import cupy
+
+    allocated: list[int] = []
+
+    def counting_allocator(size: int) -> Any:
+        allocated.append(size)
+        return cupy.cuda.PinnedMemoryPointer(cupy.cuda.PinnedMemory(size), 0)
+
+    pool = cupy.cuda.PinnedMemoryPool(counting_allocator)
+    cupy.cuda.set_pinned_memory_allocator(pool.malloc)
+    try:
+        rng = np.random.default_rng(16)
+        a, b = rng.standard_normal((512, 384)), rng.standard_normal((384, 256))
+        plan = backend.plan(CUBLAS, None, 512, 256, 384)
+        _two_launches_in_flight(backend, plan, a, b)
+        assert len(allocated) == 6  # A, B and C of each launch in flight
+        for _ in range(10):
+            _two_launches_in_flight(backend, plan, a, b)
+        assert len(allocated) == 6
+    finally:
+        cupy.cuda.set_pinned_memory_allocator(cupy.get_default_pinned_memory_pool().malloc)
+        pool.free_all_blocks()
+
+
 @pytest.mark.parametrize("shape", [(0, 3, 4), (3, 4, 0), (3, 0, 4)])
 def test_empty_products(backend: Any, shape: tuple[int, int, int]) -> None:
     m, k, n = shape
-    (c,), _ = backend.multiply([(np.ones((m, k)), np.ones((k, n)))], np.dtype(np.float32), Plan(kernel=CUBLAS))
+    (c,), _ = backend.submit(
+        [(np.ones((m, k)), np.ones((k, n)))], np.dtype(np.float32), Plan(kernel=CUBLAS), on_done=_nothing
+    ).result()
     np.testing.assert_array_equal(c, np.zeros((m, n), np.float32))
 
 

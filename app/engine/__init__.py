@@ -35,7 +35,10 @@ def _choose_backends(settings: Settings) -> list[Backend]:
     devices = settings.devices or list(range(gpu.device_count())) or [0]
     reason = next((r for r in map(gpu.unavailable_reason, devices) if r is not None), None)
     if reason is None:
-        return [gpu.GpuBackend(d, settings.device_memory_limit_bytes, settings.fault_injection) for d in devices]
+        return [
+            gpu.GpuBackend(d, settings.device_memory_limit_bytes, settings.fault_injection, settings.pipeline_depth)
+            for d in devices
+        ]
     if settings.backend is BackendChoice.GPU:
         raise RuntimeError(f"MATMUL_BACKEND=gpu, but the GPU backend cannot start: {reason}")
     log.warning("no usable GPU (%s): running on the CPU backend", reason)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
@@ -60,8 +60,35 @@ class Outcome:
     """Products in the launch that computed this one (dynamic batching); its timings are the launch's."""
 
 
+class Launch(Protocol):
+    """Products submitted to a backend, perhaps still being computed."""
+
+    def done(self) -> bool:
+        """Whether `result` would return without waiting."""
+        ...
+
+    def result(self) -> tuple[list[np.ndarray], DeviceTiming]:
+        """Wait for the products (in the order of the pairs) and their timing; raises what computing them
+        raised."""
+        ...
+
+
+@dataclass(frozen=True)
+class Finished:
+    """A launch computed before `submit` returned."""
+
+    products: list[np.ndarray]
+    timing: DeviceTiming
+
+    def done(self) -> bool:
+        return True
+
+    def result(self) -> tuple[list[np.ndarray], DeviceTiming]:
+        return self.products, self.timing
+
+
 class Backend(Protocol):
-    """A compute backend. `prepare` and `multiply` run on the worker thread that owns the device."""
+    """A compute backend. `prepare`, `submit` and `Launch.result` run on the worker thread that owns the device."""
 
     @property
     def name(self) -> Literal["cpu", "gpu"]: ...
@@ -83,11 +110,24 @@ class Backend(Protocol):
         """Whether products with this plan can run several to a launch."""
         ...
 
-    def multiply(
-        self, pairs: Sequence[tuple[np.ndarray, np.ndarray]], dtype: np.dtype, plan: Plan
-    ) -> tuple[list[np.ndarray], DeviceTiming]:
-        """a @ b in `dtype` for every pair, all of one shape, in one launch (pairs of one, unless batchable);
-        the operands are as decoded (any integer/float dtype, byte order, layout)."""
+    @property
+    def max_in_flight(self) -> int:
+        """Launches that may be submitted before the oldest one's result is taken: 1 where `submit` computes
+        before it returns; more where the device computes one launch while the next one's copies run."""
+        ...
+
+    def submit(
+        self,
+        pairs: Sequence[tuple[np.ndarray, np.ndarray]],
+        dtype: np.dtype,
+        plan: Plan,
+        on_done: Callable[[], None],
+    ) -> Launch:
+        """Start a @ b in `dtype` for every pair, all of one shape, as one launch (pairs of one, unless
+        batchable). The operands are as decoded (any integer/float dtype, byte order, layout); they are staged
+        before this returns, so a value that does not fit `dtype` raises here. `on_done` is called, from any
+        thread, when the launch finishes after `submit` has returned (a launch done on return may not call it).
+        """
         ...
 
     def describe(self) -> dict[str, Any]:

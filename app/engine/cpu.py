@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import os
 import platform
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from time import perf_counter
 from typing import Any, Final
 
 import numpy as np
 
 from app.engine.autotune import AutoChoice
-from app.engine.base import AUTO, CUBLAS, NUMPY, DeviceTiming, KernelInfo, Plan
+from app.engine.base import AUTO, CUBLAS, NUMPY, DeviceTiming, Finished, KernelInfo, Plan
 from app.engine.staging import cast_into
 from app.errors import InvalidParameter, UnknownKernel
 from kernels.registry import KERNELS
@@ -50,9 +50,17 @@ class CpuBackend:
     def batchable(self, plan: Plan) -> bool:
         return True
 
-    def multiply(
-        self, pairs: Sequence[tuple[np.ndarray, np.ndarray]], dtype: np.dtype, plan: Plan
-    ) -> tuple[list[np.ndarray], DeviceTiming]:
+    @property
+    def max_in_flight(self) -> int:
+        return 1
+
+    def submit(
+        self,
+        pairs: Sequence[tuple[np.ndarray, np.ndarray]],
+        dtype: np.dtype,
+        plan: Plan,
+        on_done: Callable[[], None],
+    ) -> Finished:
         start = perf_counter()
         (m, k), n = pairs[0][0].shape, pairs[0][1].shape[1]
         a, b = np.empty((len(pairs), m, k), dtype), np.empty((len(pairs), k, n), dtype)
@@ -62,7 +70,9 @@ class CpuBackend:
         staged = perf_counter()
         c = np.matmul(a, b)
         done = perf_counter()
-        return list(c), DeviceTiming(h2d_ms=(staged - start) * 1e3, kernel_ms=(done - staged) * 1e3, d2h_ms=0.0)
+        return Finished(
+            list(c), DeviceTiming(h2d_ms=(staged - start) * 1e3, kernel_ms=(done - staged) * 1e3, d2h_ms=0.0)
+        )
 
     def describe(self) -> dict[str, Any]:
         return {

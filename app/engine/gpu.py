@@ -1,15 +1,20 @@
 """The GPU backend: CuPy on one device, our kernels compiled once with NVRTC, cuBLAS as the reference.
 
-All of this runs on the worker thread that owns the device (see `app.engine.worker`). Per request:
-operands are converted into pinned host buffers (one pass that also fixes dtype, byte order and layout),
-copied to the device on the worker's stream, multiplied, and copied back into a pinned buffer that is
-handed to the encoder as it is. CUDA events around each step give h2d, kernel and d2h times.
+All of this runs on the worker thread that owns the device (see `app.engine.worker`). Per launch: operands
+are converted into pinned host buffers (one pass that also fixes dtype, byte order and layout), copied to the
+device on the copy-in stream, multiplied on the compute stream, and copied back on the copy-out stream into a
+pinned buffer that is handed to the encoder as it is. Events order the three streams, so with two launches in
+flight the second one's copy in runs under the first one's kernel, and the first one's copy out under the
+second one's kernel. The same events give the h2d, kernel and d2h times. Pinned buffers come from CuPy's
+pinned pool in a few sizes per power of two, so after warm-up a launch reuses blocks instead of allocating.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from time import perf_counter
 from typing import Any, Final
@@ -18,7 +23,7 @@ import numpy as np
 
 import kernels
 from app.engine.autotune import AUTO_REPEATS, SHAPE_CLASSES, AutoChoice, pick_auto
-from app.engine.base import AUTO, CUBLAS, DTYPE_NAMES, DeviceTiming, KernelInfo, Plan
+from app.engine.base import AUTO, CUBLAS, DTYPE_NAMES, DeviceTiming, Finished, KernelInfo, Launch, Plan
 from app.engine.staging import cast_into
 from app.errors import DeviceLost, DeviceOutOfMemory, InvalidParameter, ShapeMismatch, UnknownKernel
 from kernels.cuda import KernelLibrary
@@ -66,6 +71,10 @@ def _fitted(shape: tuple[int, int, int], config: LaunchConfig | None) -> tuple[i
     return m, cdiv(k, config.k_multiple) * config.k_multiple, cdiv(n, config.n_multiple) * config.n_multiple
 
 
+def _nothing() -> None:
+    """The `on_done` of launches whose result is waited for at once."""
+
+
 def _pinned_bucket(nbytes: int) -> int:
     """Round a pinned allocation up to one of 8 sizes per power of two, so the pool reuses blocks."""
     if nbytes <= 4096:
@@ -74,12 +83,59 @@ def _pinned_bucket(nbytes: int) -> int:
     return -(-nbytes // step) * step
 
 
+@dataclass(frozen=True)
+class _LaunchEvents:
+    """The events around one launch's steps, each recorded on the stream that runs the step."""
+
+    copy_in: Any
+    copied_in: Any
+    launch: Any
+    launched: Any
+    copy_out: Any
+    copied_out: Any
+
+    @classmethod
+    def create(cls, cupy: Any) -> _LaunchEvents:
+        return cls(*(cupy.cuda.Event() for _ in range(6)))
+
+    def timing(self, cupy: Any, staging_ms: float) -> DeviceTiming:
+        elapsed = cupy.cuda.get_elapsed_time
+        return DeviceTiming(
+            h2d_ms=staging_ms + elapsed(self.copy_in, self.copied_in),
+            kernel_ms=elapsed(self.launch, self.launched),
+            d2h_ms=elapsed(self.copy_out, self.copied_out),
+        )
+
+
+@dataclass
+class _GpuLaunch:
+    """A launch queued on the streams. It keeps every buffer the streams still read or write alive until its
+    result is taken: memory freed earlier could be handed to the next launch while this one still uses it."""
+
+    backend: GpuBackend
+    events: _LaunchEvents
+    products: list[np.ndarray]
+    staging_ms: float
+    buffers: tuple[Any, ...]
+
+    def done(self) -> bool:
+        try:
+            return bool(self.events.copied_out.done)
+        except Exception:
+            return True  # the query failed: `result` raises what went wrong, translated
+
+    def result(self) -> tuple[list[np.ndarray], DeviceTiming]:
+        return self.backend._collect(self)
+
+
 class GpuBackend:
     name: Final = "gpu"
     _library: KernelLibrary
     """Compiled by `prepare`, on the worker thread."""
 
-    def __init__(self, device: int, memory_limit_bytes: int = 0, fault_injection: bool = False) -> None:
+    def __init__(
+        self, device: int, memory_limit_bytes: int = 0, fault_injection: bool = False, pipeline_depth: int = 2
+    ) -> None:
         import cupy
 
         self._cp = cupy
@@ -90,9 +146,12 @@ class GpuBackend:
         properties = cupy.cuda.runtime.getDeviceProperties(device)
         self.device_name: str = properties["name"].decode()
         self._properties = properties
-        self._stream: Any = None
+        self._pipeline_depth = pipeline_depth
+        self._copy_in: Any = None
+        self._compute: Any = None
+        self._copy_out: Any = None
         self._compiled_instances = 0
-        self._events: list[Any] = []
+        self._spare_events: list[_LaunchEvents] = []
         self._auto: list[AutoChoice] = []
 
     # ------------------------------------------------------------------------------------------- catalogue
@@ -145,8 +204,7 @@ class GpuBackend:
             source = (Path(kernels.__file__).parent / "fault_trap.cu").read_text(encoding="utf-8")
             self._trap = cp.RawKernel(source, "fault_trap")
             self._trap.compile()
-        self._stream = cp.cuda.Stream(non_blocking=True)
-        self._events = [cp.cuda.Event() for _ in range(5)]
+        self._copy_in, self._compute, self._copy_out = (cp.cuda.Stream(non_blocking=True) for _ in range(3))
         self._library = KernelLibrary()
         self._self_test()
         self._tune_auto()
@@ -170,7 +228,7 @@ class GpuBackend:
             for dtype in DTYPE_NAMES:
                 launches = [pairs[:1], pairs] if self.batchable(plan) else [pairs[:1]]
                 for launch in launches:
-                    products, _ = self._multiply(launch, np.dtype(dtype), plan)
+                    products, _ = self.submit(launch, np.dtype(dtype), plan, on_done=_nothing).result()
                     for (a, b), c in zip(launch, products, strict=True):
                         reference = a @ b
                         error = np.linalg.norm(c - reference) / np.linalg.norm(reference)
@@ -194,12 +252,12 @@ class GpuBackend:
             timings: dict[str, float] = {}
             for name in [CUBLAS, *KERNELS]:
                 plan = self.plan(name, None, size, size, size)
-                with self._stream:
+                with self._compute as stream:
                     self._launch(plan, a, b, c)
-                    start.record(self._stream)
+                    start.record(stream)
                     for _ in range(AUTO_REPEATS):
                         self._launch(plan, a, b, c)
-                    stop.record(self._stream)
+                    stop.record(stream)
                 stop.synchronize()
                 timings[name] = cp.cuda.get_elapsed_time(start, stop) / AUTO_REPEATS
             fastest = min(timings, key=timings.__getitem__)
@@ -218,14 +276,17 @@ class GpuBackend:
     def batchable(self, plan: Plan) -> bool:
         return plan.kernel == CUBLAS or (plan.kernel in KERNELS and KERNELS[plan.kernel].batched)
 
-    def multiply(
-        self, pairs: Sequence[tuple[np.ndarray, np.ndarray]], dtype: np.dtype, plan: Plan
-    ) -> tuple[list[np.ndarray], DeviceTiming]:
-        """The products, with CUDA's failures translated: out of memory -> 503 after freeing the pools' cached
-        blocks; a sticky error (the context no longer works) -> DeviceLost; anything else propagates."""
+    @property
+    def max_in_flight(self) -> int:
+        return self._pipeline_depth
+
+    @contextmanager
+    def _cuda_errors(self) -> Iterator[None]:
+        """CUDA's failures translated: out of memory -> 503 after freeing the pools' cached blocks; a sticky
+        error (the context no longer works) -> DeviceLost; anything else propagates."""
         cp = self._cp
         try:
-            return self._multiply(pairs, dtype, plan)
+            yield
         except cp.cuda.memory.OutOfMemoryError as exc:
             self._free_cached_memory()
             raise DeviceOutOfMemory(f"the product does not fit in device memory now: {exc}") from exc
@@ -250,45 +311,78 @@ class GpuBackend:
         except Exception:
             return False
 
-    def _multiply(
-        self, pairs: Sequence[tuple[np.ndarray, np.ndarray]], dtype: np.dtype, plan: Plan
-    ) -> tuple[list[np.ndarray], DeviceTiming]:
-        """All pairs (one shape) staged into one pinned buffer each for A, B and C, one copy in, one launch
-        (gridDim.z = len(pairs) when more than one), one copy out."""
-        cp = self._cp
+    def submit(
+        self,
+        pairs: Sequence[tuple[np.ndarray, np.ndarray]],
+        dtype: np.dtype,
+        plan: Plan,
+        on_done: Callable[[], None],
+    ) -> Launch:
+        """All pairs (one shape) staged into one pinned buffer each for A and B, one copy in, one launch
+        (gridDim.z = len(pairs) when more than one), one copy out into a pinned buffer for C; queued on the
+        streams, not waited for. `on_done` runs on a driver thread once the copy out is done."""
         (m, k), n = pairs[0][0].shape, pairs[0][1].shape[1]
         if m == 0 or n == 0:
-            return [np.zeros((m, n), dtype) for _ in pairs], DeviceTiming(h2d_ms=0.0, kernel_ms=0.0, d2h_ms=0.0)
+            return Finished(
+                [np.zeros((m, n), dtype) for _ in pairs], DeviceTiming(h2d_ms=0.0, kernel_ms=0.0, d2h_ms=0.0)
+            )
+        with self._cuda_errors():
+            return self._enqueue(pairs, dtype, plan, m, k, n, on_done)
+
+    def _enqueue(
+        self,
+        pairs: Sequence[tuple[np.ndarray, np.ndarray]],
+        dtype: np.dtype,
+        plan: Plan,
+        m: int,
+        k: int,
+        n: int,
+        on_done: Callable[[], None],
+    ) -> _GpuLaunch:
+        cp = self._cp
         stack: tuple[int, ...] = (len(pairs),) if len(pairs) > 1 else ()
-        stream = self._stream
-        copy_in, copied_in, launch, launched, copied_out = self._events
-        start = perf_counter()
+        started = perf_counter()
         a_host, b_host = self._pinned((*stack, m, k), dtype), self._pinned((*stack, k, n), dtype)
         for i, (a, b) in enumerate(pairs):
             cast_into(a_host[i] if stack else a_host, a, "a")
             cast_into(b_host[i] if stack else b_host, b, "b")
-        staging_ms = (perf_counter() - start) * 1e3
-        with stream:
-            copy_in.record(stream)
-            a_dev = cp.empty(a_host.shape, dtype)
-            b_dev = cp.empty(b_host.shape, dtype)
+        staging_ms = (perf_counter() - started) * 1e3
+        events = self._spare_events.pop() if self._spare_events else _LaunchEvents.create(cp)
+        with self._copy_in as stream:
+            a_dev, b_dev = cp.empty(a_host.shape, dtype), cp.empty(b_host.shape, dtype)
+            events.copy_in.record(stream)
             a_dev.set(a_host, stream=stream)
             b_dev.set(b_host, stream=stream)
-            copied_in.record(stream)
+            events.copied_in.record(stream)
+        with self._compute as stream:
             c_dev = cp.empty((*stack, m, n), dtype)
-            launch.record(stream)
+            stream.wait_event(events.copied_in)
+            events.launch.record(stream)
             self._launch(plan, a_dev, b_dev, c_dev)
-            launched.record(stream)
-            c_host = self._pinned(c_dev.shape, dtype)
+            events.launched.record(stream)
+        c_host = self._pinned(c_dev.shape, dtype)
+        with self._copy_out as stream:
+            stream.wait_event(events.launched)
+            events.copy_out.record(stream)
             c_dev.get(stream=stream, out=c_host, blocking=False)
-            copied_out.record(stream)
-        copied_out.synchronize()
-        elapsed = cp.cuda.get_elapsed_time
-        return list(c_host) if stack else [c_host], DeviceTiming(
-            h2d_ms=staging_ms + elapsed(copy_in, copied_in),
-            kernel_ms=elapsed(launch, launched),
-            d2h_ms=elapsed(launched, copied_out),
+            events.copied_out.record(stream)
+            stream.launch_host_func(lambda _: on_done(), None)
+        return _GpuLaunch(
+            backend=self,
+            events=events,
+            products=list(c_host) if stack else [c_host],
+            staging_ms=staging_ms,
+            buffers=(a_host, b_host, a_dev, b_dev, c_dev),
         )
+
+    def _collect(self, launch: _GpuLaunch) -> tuple[list[np.ndarray], DeviceTiming]:
+        """Wait for the launch's copy out, then release its buffers and events for the next launches."""
+        with self._cuda_errors():
+            launch.events.copied_out.synchronize()
+            timing = launch.events.timing(self._cp, launch.staging_ms)
+        launch.buffers = ()
+        self._spare_events.append(launch.events)
+        return launch.products, timing
 
     def _launch(self, plan: Plan, a: Any, b: Any, c: Any) -> None:
         if plan.kernel == FAULT_TRAP:

@@ -2,7 +2,11 @@
 
 The event loop only enqueues and awaits: `matmul()` puts a job on the queue (503 at once when it is full)
 and waits on an asyncio future that the worker settles with `call_soon_threadsafe`. The worker compiles
-and warms the kernels first (`/readyz` answers 503 until then), then runs jobs one at a time.
+and warms the kernels first (`/readyz` answers 503 until then), then runs jobs in arrival order. Where the
+backend allows more than one launch in flight (`max_in_flight`), the worker submits the next launch while the
+previous one still runs, so its staging and copy in overlap the previous kernel; with launches running and
+nothing queued it sleeps until a job arrives or the device calls back. A finished launch is always answered
+before anything new is submitted, and the batching window is only waited for when the device is idle.
 
 A job leaves the queue unrun when its caller goes away (cancelled) or its deadline passes while it still
 waits (504): whichever of the worker (starting it) and the event loop (dropping it) comes first wins, under
@@ -25,7 +29,7 @@ from time import perf_counter
 
 import numpy as np
 
-from app.engine.base import Backend, Outcome, Plan
+from app.engine.base import Backend, Launch, Outcome, Plan
 from app.errors import (
     DeadlineExceeded,
     DeviceFailure,
@@ -37,6 +41,10 @@ from app.errors import (
 )
 
 log = logging.getLogger(__name__)
+
+
+WAKE_CHECK_S = 0.05
+"""Longest the worker sleeps on launches in flight without looking at them: a lost device may never call back."""
 
 
 class EngineState(StrEnum):
@@ -95,8 +103,17 @@ class _Job:
         return self._leave_queue(_JobState.DROPPED)
 
 
+@dataclass(frozen=True)
+class _InFlight:
+    """Jobs submitted to the backend as one launch, not yet answered."""
+
+    jobs: list[_Job]
+    launch: Launch
+    began: float
+
+
 class Worker:
-    """Runs products on its backend's device, one at a time, in arrival order."""
+    """Runs products on its backend's device, in arrival order."""
 
     def __init__(
         self,
@@ -119,6 +136,8 @@ class Worker:
         self._failure: str | None = None
         self._device_lost = False
         self._running = 0
+        self._wake = threading.Event()
+        """Set when a job is queued or a launch finishes: what the worker sleeps on while launches run."""
 
     # ----------------------------------------------------------------------------------------- lifecycle
 
@@ -134,6 +153,7 @@ class Worker:
         """Let queued jobs finish, then end the worker and release the device."""
         if self._thread.is_alive():
             await asyncio.to_thread(self._queue.put, None)
+            self._wake.set()
             await asyncio.to_thread(self._thread.join)
         self._state = EngineState.STOPPED
 
@@ -177,6 +197,7 @@ class Worker:
         job = _Job(a=a, b=b, dtype=dtype, plan=plan, loop=loop, future=loop.create_future())
         try:
             self._queue.put_nowait(job)
+            self._wake.set()
         except queue.Full:
             raise Overloaded(
                 f"the {self.backend.name} worker's queue is full ({self.queue_size} waiting); retry later"
@@ -209,28 +230,44 @@ class Worker:
         log.info(
             "%s backend ready on %s in %.2f s", self.backend.name, self.backend.device_name, perf_counter() - started
         )
-        while (job := self._next_job()) is not None:
-            batch = [j for j in self._gather(job) if j.start()]
-            if batch:
-                self._running = len(batch)
-                self._execute(batch)
-                self._running = 0
-            if self._state is EngineState.FAILED:
-                self._fail_queued()
-                return
-        self.backend.close()
+        in_flight: collections.deque[_InFlight] = collections.deque()
+        depth = self.backend.max_in_flight
+        while True:
+            self._wake.clear()
+            waiting = bool(self._held) or not self._queue.empty()
+            if in_flight and (in_flight[0].launch.done() or len(in_flight) >= depth):
+                self._finish(in_flight.popleft())
+            elif self._state is EngineState.FAILED:
+                break
+            elif in_flight and not waiting:
+                self._wake.wait(WAKE_CHECK_S)
+            elif (job := self._next_job()) is None:
+                break
+            else:
+                batch = [j for j in self._gather(job, device_idle=not in_flight) if j.start()]
+                self._running += len(batch)
+                in_flight.extend(self._submit(batch) if batch else [])
+            self._running = sum(len(launch.jobs) for launch in in_flight)
+        while in_flight:
+            self._finish(in_flight.popleft())
+        self._running = 0
+        if self._state is EngineState.FAILED:
+            self._fail_queued()
+        else:
+            self.backend.close()
 
     def _next_job(self) -> _Job | None:
         return self._held.popleft() if self._held else self._queue.get()
 
-    def _gather(self, first: _Job) -> list[_Job]:
-        """`first` and the jobs of the same shape, dtype and kernel that arrive within the batching delay, up
-        to the batch size; other jobs pulled meanwhile are held, in order, for the next rounds."""
+    def _gather(self, first: _Job, device_idle: bool) -> list[_Job]:
+        """`first` and the jobs of the same shape, dtype and kernel that arrive within the batching delay (none
+        while the device is busy: the batch takes what is queued), up to the batch size; other jobs pulled
+        meanwhile are held, in order, for the next rounds."""
         policy = self.batching
         if policy is None or policy.max_size == 1 or not self.backend.batchable(first.plan):
             return [first]
         batch = [first]
-        deadline = perf_counter() + policy.max_delay_s
+        deadline = perf_counter() + (policy.max_delay_s if device_idle else 0.0)
         while len(batch) < policy.max_size:
             try:
                 job = self._queue.get(timeout=max(deadline - perf_counter(), 0.0))
@@ -244,45 +281,62 @@ class Worker:
                 break
         return batch
 
-    def _execute(self, batch: list[_Job]) -> None:
-        """Run the batch as one product on the device; if one operand spoils it (an overflowing value), run
-        each job alone so that only its own request gets the error."""
+    def _submit(self, batch: list[_Job]) -> list[_InFlight]:
+        """Submit the batch as one launch; if one operand spoils it (an overflowing value), submit each job
+        alone so that only its own request gets the error."""
         began = perf_counter()
         first = batch[0]
+        try:
+            launch = self.backend.submit([(j.a, j.b) for j in batch], first.dtype, first.plan, self._wake.set)
+        except InvalidInput as exc:
+            if len(batch) > 1:
+                return [submitted for job in batch for submitted in self._submit([job])]
+            self._answer(batch, [exc])
+            return []
+        except Exception as exc:
+            self._answer(batch, [self._failure_of(exc, first.plan)] * len(batch))
+            return []
+        return [_InFlight(jobs=batch, launch=launch, began=began)]
+
+    def _finish(self, submitted: _InFlight) -> None:
+        """Wait for a launch and answer its jobs."""
+        jobs = submitted.jobs
         settled: list[Outcome | BaseException]
         try:
-            products, device = self.backend.multiply([(j.a, j.b) for j in batch], first.dtype, first.plan)
+            products, device = submitted.launch.result()
             settled = [
                 Outcome(
                     c=c,
                     plan=j.plan,
-                    queue_ms=(began - j.enqueued_at) * 1e3,
+                    queue_ms=(submitted.began - j.enqueued_at) * 1e3,
                     device=device,
                     device_name=self.backend.device_name,
-                    batch_size=len(batch),
+                    batch_size=len(jobs),
                 )
-                for j, c in zip(batch, products, strict=True)
+                for j, c in zip(jobs, products, strict=True)
             ]
-        except InvalidInput as exc:
-            if len(batch) > 1:
-                for job in batch:
-                    self._execute([job])
-                return
-            settled = [exc]
-        except DeviceLost as exc:
-            log.critical("device lost running '%s': %s", first.plan.kernel, exc.message)
+        except Exception as exc:
+            settled = [self._failure_of(exc, jobs[0].plan)] * len(jobs)
+        self._answer(jobs, settled)
+
+    def _failure_of(self, exc: Exception, plan: Plan) -> MatmulError:
+        """What a launch's failure tells its requests; a lost device also fails the worker."""
+        if isinstance(exc, DeviceLost):
+            log.critical("device lost running '%s': %s", plan.kernel, exc.message)
             self._failure = f"the device was lost: {exc.message}"
             self._device_lost = True
             self._state = EngineState.FAILED
-            settled = [exc] * len(batch)
-        except MatmulError as exc:
-            settled = [exc] * len(batch)
-        except Exception as exc:
-            log.exception("%s failed on the %s backend", first.plan.kernel, self.backend.name)
-            failure = DeviceFailure(f"the {self.backend.name} backend failed running '{first.plan.kernel}': {exc}")
-            failure.__cause__ = exc
-            settled = [failure] * len(batch)
-        for job, result in zip(batch, settled, strict=True):
+            return exc
+        if isinstance(exc, MatmulError):
+            return exc
+        log.exception("%s failed on the %s backend", plan.kernel, self.backend.name)
+        failure = DeviceFailure(f"the {self.backend.name} backend failed running '{plan.kernel}': {exc}")
+        failure.__cause__ = exc
+        return failure
+
+    @staticmethod
+    def _answer(jobs: list[_Job], results: list[Outcome | BaseException]) -> None:
+        for job, result in zip(jobs, results, strict=True):
             job.loop.call_soon_threadsafe(_settle, job.future, result)
 
     def _fail_queued(self) -> None:
