@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,7 +25,7 @@ import numpy as np
 import kernels
 from app.engine.autotune import AUTO_REPEATS, SHAPE_CLASSES, AutoChoice, pick_auto
 from app.engine.base import AUTO, CUBLAS, DTYPE_NAMES, DeviceTiming, Finished, KernelInfo, Launch, Plan
-from app.engine.staging import cast_into
+from app.engine.staging import cast_into_parallel
 from app.errors import DeviceLost, DeviceOutOfMemory, InvalidParameter, ShapeMismatch, UnknownKernel
 from kernels.cuda import KernelLibrary
 from kernels.registry import KERNELS, KernelSpec, LaunchConfig, cdiv
@@ -34,6 +35,8 @@ SELF_TEST_SHAPE = (67, 45, 39)
 # A kernel that executes `trap`, for tests of device loss; exists only with MATMUL_FAULT_INJECTION=1.
 FAULT_TRAP = "fault_trap"
 CUDA_ERROR_MEMORY_ALLOCATION = 2
+STAGING_THREADS = 4
+"""Threads that copy large operands into pinned memory, each a band of rows."""
 # Relative Frobenius error allowed against a float64 reference; float32 sums of k terms err ~sqrt(k)*2^-24.
 SELF_TEST_TOLERANCE = {"float32": 1e-5, "float64": 1e-12}
 
@@ -152,6 +155,7 @@ class GpuBackend:
         self._copy_out: Any = None
         self._compiled_instances = 0
         self._spare_events: list[_LaunchEvents] = []
+        self._stagers = ThreadPoolExecutor(STAGING_THREADS, thread_name_prefix=f"staging-{device}")
         self._auto: list[AutoChoice] = []
 
     # ------------------------------------------------------------------------------------------- catalogue
@@ -344,8 +348,8 @@ class GpuBackend:
         started = perf_counter()
         a_host, b_host = self._pinned((*stack, m, k), dtype), self._pinned((*stack, k, n), dtype)
         for i, (a, b) in enumerate(pairs):
-            cast_into(a_host[i] if stack else a_host, a, "a")
-            cast_into(b_host[i] if stack else b_host, b, "b")
+            cast_into_parallel(a_host[i] if stack else a_host, a, "a", self._stagers, STAGING_THREADS)
+            cast_into_parallel(b_host[i] if stack else b_host, b, "b", self._stagers, STAGING_THREADS)
         staging_ms = (perf_counter() - started) * 1e3
         events = self._spare_events.pop() if self._spare_events else _LaunchEvents.create(cp)
         with self._copy_in as stream:
@@ -419,5 +423,6 @@ class GpuBackend:
         return self._compiled_instances
 
     def close(self) -> None:
+        self._stagers.shutdown()
         self._cp.get_default_memory_pool().free_all_blocks()
         self._cp.get_default_pinned_memory_pool().free_all_blocks()
