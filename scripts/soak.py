@@ -14,6 +14,10 @@ requests a second at most: the client must not be what limits the load), drawn f
 - oversized: `.npy` headers that claim 2^31 x 2^31, a product whose result would have 2^32 elements (over the
   default limits), and a body one byte over the server's limit (`--max-body-bytes`; sent when at most 64 MiB).
 
+A request due while every connection of its process is busy is not sent, and counted as `not sent`: the server
+then has `--concurrency` requests at all times, and the client does not pile up waiting requests until it, not
+the server, is what runs slow.
+
 The run stops starting requests after `--minutes` or `--max-requests` (default: rate x duration), whichever
 comes first, waits up to `--grace` seconds for the answers still due (those left are counted as `abandoned`;
 where the client itself cannot keep up, its lag shows in the latencies), then for the server's queue to
@@ -23,9 +27,10 @@ empty. It fails (exit 1) unless:
 2. no answer checked against NumPy is wrong;
 3. the server's resident memory (`process_resident_memory_bytes`) and device pool (`matmul_device_memory_bytes`),
    read from GET /metrics after a warm-up (one of each request) and at the end, grew by at most
-   `--max-rss-growth-mib` and `--max-device-growth-mib`. The resident memory is also read every 15 s while the
-   load runs, so that a plateau (what the allocator keeps of the most requests in flight at once) can be told
-   from a leak (growth with the number of requests).
+   `--max-rss-growth-mib` and `--max-device-growth-mib`;
+4. the resident memory, also read every `--memory-every` seconds under load, grew by at most
+   `--max-rss-load-growth-mib` from the first of those readings to the last: the allocator keeps the high-water
+   mark of the requests in flight at once (a plateau reached in seconds), a leak grows with the requests.
 
     python scripts/soak.py --url http://localhost:8000 --minutes 3 --rate 400
     python scripts/soak.py --minutes 0.1 --rate 100 --mix valid:1,invalid:1 --out out/soak-short
@@ -78,7 +83,8 @@ QUEUE_METRIC = "matmul_queue_depth"
 OVERSIZED_BODY_CAP = 64 << 20
 VALID_SHAPES = ((8, 8, 8), (64, 64, 64), (128, 32, 96), (256, 256, 256))
 MIB = 1 << 20
-MEMORY_EVERY_S = 15.0
+NOT_SENT = "not sent"
+"""The status of a request due while every connection of its process was busy."""
 
 
 # ------------------------------------------------------------------------------------------- the requests
@@ -221,7 +227,10 @@ class Soak:
     mix: list[tuple[Kind, float]]
     check_fraction: float
     seed: int
+    limit: int
+    """Requests outstanding at most (the process's connections); one due beyond it is not sent."""
     issued: int = 0
+    outstanding: int = 0
     samples: list[Sample] = field(default_factory=list)
     server_errors: list[dict[str, str]] = field(default_factory=list)
     wrong_results: list[dict[str, str]] = field(default_factory=list)
@@ -237,6 +246,16 @@ class Soak:
 
     async def one(self, started: float, due: float) -> None:
         probe = self.draw()
+        if self.outstanding >= self.limit:
+            self.samples.append(Sample(due - started, 0.0, probe.kind, probe.name, NOT_SENT))
+            return
+        self.outstanding += 1
+        try:
+            await self._exchange(probe, started, due)
+        finally:
+            self.outstanding -= 1
+
+    async def _exchange(self, probe: Probe, started: float, due: float) -> None:
         checked = False
         try:
             response = await send(self.http, probe)
@@ -300,7 +319,7 @@ async def _drive(share: ClientShare) -> ClientResult:
     limits = httpx.Limits(max_connections=share.concurrency, max_keepalive_connections=share.concurrency)
     # A request still waiting for a connection after --timeout s is counted as PoolTimeout, not queued forever.
     async with httpx.AsyncClient(base_url=share.url, timeout=share.timeout, limits=limits) as http:
-        run = Soak(http, probes, share.mix, share.check_fraction, share.seed + 1 + share.index)
+        run = Soak(http, probes, share.mix, share.check_fraction, share.seed + 1 + share.index, share.concurrency)
         started = time.perf_counter()
         tick = progress_printer(run, started, f"client {share.index + 1}/{share.processes}")
         with contextlib.suppress(TimeoutError):
@@ -369,12 +388,12 @@ async def read_metrics(http: httpx.AsyncClient) -> dict[str, float]:
 
 
 async def watch_memory(
-    http: httpx.AsyncClient, clients: list[asyncio.Future[ClientResult]], started: float
+    http: httpx.AsyncClient, clients: list[asyncio.Future[ClientResult]], started: float, every_s: float
 ) -> list[dict[str, float | None]]:
-    """The server's resident memory every MEMORY_EVERY_S seconds until every client process is done."""
+    """The server's resident memory every `every_s` seconds until every client process is done."""
     timeline: list[dict[str, float | None]] = []
     while not all(client.done() for client in clients):
-        await asyncio.wait(clients, timeout=MEMORY_EVERY_S)
+        await asyncio.wait(clients, timeout=every_s)
         try:
             rss: float | None = (await read_metrics(http)).get(RSS_METRIC, 0.0) / MIB
         except httpx.HTTPError:
@@ -409,6 +428,24 @@ def memory_check(name: str, start: dict[str, float], end: dict[str, float], boun
     }
 
 
+def steady_rss_check(timeline: list[dict[str, float | None]], bound_mib: float) -> dict[str, Any]:
+    """Growth of the server's RSS from the first reading under load to the last: what a leak shows (growth with
+    the number of requests) once the allocator has reached the high-water mark of the requests in flight."""
+    readings = [(r["s"], r["rss_mib"]) for r in timeline if r["rss_mib"] is not None and r["s"] is not None]
+    if len(readings) < 2:
+        return {"readings": len(readings), "passed": False, "error": "fewer than two readings under load"}
+    (first_s, first), (last_s, last) = readings[0], readings[-1]
+    return {
+        "from_s": first_s,
+        "to_s": last_s,
+        "start_mib": first,
+        "end_mib": last,
+        "growth_mib": last - first,
+        "bound_mib": bound_mib,
+        "passed": last - first <= bound_mib,
+    }
+
+
 def build_report(
     args: argparse.Namespace,
     clients: list[ClientResult],
@@ -431,6 +468,7 @@ def build_report(
             "passed": not wrong_results,
         },
         "rss": memory_check(RSS_METRIC, *memory, args.max_rss_growth_mib),
+        "rss_under_load": steady_rss_check(rss_timeline, args.max_rss_load_growth_mib),
         "device_pool": memory_check(DEVICE_METRIC, *memory, args.max_device_growth_mib),
     }
     return {
@@ -503,13 +541,14 @@ def print_report(report: dict[str, Any]) -> None:
         f"5xx other than 503/504: {checks['no_5xx_but_503_504']['count']}",
         f"wrong results: {wrong['wrong']} of {wrong['checked']} checked against NumPy",
         _memory_line("server RSS", checks["rss"]),
+        _memory_line("server RSS under load (first reading to last)", checks["rss_under_load"]),
         _memory_line("device pool", checks["device_pool"]),
     ]
     for line, check in zip(lines, checks.values(), strict=True):
         print(f"  [{verdicts[check['passed']]}] {line}")
     readings = [f"{r['rss_mib']:.0f}" if r["rss_mib"] is not None else "-" for r in report["rss_timeline"]]
     if readings:
-        print(f"  server RSS every {MEMORY_EVERY_S:g} s under load (MiB): {' '.join(readings)}")
+        print(f"  server RSS readings under load (MiB): {' '.join(readings)}")
     for failure in report["server_errors"] + report["wrong_results"]:
         print(f"  {failure}")
     print("PASSED" if report["passed"] else "FAILED")
@@ -532,7 +571,7 @@ async def soak(args: argparse.Namespace) -> dict[str, Any]:
         spawn = multiprocessing.get_context("spawn")
         with ProcessPoolExecutor(max_workers=args.client_processes, mp_context=spawn) as pool:
             clients = [asyncio.wrap_future(pool.submit(run_client, share)) for share in shares(args)]
-            rss_timeline = await watch_memory(http, clients, started)
+            rss_timeline = await watch_memory(http, clients, started, args.memory_every)
             results = [client.result() for client in clients]
         elapsed = time.perf_counter() - started
         await settle(http)
@@ -586,9 +625,20 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--max-rss-growth-mib",
         type=float,
-        default=256.0,
-        help="bound on the server's RSS growth: room for the allocator to keep what --concurrency requests in "
-        "flight at once held (default: %(default)s)",
+        default=640.0,
+        help="bound on the server's RSS growth over the run: room for the allocator to keep what --concurrency "
+        "requests in flight at once held (64 of the largest valid ones, 256^2 float64 as JSON, hold about 9 MiB "
+        "each: body, parsed lists, arrays, answer) (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--max-rss-load-growth-mib",
+        type=float,
+        default=64.0,
+        help="bound on the RSS growth from the first reading under load to the last, once that high-water mark "
+        "is reached: a leak grows with the requests (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--memory-every", type=float, default=15.0, help="seconds between RSS readings under load (default: 15)"
     )
     parser.add_argument(
         "--max-device-growth-mib",

@@ -25,7 +25,7 @@ def test_five_seconds_of_mixed_requests_over_capacity(tmp_path: Path) -> None:
     command = [
         *(sys.executable, str(ROOT / "scripts" / "soak.py"), "--url", f"http://127.0.0.1:{port}"),
         *("--minutes", "0.08", "--rate", "150", "--max-body-bytes", str(MAX_BODY_BYTES)),
-        *("--check-fraction", "0.5", "--out", str(tmp_path / "soak.json")),
+        *("--check-fraction", "0.5", "--memory-every", "1", "--out", str(tmp_path / "soak.json")),
     ]
     with running_server(uvicorn_command(port), port, env=env):
         done = subprocess.run(command, capture_output=True, text=True, timeout=120)
@@ -43,6 +43,7 @@ def test_five_seconds_of_mixed_requests_over_capacity(tmp_path: Path) -> None:
     assert checks["no_5xx_but_503_504"] == {"count": 0, "passed": True}
     assert checks["no_wrong_results"]["checked"] > 0 and checks["no_wrong_results"]["wrong"] == 0
     rss, device = checks["rss"], checks["device_pool"]
+    assert len(report["rss_timeline"]) >= 4 and checks["rss_under_load"]["passed"]
     assert rss["start_mib"] > 10 and rss["passed"] and rss["growth_mib"] == rss["end_mib"] - rss["start_mib"]
     assert device["start_mib"] == device["end_mib"] == 0, "the CPU backend has no device pool"
 
@@ -67,7 +68,7 @@ async def test_a_500_a_wrong_product_or_memory_growth_fail_the_soak() -> None:
     rng = np.random.default_rng(0)
     probes = {"valid": soak.valid_probes(rng, MAX_BODY_BYTES)[:1], "invalid": [], "oversized": []}
     async with httpx.AsyncClient(transport=httpx.MockTransport(server), base_url="http://soak") as http:
-        run = soak.Soak(http, probes, [("valid", 1.0)], check_fraction=1.0, seed=0)
+        run = soak.Soak(http, probes, [("valid", 1.0)], check_fraction=1.0, seed=0, limit=8)
         await soak.open_loop(run, 1000.0, 3, float("inf"), lambda: None)
     args = soak.parse_args(["--max-rss-growth-mib", "10"])
     rss = {soak.RSS_METRIC: 100 * soak.MIB, soak.DEVICE_METRIC: 0.0}
@@ -82,5 +83,9 @@ async def test_a_500_a_wrong_product_or_memory_growth_fail_the_soak() -> None:
     assert checks["no_wrong_results"] == {"checked": 1, "wrong": 1, "passed": False}
     assert "relative error" in report["wrong_results"][0]["error"]
     assert not checks["rss"]["passed"] and checks["device_pool"]["passed"] and not report["passed"]
+    assert checks["rss_under_load"] == {"readings": 1, "passed": False, "error": "fewer than two readings under load"}
+    growing = [{"s": 15.0, "rss_mib": 300.0}, {"s": 30.0, "rss_mib": None}, {"s": 45.0, "rss_mib": 400.0}]
+    steady = soak.build_report(args, [seen], 1.0, {}, (rss, rss), growing)["checks"]["rss_under_load"]
+    assert steady["growth_mib"] == 100.0 and steady["bound_mib"] == 64.0 and not steady["passed"]
     missing = soak.build_report(args, [seen], 1.0, {}, ({}, {}), [])["checks"]["rss"]
     assert not missing["passed"] and soak.RSS_METRIC in missing["error"]
