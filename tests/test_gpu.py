@@ -164,16 +164,23 @@ def test_the_next_launch_copies_while_the_previous_one_computes(backend: Any) ->
     def ms(origin: Any, event: Any) -> float:
         return float(cupy.cuda.get_elapsed_time(origin, event))
 
-    for _ in range(2):  # the first round fills the pinned pool
-        slow, quick = submit("naive", 2048, 2048, 2048), submit(CUBLAS, 8, 8, 8)
-        for launch in (slow, quick):
+    def warm(*shapes: tuple[str, int, int, int]) -> None:
+        """Run the launches once, keeping nothing, so that the measured ones find their pinned buffers pooled
+        (a fresh cudaHostAlloc of 32 MB takes milliseconds and would delay the next submit)."""
+        for launch in [submit(*shape) for shape in shapes]:
             launch.result()
+
+    warm(("naive", 2048, 2048, 2048), (CUBLAS, 8, 8, 8))
+    slow, quick = submit("naive", 2048, 2048, 2048), submit(CUBLAS, 8, 8, 8)
+    for launch in (slow, quick):
+        launch.result()
     # the small product's copy in finished while the long kernel before it still ran
     assert ms(slow.events.copy_in, quick.events.copied_in) < ms(slow.events.copy_in, slow.events.launched)
-    for _ in range(2):
-        first, second = submit("naive", 4096, 16, 4096), submit("naive", 4096, 16, 4096)
-        for launch in (first, second):
-            launch.result()
+    del slow, quick, launch
+    warm(("naive", 4096, 16, 4096), ("naive", 4096, 16, 4096))
+    first, second = submit("naive", 4096, 16, 4096), submit("naive", 4096, 16, 4096)
+    for launch in (first, second):
+        launch.result()
     # 128 MB of the first product were still being copied out when the second kernel began
     assert ms(first.events.copy_in, second.events.launch) < ms(first.events.copy_in, first.events.copied_out)
 
