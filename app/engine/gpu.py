@@ -11,7 +11,9 @@ pinned pool in a few sizes per power of two, so after warm-up a launch reuses bl
 
 from __future__ import annotations
 
+import contextlib
 import math
+import threading
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
@@ -74,6 +76,19 @@ def _fitted(shape: tuple[int, int, int], config: LaunchConfig | None) -> tuple[i
     return m, cdiv(k, config.k_multiple) * config.k_multiple, cdiv(n, config.n_multiple) * config.n_multiple
 
 
+def _call_when_done(event: Any, finished: threading.Event, on_done: Callable[[], None]) -> None:
+    """On the watcher thread: wait for `event` (without the GIL), mark the launch finished and call back, also
+    when the wait fails (the launch's result raises the error, translated).
+
+    A thread of ours and a flag, rather than a host function on the stream and queries of the event: after a
+    sticky error (a trapped kernel) a host function never ran and the event never read as done, so the worker
+    waited forever, while synchronizing on the event returns the error at once."""
+    with contextlib.suppress(Exception):
+        event.synchronize()
+    finished.set()
+    on_done()
+
+
 def _nothing() -> None:
     """The `on_done` of launches whose result is waited for at once."""
 
@@ -117,15 +132,14 @@ class _GpuLaunch:
 
     backend: GpuBackend
     events: _LaunchEvents
+    finished: threading.Event
+    """Set by the watcher thread once the copy out is over, or failed."""
     products: list[np.ndarray]
     staging_ms: float
     buffers: tuple[Any, ...]
 
     def done(self) -> bool:
-        try:
-            return bool(self.events.copied_out.done)
-        except Exception:
-            return True  # the query failed: `result` raises what went wrong, translated
+        return self.finished.is_set()
 
     def result(self) -> tuple[list[np.ndarray], DeviceTiming]:
         return self.backend._collect(self)
@@ -156,6 +170,7 @@ class GpuBackend:
         self._compiled_instances = 0
         self._spare_events: list[_LaunchEvents] = []
         self._stagers = ThreadPoolExecutor(STAGING_THREADS, thread_name_prefix=f"staging-{device}")
+        self._watcher = ThreadPoolExecutor(1, thread_name_prefix=f"launch-watcher-{device}")
         self._auto: list[AutoChoice] = []
 
     # ------------------------------------------------------------------------------------------- catalogue
@@ -324,7 +339,7 @@ class GpuBackend:
     ) -> Launch:
         """All pairs (one shape) staged into one pinned buffer each for A and B, one copy in, one launch
         (gridDim.z = len(pairs) when more than one), one copy out into a pinned buffer for C; queued on the
-        streams, not waited for. `on_done` runs on a driver thread once the copy out is done."""
+        streams, not waited for. `on_done` runs on the watcher thread once the copy out is done."""
         (m, k), n = pairs[0][0].shape, pairs[0][1].shape[1]
         if m == 0 or n == 0:
             return Finished(
@@ -370,10 +385,12 @@ class GpuBackend:
             events.copy_out.record(stream)
             c_dev.get(stream=stream, out=c_host, blocking=False)
             events.copied_out.record(stream)
-            stream.launch_host_func(lambda _: on_done(), None)
+        finished = threading.Event()
+        self._watcher.submit(_call_when_done, events.copied_out, finished, on_done)
         return _GpuLaunch(
             backend=self,
             events=events,
+            finished=finished,
             products=list(c_host) if stack else [c_host],
             staging_ms=staging_ms,
             buffers=(a_host, b_host, a_dev, b_dev, c_dev),
@@ -424,5 +441,6 @@ class GpuBackend:
 
     def close(self) -> None:
         self._stagers.shutdown()
+        self._watcher.shutdown()
         self._cp.get_default_memory_pool().free_all_blocks()
         self._cp.get_default_pinned_memory_pool().free_all_blocks()
