@@ -16,6 +16,9 @@ CUBLAS = "cublas"
 NUMPY = "numpy"
 DTYPE_NAMES = ("float32", "float64")
 
+Pairs = Sequence[tuple[np.ndarray, np.ndarray]]
+"""The operands of one launch: (a, b) pairs, all of one shape."""
+
 
 @dataclass(frozen=True)
 class KernelInfo:
@@ -116,13 +119,7 @@ class Backend(Protocol):
         before it returns; more where the device computes one launch while the next one's copies run."""
         ...
 
-    def submit(
-        self,
-        pairs: Sequence[tuple[np.ndarray, np.ndarray]],
-        dtype: np.dtype,
-        plan: Plan,
-        on_done: Callable[[], None],
-    ) -> Launch:
+    def submit(self, pairs: Pairs, dtype: np.dtype, plan: Plan, on_done: Callable[[], None]) -> Launch:
         """Start a @ b in `dtype` for every pair, all of one shape, as one launch (pairs of one, unless
         batchable). The operands are as decoded (any integer/float dtype, byte order, layout); they are staged
         before this returns, so a value that does not fit `dtype` raises here. `on_done` is called, from any

@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import os
 import platform
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from time import perf_counter
 from typing import Any, Final
 
 import numpy as np
 
 from app.engine.autotune import AutoChoice
-from app.engine.base import AUTO, CUBLAS, NUMPY, DeviceTiming, Finished, KernelInfo, Plan
+from app.engine.base import AUTO, CUBLAS, NUMPY, DeviceTiming, Finished, KernelInfo, Pairs, Plan
 from app.engine.staging import cast_into
 from app.errors import InvalidParameter, UnknownKernel
 from kernels.registry import KERNELS
@@ -54,13 +54,7 @@ class CpuBackend:
     def max_in_flight(self) -> int:
         return 1
 
-    def submit(
-        self,
-        pairs: Sequence[tuple[np.ndarray, np.ndarray]],
-        dtype: np.dtype,
-        plan: Plan,
-        on_done: Callable[[], None],
-    ) -> Finished:
+    def submit(self, pairs: Pairs, dtype: np.dtype, plan: Plan, on_done: Callable[[], None]) -> Finished:
         start = perf_counter()
         (m, k), n = pairs[0][0].shape, pairs[0][1].shape[1]
         a, b = np.empty((len(pairs), m, k), dtype), np.empty((len(pairs), k, n), dtype)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import contextlib
 import math
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -26,7 +26,7 @@ import numpy as np
 
 import kernels
 from app.engine.autotune import AUTO_REPEATS, SHAPE_CLASSES, AutoChoice, pick_auto
-from app.engine.base import AUTO, CUBLAS, DTYPE_NAMES, DeviceTiming, Finished, KernelInfo, Launch, Plan
+from app.engine.base import AUTO, CUBLAS, DTYPE_NAMES, DeviceTiming, Finished, KernelInfo, Launch, Pairs, Plan
 from app.engine.staging import cast_into_parallel
 from app.errors import DeviceLost, DeviceOutOfMemory, InvalidParameter, ShapeMismatch, UnknownKernel
 from kernels.cuda import KernelLibrary
@@ -330,35 +330,21 @@ class GpuBackend:
         except Exception:
             return False
 
-    def submit(
-        self,
-        pairs: Sequence[tuple[np.ndarray, np.ndarray]],
-        dtype: np.dtype,
-        plan: Plan,
-        on_done: Callable[[], None],
-    ) -> Launch:
+    def submit(self, pairs: Pairs, dtype: np.dtype, plan: Plan, on_done: Callable[[], None]) -> Launch:
         """All pairs (one shape) staged into one pinned buffer each for A and B, one copy in, one launch
         (gridDim.z = len(pairs) when more than one), one copy out into a pinned buffer for C; queued on the
         streams, not waited for. `on_done` runs on the watcher thread once the copy out is done."""
-        (m, k), n = pairs[0][0].shape, pairs[0][1].shape[1]
+        m, n = pairs[0][0].shape[0], pairs[0][1].shape[1]
         if m == 0 or n == 0:
             return Finished(
                 [np.zeros((m, n), dtype) for _ in pairs], DeviceTiming(h2d_ms=0.0, kernel_ms=0.0, d2h_ms=0.0)
             )
         with self._cuda_errors():
-            return self._enqueue(pairs, dtype, plan, m, k, n, on_done)
+            return self._enqueue(pairs, dtype, plan, on_done)
 
-    def _enqueue(
-        self,
-        pairs: Sequence[tuple[np.ndarray, np.ndarray]],
-        dtype: np.dtype,
-        plan: Plan,
-        m: int,
-        k: int,
-        n: int,
-        on_done: Callable[[], None],
-    ) -> _GpuLaunch:
+    def _enqueue(self, pairs: Pairs, dtype: np.dtype, plan: Plan, on_done: Callable[[], None]) -> _GpuLaunch:
         cp = self._cp
+        (m, k), n = pairs[0][0].shape, pairs[0][1].shape[1]
         stack: tuple[int, ...] = (len(pairs),) if len(pairs) > 1 else ()
         started = perf_counter()
         a_host, b_host = self._pinned((*stack, m, k), dtype), self._pinned((*stack, k, n), dtype)
