@@ -157,28 +157,35 @@ def test_the_next_launch_copies_while_the_previous_one_computes(backend: Any) ->
     f64 = np.dtype(np.float64)
     rng = np.random.default_rng(15)
 
-    def submit(kernel: str, m: int, k: int, n: int) -> Any:
-        a, b = rng.standard_normal((m, k)), rng.standard_normal((k, n))
+    def operands(kernel: str, m: int, k: int, n: int) -> tuple[str, np.ndarray, np.ndarray]:
+        return kernel, rng.standard_normal((m, k)), rng.standard_normal((k, n))
+
+    def submit(kernel: str, a: np.ndarray, b: np.ndarray) -> Any:
+        (m, k), n = a.shape, b.shape[1]
         return backend.submit([(a, b)], f64, backend.plan(kernel, None, m, n, k), on_done=_nothing)
 
     def ms(origin: Any, event: Any) -> float:
         return float(cupy.cuda.get_elapsed_time(origin, event))
 
-    def warm(*shapes: tuple[str, int, int, int]) -> None:
+    def warm(*jobs: tuple[str, np.ndarray, np.ndarray]) -> None:
         """Run the launches once, keeping nothing, so that the measured ones find their pinned buffers pooled
         (a fresh cudaHostAlloc of 32 MB takes milliseconds and would delay the next submit)."""
-        for launch in [submit(*shape) for shape in shapes]:
+        for launch in [submit(*job) for job in jobs]:
             launch.result()
 
-    warm(("naive", 2048, 2048, 2048), (CUBLAS, 8, 8, 8))
-    slow, quick = submit("naive", 2048, 2048, 2048), submit(CUBLAS, 8, 8, 8)
+    # operands drawn before the launches: drawing 2 x 64K normals between two submits takes a millisecond or two,
+    # as long as the copy out the second kernel must start under
+    slow_job, quick_job = operands("naive", 2048, 2048, 2048), operands(CUBLAS, 8, 8, 8)
+    warm(slow_job, quick_job)
+    slow, quick = submit(*slow_job), submit(*quick_job)
     for launch in (slow, quick):
         launch.result()
     # the small product's copy in finished while the long kernel before it still ran
     assert ms(slow.events.copy_in, quick.events.copied_in) < ms(slow.events.copy_in, slow.events.launched)
     del slow, quick, launch
-    warm(("naive", 4096, 16, 4096), ("naive", 4096, 16, 4096))
-    first, second = submit("naive", 4096, 16, 4096), submit("naive", 4096, 16, 4096)
+    first_job, second_job = operands("naive", 4096, 16, 4096), operands("naive", 4096, 16, 4096)
+    warm(first_job, second_job)
+    first, second = submit(*first_job), submit(*second_job)
     for launch in (first, second):
         launch.result()
     # 128 MB of the first product were still being copied out when the second kernel began
