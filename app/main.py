@@ -11,6 +11,7 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI
 
 from app import __version__
+from app.allocator import cap_malloc_arenas
 from app.api.auth import ApiKeyMiddleware
 from app.api.errors import install_error_handlers
 from app.api.limits import BodyLimitMiddleware
@@ -36,6 +37,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        cap_malloc_arenas()  # before the engine and the codec thread pool start their threads
         resolved = settings if settings is not None else Settings()
         engine = build_engine(resolved, on_device_lost=_shut_down_for_restart)
         app.state.settings = resolved
