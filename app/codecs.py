@@ -16,7 +16,7 @@ import zipfile
 import zlib
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import orjson
@@ -241,16 +241,30 @@ def _json_options(doc: Mapping[str, Any]) -> RequestOptions:
 # ----------------------------------------------------------------------------------------- .npy / .npz in
 
 
-def decode_npy(data: bytes | memoryview, name: str, limits: Limits) -> np.ndarray:
-    """One `.npy` file -> a read-only view of its data, after checking the header against what follows."""
-    buffer = memoryview(data)
-    head = io.BytesIO(buffer[: _NPY_MAX_HEADER + 16].tobytes())
+@dataclass(frozen=True)
+class _NpyHeader:
+    shape: tuple[int, int]
+    fortran_order: bool
+    dtype: np.dtype
+    offset: int
+    """Where the data begins in the file."""
+
+    @property
+    def file_bytes(self) -> int:
+        """The size of the whole file this header describes."""
+        return self.offset + math.prod(self.shape) * self.dtype.itemsize
+
+
+def _read_npy_header(head: bytes | memoryview, name: str, limits: Limits) -> _NpyHeader:
+    """The header at the start of a `.npy` file (`head` holds at least its first _NPY_MAX_HEADER + 16 bytes, or
+    the whole file), checked: a numeric dtype, a 2-D shape within the limits."""
+    stream = io.BytesIO(memoryview(head)[: _NPY_MAX_HEADER + 16].tobytes())
     try:
-        version = np.lib.format.read_magic(head)
+        version = np.lib.format.read_magic(stream)
         if version == (1, 0):
-            shape, fortran_order, dtype = np.lib.format.read_array_header_1_0(head)
+            shape, fortran_order, dtype = np.lib.format.read_array_header_1_0(stream)
         elif version == (2, 0):
-            shape, fortran_order, dtype = np.lib.format.read_array_header_2_0(head)
+            shape, fortran_order, dtype = np.lib.format.read_array_header_2_0(stream)
         else:
             raise ValueError(f"unsupported .npy format version {version[0]}.{version[1]}")
     # A header Python cannot parse is re-read by NumPy's tokenizer (for Python 2 headers), which has errors of its own.
@@ -264,17 +278,44 @@ def decode_npy(data: bytes | memoryview, name: str, limits: Limits) -> np.ndarra
         raise MalformedPayload(f"'{name}' has a negative dimension in its .npy header: {list(shape)}", location=[name])
     check_dtype(dtype, name)
     check_shape(shape, name, limits)
-    offset = head.tell()
-    expected = math.prod(shape) * dtype.itemsize
-    present = len(buffer) - offset
-    if present != expected:
-        raise MalformedPayload(
-            f"'{name}' is a {shape[0]}x{shape[1]} {dtype} .npy whose data should be {expected} bytes, "
-            f"but {present} bytes follow the header" + (" (truncated)" if present < expected else ""),
-            location=[name],
-        )
-    flat = np.frombuffer(buffer, dtype=dtype, count=math.prod(shape), offset=offset)
-    return flat.reshape(shape, order="F" if fortran_order else "C")
+    return _NpyHeader(shape=shape, fortran_order=fortran_order, dtype=dtype, offset=stream.tell())
+
+
+def _data_size_error(header: _NpyHeader, name: str, present: int) -> MalformedPayload:
+    expected = header.file_bytes - header.offset
+    (m, n), dtype = header.shape, header.dtype
+    return MalformedPayload(
+        f"'{name}' is a {m}x{n} {dtype} .npy whose data should be {expected} bytes, "
+        f"but {present} bytes follow the header" + (" (truncated)" if present < expected else ""),
+        location=[name],
+    )
+
+
+def decode_npy(data: bytes | memoryview | bytearray, name: str, limits: Limits) -> np.ndarray:
+    """One `.npy` file -> a view of its data, after checking the header against what follows."""
+    buffer = memoryview(data)
+    header = _read_npy_header(buffer, name, limits)
+    if len(buffer) != header.file_bytes:
+        raise _data_size_error(header, name, present=len(buffer) - header.offset)
+    flat = np.frombuffer(buffer, dtype=header.dtype, count=math.prod(header.shape), offset=header.offset)
+    return flat.reshape(header.shape, order="F" if header.fortran_order else "C")
+
+
+def _read_npz_member(archive: zipfile.ZipFile, info: zipfile.ZipInfo, name: str, limits: Limits) -> bytearray:
+    """One member of an `.npz`, inflated only once its header has passed the limits and its declared size
+    matches that header: a small archive whose header claims a huge matrix is refused before anything large is
+    allocated. zipfile reads no more than the declared size."""
+    with cast(zipfile.ZipExtFile, archive.open(info)) as stream:
+        head = stream.read(_NPY_MAX_HEADER + 16)
+        header = _read_npy_header(head, name, limits)
+        if info.file_size != header.file_bytes:
+            raise _data_size_error(header, name, present=info.file_size - header.offset)
+        member = bytearray(header.file_bytes)
+        member[: len(head)] = head
+        got = len(head) + stream.readinto(memoryview(member)[len(head) :])
+    if got != header.file_bytes:
+        raise _data_size_error(header, name, present=got - header.offset)
+    return member
 
 
 def _require_operands(names: Iterable[str], container: str) -> None:
@@ -289,7 +330,7 @@ def _require_operands(names: Iterable[str], container: str) -> None:
         )
 
 
-def decode_parts(parts: Mapping[str, bytes | memoryview], limits: Limits, container: str) -> Operands:
+def decode_parts(parts: Mapping[str, bytes | memoryview | bytearray], limits: Limits, container: str) -> Operands:
     """Exactly the members 'a' and 'b', each a `.npy` file, from a multipart body or an `.npz` archive."""
     _require_operands(parts, container)
     return Operands(a=decode_npy(parts["a"], "a", limits), b=decode_npy(parts["b"], "b", limits))
@@ -301,7 +342,7 @@ def decode_npz(body: bytes, limits: Limits, max_member_bytes: int) -> Operands:
         archive = zipfile.ZipFile(io.BytesIO(body))
         members = {info.filename.removesuffix(".npy"): info for info in archive.infolist()}
         _require_operands(members, ".npz archive")
-        parts: dict[str, bytes] = {}
+        parts: dict[str, bytearray] = {}
         for member, info in members.items():
             if info.file_size > max_member_bytes:
                 raise InvalidMatrix(
@@ -309,8 +350,7 @@ def decode_npz(body: bytes, limits: Limits, max_member_bytes: int) -> Operands:
                     f"limit of {max_member_bytes}",
                     location=[member],
                 )
-            with archive.open(info) as stream:
-                parts[member] = stream.read(max_member_bytes + 1)
+            parts[member] = _read_npz_member(archive, info, member, limits)
     # zipfile lets the errors of what it reads through: a negative seek (ValueError), an encrypted member
     # (RuntimeError), data that zlib or lzma cannot inflate (bz2 raises OSError).
     except (

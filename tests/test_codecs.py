@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import io
+import tracemalloc
 import zipfile
+from collections.abc import Callable
 
 import numpy as np
 import orjson
@@ -155,6 +157,43 @@ class TestParts:
     def test_npz_member_over_the_limit_is_not_unpacked(self) -> None:
         with pytest.raises(InvalidMatrix, match="unpacks to"):
             codecs.decode_npz(npz_bytes(a=np.ones((64, 64)), b=np.eye(2)), LIMITS, max_member_bytes=1000)
+
+    @staticmethod
+    def _deflated_npz(a_member: bytes) -> bytes:
+        buffer = io.BytesIO()
+        with zipfile.ZipFile(buffer, "w", compression=zipfile.ZIP_DEFLATED) as archive:
+            archive.writestr("a.npy", a_member)
+            archive.writestr("b.npy", npy_bytes(np.eye(2)))
+        return buffer.getvalue()
+
+    @staticmethod
+    def _peak_bytes_of(decode: Callable[[], object]) -> int:
+        tracemalloc.start()
+        try:
+            decode()
+        except (ShapeMismatch, MalformedPayload):
+            pass
+        finally:
+            _, peak = tracemalloc.get_traced_memory()
+            tracemalloc.stop()
+        return peak
+
+    def test_a_compressed_header_claiming_a_huge_matrix_is_refused_before_it_is_inflated(self) -> None:
+        """A body of kilobytes that would inflate to 64 MiB: the header is read first and refused."""
+        header = npy_bytes(np.ones((2, 2), np.float32))[:-16].replace(b"(2, 2)", b"(1048576, 1048576)")
+        body = self._deflated_npz(header + bytes(64 << 20))
+        assert len(body) < 1 << 20
+        with pytest.raises(ShapeMismatch, match="dimension 0 of 'a' is 1048576, over the limit"):
+            codecs.decode_npz(body, LIMITS, max_member_bytes=1 << 30)
+        peak = self._peak_bytes_of(lambda: codecs.decode_npz(body, LIMITS, max_member_bytes=1 << 30))
+        assert peak < 4 << 20
+
+    def test_a_member_larger_than_its_header_says_is_refused_before_it_is_inflated(self) -> None:
+        body = self._deflated_npz(npy_bytes(np.eye(2)) + bytes(64 << 20))
+        with pytest.raises(MalformedPayload, match=r"'a' is a 2x2 float64 \.npy whose data should be 32 bytes, but"):
+            codecs.decode_npz(body, LIMITS, max_member_bytes=1 << 30)
+        peak = self._peak_bytes_of(lambda: codecs.decode_npz(body, LIMITS, max_member_bytes=1 << 30))
+        assert peak < 4 << 20
 
     def test_npz_member_that_is_not_npy(self) -> None:
         buffer = io.BytesIO()
