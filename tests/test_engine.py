@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import threading
+import weakref
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any, Final
 
@@ -148,6 +150,28 @@ async def test_a_full_queue_answers_503_at_once(gated: tuple[GatedBackend, Engin
     assert (await queued).status_code == 200
 
 
+async def test_a_full_queue_answers_503_before_reading_the_body(
+    gated: tuple[GatedBackend, Engine, httpx.AsyncClient],
+) -> None:
+    """A body that never comes: the 503 cannot wait for it."""
+    backend, engine, client = gated
+    running = await _one_product_running(backend, engine, client)
+    queued = asyncio.create_task(client.post("/matmul", json=BODY))
+    await _wait(lambda: engine.queue_depth == 1)
+    never = asyncio.Event()
+
+    async def body() -> AsyncIterator[bytes]:
+        await never.wait()
+        yield b"{}"
+
+    headers = {"content-type": "application/json", "content-length": "1000000"}
+    refused = await asyncio.wait_for(client.post("/matmul", content=body(), headers=headers), 5)
+    assert refused.status_code == 503 and refused.json()["code"] == "overloaded"
+    backend.step.release()
+    backend.step.release()
+    assert (await running).status_code == 200 and (await queued).status_code == 200
+
+
 async def test_an_abandoned_job_is_not_run(gated: tuple[GatedBackend, Engine, httpx.AsyncClient]) -> None:
     backend, engine, _ = gated
     backend.prepared.set()
@@ -155,11 +179,17 @@ async def test_an_abandoned_job_is_not_run(gated: tuple[GatedBackend, Engine, ht
     f64 = np.dtype(np.float64)
     first = asyncio.create_task(engine.matmul(np.ones((1, 1)), np.ones((1, 1)), f64, "numpy", None, None))
     await asyncio.to_thread(backend.started.acquire, True, 5)
-    abandoned = asyncio.create_task(engine.matmul(np.ones((2, 1)), np.ones((1, 1)), f64, "numpy", None, None))
+    a = np.ones((2, 1))
+    operand = weakref.ref(a)
+    abandoned = asyncio.create_task(engine.matmul(a, np.ones((1, 1)), f64, "numpy", None, None))
     await _wait(lambda: engine.queue_depth == 1)
     abandoned.cancel()
-    with pytest.raises(asyncio.CancelledError):
-        await abandoned
+    await asyncio.wait([abandoned])  # not awaited itself: its CancelledError's frames would hold `a` here
+    assert abandoned.cancelled()
+    # its entry still waits behind the running product, but it no longer counts and holds no operands
+    del a, abandoned
+    gc.collect()
+    assert engine.queue_depth == 0 and operand() is None
     backend.step.release()
     await first
     await _wait(lambda: engine.queue_depth == 0)
@@ -201,10 +231,15 @@ async def test_a_product_still_queued_past_its_deadline_gets_504_and_is_never_ru
     running = await _one_product_running(backend, engine, client)
     late = await client.post("/matmul", json={"a": [[9.0]], "b": [[9.0]]}, headers={"x-request-timeout": "0.05"})
     assert late.status_code == 504 and late.json()["code"] == "deadline_exceeded"
+    # its place in the queue (of one) is free at once, while the product before it still runs
+    assert engine.queue_depth == 0
+    next_one = asyncio.create_task(client.post("/matmul", json={"a": [[3.0]], "b": [[3.0]]}))
+    await _wait(lambda: engine.queue_depth == 1)
+    backend.step.release()
     backend.step.release()
     assert (await running).status_code == 200
-    await _wait(lambda: engine.queue_depth == 0)
-    assert backend.multiplied == [(1, 2)]
+    assert (await next_one).json()["result"] == [[9.0]]
+    assert backend.multiplied == [(1, 2), (1, 1)]
 
 
 @pytest.mark.parametrize("sent", ["0", "-1", "soon", "nan", "1e9"])
@@ -240,6 +275,7 @@ async def test_a_client_that_disconnects_while_queued_takes_its_product_out_of_t
     await _wait(lambda: engine.queue_depth == 1)
     gone.set()
     await asyncio.wait_for(call, 5)
+    assert engine.queue_depth == 0
     backend.step.release()
     assert (await running).status_code == 200
     await _wait(lambda: engine.queue_depth == 0)

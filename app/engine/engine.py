@@ -49,6 +49,13 @@ class Engine:
         for worker in self.workers:
             worker.check_ready()
 
+    def check_room(self) -> None:
+        """Overloaded when no ready worker's queue has room: said before the body is read, and checked again
+        when the product is queued."""
+        ready = [worker for worker in self.workers if worker.state is EngineState.READY]
+        if ready and not any(worker.has_room for worker in ready):
+            raise ready[0].overloaded()
+
     @property
     def queue_size(self) -> int:
         """Products each worker may hold waiting."""

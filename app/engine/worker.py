@@ -10,7 +10,9 @@ before anything new is submitted, and the batching window is only waited for whe
 
 A job leaves the queue unrun when its caller goes away (cancelled) or its deadline passes while it still
 waits (504): whichever of the worker (starting it) and the event loop (dropping it) comes first wins, under
-the job's lock, so no device time is spent for nobody and no answer is lost. When the backend reports the
+the job's lock, so no device time is spent for nobody and no answer is lost. A dropped job frees its place in
+the queue at once (the bound counts jobs still waiting, not entries) and lets go of its operands; the worker
+skips its empty entry when it comes to it. When the backend reports the
 device lost (a sticky CUDA error poisons the process's context), the engine fails, answers every queued job
 with 503, and calls `on_device_lost` so the process can exit and be restarted with a fresh context.
 """
@@ -71,12 +73,16 @@ class _JobState(StrEnum):
 
 @dataclass
 class _Job:
-    a: np.ndarray
-    b: np.ndarray
+    pair: tuple[np.ndarray, np.ndarray] | None
+    """The operands, until the job is dropped."""
     dtype: np.dtype
     plan: Plan
     loop: asyncio.AbstractEventLoop
     future: asyncio.Future[Outcome]
+    left_queue: Callable[[], None]
+    """Called once, when the job stops waiting (started or dropped)."""
+    batch_key: tuple[object, ...]
+    """Jobs with equal keys can run as one batched launch."""
     enqueued_at: float = field(default_factory=perf_counter)
     state: _JobState = _JobState.QUEUED
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -86,21 +92,29 @@ class _Job:
             if self.state is not _JobState.QUEUED:
                 return False
             self.state = to
-            return True
-
-    @property
-    def batch_key(self) -> tuple[object, ...]:
-        """Jobs with equal keys can run as one batched launch."""
-        label = self.plan.config.label if self.plan.config is not None else None
-        return (self.a.shape, self.b.shape, self.dtype, self.plan.kernel, label)
+            if to is _JobState.DROPPED:
+                self.pair = None
+        self.left_queue()
+        return True
 
     def start(self) -> bool:
         """The worker takes the job; False when the event loop dropped it first."""
         return self._leave_queue(_JobState.RUNNING)
 
     def drop(self) -> bool:
-        """The event loop gives the job up; False when the worker already started it."""
-        return self._leave_queue(_JobState.DROPPED)
+        """The event loop gives the job up (on the loop's thread); False when the worker already started it."""
+        if not self._leave_queue(_JobState.DROPPED):
+            return False
+        # Cancelling the future also lets go of its callbacks, and so of the caller's frames and operands, which
+        # the entry in the queue would otherwise keep until the worker comes to it.
+        self.future.cancel()
+        return True
+
+    def operands(self) -> tuple[np.ndarray, np.ndarray]:
+        """The pair to multiply: only a started job is submitted, and only a dropped one has let it go."""
+        if self.pair is None:
+            raise RuntimeError("a dropped job was submitted")
+        return self.pair
 
 
 @dataclass(frozen=True)
@@ -128,7 +142,11 @@ class Worker:
         self._held: collections.deque[_Job | None] = collections.deque()
         self._on_device_lost = on_device_lost
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._queue: queue.Queue[_Job | None] = queue.Queue(maxsize=queue_size)
+        self._queue: queue.Queue[_Job | None] = queue.Queue()
+        """Jobs in arrival order, dropped ones included until the worker skips them; None asks it to stop."""
+        self._waiting = 0
+        """Jobs queued and neither started nor dropped: what `queue_size` bounds."""
+        self._waiting_lock = threading.Lock()
         self._thread = threading.Thread(
             target=self._run, name=f"{backend.name}-worker-{backend.device_name}", daemon=True
         )
@@ -152,7 +170,7 @@ class Worker:
     async def stop(self) -> None:
         """Let queued jobs finish, then end the worker and release the device."""
         if self._thread.is_alive():
-            await asyncio.to_thread(self._queue.put, None)
+            self._queue.put_nowait(None)
             self._wake.set()
             await asyncio.to_thread(self._thread.join)
         self._state = EngineState.STOPPED
@@ -172,12 +190,17 @@ class Worker:
 
     @property
     def queue_depth(self) -> int:
-        return self._queue.qsize()
+        """Products waiting (dropped ones no longer count)."""
+        return self._waiting
 
     @property
     def load(self) -> int:
         """Products waiting or running: what least-loaded dispatch compares."""
-        return self._queue.qsize() + len(self._held) + self._running
+        return self._waiting + self._running
+
+    @property
+    def has_room(self) -> bool:
+        return self._waiting < self.queue_size
 
     # --------------------------------------------------------------------------------------- requests
 
@@ -194,14 +217,22 @@ class Worker:
         still queued `timeout_s` after it was enqueued (a job already running is waited for)."""
         self.check_ready()
         loop = asyncio.get_running_loop()
-        job = _Job(a=a, b=b, dtype=dtype, plan=plan, loop=loop, future=loop.create_future())
-        try:
-            self._queue.put_nowait(job)
-            self._wake.set()
-        except queue.Full:
-            raise Overloaded(
-                f"the {self.backend.name} worker's queue is full ({self.queue_size} waiting); retry later"
-            ) from None
+        with self._waiting_lock:
+            if self._waiting >= self.queue_size:
+                raise self.overloaded()
+            self._waiting += 1
+        label = plan.config.label if plan.config is not None else None
+        job = _Job(
+            pair=(a, b),
+            dtype=dtype,
+            plan=plan,
+            loop=loop,
+            future=loop.create_future(),
+            left_queue=self._left_queue,
+            batch_key=(a.shape, b.shape, dtype, plan.kernel, label),
+        )
+        self._queue.put(job)
+        self._wake.set()
         try:
             async with asyncio.timeout(timeout_s):
                 return await asyncio.shield(job.future)
@@ -214,6 +245,13 @@ class Worker:
         except asyncio.CancelledError:
             job.drop()
             raise
+
+    def overloaded(self) -> Overloaded:
+        return Overloaded(f"the {self.backend.name} worker's queue is full ({self.queue_size} waiting); retry later")
+
+    def _left_queue(self) -> None:
+        with self._waiting_lock:
+            self._waiting -= 1
 
     # -------------------------------------------------------------------------------- the worker thread
 
@@ -287,7 +325,7 @@ class Worker:
         began = perf_counter()
         first = batch[0]
         try:
-            launch = self.backend.submit([(j.a, j.b) for j in batch], first.dtype, first.plan, self._wake.set)
+            launch = self.backend.submit([j.operands() for j in batch], first.dtype, first.plan, self._wake.set)
         except InvalidInput as exc:
             if len(batch) > 1:
                 return [submitted for job in batch for submitted in self._submit([job])]

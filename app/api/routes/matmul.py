@@ -153,6 +153,7 @@ async def matmul(
     clock = Stopwatch()
     answer_as = codecs.choose_encoding(request.headers.get("accept"))
     engine.check_ready()
+    engine.check_room()
     limits = limits_of(settings)
     operands, clock.read_ms = await _read_operands(request, settings, limits)
     clock.mark_decoded()

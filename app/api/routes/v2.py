@@ -260,6 +260,7 @@ async def infer(model: ModelName, request: Request, engine: EngineDep, settings:
     fixed_kernel = _model(model, engine)
     try:
         engine.check_ready()
+        engine.check_room()
         limits = limits_of(settings)
         body = await read_body(request, settings.max_body_bytes, "body")
         clock.read_ms = (perf_counter() - clock.received) * 1e3
