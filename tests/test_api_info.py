@@ -43,7 +43,14 @@ async def test_openapi_documents_every_route_parameter_and_error(client: httpx.A
     post = spec["paths"]["/matmul"]["post"]
     assert {p["name"] for p in post["parameters"]} == {"kernel", "tile", "dtype"}
     assert set(post["requestBody"]["content"]) == {"application/json", "multipart/form-data", "application/x-npz"}
-    assert {"200", "406", "413", "415", "422", "503"} <= set(post["responses"])
+    assert set(post["responses"]) == {"200", "401", "406", "408", "413", "415", "422", "500", "503", "504"}
     assert "application/x-npy" in post["responses"]["200"]["content"]
+    infer = spec["paths"]["/v2/models/{model}/infer"]["post"]["responses"]
+    assert {"401", "408", "413", "422", "500", "503", "504"} <= set(infer)
+    assert infer["503"]["content"]["application/json"]["schema"]["required"] == ["error"]  # the protocol's format
+    for path in ("/v1/info", "/v1/kernels", "/metrics", "/v2", "/v2/models/stats"):
+        assert "401" in spec["paths"][path]["get"]["responses"], path
+    for probe in ("/healthz", "/readyz", "/v2/health/live", "/v2/health/ready"):  # open even with API keys
+        assert "401" not in spec["paths"][probe]["get"]["responses"], probe
     assert all(op.get("description") for path in spec["paths"].values() for op in path.values())
     assert (await client.get("/docs")).status_code == 200

@@ -1,13 +1,23 @@
-"""One router per surface, collected here."""
+"""One router per surface, collected here; the routes behind API keys document their 401."""
+
+from typing import Any
 
 from fastapi import APIRouter
 
 from app.api.routes import echo, health, info, matmul, metrics, v2
+from app.api.schemas import ErrorBody
+
+UNAUTHORIZED: dict[int | str, dict[str, Any]] = {
+    401: {
+        "model": ErrorBody,
+        "description": "MATMUL_API_KEYS is set and the request sent no valid key (WWW-Authenticate: Bearer).",
+    }
+}
 
 api_router = APIRouter()
-api_router.include_router(matmul.router)
+api_router.include_router(matmul.router, responses=UNAUTHORIZED)
 api_router.include_router(health.router)
-api_router.include_router(info.router)
+api_router.include_router(info.router, responses=UNAUTHORIZED)
 api_router.include_router(v2.router)
-api_router.include_router(metrics.router)
-api_router.include_router(echo.router)
+api_router.include_router(metrics.router, responses=UNAUTHORIZED)
+api_router.include_router(echo.router, responses=UNAUTHORIZED)

@@ -63,7 +63,13 @@ _ERRORS: dict[int | str, dict[str, Any]] = {
         415: "The Content-Type is not JSON, multipart/form-data or application/x-npz.",
         422: "Malformed body, not a 2-D numeric matrix, shapes that do not multiply, unknown kernel, bad tile "
         "or dtype; `code` and `location` say which.",
-        503: "The worker's queue is full or the kernels are not ready; retry after Retry-After seconds.",
+        408: "The body stopped arriving for MATMUL_BODY_TIMEOUT_S (a Content-Length larger than what is sent).",
+        500: "The device raised an error the service did not expect (device_failure), or the service failed "
+        "(internal_error); the message names no internals.",
+        503: "The worker's queue is full, the kernels are not ready, the device is out of memory or was lost; "
+        "retry after Retry-After seconds.",
+        504: "The product was still queued when its deadline (X-Request-Timeout, MATMUL_REQUEST_TIMEOUT_S) "
+        "passed; it was dropped, never run.",
     }.items()
 }
 _RESPONSES: dict[int | str, dict[str, Any]] = {

@@ -69,7 +69,22 @@ def _error(description: str) -> dict[str, Any]:
 _ERROR = _error("The protocol's error answer.")
 # A range, not 422 alone: FastAPI would otherwise document its own 422 body, which these routes never send.
 _MODEL_ERRORS: dict[int | str, dict[str, Any]] = {
-    "4XX": _error("400: a path or query parameter out of its bounds; 404: no such model or version.")
+    "4XX": _error(
+        "400: a path or query parameter out of its bounds; 401: MATMUL_API_KEYS is set and no valid key was sent; "
+        "404: no such model or version."
+    )
+}
+_GUARDED: dict[int | str, dict[str, Any]] = {401: _error("MATMUL_API_KEYS is set and no valid key was sent.")}
+_INFER_ERRORS: dict[int | str, dict[str, Any]] = {
+    400: _ERROR,
+    404: _ERROR,
+    422: _ERROR,
+    **_GUARDED,
+    408: _error("The body stopped arriving for MATMUL_BODY_TIMEOUT_S."),
+    413: _error("The body is larger than MATMUL_MAX_BODY_BYTES."),
+    500: _error("The device or the service failed unexpectedly; the message names no internals."),
+    503: _error("The queue is full, the kernels are not ready, the device is out of memory or was lost."),
+    504: _error("The inference was still queued when its deadline passed; it was dropped, never run."),
 }
 
 
@@ -119,7 +134,7 @@ def _metadata(model: str, engine: Engine) -> dict[str, Any]:
     }
 
 
-@router.get("", summary="Server metadata")
+@router.get("", summary="Server metadata", responses=_GUARDED)
 async def server_metadata() -> dict[str, Any]:
     """Name, version and the protocol extensions this server implements."""
     return {
@@ -142,7 +157,7 @@ async def ready(engine: EngineDep) -> dict[str, bool]:
     return {"ready": True}
 
 
-@router.get("/models/stats", summary="Statistics of every model")
+@router.get("/models/stats", summary="Statistics of every model", responses=_GUARDED)
 async def all_statistics(request: Request) -> dict[str, Any]:
     """The statistics extension for every model."""
     return {"model_stats": [stats.as_json(name) for name, stats in _statistics(request).items()]}
@@ -244,14 +259,14 @@ def _record_failure(request: Request, model: str, clock: Stopwatch) -> None:
 @router.post(
     "/models/{model}/infer",
     summary="Infer",
-    responses={400: _ERROR, 404: _ERROR, 422: _ERROR, 503: _ERROR},
+    responses=_INFER_ERRORS,
     openapi_extra=_INFER_BODY,
 )
 @router.post(
     "/models/{model}/versions/{version}/infer",
     dependencies=VERSIONED,
     summary="Infer (versioned)",
-    responses={400: _ERROR, 404: _ERROR, 422: _ERROR, 503: _ERROR},
+    responses=_INFER_ERRORS,
     openapi_extra=_INFER_BODY,
 )
 async def infer(model: ModelName, request: Request, engine: EngineDep, settings: SettingsDep) -> Response:
