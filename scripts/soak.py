@@ -7,7 +7,9 @@ requests a second at most: the client must not be what limits the load), drawn f
 (`--mix`):
 
 - valid: products of four shapes up to 256^3, float32 and float64, as multipart `.npy`, JSON and `.npz` (those
-  within `--max-body-bytes`); a sampled fraction of the answers (`--check-fraction`) is compared with NumPy;
+  within `--max-body-bytes`), and each shape once more with a 1 ms deadline (`X-Request-Timeout`), answered 200
+  or, when it waited longer in the queue, 504; a sampled fraction of the 200 answers (`--check-fraction`) is
+  compared with NumPy;
 - invalid: malformed, empty and non-object JSON, ragged rows, strings, NaN tokens, truncated `.npy`, shapes
   that do not multiply, unknown kernels, out-of-range and huge parameters, wrong media types, an Accept the
   service cannot answer, garbage `.npz`, broken inference requests and an unknown model;
@@ -54,7 +56,7 @@ import zipfile
 from collections import Counter
 from collections.abc import Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Literal
@@ -83,6 +85,8 @@ QUEUE_METRIC = "matmul_queue_depth"
 OVERSIZED_BODY_CAP = 64 << 20
 VALID_SHAPES = ((8, 8, 8), (64, 64, 64), (128, 32, 96), (256, 256, 256))
 MIB = 1 << 20
+TIGHT_DEADLINE_S = 0.001
+"""The deadline of the hurried valid probes: under load some wait longer in the queue, and get 504."""
 NOT_SENT = "not sent"
 """The status of a request due while every connection of its process was busy."""
 
@@ -102,6 +106,8 @@ class Probe:
     params: dict[str, str] = field(default_factory=dict)
     accept: str = NPY_MEDIA_TYPE
     operands: tuple[np.ndarray, np.ndarray] | None = field(default=None, repr=False)
+    deadline_s: float | None = None
+    """Sent as X-Request-Timeout: the longest the product may wait in the server's queue."""
 
 
 def _npy(array: np.ndarray) -> bytes:
@@ -145,6 +151,9 @@ def valid_probes(rng: np.random.Generator, max_body_bytes: int) -> list[Probe]:
             a, b = rng.standard_normal((m, k)).astype(dtype), rng.standard_normal((k, n)).astype(dtype)
             for format in FORMATS:
                 probes.append(_product("valid", f"{format} {m}x{k}x{n} {dtype}", a, b, format, dtype=dtype))
+        a, b = a.astype(np.float32), b.astype(np.float32)
+        hurried = _product("valid", f"npy {m}x{k}x{n} float32, 1 ms deadline", a, b, dtype="float32")
+        probes.append(replace(hurried, deadline_s=TIGHT_DEADLINE_S))
     return [probe for probe in probes if len(probe.content) <= max_body_bytes]
 
 
@@ -279,6 +288,8 @@ class Soak:
 
 async def send(http: httpx.AsyncClient, probe: Probe) -> httpx.Response:
     headers = {"content-type": probe.content_type, "accept": probe.accept}
+    if probe.deadline_s is not None:
+        headers["x-request-timeout"] = f"{probe.deadline_s:g}"
     return await http.post(probe.path, params=probe.params, headers=headers, content=probe.content)
 
 

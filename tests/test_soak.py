@@ -36,7 +36,7 @@ def test_five_seconds_of_mixed_requests_over_capacity(tmp_path: Path) -> None:
     assert report["server"]["backend"] == "cpu"
     assert report["requests_by_client"] == [180] * 4, "four client processes, a quarter of the load each"
     valid, invalid, oversized = (report["by_kind"][kind] for kind in soak.KINDS)
-    assert set(valid) <= {"200", "503"} and valid["200"] > 0
+    assert set(valid) <= {"200", "503", "504"} and valid["200"] > 0, "504: the probes with a 1 ms deadline"
     assert invalid and all(400 <= int(status) < 500 or status == "503" for status in invalid), invalid
     assert "413" in oversized and "422" in oversized, "over the body limit, and headers claiming too much"
     checks = report["checks"]
@@ -46,6 +46,14 @@ def test_five_seconds_of_mixed_requests_over_capacity(tmp_path: Path) -> None:
     assert len(report["rss_timeline"]) >= 4 and checks["rss_under_load"]["passed"]
     assert rss["start_mib"] > 10 and rss["passed"] and rss["growth_mib"] == rss["end_mib"] - rss["start_mib"]
     assert device["start_mib"] == device["end_mib"] == 0, "the CPU backend has no device pool"
+
+
+def test_each_valid_shape_is_also_sent_with_a_deadline_it_may_miss() -> None:
+    probes = soak.valid_probes(np.random.default_rng(0), MAX_BODY_BYTES)
+    hurried = [probe for probe in probes if probe.deadline_s is not None]
+    assert [probe.name.split()[1] for probe in hurried] == [f"{m}x{k}x{n}" for m, k, n in soak.VALID_SHAPES]
+    assert all(probe.deadline_s == soak.TIGHT_DEADLINE_S and probe.params == {"dtype": "float32"} for probe in hurried)
+    assert all(probe.operands is not None and probe.operands[0].dtype == np.float32 for probe in hurried)
 
 
 def _npy(array: np.ndarray) -> bytes:
