@@ -16,7 +16,8 @@ and the mean batch size the answers report.
 The transport ceiling: on every server, POST /v1/echo (MATMUL_ECHO_ROUTE=true) with the .npy body of the
 largest size at each concurrency; the ratio matmul GB/s / echo GB/s is printed for that size. So is
 req/s (batching on, N workers) / req/s (batching off, 1 worker) for the smallest size over .npy at the highest
-concurrency. `--compare-devices 0 0,1` instead runs one compute-bound cell on MATMUL_DEVICES=0 and =0,1.
+concurrency. `--compare-devices 0 0,1` instead runs one compute-bound cell on MATMUL_DEVICES=0 and =0,1, each
+with the echo of its body, and prints the GPU time per product beside the transport ceiling.
 
     python scripts/bench_service.py --backend gpu --out out/bench
     python scripts/bench_service.py --sizes 64 --formats npy --concurrency 1,8 --configs off-1,on-4 --duration 2
@@ -546,21 +547,33 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 
 def compare_devices(clients: ClientPool, args: argparse.Namespace, console: Console) -> dict[str, Any]:
-    """The compute-bound cell on MATMUL_DEVICES=ONE, then on =MANY, on fresh servers: req/s of each and the ratio."""
+    """The compute-bound cell on MATMUL_DEVICES=ONE, then on =MANY, on fresh servers: req/s of each and the ratio,
+    with each server's transport ceiling (/v1/echo of the same body, unless --no-echo) and the GPU time per
+    product, which say whether the cell was bound by the devices or by the transport."""
     config = Config(batching=False, workers=args.workers)
-    cell = Cell("matmul", args.compare_size, "npy", args.compare_concurrency)
-    one, many = (
-        run_server(clients, args, config, [cell], devices, console)[1][0] | {"devices": devices}
-        for devices in args.compare_devices
-    )
+    matmul = Cell("matmul", args.compare_size, "npy", args.compare_concurrency)
+    cells = [matmul, Cell("echo", args.compare_size, "npy", args.compare_concurrency)] if args.echo else [matmul]
+    servers = []
+    for devices in args.compare_devices:
+        _, results = run_server(clients, args, config, cells, devices, console)
+        servers.append([result | {"devices": devices} for result in results])
+    (one, *one_echo), (many, *many_echo) = servers
     ratio = many["throughput_rps"] / one["throughput_rps"] if one["throughput_rps"] else 0.0
     console.print(
-        f"devices, {cell.size} npy, kernel {args.kernel}, concurrency {cell.concurrency}, {config.name}: "
+        f"devices, {matmul.size} npy, kernel {args.kernel}, concurrency {matmul.concurrency}, {config.name}: "
         f"{many['throughput_rps']:.1f} req/s (MATMUL_DEVICES={many['devices']}) / {one['throughput_rps']:.1f} "
         f"req/s (MATMUL_DEVICES={one['devices']}) = {ratio:.2f}x",
         soft_wrap=True,
     )
-    return {"cells": [one, many], "ratio": ratio}
+    for cell, echo in ((one, one_echo), (many, many_echo)):
+        kernel_ms = cell["server_ms"].get("kernel", {}).get("mean", 0.0)
+        ceiling = f", transport ceiling (echo) {echo[0]['payload_gbps']:.2f} GB/s" if echo else ""
+        console.print(
+            f"  MATMUL_DEVICES={cell['devices']}: {cell['payload_gbps']:.2f} GB/s of payload{ceiling}, "
+            f"{kernel_ms:.1f} ms of GPU per product",
+            soft_wrap=True,
+        )
+    return {"cells": [one, many], "echo": [*one_echo, *many_echo], "ratio": ratio}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -71,6 +71,9 @@ def test_the_device_comparison_runs_one_cell_per_device_list(tmp_path: Path) -> 
     assert one["errors"] == many["errors"] == {} and one["concurrency"] == 2
     assert compared["ratio"] == many["throughput_rps"] / one["throughput_rps"]
     assert "MATMUL_DEVICES=0) =" in done.stderr
+    assert [echo["route"] for echo in compared["echo"]] == ["echo", "echo"], "each server's transport ceiling"
+    assert all(echo["errors"] == {} and echo["payload_gbps"] > 0 for echo in compared["echo"])
+    assert "transport ceiling (echo)" in done.stderr and "ms of GPU per product" in done.stderr
 
 
 def test_json_cells_too_big_for_the_server_are_skipped() -> None:
