@@ -57,14 +57,16 @@ RUN apt-get update \
  && mkdir -p /var/cache/cupy && chown 10001:10001 /var/cache/cupy
 COPY --from=build /opt/venv /opt/venv
 # Kernels are compiled (and this cache filled) at start-up, before /readyz says ready; the volume keeps
-# them compiled across restarts.
+# them compiled across restarts. On SIGTERM (docker stop) uvicorn stops accepting and gives in-flight requests
+# UVICORN_TIMEOUT_GRACEFUL_SHUTDOWN seconds; compose's stop_grace_period is longer, so no SIGKILL comes first.
 ENV PATH=/opt/venv/bin:$PATH \
     PYTHONUNBUFFERED=1 \
     CUPY_CACHE_DIR=/var/cache/cupy \
     MATMUL_BACKEND=gpu \
     UVICORN_HOST=0.0.0.0 \
     UVICORN_PORT=8000 \
-    UVICORN_ACCESS_LOG=false
+    UVICORN_ACCESS_LOG=false \
+    UVICORN_TIMEOUT_GRACEFUL_SHUTDOWN=30
 VOLUME ["/var/cache/cupy"]
 USER 10001:10001
 WORKDIR /home/matmul

@@ -20,6 +20,7 @@ import dockerfile
 import pytest
 import yaml
 from packaging.requirements import Requirement
+from uvicorn.main import main as uvicorn_cli
 
 from app.config import Settings
 from tests.scripts import import_script
@@ -132,6 +133,16 @@ def test_cmd_is_exec_form_uvicorn_on_the_app_factory_with_settings_from_the_envi
     assert SERVICE_ENV["PATH"].startswith("/opt/venv/bin:")
 
 
+def test_uvicorn_gives_in_flight_requests_a_graceful_shutdown_in_the_image(monkeypatch: pytest.MonkeyPatch) -> None:
+    """uvicorn's own CLI, run on the image's CMD and UVICORN_* variables, has a graceful-shutdown timeout: on
+    SIGTERM it waits that long for in-flight requests (README: UVICORN_TIMEOUT_GRACEFUL_SHUTDOWN in the container)."""
+    for name, value in SERVICE_ENV.items():
+        if name.startswith("UVICORN_"):
+            monkeypatch.setenv(name, value)
+    command = one(SERVICE, "CMD").value
+    assert uvicorn_cli.make_context(command[0], list(command[1:])).params["timeout_graceful_shutdown"] == 30
+
+
 def test_healthcheck_probes_healthz_on_the_served_port() -> None:
     check = one(SERVICE, "HEALTHCHECK")
     assert check.json and check.value[0] == "CMD"
@@ -198,6 +209,23 @@ def test_the_service_reserves_a_gpu_and_is_health_checked() -> None:
     assert service["healthcheck"]["start_period"] and "test" not in service["healthcheck"], "the image's probe"
     container_ports = {mapping.rsplit(":", 1)[1] for mapping in service["ports"]}
     assert container_ports == {SERVICE_ENV["UVICORN_PORT"]}
+
+
+def compose_seconds(duration: str) -> float:
+    """A compose duration (`40s`, `1m30s`, `2.5s`) in seconds."""
+    parts = re.findall(r"(\d+(?:\.\d+)?)(h|ms|us|m|s)", duration)
+    assert "".join(number + unit for number, unit in parts) == duration, f"not a duration: {duration!r}"
+    return sum(float(number) * {"h": 3600, "m": 60, "s": 1, "ms": 1e-3, "us": 1e-6}[unit] for number, unit in parts)
+
+
+@pytest.mark.parametrize("name", ["matmul", "replica"])
+def test_the_service_is_restarted_when_it_exits_and_stopped_only_after_its_graceful_shutdown(name: str) -> None:
+    """A lost GPU ends the process with exit code 75 for the restart policy to start a fresh one; `docker stop`
+    waits longer than uvicorn's graceful shutdown before it kills (Docker's default wait is 10 s)."""
+    service = COMPOSE["services"][name]
+    assert service["restart"] in ("always", "unless-stopped") or service["restart"].startswith("on-failure")
+    graceful_s = int(SERVICE_ENV["UVICORN_TIMEOUT_GRACEFUL_SHUTDOWN"])
+    assert compose_seconds(service.get("stop_grace_period", "10s")) > graceful_s
 
 
 def test_the_service_settings_are_real_settings() -> None:
