@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+from typing import NoReturn
+
 import httpx
 import numpy as np
 import pytest
 
-from tests.conftest import assert_product, load_npy, npy_bytes, npz_bytes
+from app.config import Settings
+from app.engine import Engine
+from app.main import create_app
+from tests.conftest import assert_product, load_npy, npy_bytes, npz_bytes, wait_ready
 
 pytestmark = pytest.mark.anyio
 
@@ -267,3 +272,27 @@ async def test_multipart_framing_errors(
 ) -> None:
     headers = {"content-type": "multipart/form-data; boundary=xx"}
     _error(await client.post("/matmul", content=_multipart(*parts), headers=headers), 422, code, words)
+
+
+async def test_an_unexpected_error_is_a_500_in_the_error_format_that_shows_nothing_of_it(
+    cpu_settings: Settings, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An exception the service does not know, raised inside the engine, is answered 500 with the generic error
+    body: neither its text nor a traceback reaches the client; the server's log keeps them."""
+
+    async def broken(*args: object, **kwargs: object) -> NoReturn:
+        raise RuntimeError("secret-internal-detail /srv/app/engine/worker.py")
+
+    monkeypatch.setattr(Engine, "matmul", broken)
+    app = create_app(cpu_settings)
+    async with app.router.lifespan_context(app):
+        # Starlette re-raises the exception once its handler has answered, for the server to log: not a client's concern
+        transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
+        async with httpx.AsyncClient(transport=transport, base_url="http://testserver") as client:
+            await wait_ready(client)
+            r = await client.post("/matmul", json={"a": [[1.0]], "b": [[2.0]]})
+    assert r.status_code == 500 and r.headers["content-type"] == "application/json"
+    assert r.json() == {"code": "internal_error", "message": "internal server error", "location": None}
+    for leak in ("secret-internal-detail", "worker.py", "RuntimeError", "Traceback"):
+        assert leak not in r.text
+    assert "secret-internal-detail" in caplog.text and "Traceback" in caplog.text

@@ -5,15 +5,33 @@ from __future__ import annotations
 import io
 import os
 import signal
+import socket
 import subprocess
 import threading
 import time
+from collections.abc import Iterator
 
 import httpx
 import numpy as np
 
 from tests.conftest import npy_bytes
-from tests.server import ROOT, free_port, uvicorn_command
+from tests.server import ROOT, free_port, serving, uvicorn_command
+
+
+def requests_in_flight(url: str) -> float:
+    """The server's matmul_requests_in_flight gauge, which counts the scrape that reads it."""
+    metrics = httpx.get(f"{url}/metrics").text
+    line = next(line for line in metrics.splitlines() if line.startswith("matmul_requests_in_flight "))
+    return float(line.split()[1])
+
+
+def accepts_connections(port: int) -> bool:
+    """Whether a new connection to the port is accepted (one caught in the backlog as the listener closes is reset)."""
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=1).close()
+    except (ConnectionRefusedError, ConnectionResetError):
+        return False
+    return True
 
 
 def test_sigterm_lets_an_in_flight_product_finish() -> None:
@@ -37,11 +55,8 @@ def test_sigterm_lets_an_in_flight_product_finish() -> None:
                                                      headers={"accept": "application/x-npy"}, timeout=60))
         )  # fmt: skip
         sender.start()
-        in_flight = 0.0
-        while in_flight < 2:  # our product and this scrape
-            metrics = httpx.get(f"{url}/metrics").text
-            line = next(line for line in metrics.splitlines() if line.startswith("matmul_requests_in_flight "))
-            in_flight = float(line.split()[1])
+        while requests_in_flight(url) < 2:  # our product and this scrape
+            pass
         process.send_signal(signal.SIGTERM)
         sender.join(60)
         # uvicorn ends by re-raising the signal it handled, so "killed by SIGTERM" is its clean exit
@@ -56,3 +71,42 @@ def test_sigterm_lets_an_in_flight_product_finish() -> None:
             process.wait()
         if process.stderr:
             process.stderr.close()
+
+
+def test_after_sigterm_new_connections_are_refused_while_the_in_flight_request_is_answered() -> None:
+    """A request whose body is still arriving when SIGTERM comes: the port refuses new connections while that
+    request is open, and the rest of its body, sent after uvicorn's own 0.1 s pause, is still answered 200."""
+    port = free_port()
+    command = [*uvicorn_command(port), "--timeout-graceful-shutdown", "30"]
+    rest_of_body = threading.Event()
+
+    def body() -> Iterator[bytes]:
+        yield b'{"a": [[1.0, 2.0]], '
+        rest_of_body.wait(30)
+        yield b'"b": [[3.0], [4.0]]}'
+
+    answers: list[httpx.Response] = []
+    with serving(command, port, env={"MATMUL_BACKEND": "cpu", "MATMUL_ACCESS_LOG": "false"}) as server:
+        url = str(server.client.base_url)
+        sender = threading.Thread(
+            target=lambda: answers.append(httpx.post(f"{url}/matmul", content=body(), timeout=30,
+                                                     headers={"content-type": "application/json"}))
+        )  # fmt: skip
+        sender.start()
+        try:
+            deadline = time.monotonic() + 10
+            while requests_in_flight(url) < 2:  # our request and this scrape
+                assert time.monotonic() < deadline, "the request never reached the app"
+            assert accepts_connections(port)
+            server.process.send_signal(signal.SIGTERM)
+            while accepts_connections(port):  # until uvicorn's main loop, which ticks every 0.1 s, sees the signal
+                assert time.monotonic() < deadline, "still accepting connections after SIGTERM"
+                time.sleep(0.01)
+            assert sender.is_alive() and not answers, "refused while the request was in flight"
+            time.sleep(0.5)  # past the 0.1 s uvicorn gives every connection: from here only the grace period waits
+        finally:
+            rest_of_body.set()
+            sender.join(30)
+        assert server.process.wait(30) in (0, -signal.SIGTERM)
+    assert answers and answers[0].status_code == 200, answers
+    assert answers[0].json()["result"] == [[11.0]]
