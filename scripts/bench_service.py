@@ -21,7 +21,7 @@ with the echo of its body, and prints the GPU time per product beside the transp
 
     python scripts/bench_service.py --backend gpu --out out/bench
     python scripts/bench_service.py --sizes 64 --formats npy --concurrency 1,8 --configs off-1,on-4 --duration 2
-    python scripts/bench_service.py --backend gpu --compare-devices 0 0,1 --out out/bench-2gpu
+    python scripts/bench_service.py --backend gpu --compare-devices 0 0,1 --workers 12 --client-processes 16
 """
 
 from __future__ import annotations
@@ -522,9 +522,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         metavar=("ONE", "MANY"),
         help="instead of the matrix: --compare-size over .npy on MATMUL_DEVICES=ONE, then =MANY; prints the ratio",
     )
-    parser.add_argument("--compare-size", default="2048", help="the compute-bound shape (default: %(default)s)")
-    parser.add_argument("--compare-kernel", default="fast", help="its kernel (default: %(default)s)")
-    parser.add_argument("--compare-concurrency", type=int, default=16, help="its connections (default: 16)")
+    parser.add_argument("--compare-size", default="8192", help="the compute-bound shape (default: %(default)s)")
+    parser.add_argument("--compare-kernel", default="naive", help="its kernel (default: %(default)s)")
+    parser.add_argument("--compare-concurrency", type=int, default=32, help="its connections (default: 32)")
     parser.add_argument("--out", type=Path, default=Path("out/bench-service"), help="folder for JSON, PNG and logs")
     args = parser.parse_args(argv)
     try:
