@@ -192,6 +192,8 @@ def _json_matrix(doc: Mapping[str, Any], name: str, may_hold_booleans: bool, lim
             + (" with no rows" if isinstance(value, list) else ""),
             location=[name],
         )
+    if isinstance(value[0], list):  # the size its rows claim, checked before NumPy builds anything
+        check_shape((len(value), len(value[0])), name, limits)
     try:
         array = np.array(value)
         numeric = array.ndim == 2 and array.dtype.kind in "iuf"

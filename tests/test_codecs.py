@@ -55,6 +55,8 @@ class TestJson:
             (json_body(a=[[1]], b=[[1]], kernel=3), InvalidParameter, ["kernel"], "must be a string"),
             (b'{"a": [[NaN]], "b": [[1]]}', MalformedPayload, None, "not valid JSON"),
             (b'{"a": [[1e400]], "b": [[1]]}', MalformedPayload, None, "not valid JSON"),
+            (b'{"a": [[Infinity]], "b": [[1]]}', MalformedPayload, None, "not valid JSON"),
+            (b'{"a": [[-Infinity]], "b": [[1]]}', MalformedPayload, None, "not valid JSON"),
             (json_body(a=[[0] * 1001], b=[[1]]), ShapeMismatch, ["a"], "over the limit of 1000"),
         ],
     )
@@ -65,6 +67,14 @@ class TestJson:
             codecs.decode_json(body, LIMITS)
         assert words in str(caught.value)
         assert getattr(caught.value, "location", None) == location
+
+    def test_a_matrix_over_the_limits_is_refused_before_numpy_builds_it(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        def never(*args: object, **kwargs: object) -> np.ndarray:
+            raise AssertionError("np.array was called on a matrix over the limits")
+
+        monkeypatch.setattr(codecs.np, "array", never)
+        with pytest.raises(ShapeMismatch, match="dimension 1 of 'a' is 1001"):
+            codecs.decode_json(json_body(a=[[0] * 1001, [0]], b=[[1]]), LIMITS)
 
     def test_true_inside_a_string_option_does_not_reject_numbers(self) -> None:
         ops = codecs.decode_json(json_body(a=[[1]], b=[[2]], kernel="true"), LIMITS)
