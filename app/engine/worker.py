@@ -12,9 +12,11 @@ A job leaves the queue unrun when its caller goes away (cancelled) or its deadli
 waits (504): whichever of the worker (starting it) and the event loop (dropping it) comes first wins, under
 the job's lock, so no device time is spent for nobody and no answer is lost. A dropped job frees its place in
 the queue at once (the bound counts jobs still waiting, not entries) and lets go of its operands; the worker
-skips its empty entry when it comes to it. When the backend reports the
-device lost (a sticky CUDA error poisons the process's context), the engine fails, answers every queued job
-with 503, and calls `on_device_lost` so the process can exit and be restarted with a fresh context.
+skips its empty entry when it comes to it.
+
+When the backend reports the device lost (a sticky CUDA error poisons the process's context), the engine
+fails, answers every queued job with 503, and calls `on_device_lost` so the process can exit and be
+restarted with a fresh context.
 """
 
 from __future__ import annotations
