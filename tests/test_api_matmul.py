@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from typing import NoReturn
 
 import httpx
@@ -9,7 +10,8 @@ import numpy as np
 import pytest
 
 from app.config import Settings
-from app.engine import Engine
+from app.engine import Engine, Plan
+from app.engine.cpu import CpuBackend
 from app.main import create_app
 from tests.conftest import assert_product, load_npy, npy_bytes, npz_bytes, wait_ready
 
@@ -109,6 +111,28 @@ async def test_nan_from_npy_propagates_and_is_null_in_json(client: httpx.AsyncCl
     b = np.ones((2, 1), np.float32)
     r = await client.post("/matmul", files={"a": ("a.npy", npy_bytes(a)), "b": ("b.npy", npy_bytes(b))})
     assert r.json()["result"] == [[None]]
+
+
+def test_the_cpu_backend_multiplies_infinities_without_runtime_warnings() -> None:
+    """inf * 0 and inf - inf are NaN, float32 sums past its range infinite: no RuntimeWarning (errors in tests)."""
+    a = np.array([[np.inf, 1.0], [np.inf, -np.inf], [3e38, 3e38]], np.float32)
+    b = np.array([[0.0], [1.0]], np.float32), np.array([[1.0], [1.0]], np.float32)
+    finished = CpuBackend(reason="test").submit(
+        [(a, b[0]), (a, b[1])], np.dtype(np.float32), Plan(kernel="numpy"), lambda: None
+    )
+    products = finished.products
+    assert np.isnan(products[0][:2]).all()
+    assert np.isnan(products[1][1, 0]) and products[1][2, 0] == np.inf
+
+
+async def test_infinities_from_npy_leave_no_warning_in_the_log(
+    client: httpx.AsyncClient, caplog: pytest.LogCaptureFixture
+) -> None:
+    a, b = np.array([[np.inf, 1.0]]), np.array([[0.0], [1.0]])
+    r = await client.post("/matmul", files={"a": ("a.npy", npy_bytes(a)), "b": ("b.npy", npy_bytes(b))})
+    assert r.status_code == 200, r.text
+    assert r.json()["result"] == [[None]]
+    assert [record.message for record in caplog.records if record.levelno >= logging.WARNING] == []
 
 
 def _error(r: httpx.Response, status: int, code: str, words: str) -> None:
