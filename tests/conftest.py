@@ -13,7 +13,7 @@ from fastapi import FastAPI
 from hypothesis import settings
 
 from app.config import Settings
-from app.engine.gpu import unavailable_reason
+from app.engine.gpu import gpu_unavailable
 from app.main import create_app
 from tests.server import free_port, running_server, uvicorn_command
 
@@ -21,7 +21,7 @@ from tests.server import free_port, running_server, uvicorn_command
 # about sqrt(k) * 2^-24 (4e-6 at k = 4097); float64 about sqrt(k) * 2^-53. Each bound has headroom of ~5x.
 REL_TOLERANCE = {np.dtype(np.float32): 3e-5, np.dtype(np.float64): 1e-13}
 
-GPU_MISSING = unavailable_reason(0)
+GPU_MISSING = gpu_unavailable(0)
 
 # Hypothesis (the codec properties, and schemathesis's fuzzing): few examples, no per-example deadline, so
 # the suite stays quick and steady on CI's two cores; HYPOTHESIS_PROFILE=thorough searches far longer.
@@ -34,7 +34,7 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Tests marked `gpu` skip, saying why, where no CUDA device is usable."""
     if GPU_MISSING is None:
         return
-    skip = pytest.mark.skip(reason=f"no usable GPU: {GPU_MISSING}")
+    skip = pytest.mark.skip(reason=f"needs a GPU: {GPU_MISSING.reason}")
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)

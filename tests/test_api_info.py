@@ -2,8 +2,15 @@
 
 from __future__ import annotations
 
+import logging
+
 import httpx
 import pytest
+
+from app.config import BackendChoice, Settings
+from app.engine import gpu
+from app.main import create_app
+from tests.conftest import _client_for
 
 pytestmark = pytest.mark.anyio
 
@@ -54,3 +61,46 @@ async def test_openapi_documents_every_route_parameter_and_error(client: httpx.A
         assert "401" not in spec["paths"][probe]["get"]["responses"], probe
     assert all(op.get("description") for path in spec["paths"].values() for op in path.values())
     assert (await client.get("/docs")).status_code == 200
+
+
+def _cuda_fails(monkeypatch: pytest.MonkeyPatch, status: int, driver_installed: bool) -> None:
+    """CuPy's runtime raises `status` on its first call; libcuda loads or not."""
+    import cupy
+
+    def get_device_count() -> int:
+        raise cupy.cuda.runtime.CUDARuntimeError(status)
+
+    monkeypatch.setattr(cupy.cuda.runtime, "getDeviceCount", get_device_count)
+    monkeypatch.setattr(gpu, "_driver_installed", lambda: driver_installed)
+
+
+@pytest.mark.parametrize(
+    ("status", "driver_installed", "reason"),
+    [
+        (gpu.CUDA_ERROR_INSUFFICIENT_DRIVER, False, gpu.NO_GPU),
+        (gpu.CUDA_ERROR_NO_DEVICE, True, gpu.NO_GPU),
+        (gpu.CUDA_ERROR_INSUFFICIENT_DRIVER, True, "The NVIDIA driver is older than CuPy's CUDA runtime needs"),
+    ],
+)
+def test_why_there_is_no_gpu_in_plain_words_with_cupys_own_in_the_detail(
+    monkeypatch: pytest.MonkeyPatch, status: int, driver_installed: bool, reason: str
+) -> None:
+    import cupy
+
+    _cuda_fails(monkeypatch, status, driver_installed)
+    assert gpu.gpu_unavailable(0) == gpu.GpuUnavailable(reason, str(cupy.cuda.runtime.CUDARuntimeError(status)))
+    assert gpu.NO_GPU == "No NVIDIA GPU or driver found"
+
+
+async def test_without_a_driver_the_start_up_log_and_info_say_so(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    _cuda_fails(monkeypatch, gpu.CUDA_ERROR_INSUFFICIENT_DRIVER, driver_installed=False)
+    async for client in _client_for(create_app(Settings(backend=BackendChoice.AUTO))):
+        (device,) = (await client.get("/v1/info")).json()["devices"]
+        assert device["why_cpu"] == "No NVIDIA GPU or driver found"
+    (warning,) = [record.getMessage() for record in caplog.records if record.levelno == logging.WARNING]
+    assert warning == (
+        "No NVIDIA GPU or driver found: running on the CPU backend "
+        "(cudaErrorInsufficientDriver: CUDA driver version is insufficient for CUDA runtime version)"
+    )

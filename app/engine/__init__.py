@@ -33,16 +33,17 @@ def _choose_backends(settings: Settings) -> list[Backend]:
     from app.engine import gpu
 
     devices = settings.devices or list(range(gpu.device_count())) or [0]
-    reason = next((r for r in map(gpu.unavailable_reason, devices) if r is not None), None)
-    if reason is None:
+    missing = next((m for m in map(gpu.gpu_unavailable, devices) if m is not None), None)
+    if missing is None:
         return [
             gpu.GpuBackend(d, settings.device_memory_limit_bytes, settings.fault_injection, settings.pipeline_depth)
             for d in devices
         ]
+    said = f" ({missing.detail})" if missing.detail else ""
     if settings.backend is BackendChoice.GPU:
-        raise RuntimeError(f"MATMUL_BACKEND=gpu, but the GPU backend cannot start: {reason}")
-    log.warning("no usable GPU (%s): running on the CPU backend", reason)
-    return [CpuBackend(reason=reason)]
+        raise RuntimeError(f"MATMUL_BACKEND=gpu, but the GPU backend cannot start: {missing.reason}{said}")
+    log.warning("%s: running on the CPU backend%s", missing.reason, said)
+    return [CpuBackend(reason=missing.reason)]
 
 
 def build_engine(settings: Settings, on_device_lost: Callable[[], None] | None = None) -> Engine:

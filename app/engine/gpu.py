@@ -12,6 +12,7 @@ pinned pool in a few sizes per power of two, so after warm-up a launch reuses bl
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import math
 import threading
 from collections.abc import Callable, Iterator
@@ -37,6 +38,8 @@ SELF_TEST_SHAPE = (67, 45, 39)
 # A kernel that executes `trap`, for tests of device loss; exists only with MATMUL_FAULT_INJECTION=1.
 FAULT_TRAP = "fault_trap"
 CUDA_ERROR_MEMORY_ALLOCATION = 2
+CUDA_ERROR_INSUFFICIENT_DRIVER = 35
+CUDA_ERROR_NO_DEVICE = 100
 STAGING_THREADS = 4
 """Threads that copy large operands into pinned memory, each a band of rows."""
 # Relative Frobenius error allowed against a float64 reference; float32 sums of k terms err ~sqrt(k)*2^-24.
@@ -53,18 +56,47 @@ def device_count() -> int:
         return 0
 
 
-def unavailable_reason(device: int) -> str | None:
-    """Why the GPU backend cannot run here (None when it can): no CuPy, no driver, no such device."""
+@dataclass(frozen=True)
+class GpuUnavailable:
+    """Why the GPU backend cannot run here: `reason` in plain words, `detail` as CuPy or CUDA put it."""
+
+    reason: str
+    detail: str = ""
+
+
+NO_GPU = "No NVIDIA GPU or driver found"
+
+
+def _driver_installed() -> bool:
+    """Whether the NVIDIA driver's CUDA library can be loaded (CuPy's runtime reports its absence as a version
+    problem: cudaErrorInsufficientDriver)."""
+    try:
+        ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return False
+    return True
+
+
+def gpu_unavailable(device: int) -> GpuUnavailable | None:
+    """Why the GPU backend cannot run on `device` (None when it can): no CuPy, no GPU or driver, no such device."""
     try:
         import cupy
     except ImportError:
-        return "CuPy is not installed (pip install 'matmul-service[gpu]')"
+        return GpuUnavailable("CuPy is not installed (pip install 'matmul-service[gpu]')")
     try:
         count = cupy.cuda.runtime.getDeviceCount()
     except cupy.cuda.runtime.CUDARuntimeError as exc:
-        return f"CUDA is not usable: {exc}"
+        if exc.status == CUDA_ERROR_NO_DEVICE or (
+            exc.status == CUDA_ERROR_INSUFFICIENT_DRIVER and not _driver_installed()
+        ):
+            return GpuUnavailable(NO_GPU, detail=str(exc))
+        if exc.status == CUDA_ERROR_INSUFFICIENT_DRIVER:
+            return GpuUnavailable("The NVIDIA driver is older than CuPy's CUDA runtime needs", detail=str(exc))
+        return GpuUnavailable("CUDA is not usable", detail=str(exc))
+    if count == 0:
+        return GpuUnavailable(NO_GPU, detail="CUDA sees no device")
     if device >= count:
-        return f"device {device} was asked for, but {count} CUDA device(s) are visible"
+        return GpuUnavailable(f"device {device} was asked for, but {count} CUDA device(s) are visible")
     return None
 
 
