@@ -17,6 +17,7 @@ import httpx
 import numpy as np
 import uvicorn
 from pydantic import ValidationError
+from pydantic.fields import FieldInfo
 
 from app import __version__
 from app.client import DEFAULT_TIMEOUT_S, DEFAULT_URL, FORMATS, MatmulClient, MatmulServiceError, Options, Product
@@ -92,6 +93,18 @@ def client_main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
+def _default_text(field: FieldInfo) -> str:
+    """A setting's default as --help shows it: `false`, `auto` as the variable spells them; `none` for an empty list."""
+    value = field.get_default(call_default_factory=True, validated_data={})
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, Enum):
+        return str(value.value)
+    if isinstance(value, list):
+        return ",".join(map(str, value)) or "none"
+    return str(value)
+
+
 def _add_setting_flags(parser: argparse.ArgumentParser) -> None:
     """One flag per Settings field (`queue_size` -> --queue-size), so that the two never drift apart.
 
@@ -100,7 +113,7 @@ def _add_setting_flags(parser: argparse.ArgumentParser) -> None:
     for name, field in Settings.model_fields.items():
         variable = f"{ENV_PREFIX}{name}".upper()
         flag = f"--{name.replace('_', '-')}"
-        text = f"{field.description} Overrides ${variable} (default {field.default})."
+        text = f"{field.description} Overrides ${variable} (default {_default_text(field)})."
         if isinstance(field.annotation, type) and issubclass(field.annotation, Enum):
             choices = [member.value for member in field.annotation]
             parser.add_argument(flag, dest=name, choices=choices, help=text)

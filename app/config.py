@@ -25,7 +25,7 @@ class Settings(BaseSettings):
     )
     devices: Annotated[list[int], NoDecode] = Field(
         default_factory=list,
-        description="Comma-separated CUDA device ordinals, one GPU worker each (empty: every visible device).",
+        description="Comma-separated CUDA device ordinals, one GPU worker each (none: every visible device).",
     )
     queue_size: int = Field(64, ge=1, le=100_000, description="Requests waiting for the worker before 503.")
     retry_after_s: int = Field(1, ge=1, le=3600, description="Retry-After sent with 503 answers.")

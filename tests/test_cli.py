@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -75,6 +76,20 @@ def test_service_flags_mirror_every_setting() -> None:
     done = subprocess.run([SCRIPTS / "matmul-service", "--help"], capture_output=True, text=True, check=True)
     for name in Settings.model_fields:
         assert f"--{name.replace('_', '-')}" in done.stdout and f"$MATMUL_{name.upper()}" in done.stdout
+
+
+def test_service_help_shows_every_default_as_its_variable_would_spell_it() -> None:
+    done = subprocess.run([SCRIPTS / "matmul-service", "--help"], capture_output=True, text=True, check=True)
+    said = " ".join(done.stdout.split())
+    assert "Undefined" not in said
+    shown = dict(re.findall(r"Overrides \$(MATMUL_\w+) \(default ([^)]*)\)", said))
+    assert set(shown) == {f"MATMUL_{name.upper()}" for name in Settings.model_fields}
+    assert shown["MATMUL_DEVICES"] == "none" and "(none: every visible device)" in said
+    assert shown["MATMUL_API_KEYS"] == "none" and shown["MATMUL_BACKEND"] == "auto"
+    assert shown["MATMUL_BATCHING"] == "false" and shown["MATMUL_QUEUE_SIZE"] == "64"
+    for variable, default in shown.items():  # each one, set as shown ("none": set empty), is the default itself
+        value = "" if default == "none" else default
+        assert Settings(**{variable.removeprefix("MATMUL_").lower(): value}) == Settings(), variable
 
 
 def test_service_starts_with_its_flags() -> None:
