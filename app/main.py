@@ -16,7 +16,7 @@ from app.api.auth import ApiKeyMiddleware
 from app.api.errors import install_error_handlers
 from app.api.limits import BodyLimitMiddleware
 from app.api.observe import RequestObserver, configure_access_log
-from app.api.routes import api_router
+from app.api.routes import api_router, docs
 from app.api.routes.v2 import new_statistics
 from app.config import Settings
 from app.engine import build_engine
@@ -59,10 +59,13 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         version=__version__,
         summary="Matrix multiplication on NVIDIA GPUs with hand-written CUDA kernels, over HTTP.",
         lifespan=lifespan,
+        docs_url=None,  # served by app.api.routes.docs, with local assets
+        redoc_url=None,
     )
     app.add_middleware(BodyLimitMiddleware)
     app.add_middleware(ApiKeyMiddleware)
     app.add_middleware(RequestObserver)
     install_error_handlers(app)
     app.include_router(api_router)
+    app.mount(docs.ASSETS_PATH, docs.docs_assets(), name="docs-assets")
     return app

@@ -4,7 +4,7 @@ from typing import Any
 
 from fastapi import APIRouter
 
-from app.api.routes import echo, health, info, matmul, metrics, v2
+from app.api.routes import docs, echo, health, info, matmul, metrics, v2
 from app.api.schemas import ErrorBody
 
 UNAUTHORIZED: dict[int | str, dict[str, Any]] = {
@@ -21,3 +21,4 @@ api_router.include_router(info.router, responses=UNAUTHORIZED)
 api_router.include_router(v2.router)
 api_router.include_router(metrics.router, responses=UNAUTHORIZED)
 api_router.include_router(echo.router, responses=UNAUTHORIZED)
+api_router.include_router(docs.router)
