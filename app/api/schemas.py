@@ -30,7 +30,9 @@ class Timing(BaseModel):
         description="Converting the operands into pinned buffers of the working dtype and copying them to the "
         "device (CUDA events). On the CPU backend: the dtype conversion alone."
     )
-    kernel_ms: float = Field(description="The kernel alone, between CUDA events (CPU: numpy.matmul wall time).")
+    kernel_ms: float = Field(
+        description="The kernel alone, between CUDA events (CPU: wall time of numpy.matmul or of the emulation)."
+    )
     d2h_ms: float = Field(description="Copying the product back into pinned host memory (CUDA events); 0 on CPU.")
     encode_ms: float = Field(description="Serialising the product (JSON or .npy).")
     total_ms: float = Field(description="From the request reaching the route to the answer being ready to send.")
@@ -65,7 +67,10 @@ class MatmulResponse(MatmulMetadata):
 
 class KernelModel(BaseModel):
     name: str
-    kind: Literal["cuda", "library", "auto"]
+    kind: Literal["cuda", "emulation", "library", "auto"] = Field(
+        description="cuda: a kernel of kernels/ on the GPU; emulation: one of them emulated in NumPy on the CPU; "
+        "library: cuBLAS or NumPy's BLAS; auto: picks one of the others per shape."
+    )
     summary: str
     dtypes: list[str]
     tiles: list[int] = Field(description="Tile widths the request may choose with `tile`; empty if none.")

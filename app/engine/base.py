@@ -25,7 +25,7 @@ class KernelInfo:
     """One kernel a request may name, as `GET /v1/kernels` lists it."""
 
     name: str
-    kind: Literal["cuda", "library", "auto"]
+    kind: Literal["cuda", "emulation", "library", "auto"]
     summary: str
     dtypes: tuple[str, ...] = DTYPE_NAMES
     tiles: tuple[int, ...] = ()

@@ -86,8 +86,9 @@ KernelParam = Annotated[
     str | None,
     Query(
         max_length=64,
-        description="naive, tiled, cublas or auto on the GPU backend; numpy or auto on the CPU backend "
-        "(GET /v1/kernels lists them). Default: auto.",
+        description="naive, tiled, coalesced, blocktile1d, blocktile2d, fast, cublas or auto on the GPU backend; "
+        "naive, tiled (emulations of the GPU kernels), numpy or auto on the CPU backend (GET /v1/kernels lists "
+        "them). Default: auto.",
     ),
 ]
 TileParam = Annotated[int | None, Query(ge=1, le=1024, description="Tile width of the tiled kernel: 8, 16 or 32.")]
