@@ -18,6 +18,7 @@ from app.config import Settings
 from app.engine import BatchPolicy, DeviceTiming, Engine, EngineState, KernelInfo, Outcome, Plan, Worker
 from app.engine.autotune import AutoChoice
 from app.engine.base import Finished
+from app.engine.roofline import DevicePeaks
 from app.errors import DeviceOutOfMemory, NotReady
 from app.main import create_app
 
@@ -77,6 +78,10 @@ class GatedBackend:
 
     def auto_choices(self) -> list[AutoChoice]:
         return []
+
+    @property
+    def peaks(self) -> DevicePeaks:
+        return DevicePeaks()
 
     def compiled_instances(self) -> int:
         return 1 if self.prepared.is_set() else 0

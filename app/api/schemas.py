@@ -38,6 +38,30 @@ class Timing(BaseModel):
     total_ms: float = Field(description="From the request reaching the route to the answer being ready to send.")
 
 
+class RooflineModel(BaseModel):
+    """The product against the device's roofs (docs/roofline.md). Work and traffic are this product's; rates are
+    its launch's, like `gflops`. Null where not known (the CPU backend has no peaks) or nothing was timed."""
+
+    flops: int = Field(description="2*m*n*k: the product's floating-point operations.")
+    global_bytes: int = Field(
+        description="Bytes the kernel requests from global memory by its access pattern (naive: 2*m*n*k elements "
+        "read, tiled: 2*m*n*k/TILE, the block-tiled ones once per block row or column; libraries: A and B read "
+        "once), plus C written once."
+    )
+    intensity: float | None = Field(description="flops / global_bytes: FLOPs per byte requested.")
+    peak_gflops: float | None = Field(
+        description="The device's peak in the working dtype: SMs x FMA lanes per SM x 2 x clock. Null on the CPU."
+    )
+    peak_fraction: float | None = Field(description="gflops / peak_gflops.")
+    global_gbps: float | None = Field(
+        description="global_bytes / kernel time, in GB/s: the rate of requests, which can pass DRAM's where L1 and "
+        "L2 serve them."
+    )
+    dram_gbps: float | None = Field(
+        description="The device's DRAM bandwidth: memory clock x bus width x 2 (double data rate). Null on the CPU."
+    )
+
+
 class MatmulMetadata(BaseModel):
     """What a product answer says about itself; `.npy` answers carry it in X-Matmul-* headers instead."""
 
@@ -55,6 +79,7 @@ class MatmulMetadata(BaseModel):
     batch_size: int = Field(
         description="Products computed in the same launch (dynamic batching); its timings are the launch's."
     )
+    roofline: RooflineModel
 
 
 class MatmulResponse(MatmulMetadata):

@@ -9,6 +9,7 @@ from typing import Any, Literal, Protocol
 import numpy as np
 
 from app.engine.autotune import AutoChoice
+from app.engine.roofline import DevicePeaks
 from kernels.registry import LaunchConfig
 
 AUTO = "auto"
@@ -59,6 +60,8 @@ class Outcome:
     queue_ms: float
     device: DeviceTiming
     device_name: str
+    peaks: DevicePeaks
+    """The roofs of the device that computed it, for the answer's roofline."""
     batch_size: int = 1
     """Products in the launch that computed this one (dynamic batching); its timings are the launch's."""
 
@@ -98,6 +101,11 @@ class Backend(Protocol):
 
     @property
     def device_name(self) -> str: ...
+
+    @property
+    def peaks(self) -> DevicePeaks:
+        """The device's peak FLOP/s per dtype and DRAM bandwidth, where known."""
+        ...
 
     def kernels(self) -> list[KernelInfo]: ...
 

@@ -13,6 +13,7 @@ import numpy as np
 
 from app.engine.autotune import AutoChoice
 from app.engine.base import AUTO, CUBLAS, NUMPY, DeviceTiming, Finished, KernelInfo, Pairs, Plan
+from app.engine.roofline import DevicePeaks
 from app.engine.staging import cast_into
 from app.errors import InvalidParameter, UnknownKernel
 from kernels.emulation import EMULATIONS
@@ -26,6 +27,8 @@ class CpuBackend:
 
     def __init__(self, reason: str) -> None:
         self.device_name = platform.processor() or platform.machine() or "cpu"
+        self.peaks = DevicePeaks()
+        """None known: see app.engine.roofline."""
         self._reason = reason
 
     def kernels(self) -> list[KernelInfo]:

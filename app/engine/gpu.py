@@ -27,6 +27,7 @@ import numpy as np
 import kernels
 from app.engine.autotune import AUTO_REPEATS, SHAPE_CLASSES, AutoChoice, pick_auto
 from app.engine.base import AUTO, CUBLAS, DTYPE_NAMES, DeviceTiming, Finished, KernelInfo, Launch, Pairs, Plan
+from app.engine.roofline import DevicePeaks, gpu_peaks
 from app.engine.staging import cast_into_parallel
 from app.errors import DeviceLost, DeviceOutOfMemory, InvalidParameter, ShapeMismatch, UnknownKernel
 from kernels.cuda import KernelLibrary
@@ -41,6 +42,11 @@ STAGING_THREADS = 4
 """Threads that copy large operands into pinned memory, each a band of rows."""
 # Relative Frobenius error allowed against a float64 reference; float32 sums of k terms err ~sqrt(k)*2^-24.
 SELF_TEST_TOLERANCE = {"float32": 1e-5, "float64": 1e-12}
+# cudaDeviceAttr numbers, read with cudaDeviceGetAttribute: CUDA 13's cudaDeviceProp has no clock rates any more.
+ATTRIBUTE_CLOCK_RATE_KHZ = 13
+ATTRIBUTE_MULTIPROCESSOR_COUNT = 16
+ATTRIBUTE_MEMORY_CLOCK_RATE_KHZ = 36
+ATTRIBUTE_MEMORY_BUS_WIDTH_BITS = 37
 
 
 def device_count() -> int:
@@ -74,6 +80,15 @@ def _fitted(shape: tuple[int, int, int], config: LaunchConfig | None) -> tuple[i
     if config is None:
         return shape
     return m, cdiv(k, config.k_multiple) * config.k_multiple, cdiv(n, config.n_multiple) * config.n_multiple
+
+
+def _device_attribute(cupy: Any, device: int, attribute: int) -> int | None:
+    """One cudaDeviceAttr of the device; None where the runtime refuses it or reports 0 (not known)."""
+    try:
+        value = int(cupy.cuda.runtime.deviceGetAttribute(attribute, device))
+    except cupy.cuda.runtime.CUDARuntimeError:
+        return None
+    return value or None
 
 
 def _call_when_done(event: Any, finished: threading.Event, on_done: Callable[[], None]) -> None:
@@ -163,6 +178,21 @@ class GpuBackend:
         properties = cupy.cuda.runtime.getDeviceProperties(device)
         self.device_name: str = properties["name"].decode()
         self._properties = properties
+        self._clocks = {
+            name: _device_attribute(cupy, device, attribute)
+            for name, attribute in (
+                ("clock_khz", ATTRIBUTE_CLOCK_RATE_KHZ),
+                ("memory_clock_khz", ATTRIBUTE_MEMORY_CLOCK_RATE_KHZ),
+                ("memory_bus_width_bits", ATTRIBUTE_MEMORY_BUS_WIDTH_BITS),
+            )
+        }
+        self.peaks: DevicePeaks = gpu_peaks(
+            (properties["major"], properties["minor"]),
+            _device_attribute(cupy, device, ATTRIBUTE_MULTIPROCESSOR_COUNT),
+            self._clocks["clock_khz"],
+            self._clocks["memory_clock_khz"],
+            self._clocks["memory_bus_width_bits"],
+        )
         self._pipeline_depth = pipeline_depth
         self._copy_in: Any = None
         self._compute: Any = None
@@ -413,6 +443,11 @@ class GpuBackend:
             "multiprocessors": p["multiProcessorCount"],
             "memory_total_bytes": total,
             "memory_free_bytes": free,
+            **self._clocks,
+            "peak_gflops": {
+                dtype: None if flops is None else flops / 1e9 for dtype, flops in self.peaks.flops_per_s.items()
+            },
+            "dram_gbps": None if self.peaks.dram_bytes_per_s is None else self.peaks.dram_bytes_per_s / 1e9,
             "cupy_version": cp.__version__,
             "cuda_runtime_version": cp.cuda.runtime.runtimeGetVersion(),
             "cuda_driver_version": cp.cuda.runtime.driverGetVersion(),

@@ -76,7 +76,8 @@ _RESPONSES: dict[int | str, dict[str, Any]] = {
     200: {
         "model": MatmulResponse,
         "description": "The product. Timing is also in the Server-Timing header, with X-Matmul-* headers "
-        "for kernel, tile, backend, device, shape, dtype and GFLOP/s.",
+        "for kernel, tile, backend, device, shape, dtype, GFLOP/s, batch size and the roofline "
+        "(X-Matmul-Roofline-*, one per field that is not null).",
         "content": {codecs.NPY_MEDIA_TYPE: {"schema": {"type": "string", "format": "binary"}}},
     },
     **_ERRORS,
@@ -138,6 +139,9 @@ def _headers(meta: MatmulMetadata) -> dict[str, str]:
         headers["X-Matmul-Tile"] = str(meta.tile)
     if meta.gflops is not None:
         headers["X-Matmul-Gflops"] = f"{meta.gflops:.3f}"
+    for name, value in meta.roofline.model_dump(exclude_none=True).items():
+        header = "X-Matmul-Roofline-" + "-".join(word.capitalize() for word in name.split("_"))
+        headers[header] = str(value) if isinstance(value, int) else f"{value:.6g}"
     return headers
 
 
