@@ -18,9 +18,9 @@ from app.config import Settings
 from app.engine import BatchPolicy, DeviceTiming, Engine, EngineState, KernelInfo, Outcome, Plan, Worker
 from app.engine.autotune import AutoChoice
 from app.engine.base import Finished
-from app.engine.roofline import DevicePeaks
 from app.errors import DeviceOutOfMemory, NotReady
 from app.main import create_app
+from kernels.roofline import DevicePeaks
 
 pytestmark = pytest.mark.anyio
 

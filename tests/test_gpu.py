@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 
 from app.engine.base import CUBLAS, Plan
-from app.engine.roofline import FMA_LANES
 from kernels.emulation import EMULATIONS
 from kernels.registry import KERNELS, KernelSpec, LaunchConfig, cdiv
+from kernels.roofline import FMA_LANES
 from tests.conftest import assert_product, load_npy, npy_bytes
 
 pytestmark = pytest.mark.gpu

@@ -8,14 +8,9 @@ import httpx
 import numpy as np
 import pytest
 
-from app.engine.gpu import (
-    ATTRIBUTE_CLOCK_RATE_KHZ,
-    ATTRIBUTE_MEMORY_BUS_WIDTH_BITS,
-    ATTRIBUTE_MEMORY_CLOCK_RATE_KHZ,
-    _device_attribute,
-)
-from app.engine.roofline import DevicePeaks, gpu_peaks, roofline
+from kernels.cuda import device_attributes
 from kernels.registry import KERNELS, minimum_global_elements
+from kernels.roofline import DevicePeaks, gpu_peaks, roofline
 from tests.conftest import npy_bytes
 
 
@@ -58,7 +53,7 @@ def test_tiling_divides_the_operand_reads_by_the_tile() -> None:
 
 
 FLOAT32 = np.dtype(np.float32)
-H100 = {"multiprocessors": 132, "clock_khz": 1_980_000, "memory_clock_khz": 2_619_000, "bus_width_bits": 5120}
+H100 = {"multiprocessors": 132, "clock_khz": 1_980_000, "memory_clock_khz": 2_619_000, "memory_bus_width_bits": 5120}
 """An H100 80GB HBM3 SXM's attributes, as cudaDeviceGetAttribute reports them."""
 
 
@@ -70,17 +65,19 @@ def test_the_peaks_of_an_h100_from_its_attributes() -> None:
 
 
 def test_an_a100_has_half_the_float32_lanes_per_sm() -> None:
-    peaks = gpu_peaks((8, 0), multiprocessors=108, clock_khz=1_410_000, memory_clock_khz=1_215_000, bus_width_bits=5120)
+    peaks = gpu_peaks(
+        (8, 0), multiprocessors=108, clock_khz=1_410_000, memory_clock_khz=1_215_000, memory_bus_width_bits=5120
+    )
     assert peaks.flops_per_s["float32"] == pytest.approx(19.5e12, rel=1e-2)
     assert peaks.flops_per_s["float64"] == pytest.approx(9.7e12, rel=1e-2)
     assert peaks.dram_bytes_per_s == pytest.approx(1.555e12, rel=1e-2)
 
 
-@pytest.mark.parametrize("missing", ["multiprocessors", "clock_khz", "memory_clock_khz", "bus_width_bits"])
+@pytest.mark.parametrize("missing", ["multiprocessors", "clock_khz", "memory_clock_khz", "memory_bus_width_bits"])
 @pytest.mark.parametrize("as_", [None, 0])
 def test_a_missing_or_zero_attribute_leaves_out_what_needs_it(missing: str, as_: int | None) -> None:
     peaks = gpu_peaks((9, 0), **(H100 | {missing: as_}))
-    flops_known = missing in ("memory_clock_khz", "bus_width_bits")
+    flops_known = missing in ("memory_clock_khz", "memory_bus_width_bits")
     assert (peaks.flops_per_s["float32"] is not None) == flops_known
     assert (peaks.dram_bytes_per_s is not None) == (not flops_known)
 
@@ -180,7 +177,7 @@ class _FakeRuntimeError(Exception):
 
 
 def _fake_cupy(attributes: dict[int, int]) -> SimpleNamespace:
-    """What `_device_attribute` uses of CuPy: deviceGetAttribute, raising for an attribute it does not know."""
+    """What `device_attributes` uses of CuPy: deviceGetAttribute, raising for an attribute it does not know."""
 
     def get(attribute: int, device: int) -> int:
         if attribute not in attributes:
@@ -192,7 +189,13 @@ def _fake_cupy(attributes: dict[int, int]) -> SimpleNamespace:
 
 
 def test_a_device_attribute_that_errors_or_reads_0_is_not_known() -> None:
-    cupy = _fake_cupy({ATTRIBUTE_CLOCK_RATE_KHZ: 1_980_000, ATTRIBUTE_MEMORY_CLOCK_RATE_KHZ: 0})
-    assert _device_attribute(cupy, 0, ATTRIBUTE_CLOCK_RATE_KHZ) == 1_980_000
-    assert _device_attribute(cupy, 0, ATTRIBUTE_MEMORY_CLOCK_RATE_KHZ) is None
-    assert _device_attribute(cupy, 0, ATTRIBUTE_MEMORY_BUS_WIDTH_BITS) is None
+    cupy = _fake_cupy({16: 132, 13: 1_980_000, 36: 0})  # no 37: the bus width is refused
+    attributes = device_attributes(cupy, 0)
+    assert attributes == {
+        "multiprocessors": 132,
+        "clock_khz": 1_980_000,
+        "memory_clock_khz": None,
+        "memory_bus_width_bits": None,
+    }
+    peaks = gpu_peaks((9, 0), **attributes)
+    assert peaks.flops_per_s["float32"] == pytest.approx(66.9e12, rel=1e-3) and peaks.dram_bytes_per_s is None

@@ -23,8 +23,8 @@ from app import codecs
 from app.api.schemas import DtypeName, MatmulMetadata, RooflineModel, Timing
 from app.config import Settings
 from app.engine import Engine, Outcome
-from app.engine.roofline import roofline
 from app.errors import ClientGone, InvalidParameter, PayloadTooLarge
+from kernels.roofline import roofline
 
 T = TypeVar("T")
 TIMEOUT_HEADER = "X-Request-Timeout"

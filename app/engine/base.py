@@ -9,8 +9,8 @@ from typing import Any, Literal, Protocol
 import numpy as np
 
 from app.engine.autotune import AutoChoice
-from app.engine.roofline import DevicePeaks
 from kernels.registry import LaunchConfig
+from kernels.roofline import DevicePeaks
 
 AUTO = "auto"
 CUBLAS = "cublas"

@@ -13,11 +13,11 @@ import numpy as np
 
 from app.engine.autotune import AutoChoice
 from app.engine.base import AUTO, CUBLAS, NUMPY, DeviceTiming, Finished, KernelInfo, Pairs, Plan
-from app.engine.roofline import DevicePeaks
 from app.engine.staging import cast_into
 from app.errors import InvalidParameter, UnknownKernel
 from kernels.emulation import EMULATIONS
 from kernels.registry import KERNELS
+from kernels.roofline import DevicePeaks
 
 EMULATED = "An emulation of the GPU kernel in NumPy, thread for thread (float32: the GPU's bits). The kernel: "
 
@@ -28,7 +28,7 @@ class CpuBackend:
     def __init__(self, reason: str) -> None:
         self.device_name = platform.processor() or platform.machine() or "cpu"
         self.peaks = DevicePeaks()
-        """None known: see app.engine.roofline."""
+        """None known: see kernels.roofline."""
         self._reason = reason
 
     def kernels(self) -> list[KernelInfo]:

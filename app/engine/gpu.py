@@ -27,11 +27,11 @@ import numpy as np
 import kernels
 from app.engine.autotune import AUTO_REPEATS, SHAPE_CLASSES, AutoChoice, pick_auto
 from app.engine.base import AUTO, CUBLAS, DTYPE_NAMES, DeviceTiming, Finished, KernelInfo, Launch, Pairs, Plan
-from app.engine.roofline import DevicePeaks, gpu_peaks
 from app.engine.staging import cast_into_parallel
 from app.errors import DeviceLost, DeviceOutOfMemory, InvalidParameter, ShapeMismatch, UnknownKernel
-from kernels.cuda import KernelLibrary
+from kernels.cuda import KernelLibrary, device_attributes
 from kernels.registry import KERNELS, KernelSpec, LaunchConfig, cdiv
+from kernels.roofline import DevicePeaks, gpu_peaks
 
 # Self-test shape at start-up: no side a multiple of any tile, so every edge guard is exercised.
 SELF_TEST_SHAPE = (67, 45, 39)
@@ -42,11 +42,6 @@ STAGING_THREADS = 4
 """Threads that copy large operands into pinned memory, each a band of rows."""
 # Relative Frobenius error allowed against a float64 reference; float32 sums of k terms err ~sqrt(k)*2^-24.
 SELF_TEST_TOLERANCE = {"float32": 1e-5, "float64": 1e-12}
-# cudaDeviceAttr numbers, read with cudaDeviceGetAttribute: CUDA 13's cudaDeviceProp has no clock rates any more.
-ATTRIBUTE_CLOCK_RATE_KHZ = 13
-ATTRIBUTE_MULTIPROCESSOR_COUNT = 16
-ATTRIBUTE_MEMORY_CLOCK_RATE_KHZ = 36
-ATTRIBUTE_MEMORY_BUS_WIDTH_BITS = 37
 
 
 def device_count() -> int:
@@ -80,15 +75,6 @@ def _fitted(shape: tuple[int, int, int], config: LaunchConfig | None) -> tuple[i
     if config is None:
         return shape
     return m, cdiv(k, config.k_multiple) * config.k_multiple, cdiv(n, config.n_multiple) * config.n_multiple
-
-
-def _device_attribute(cupy: Any, device: int, attribute: int) -> int | None:
-    """One cudaDeviceAttr of the device; None where the runtime refuses it or reports 0 (not known)."""
-    try:
-        value = int(cupy.cuda.runtime.deviceGetAttribute(attribute, device))
-    except cupy.cuda.runtime.CUDARuntimeError:
-        return None
-    return value or None
 
 
 def _call_when_done(event: Any, finished: threading.Event, on_done: Callable[[], None]) -> None:
@@ -178,21 +164,8 @@ class GpuBackend:
         properties = cupy.cuda.runtime.getDeviceProperties(device)
         self.device_name: str = properties["name"].decode()
         self._properties = properties
-        self._clocks = {
-            name: _device_attribute(cupy, device, attribute)
-            for name, attribute in (
-                ("clock_khz", ATTRIBUTE_CLOCK_RATE_KHZ),
-                ("memory_clock_khz", ATTRIBUTE_MEMORY_CLOCK_RATE_KHZ),
-                ("memory_bus_width_bits", ATTRIBUTE_MEMORY_BUS_WIDTH_BITS),
-            )
-        }
-        self.peaks: DevicePeaks = gpu_peaks(
-            (properties["major"], properties["minor"]),
-            _device_attribute(cupy, device, ATTRIBUTE_MULTIPROCESSOR_COUNT),
-            self._clocks["clock_khz"],
-            self._clocks["memory_clock_khz"],
-            self._clocks["memory_bus_width_bits"],
-        )
+        self._attributes = device_attributes(cupy, device)
+        self.peaks: DevicePeaks = gpu_peaks((properties["major"], properties["minor"]), **self._attributes)
         self._pipeline_depth = pipeline_depth
         self._copy_in: Any = None
         self._compute: Any = None
@@ -440,10 +413,9 @@ class GpuBackend:
             "name": self.device_name,
             "index": self._device_id,
             "compute_capability": f"{p['major']}.{p['minor']}",
-            "multiprocessors": p["multiProcessorCount"],
+            **self._attributes,
             "memory_total_bytes": total,
             "memory_free_bytes": free,
-            **self._clocks,
             "peak_gflops": {
                 dtype: None if flops is None else flops / 1e9 for dtype, flops in self.peaks.flops_per_s.items()
             },

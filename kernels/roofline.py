@@ -8,8 +8,9 @@ peak. The traffic is the kernel's own requests to global memory by its access pa
 L2 serve part of those requests, so their achieved rate can pass the DRAM bandwidth: naive's does.
 
 The peaks come from the device's attributes: SMs x FMA lanes per SM (by compute capability, below) x 2 FLOPs
-x clock, and memory clock x bus width x 2 (double data rate). The CPU backend has no peaks: a CPU's clock and
-vector units cannot be read portably, and an estimate would be a guess dressed as a figure.
+x clock, and memory clock x bus width x 2 (double data rate); `kernels.cuda.device_attributes` reads them. A CPU
+gets no peaks (`DevicePeaks()`): its sustained clock and vector units cannot be read portably, and an estimate
+would be a guess dressed as a figure.
 """
 
 from __future__ import annotations
@@ -52,7 +53,7 @@ def gpu_peaks(
     multiprocessors: int | None,
     clock_khz: int | None,
     memory_clock_khz: int | None,
-    bus_width_bits: int | None,
+    memory_bus_width_bits: int | None,
 ) -> DevicePeaks:
     """The roofs of a GPU from its attributes; a figure whose inputs are missing or 0 is None."""
     lanes = FMA_LANES.get(compute_capability)
@@ -62,7 +63,9 @@ def gpu_peaks(
             flops_per_s[dtype] = 2.0 * multiprocessors * lanes_per_sm * clock_khz * 1e3
         else:
             flops_per_s[dtype] = None
-    dram = 2.0 * memory_clock_khz * 1e3 * bus_width_bits / 8 if memory_clock_khz and bus_width_bits else None
+    dram = (
+        2.0 * memory_clock_khz * 1e3 * memory_bus_width_bits / 8 if memory_clock_khz and memory_bus_width_bits else None
+    )
     return DevicePeaks(flops_per_s=flops_per_s, dram_bytes_per_s=dram)
 
 
