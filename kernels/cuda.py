@@ -1,12 +1,14 @@
 """Compiling the registered kernels and launching them: the one launcher the engine and the benchmarks share.
 
 `compile_ptx` needs only NVRTC (no driver, no GPU), so CI can check every source; `KernelLibrary` needs a
-device and CuPy's `RawModule`, and compiles everything once, when it is built.
+device and CuPy's `RawModule`, and compiles everything once, when it is built. `device_attributes` reads what
+the roofline's peaks are computed from (kernels/roofline.py).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
+from types import MappingProxyType
 from typing import Any
 
 import numpy as np
@@ -14,6 +16,11 @@ import numpy as np
 from kernels.registry import KERNELS, STATIC_SMEM_LIMIT, KernelSpec, LaunchConfig
 
 COMPILE_OPTIONS = ("-std=c++17",)
+DEVICE_ATTRIBUTES = MappingProxyType(
+    {"multiprocessors": 16, "clock_khz": 13, "memory_clock_khz": 36, "memory_bus_width_bits": 37}
+)
+"""What the roofline needs of a device, as cudaDeviceAttr numbers (cudaDevAttrMultiProcessorCount, ClockRate,
+MemoryClockRate, GlobalMemoryBusWidth) for cudaDeviceGetAttribute: CUDA 13's cudaDeviceProp has no clock rates."""
 
 
 def compile_ptx(spec: KernelSpec, arch: str = "compute_90") -> tuple[str, dict[str, str]]:
@@ -36,6 +43,18 @@ def compile_ptx(spec: KernelSpec, arch: str = "compute_90") -> tuple[str, dict[s
         return nvrtc.getPTX(program).decode(), lowered
     finally:
         nvrtc.destroyProgram(program)
+
+
+def device_attributes(cupy: Any, device: int) -> dict[str, int | None]:
+    """DEVICE_ATTRIBUTES of `device`, each None where the runtime refuses it or reports 0 (not known)."""
+
+    def read(attribute: int) -> int | None:
+        try:
+            return int(cupy.cuda.runtime.deviceGetAttribute(attribute, device)) or None
+        except cupy.cuda.runtime.CUDARuntimeError:
+            return None
+
+    return {name: read(attribute) for name, attribute in DEVICE_ATTRIBUTES.items()}
 
 
 class KernelLibrary:

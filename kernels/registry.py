@@ -6,8 +6,9 @@ Every kernel in this package has the same signature, row-major throughout::
 
 computing C (M x N) = A (M x K) @ B (K x N). A `LaunchConfig` is one template instance: its arguments after
 the dtype, the block of threads it runs with and the tile of C one block computes, from which the grid
-follows. Nothing here needs a GPU or CuPy: the engine compiles `name_expressions()` with NVRTC and launches
-the configuration `config_for()` picks.
+follows, and the global-memory traffic its access pattern asks for (`global_elements`, for the roofline).
+Nothing here needs a GPU or CuPy: the engine compiles `name_expressions()` with NVRTC and launches the
+configuration `config_for()` picks.
 """
 
 from __future__ import annotations
@@ -43,6 +44,10 @@ class LaunchConfig:
     n_multiple: int = 1
     """Row lengths of A (k) and of B and C (n) must be multiples of these: 16-byte vector accesses need whole,
     aligned vectors. An instance launched on other shapes would fault, so `accepts` guards every launch."""
+    reuse: tuple[int, int] | None = None
+    """(rows, columns) of C that share one global read of an operand element: a block reads each element of A
+    it needs once for `columns` outputs of a row and each element of B once for `rows` outputs of a column.
+    None: the block tile (tile_m, tile_n), as in every kernel that stages its tiles in shared memory."""
 
     def __post_init__(self) -> None:
         if self.threads[0] * self.threads[1] > MAX_THREADS_PER_BLOCK:
@@ -61,6 +66,14 @@ class LaunchConfig:
         if batch > MAX_GRID_Y:
             raise ValueError(f"config {self.label}: a batch of {batch} is over CUDA's {MAX_GRID_Y} blocks along z")
         return (cdiv(n, self.tile_n), rows, batch)
+
+    def global_elements(self, m: int, n: int, k: int) -> int:
+        """Elements one m x n x k product requests from global memory by this instance's access pattern: every
+        element of A once per group of `reuse` columns of C, every element of B once per group of rows, every
+        element of C written once. Only what the outputs inside C need is counted (not the zero padding of
+        edge tiles); requests that L1 or L2 serve are (this is the traffic asked of global memory, not DRAM's)."""
+        rows, columns = self.reuse or (self.tile_m, self.tile_n)
+        return m * k * cdiv(n, columns) + k * n * cdiv(m, rows) + m * n
 
     def block(self) -> tuple[int, int, int]:
         return (self.threads[0], self.threads[1], 1)
@@ -124,6 +137,12 @@ class KernelSpec:
         return next(c for c in self.configs if c.label == label)
 
 
+def minimum_global_elements(m: int, n: int, k: int) -> int:
+    """The fewest elements any m x n x k product moves: A and B read once, C written once. The roofline's
+    traffic for the libraries (cuBLAS, NumPy's BLAS), whose access patterns are not ours to count."""
+    return m * k + k * n + m * n
+
+
 def _square_tiles(*widths: int) -> tuple[LaunchConfig, ...]:
     return tuple(LaunchConfig(label=str(w), template_args=(w,), threads=(w, w), tile_m=w, tile_n=w) for w in widths)
 
@@ -157,7 +176,7 @@ def _check_static_smem(label: str, elements: int) -> None:
 def _coalesced_config(rows: int) -> LaunchConfig:
     label = f"32x{rows}"
     _check(rows >= 1 and 32 * rows <= MAX_THREADS_PER_BLOCK, label, f"{rows} warps per block is not in 1..32")
-    return LaunchConfig(label=label, template_args=(), threads=(32, rows), tile_m=rows, tile_n=32)
+    return LaunchConfig(label=label, template_args=(), threads=(32, rows), tile_m=rows, tile_n=32, reuse=(1, 32))
 
 
 def _blocktile1d_config(bm: int, bn: int, bk: int, tm: int, vec: bool) -> LaunchConfig:
@@ -294,7 +313,9 @@ KERNELS: MappingProxyType[str, KernelSpec] = MappingProxyType(
                 source="naive.cu",
                 symbol="matmul_naive",
                 summary="One thread per output element, 16x16 blocks; every operand read from global memory.",
-                configs=(LaunchConfig(label="16x16", template_args=(), threads=(16, 16), tile_m=16, tile_n=16),),
+                configs=(
+                    LaunchConfig(label="16x16", template_args=(), threads=(16, 16), tile_m=16, tile_n=16, reuse=(1, 1)),
+                ),
             ),
             KernelSpec(
                 name="tiled",

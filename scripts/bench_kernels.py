@@ -5,8 +5,10 @@ Frobenius error, on an output poisoned with NaN beforehand, so an unwritten elem
 warm-up launches, then at least --repeats launches each between its own pair of CUDA events, with L2 flushed
 before each (a buffer twice the L2 size is rewritten) and the inputs rotated among several sets; the median
 is reported. GFLOP/s = 2*m*n*k / t; the ratio is to cuBLAS measured in the same run on the same inputs.
-Prints a table, writes bench_kernels.json and bench_kernels.png (GFLOP/s against size, one line per kernel,
-cuBLAS dashed) under --out.
+Prints a table, writes bench_kernels.json, bench_kernels.png (GFLOP/s against size, one line per kernel,
+cuBLAS dashed) and bench_kernels_roofline.png (GFLOP/s against arithmetic intensity, the FLOP/byte of the
+global-memory requests each kernel's access pattern makes, one point per kernel and shape, under the device's
+compute and memory roofs; see docs/roofline.md) under --out.
 
     python scripts/bench_kernels.py                       # the whole sweep, both dtypes (under 5 minutes)
     python scripts/bench_kernels.py --kernels fast --sizes 4096 --dtypes float32 --no-odd
@@ -27,8 +29,11 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kernels.cuda import KernelLibrary
+import numpy as np
+
+from kernels.cuda import KernelLibrary, device_attributes
 from kernels.registry import KERNELS, KernelSpec, LaunchConfig
+from kernels.roofline import DevicePeaks, gpu_peaks, roofline
 
 CUBLAS = "cublas"
 SQUARE_SIZES = (256, 512, 1024, 2048, 4096, 8192)
@@ -168,11 +173,15 @@ def run_sweep(args: argparse.Namespace) -> tuple[list[Result], dict[str, Any]]:
             results.extend(rows)
             del sets, reference
             cupy.get_default_memory_pool().free_all_blocks()
-    properties = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)
+    device = cupy.cuda.Device().id
+    properties = cupy.cuda.runtime.getDeviceProperties(device)
+    peaks = gpu_peaks((properties["major"], properties["minor"]), **device_attributes(cupy, device))
     meta = {
         "date": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"),
         "device": properties["name"].decode(),
         "multiprocessors": properties["multiProcessorCount"],
+        "peak_gflops": {dtype: None if f is None else f / 1e9 for dtype, f in peaks.flops_per_s.items()},
+        "dram_gbps": None if peaks.dram_bytes_per_s is None else peaks.dram_bytes_per_s / 1e9,
         "cupy": cupy.__version__,
         "cuda_runtime": cupy.cuda.runtime.runtimeGetVersion(),
         "cuda_driver": cupy.cuda.runtime.driverGetVersion(),
@@ -240,11 +249,68 @@ def write_plot(results: list[Result], meta: dict[str, Any], path: Path) -> bool:
     return True
 
 
+def intensity(r: Result) -> float:
+    """FLOPs per byte of the global-memory requests of the run's instance (cuBLAS: A, B read and C written once)."""
+    config = None if r.kernel == CUBLAS else next(c for c in KERNELS[r.kernel].configs if c.label == r.config)
+    line = roofline(config, (r.m, r.n, r.k), np.dtype(r.dtype), 1, r.ms or 0.0, DevicePeaks())
+    return line.flops / line.global_bytes
+
+
+def write_roofline_plot(results: list[Result], meta: dict[str, Any], path: Path) -> bool:
+    """Achieved GFLOP/s against arithmetic intensity on log-log axes, one panel per dtype, one point per kernel and
+    shape, under the compute roof (the FMA lanes' peak) and the memory roof (DRAM bandwidth x intensity) where the
+    JSON has them; False when matplotlib is absent."""
+    try:
+        import matplotlib
+    except ImportError:
+        return False
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    timed = [r for r in results if r.gflops is not None]
+    dtypes = sorted({r.dtype for r in timed}, key=DTYPES.index)
+    figure, axes = plt.subplots(1, len(dtypes), figsize=(7 * len(dtypes), 5.5), squeeze=False)
+    for axis, dtype in zip(axes[0], dtypes, strict=True):
+        points = [(r.kernel, intensity(r), r.gflops) for r in timed if r.dtype == dtype]
+        for name in dict.fromkeys(kernel for kernel, _, _ in points):
+            mine = [(x, y) for kernel, x, y in points if kernel == name]
+            marker = "*" if name == CUBLAS else "o"
+            axis.scatter([x for x, _ in mine], [y for _, y in mine], marker=marker, label=name, alpha=0.8)
+        peak, bandwidth = meta.get("peak_gflops", {}).get(dtype), meta.get("dram_gbps")
+        xs = [x for _, x, _ in points]
+        span = np.geomspace(min(xs) / 2, max(xs) * 2, 200)
+        if bandwidth:
+            memory_roof = bandwidth * span if peak is None else np.minimum(bandwidth * span, peak)
+            axis.plot(span, memory_roof, color="black", label=f"DRAM {bandwidth / 1e3:.2f} TB/s x intensity")
+        if peak:
+            axis.axhline(peak, color="black", linestyle="--", label=f"FMA peak {peak / 1e3:.1f} TFLOP/s")
+        axis.set_xscale("log")
+        axis.set_yscale("log")
+        axis.set_xlabel("arithmetic intensity, FLOP per byte requested from global memory")
+        axis.set_ylabel("GFLOP/s")
+        axis.set_title(dtype)
+        axis.grid(True, which="both", alpha=0.3)
+        axis.legend(fontsize=8)
+    figure.suptitle(f"roofline: {meta['device']}, {meta['date']}")
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+    return True
+
+
+def roofline_path(path: Path) -> Path:
+    """Where the roofline PNG of a JSON (or of its GFLOP/s PNG) goes: beside it, named ..._roofline.png."""
+    return path.with_name(f"{path.stem}_roofline.png")
+
+
 def replot(path: Path) -> int:
-    """Draw the PNG again from a JSON this script wrote, next to it."""
+    """Draw the PNGs again from a JSON this script wrote, next to it."""
     document = json.loads(path.read_text(encoding="utf-8"))
     results = [Result(**row) for row in document["results"]]
-    if not write_plot(results, document["meta"], path.with_suffix(".png")):
+    meta = document["meta"]
+    if not (
+        write_plot(results, meta, path.with_suffix(".png")) and write_roofline_plot(results, meta, roofline_path(path))
+    ):
         print("matplotlib is not installed", file=sys.stderr)
         return 1
     return 0
@@ -292,12 +358,19 @@ def main(argv: list[str] | None = None) -> int:
     meta["wall_s"] = round(time.perf_counter() - started, 1)
     meta["configs"] = args.configs
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "bench_kernels.json").write_text(
+    json_path = args.out / "bench_kernels.json"
+    json_path.write_text(
         json.dumps({"meta": meta, "results": [asdict(r) for r in results]}, indent=1) + "\n", encoding="utf-8"
     )
-    plotted = not args.check_only and write_plot(results, meta, args.out / "bench_kernels.png")
-    summary = f"\n{meta['device']}, {meta['date']}, {meta['wall_s']} s; wrote {args.out}/bench_kernels.json" + (
-        " and .png" if plotted else " (no PNG: nothing was timed, or matplotlib is not installed)"
+    plotted = (
+        not args.check_only
+        and write_plot(results, meta, json_path.with_suffix(".png"))
+        and write_roofline_plot(results, meta, roofline_path(json_path))
+    )
+    summary = f"\n{meta['device']}, {meta['date']}, {meta['wall_s']} s; wrote {json_path}" + (
+        f", {json_path.with_suffix('.png').name} and {roofline_path(json_path).name}"
+        if plotted
+        else " (no PNG: nothing was timed, or matplotlib is not installed)"
     )
     print(summary)
     print(HEADER)

@@ -26,13 +26,18 @@ async def test_info_names_backend_device_and_kernels(client: httpx.AsyncClient) 
     (device,) = info["devices"]
     assert device["why_cpu"] == "MATMUL_BACKEND=cpu" and device["state"] == "ready" and device["queue_depth"] == 0
     assert info["queue"] == {"size": 64, "depth": 0}
-    assert [k["name"] for k in info["kernels"]] == ["auto", "numpy"]
+    assert [k["name"] for k in info["kernels"]] == ["auto", "naive", "tiled", "numpy"]
 
 
 async def test_kernels(client: httpx.AsyncClient) -> None:
     listing = (await client.get("/v1/kernels")).json()
     assert listing["backend"] == "cpu" and listing["default"] == "auto" and listing["auto"] == []
-    assert {k["name"]: k["kind"] for k in listing["kernels"]} == {"auto": "auto", "numpy": "library"}
+    kinds = {"auto": "auto", "naive": "emulation", "tiled": "emulation", "numpy": "library"}
+    assert {k["name"]: k["kind"] for k in listing["kernels"]} == kinds
+    emulated = {k["name"]: k for k in listing["kernels"] if k["kind"] == "emulation"}
+    assert all(k["summary"].startswith("An emulation of the GPU kernel") for k in emulated.values())
+    assert (emulated["tiled"]["tiles"], emulated["tiled"]["default_tile"]) == ([8, 16, 32], 16)
+    assert (emulated["naive"]["tiles"], emulated["naive"]["default_tile"]) == ([], None)
 
 
 async def test_unknown_route_and_method_use_the_error_format(client: httpx.AsyncClient) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from typing import NoReturn
 
@@ -67,6 +68,49 @@ async def test_multipart_npy_in_npy_out(client: httpx.AsyncClient, m: int, k: in
     assert_product(c, a, b, np.dtype(dtype))
     assert r.headers["x-matmul-shape"] == f"{m}x{n}" and r.headers["x-matmul-dtype"] == dtype
     assert "kernel;dur=" in r.headers["server-timing"]
+
+
+@pytest.mark.parametrize(
+    ("kernel", "tile", "ran_tile"), [("naive", None, None), ("tiled", None, 16), ("tiled", 8, 8), ("tiled", 32, 32)]
+)
+@pytest.mark.parametrize("accept", ["application/json", "application/x-npy"])
+async def test_the_teaching_kernels_run_on_the_cpu_as_emulations(
+    client: httpx.AsyncClient, kernel: str, tile: int | None, ran_tile: int | None, accept: str
+) -> None:
+    a, b = operands(37, 21, 19, "float32")
+    params = {"kernel": kernel} | ({"tile": tile} if tile else {})
+    files = {"a": ("a.npy", npy_bytes(a)), "b": ("b.npy", npy_bytes(b))}
+    r = await client.post("/matmul", params=params, files=files, headers={"accept": accept})
+    assert r.status_code == 200, r.text
+    if accept == "application/x-npy":
+        c = load_npy(r.content)
+        header_tile = r.headers.get("x-matmul-tile")
+        assert (r.headers["x-matmul-kernel"], header_tile) == (kernel, None if ran_tile is None else str(ran_tile))
+    else:
+        c = np.array(r.json()["result"], np.float32)
+        assert (r.json()["kernel"], r.json()["tile"]) == (kernel, ran_tile)
+    assert_product(c, a, b, np.dtype(np.float32))
+
+
+async def test_queued_emulated_products_run_as_one_batch() -> None:
+    app = create_app(Settings(backend="cpu", batching=True, max_queue_delay_us=200_000, access_log=False))
+    pairs = [operands(9, 20, 7, "float64", seed) for seed in range(4)]
+    async with app.router.lifespan_context(app):
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
+            await wait_ready(client)
+            answers = await asyncio.gather(
+                *(
+                    client.post(
+                        "/matmul", params={"kernel": "tiled", "tile": 8}, json={"a": a.tolist(), "b": b.tolist()}
+                    )
+                    for a, b in pairs
+                )
+            )
+    for (a, b), r in zip(pairs, answers, strict=True):
+        assert r.status_code == 200, r.text
+        assert (r.json()["kernel"], r.json()["tile"], r.json()["batch_size"]) == ("tiled", 8, 4)
+        assert_product(np.array(r.json()["result"]), a, b, np.dtype(np.float32))
 
 
 async def test_npz_body(client: httpx.AsyncClient) -> None:
@@ -149,7 +193,24 @@ def _error(r: httpx.Response, status: int, code: str, words: str) -> None:
         ({"json": {"a": [[1, 2], [1]], "b": [[1]]}}, 422, "invalid_matrix", "ragged"),
         ({"json": {"a": [["x"]], "b": [[1]]}}, 422, "invalid_matrix", "a[0][0] is a string"),
         ({"json": {"a": [[1]], "b": [[1]]}, "params": {"kernel": "warp9"}}, 422, "unknown_kernel", "'warp9'"),
-        ({"json": {"a": [[1]], "b": [[1]]}, "params": {"kernel": "tiled"}}, 422, "unknown_kernel", "['auto', 'numpy']"),
+        (
+            {"json": {"a": [[1]], "b": [[1]]}, "params": {"kernel": "fast"}},
+            422,
+            "unknown_kernel",
+            "runs on the CPU; this server has ['auto', 'naive', 'tiled', 'numpy']",
+        ),
+        (
+            {"json": {"a": [[1]], "b": [[1]]}, "params": {"kernel": "naive", "tile": 16}},
+            422,
+            "invalid_parameter",
+            "tile 16 is not valid for kernel 'naive'",
+        ),
+        (
+            {"json": {"a": [[1]], "b": [[1]]}, "params": {"kernel": "tiled", "tile": 12}},
+            422,
+            "invalid_parameter",
+            "one of [8, 16, 32]",
+        ),
         ({"json": {"a": [[1]], "b": [[1]]}, "params": {"kernel": "cublas"}}, 422, "unknown_kernel", "needs the GPU"),
         ({"json": {"a": [[1]], "b": [[1]]}, "params": {"tile": 16}}, 422, "invalid_parameter", "tile"),
         ({"json": {"a": [[1]], "b": [[1]]}, "params": {"tile": "big"}}, 422, "invalid_parameter", "query.tile"),

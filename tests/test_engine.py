@@ -20,6 +20,7 @@ from app.engine.autotune import AutoChoice
 from app.engine.base import Finished
 from app.errors import DeviceOutOfMemory, NotReady
 from app.main import create_app
+from kernels.roofline import DevicePeaks
 
 pytestmark = pytest.mark.anyio
 
@@ -77,6 +78,10 @@ class GatedBackend:
 
     def auto_choices(self) -> list[AutoChoice]:
         return []
+
+    @property
+    def peaks(self) -> DevicePeaks:
+        return DevicePeaks()
 
     def compiled_instances(self) -> int:
         return 1 if self.prepared.is_set() else 0

@@ -9,7 +9,9 @@ import numpy as np
 import pytest
 
 from app.engine.base import CUBLAS, Plan
+from kernels.emulation import EMULATIONS
 from kernels.registry import KERNELS, KernelSpec, LaunchConfig, cdiv
+from kernels.roofline import FMA_LANES
 from tests.conftest import assert_product, load_npy, npy_bytes
 
 pytestmark = pytest.mark.gpu
@@ -65,6 +67,29 @@ def test_kernel_writes_every_element_correctly(
     library.launch(spec, config, a_dev, b_dev, c_dev)
     cp.cuda.get_current_stream().synchronize()
     assert_product(cp.asnumpy(c_dev), a.astype(dtype), b.astype(dtype), dtype)
+
+
+EMULATED = [(spec, config) for spec, config in INSTANCES if spec.name in EMULATIONS]
+
+
+@pytest.mark.parametrize(("m", "k", "n"), [(67, 45, 39), (1, 300, 1), (130, 1000, 70)], ids=str)
+@pytest.mark.parametrize(("spec", "config"), EMULATED, ids=[f"{s.name}-{c.label}" for s, c in EMULATED])
+def test_the_cpu_emulation_gives_the_kernels_float32_bits(
+    library: Any, spec: KernelSpec, config: LaunchConfig, m: int, k: int, n: int
+) -> None:
+    """float32: the emulation's single rounding per step is the kernel's FFMA, so the bits agree; float64 rounds
+    once more per step than DFMA (kernels/emulation.py), so only the bound of the dtype is asserted."""
+    import cupy as cp
+
+    a, b = operands(m, k, n, seed=k)
+    for dtype in DTYPES:
+        a_typed, b_typed = a.astype(dtype), b.astype(dtype)
+        c_dev = cp.full((m, n), cp.nan, dtype=dtype)
+        library.launch(spec, config, cp.asarray(a_typed), cp.asarray(b_typed), c_dev)
+        on_gpu, emulated = cp.asnumpy(c_dev), EMULATIONS[spec.name](a_typed, b_typed, config)
+        if dtype == np.float32:
+            np.testing.assert_array_equal(emulated, on_gpu)
+        assert_product(emulated, a_typed, b_typed, dtype)
 
 
 BATCHED = [(spec, config) for spec, config in INSTANCES if spec.batched]
@@ -233,6 +258,20 @@ def test_empty_products(backend: Any, shape: tuple[int, int, int]) -> None:
     np.testing.assert_array_equal(c, np.zeros((m, n), np.float32))
 
 
+def test_the_device_attributes_give_the_roofs(backend: Any) -> None:
+    """Clocks, bus width and SM count are read with cudaDeviceGetAttribute (CUDA 13's cudaDeviceProp lacks the
+    clocks); an H100 SXM gives 66.9 TFLOP/s float32, 33.5 float64 and about 3.35 TB/s."""
+    import cupy
+
+    properties = cupy.cuda.runtime.getDeviceProperties(0)
+    described = backend.describe()
+    assert described["clock_khz"] > 0 and described["memory_clock_khz"] > 0 and described["memory_bus_width_bits"] > 0
+    assert backend.peaks.dram_bytes_per_s > 1e11 and described["dram_gbps"] > 100
+    if (properties["major"], properties["minor"]) in FMA_LANES:
+        assert backend.peaks.flops_per_s["float32"] > 1e12 and backend.peaks.flops_per_s["float64"] > 0
+        assert described["peak_gflops"]["float32"] > 1000
+
+
 @pytest.mark.anyio
 async def test_the_service_on_the_gpu_backend(gpu_client: httpx.AsyncClient) -> None:
     info = (await gpu_client.get("/v1/info")).json()
@@ -259,6 +298,8 @@ async def test_the_service_on_the_gpu_backend(gpu_client: httpx.AsyncClient) -> 
         assert r.headers["x-matmul-backend"] == "gpu" and r.headers["x-matmul-device"] in {
             d["name"] for d in info["devices"]
         }
+        assert float(r.headers["x-matmul-roofline-peak-fraction"]) > 0
+        assert float(r.headers["x-matmul-roofline-dram-gbps"]) == pytest.approx(device["dram_gbps"], rel=1e-5)
     for tile in (8, 16, 32):
         r = await gpu_client.post(
             "/matmul", params={"kernel": "tiled", "tile": tile}, json={"a": a.tolist(), "b": b.tolist()}
@@ -266,5 +307,9 @@ async def test_the_service_on_the_gpu_backend(gpu_client: httpx.AsyncClient) -> 
         assert r.json()["tile"] == tile and r.json()["kernel"] == "tiled"
         assert_product(np.array(r.json()["result"]), a, b, np.dtype(np.float32))
         assert r.json()["timing"]["kernel_ms"] > 0 and r.json()["gflops"] > 0
+        line, config = r.json()["roofline"], KERNELS["tiled"].config_for(333, 129, 257, tile)
+        assert line["global_bytes"] == 4 * config.global_elements(333, 129, 257)
+        assert line["peak_gflops"] == pytest.approx(device["peak_gflops"]["float32"])
+        assert 0 < line["peak_fraction"] < 1
     r = await gpu_client.post("/matmul", params={"kernel": "tiled", "tile": 12}, json={"a": [[1]], "b": [[1]]})
     assert r.status_code == 422 and r.json()["code"] == "invalid_parameter"

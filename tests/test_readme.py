@@ -150,12 +150,11 @@ def test_the_readme_lists_every_field_and_header_an_answer_carries(readme_server
     answer = as_json.json()
     assert set(answer) == documented_fields
     assert set(answer["timing"]) == documented_timing
-    # each fact but the product and its timing (Server-Timing) has its header; a null one is left out
-    facts = {
-        f"x-matmul-{name.replace('_', '-')}": value
-        for name, value in answer.items()
-        if name not in ("result", "timing")
-    }
+    # each fact but the product and its timing (Server-Timing) has its header, the roofline's one per field; a
+    # null one is left out
+    flat = {name: value for name, value in answer.items() if name not in ("result", "timing", "roofline")}
+    flat.update({f"roofline_{name}": value for name, value in answer["roofline"].items()})
+    facts = {f"x-matmul-{name.replace('_', '-')}": value for name, value in flat.items()}
     sent = {name for name in as_npy.headers if name.startswith("x-matmul-")}
     assert always | sometimes == set(facts)
     assert sent == {name for name, value in facts.items() if value is not None}

@@ -101,6 +101,16 @@ def ab(**override: object) -> dict[str, object]:
     return {"inputs": [tensor("A", np.ones((2, 3), np.float32)), tensor("B", np.ones((3, 2), np.float32))], **override}
 
 
+@pytest.mark.parametrize("kernel", ["naive", "tiled"])
+async def test_the_emulated_kernels_are_models_of_their_own(client: httpx.AsyncClient, kernel: str) -> None:
+    assert (await client.get(f"/v2/models/matmul_{kernel}/ready")).status_code == 200
+    r = await client.post(f"/v2/models/matmul_{kernel}/infer", json=ab())
+    assert r.status_code == 200, r.text
+    assert r.json()["parameters"]["kernel"] == kernel and r.json()["outputs"][0]["data"] == [3.0] * 4
+    r = await client.post("/v2/models/matmul/infer", json=ab(parameters={"kernel": kernel, "tile": 8}))
+    assert r.status_code == (200 if kernel == "tiled" else 422), r.text
+
+
 @pytest.mark.parametrize(
     ("path", "kwargs", "status", "words"),
     [
@@ -177,7 +187,7 @@ def ab(**override: object) -> dict[str, object]:
             422,
             "shape of two non-negative integers",
         ),
-        ("/v2/models/matmul/infer", {"json": ab(parameters={"kernel": "tiled"})}, 422, "needs the GPU"),
+        ("/v2/models/matmul/infer", {"json": ab(parameters={"kernel": "fast"})}, 422, "needs the GPU"),
         ("/v2/models/matmul_numpy/infer", {"json": ab(parameters={"kernel": "auto"})}, 422, "runs kernel 'numpy'"),
         ("/v2/models/matmul/infer", {"json": ab(outputs=[{"name": "D"}])}, 422, "exactly ['C']"),
     ],
@@ -226,7 +236,7 @@ async def test_statistics_count_successes_failures_and_stages(client: httpx.Asyn
     for stage in ("queue", "compute_input", "compute_infer", "compute_output"):
         assert parts[stage]["count"] == 3 and parts[stage]["ns"] > 0
     every = (await client.get("/v2/models/stats")).json()["model_stats"]
-    assert {s["name"] for s in every} == {"matmul", "matmul_numpy"}
+    assert {s["name"] for s in every} == {"matmul", "matmul_naive", "matmul_tiled", "matmul_numpy"}
 
 
 async def test_only_the_versioned_routes_take_a_version(client: httpx.AsyncClient) -> None:

@@ -20,10 +20,11 @@ from starlette.concurrency import run_in_threadpool
 from starlette.requests import ClientDisconnect
 
 from app import codecs
-from app.api.schemas import DtypeName, MatmulMetadata, Timing
+from app.api.schemas import DtypeName, MatmulMetadata, RooflineModel, Timing
 from app.config import Settings
 from app.engine import Engine, Outcome
 from app.errors import ClientGone, InvalidParameter, PayloadTooLarge
+from kernels.roofline import roofline
 
 T = TypeVar("T")
 TIMEOUT_HEADER = "X-Request-Timeout"
@@ -130,6 +131,20 @@ async def compute(
     return Product(outcome=product.result(), dtype=working, m=m, k=k, n=n)
 
 
+def roofline_of(product: Product) -> RooflineModel:
+    """The product against the roofs of the device that computed it."""
+    outcome = product.outcome
+    line = roofline(
+        outcome.plan.config,
+        (product.m, product.n, product.k),
+        product.dtype,
+        outcome.batch_size,
+        outcome.device.kernel_ms,
+        outcome.peaks,
+    )
+    return RooflineModel.model_validate(line, from_attributes=True)
+
+
 def describe(request: Request, engine: Engine, product: Product, clock: Stopwatch) -> MatmulMetadata:
     """The metadata of a finished product (encoding done now), also left on request.state for observers."""
     finished = perf_counter()
@@ -156,6 +171,7 @@ def describe(request: Request, engine: Engine, product: Product, clock: Stopwatc
         if flops and device.kernel_ms > 0
         else None,
         batch_size=product.outcome.batch_size,
+        roofline=roofline_of(product),
     )
     request.state.product = meta
     return meta

@@ -30,10 +30,36 @@ class Timing(BaseModel):
         description="Converting the operands into pinned buffers of the working dtype and copying them to the "
         "device (CUDA events). On the CPU backend: the dtype conversion alone."
     )
-    kernel_ms: float = Field(description="The kernel alone, between CUDA events (CPU: numpy.matmul wall time).")
+    kernel_ms: float = Field(
+        description="The kernel alone, between CUDA events (CPU: wall time of numpy.matmul or of the emulation)."
+    )
     d2h_ms: float = Field(description="Copying the product back into pinned host memory (CUDA events); 0 on CPU.")
     encode_ms: float = Field(description="Serialising the product (JSON or .npy).")
     total_ms: float = Field(description="From the request reaching the route to the answer being ready to send.")
+
+
+class RooflineModel(BaseModel):
+    """The product against the device's roofs (docs/roofline.md). Work and traffic are this product's; rates are
+    its launch's, like `gflops`. Null where not known (the CPU backend has no peaks) or nothing was timed."""
+
+    flops: int = Field(description="2*m*n*k: the product's floating-point operations.")
+    global_bytes: int = Field(
+        description="Bytes the kernel requests from global memory by its access pattern (naive: 2*m*n*k elements "
+        "read, tiled: 2*m*n*k/TILE, the block-tiled ones once per block row or column; libraries: A and B read "
+        "once), plus C written once."
+    )
+    intensity: float | None = Field(description="flops / global_bytes: FLOPs per byte requested.")
+    peak_gflops: float | None = Field(
+        description="The device's peak in the working dtype: SMs x FMA lanes per SM x 2 x clock. Null on the CPU."
+    )
+    peak_fraction: float | None = Field(description="gflops / peak_gflops.")
+    global_gbps: float | None = Field(
+        description="global_bytes / kernel time, in GB/s: the rate of requests, which can pass DRAM's where L1 and "
+        "L2 serve them."
+    )
+    dram_gbps: float | None = Field(
+        description="The device's DRAM bandwidth: memory clock x bus width x 2 (double data rate). Null on the CPU."
+    )
 
 
 class MatmulMetadata(BaseModel):
@@ -53,6 +79,7 @@ class MatmulMetadata(BaseModel):
     batch_size: int = Field(
         description="Products computed in the same launch (dynamic batching); its timings are the launch's."
     )
+    roofline: RooflineModel
 
 
 class MatmulResponse(MatmulMetadata):
@@ -65,7 +92,10 @@ class MatmulResponse(MatmulMetadata):
 
 class KernelModel(BaseModel):
     name: str
-    kind: Literal["cuda", "library", "auto"]
+    kind: Literal["cuda", "emulation", "library", "auto"] = Field(
+        description="cuda: a kernel of kernels/ on the GPU; emulation: one of them emulated in NumPy on the CPU; "
+        "library: cuBLAS or NumPy's BLAS; auto: picks one of the others per shape."
+    )
     summary: str
     dtypes: list[str]
     tiles: list[int] = Field(description="Tile widths the request may choose with `tile`; empty if none.")

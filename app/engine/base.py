@@ -10,6 +10,7 @@ import numpy as np
 
 from app.engine.autotune import AutoChoice
 from kernels.registry import LaunchConfig
+from kernels.roofline import DevicePeaks
 
 AUTO = "auto"
 CUBLAS = "cublas"
@@ -25,7 +26,7 @@ class KernelInfo:
     """One kernel a request may name, as `GET /v1/kernels` lists it."""
 
     name: str
-    kind: Literal["cuda", "library", "auto"]
+    kind: Literal["cuda", "emulation", "library", "auto"]
     summary: str
     dtypes: tuple[str, ...] = DTYPE_NAMES
     tiles: tuple[int, ...] = ()
@@ -59,6 +60,8 @@ class Outcome:
     queue_ms: float
     device: DeviceTiming
     device_name: str
+    peaks: DevicePeaks
+    """The roofs of the device that computed it, for the answer's roofline."""
     batch_size: int = 1
     """Products in the launch that computed this one (dynamic batching); its timings are the launch's."""
 
@@ -98,6 +101,11 @@ class Backend(Protocol):
 
     @property
     def device_name(self) -> str: ...
+
+    @property
+    def peaks(self) -> DevicePeaks:
+        """The device's peak FLOP/s per dtype and DRAM bandwidth, where known."""
+        ...
 
     def kernels(self) -> list[KernelInfo]: ...
 

@@ -1,4 +1,5 @@
-"""The CPU backend: NumPy's matmul (its BLAS), so that the service runs on machines without a GPU."""
+"""The CPU backend, so that the service runs on machines without a GPU: NumPy's matmul (its BLAS), and the
+teaching kernels `naive` and `tiled` as NumPy emulations of their GPU decomposition (kernels/emulation.py)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,11 @@ from app.engine.autotune import AutoChoice
 from app.engine.base import AUTO, CUBLAS, NUMPY, DeviceTiming, Finished, KernelInfo, Pairs, Plan
 from app.engine.staging import cast_into
 from app.errors import InvalidParameter, UnknownKernel
+from kernels.emulation import EMULATIONS
 from kernels.registry import KERNELS
+from kernels.roofline import DevicePeaks
+
+EMULATED = "An emulation of the GPU kernel in NumPy, thread for thread (float32: the GPU's bits). The kernel: "
 
 
 class CpuBackend:
@@ -22,15 +27,34 @@ class CpuBackend:
 
     def __init__(self, reason: str) -> None:
         self.device_name = platform.processor() or platform.machine() or "cpu"
+        self.peaks = DevicePeaks()
+        """None known: see kernels.roofline."""
         self._reason = reason
 
     def kernels(self) -> list[KernelInfo]:
         return [
             KernelInfo(name=AUTO, kind="auto", summary="The fastest kernel this backend has: numpy."),
+            *(
+                KernelInfo(
+                    name=spec.name,
+                    kind="emulation",
+                    summary=EMULATED + spec.summary,
+                    tiles=spec.tiles,
+                    default_tile=spec.default_tile,
+                )
+                for spec in (KERNELS[name] for name in EMULATIONS)
+            ),
             KernelInfo(name=NUMPY, kind="library", summary="numpy.matmul, through NumPy's BLAS."),
         ]
 
     def plan(self, kernel: str, tile: int | None, m: int, n: int, k: int) -> Plan:
+        if kernel in EMULATIONS:
+            spec = KERNELS[kernel]
+            try:
+                config = spec.config_for(m, n, k, tile)
+            except ValueError as exc:
+                raise InvalidParameter(str(exc), location=["tile"]) from exc
+            return Plan(kernel=kernel, tile=int(config.label) if spec.tiles else None, config=config)
         if kernel not in (AUTO, NUMPY):
             offered = [info.name for info in self.kernels()]
             needs_gpu = kernel in KERNELS or kernel == CUBLAS
@@ -41,7 +65,7 @@ class CpuBackend:
                 location=["kernel"],
             )
         if tile is not None:
-            raise InvalidParameter(f"tile applies to the tiled GPU kernel only, not to '{kernel}'", location=["tile"])
+            raise InvalidParameter(f"tile applies to the tiled kernel only, not to '{kernel}'", location=["tile"])
         return Plan(kernel=NUMPY)
 
     def prepare(self) -> None:
@@ -64,10 +88,14 @@ class CpuBackend:
         staged = perf_counter()
         # NaN and infinities propagate as the README says; NumPy's RuntimeWarnings about them are log noise.
         with np.errstate(invalid="ignore", over="ignore"):
-            c = np.matmul(a, b)
+            if plan.config is None:
+                products = list(np.matmul(a, b))
+            else:
+                emulation = EMULATIONS[plan.kernel]
+                products = [emulation(a_i, b_i, plan.config) for a_i, b_i in zip(a, b, strict=True)]
         done = perf_counter()
         return Finished(
-            list(c), DeviceTiming(h2d_ms=(staged - start) * 1e3, kernel_ms=(done - staged) * 1e3, d2h_ms=0.0)
+            products, DeviceTiming(h2d_ms=(staged - start) * 1e3, kernel_ms=(done - staged) * 1e3, d2h_ms=0.0)
         )
 
     def describe(self) -> dict[str, Any]:

@@ -30,8 +30,9 @@ from app.engine.autotune import AUTO_REPEATS, SHAPE_CLASSES, AutoChoice, pick_au
 from app.engine.base import AUTO, CUBLAS, DTYPE_NAMES, DeviceTiming, Finished, KernelInfo, Launch, Pairs, Plan
 from app.engine.staging import cast_into_parallel
 from app.errors import DeviceLost, DeviceOutOfMemory, InvalidParameter, ShapeMismatch, UnknownKernel
-from kernels.cuda import KernelLibrary
+from kernels.cuda import KernelLibrary, device_attributes
 from kernels.registry import KERNELS, KernelSpec, LaunchConfig, cdiv
+from kernels.roofline import DevicePeaks, gpu_peaks
 
 # Self-test shape at start-up: no side a multiple of any tile, so every edge guard is exercised.
 SELF_TEST_SHAPE = (67, 45, 39)
@@ -195,6 +196,8 @@ class GpuBackend:
         properties = cupy.cuda.runtime.getDeviceProperties(device)
         self.device_name: str = properties["name"].decode()
         self._properties = properties
+        self._attributes = device_attributes(cupy, device)
+        self.peaks: DevicePeaks = gpu_peaks((properties["major"], properties["minor"]), **self._attributes)
         self._pipeline_depth = pipeline_depth
         self._copy_in: Any = None
         self._compute: Any = None
@@ -442,9 +445,13 @@ class GpuBackend:
             "name": self.device_name,
             "index": self._device_id,
             "compute_capability": f"{p['major']}.{p['minor']}",
-            "multiprocessors": p["multiProcessorCount"],
+            **self._attributes,
             "memory_total_bytes": total,
             "memory_free_bytes": free,
+            "peak_gflops": {
+                dtype: None if flops is None else flops / 1e9 for dtype, flops in self.peaks.flops_per_s.items()
+            },
+            "dram_gbps": None if self.peaks.dram_bytes_per_s is None else self.peaks.dram_bytes_per_s / 1e9,
             "cupy_version": cp.__version__,
             "cuda_runtime_version": cp.cuda.runtime.runtimeGetVersion(),
             "cuda_driver_version": cp.cuda.runtime.driverGetVersion(),

@@ -351,6 +351,7 @@ class Worker:
                     queue_ms=(submitted.began - j.enqueued_at) * 1e3,
                     device=device,
                     device_name=self.backend.device_name,
+                    peaks=self.backend.peaks,
                     batch_size=len(jobs),
                 )
                 for j, c in zip(jobs, products, strict=True)

@@ -76,7 +76,8 @@ _RESPONSES: dict[int | str, dict[str, Any]] = {
     200: {
         "model": MatmulResponse,
         "description": "The product. Timing is also in the Server-Timing header, with X-Matmul-* headers "
-        "for kernel, tile, backend, device, shape, dtype and GFLOP/s.",
+        "for kernel, tile, backend, device, shape, dtype, GFLOP/s, batch size and the roofline "
+        "(X-Matmul-Roofline-*, one per field that is not null).",
         "content": {codecs.NPY_MEDIA_TYPE: {"schema": {"type": "string", "format": "binary"}}},
     },
     **_ERRORS,
@@ -86,8 +87,9 @@ KernelParam = Annotated[
     str | None,
     Query(
         max_length=64,
-        description="naive, tiled, cublas or auto on the GPU backend; numpy or auto on the CPU backend "
-        "(GET /v1/kernels lists them). Default: auto.",
+        description="naive, tiled, coalesced, blocktile1d, blocktile2d, fast, cublas or auto on the GPU backend; "
+        "naive, tiled (emulations of the GPU kernels), numpy or auto on the CPU backend (GET /v1/kernels lists "
+        "them). Default: auto.",
     ),
 ]
 TileParam = Annotated[int | None, Query(ge=1, le=1024, description="Tile width of the tiled kernel: 8, 16 or 32.")]
@@ -137,6 +139,9 @@ def _headers(meta: MatmulMetadata) -> dict[str, str]:
         headers["X-Matmul-Tile"] = str(meta.tile)
     if meta.gflops is not None:
         headers["X-Matmul-Gflops"] = f"{meta.gflops:.3f}"
+    for name, value in meta.roofline.model_dump(exclude_none=True).items():
+        header = "X-Matmul-Roofline-" + "-".join(word.capitalize() for word in name.split("_"))
+        headers[header] = str(value) if isinstance(value, int) else f"{value:.6g}"
     return headers
 
 

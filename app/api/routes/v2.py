@@ -3,6 +3,8 @@
 Models: `matmul` runs `auto` and takes `parameters.kernel` (and `tile`) per request; `matmul_<kernel>` runs
 one kernel of this backend (`matmul_tiled`, `matmul_cublas`, ...), so tools that address a model by name
 alone (perf_analyzer) can still choose the kernel. Each has version "1". Errors are `{"error": "..."}`.
+An answer's `parameters` name the kernel and backend that ran it and carry its roofline as `roofline_<field>`
+(the fields of /matmul's `roofline` that are not null: the protocol's parameters are numbers or strings).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from app.api.product import (
     limits_of,
     off_loop_if_large,
     read_body,
+    roofline_of,
     server_timing,
 )
 from app.codecs import JSON_MEDIA_TYPE, Operands, RequestOptions
@@ -293,7 +296,12 @@ async def infer(model: ModelName, request: Request, engine: EngineDep, settings:
         product = await compute(request, engine, settings, operands, options)
         clock.computed = perf_counter()
         c = product.outcome.c
-        parameters = {"kernel": product.outcome.plan.kernel, "backend": engine.backend_name}
+        roofline = roofline_of(product).model_dump(exclude_none=True)
+        parameters = {
+            "kernel": product.outcome.plan.kernel,
+            "backend": engine.backend_name,
+            **{f"roofline_{name}": value for name, value in roofline.items()},
+        }
         body, header_size = await off_loop_if_large(
             c.nbytes, settings, inference_protocol.encode_infer, c, model, decoded.id, decoded.binary_output, parameters
         )
