@@ -1,9 +1,11 @@
 """The README's examples run as pasted against a real CPU-backend server, and its lists match what answers carry.
 
 Every fenced block is an example (```sh, ```python) or output (```json, ``` alone). An example that cannot run
-here (a GPU, Docker, nginx, minutes of load) carries `<!-- example: skip: why -->` on the line before its fence,
-and is skipped saying why. The examples talk to `localhost:8000`, as after `make run`; the test points that at its
-own server, and runs each block in a fresh folder where `.venv` is the test's own virtual environment.
+here (Docker, nginx, minutes of load) carries `<!-- example: skip: why -->` on the line before its fence, and is
+skipped saying why; one that needs a GPU-backend server carries `<!-- example: gpu -->` and runs only when the test's
+server is one (MATMUL_README_BACKEND=gpu, on a GPU machine). The examples talk to `localhost:8000`, as after
+`make run`; the test points that at its own server, and runs each block in a fresh folder where `.venv` is the
+test's own virtual environment.
 """
 
 from __future__ import annotations
@@ -29,6 +31,9 @@ README = ROOT / "README.md"
 EXAMPLE_LANGUAGES = {"sh", "python"}
 OUTPUT_LANGUAGES = {"", "json"}
 SKIP_MARK = re.compile(r"<!-- example: skip: (?P<why>[^>]*?) -->")
+GPU_MARK = "<!-- example: gpu -->"
+BACKEND = os.environ.get("MATMUL_README_BACKEND", "cpu")
+"""The backend of the examples' server: cpu, as `make run` serves without a GPU, or gpu on a GPU machine."""
 README_URL = "localhost:8000"
 VENV = Path(sys.executable).parent.parent
 EXAMPLE_TIMEOUT_S = 60
@@ -59,7 +64,13 @@ def readme_blocks() -> list[Block]:
         found = SKIP_MARK.fullmatch(mark)
         language = lines[start - 1].removeprefix("```").strip()
         code = "\n".join(lines[start : number - 1]) + "\n"
-        blocks.append(Block(start, language, code, found["why"] if found else None, mark))
+        if found:
+            skip_reason: str | None = found["why"]
+        elif mark == GPU_MARK and BACKEND != "gpu":
+            skip_reason = "needs a GPU-backend server (MATMUL_README_BACKEND=gpu on a GPU machine)"
+        else:
+            skip_reason = None
+        blocks.append(Block(start, language, code, skip_reason, mark))
         start = None
     assert start is None, f"README.md:{start}: a fence that is never closed"
     return blocks
@@ -74,10 +85,12 @@ def test_every_block_is_an_example_or_output() -> None:
         where = f"README.md:{block.line}"
         assert block.language in EXAMPLE_LANGUAGES | OUTPUT_LANGUAGES, f"{where}: ```{block.language} is neither"
         if "<!-- example" in block.mark:
-            assert block.skip_reason, f"{where}: the mark before it should read <!-- example: skip: why -->"
-            assert block.language in EXAMPLE_LANGUAGES, f"{where}: only examples are skipped; output never runs"
+            assert SKIP_MARK.fullmatch(block.mark) or block.mark == GPU_MARK, (
+                f"{where}: the mark before it should read <!-- example: skip: why --> or {GPU_MARK}"
+            )
+            assert block.language in EXAMPLE_LANGUAGES, f"{where}: only examples are marked; output never runs"
     marks = re.findall(r"^<!-- example", README.read_text(), re.MULTILINE)
-    assert len(marks) == sum(b.skip_reason is not None for b in blocks), "a mark that is not right before a fence"
+    assert len(marks) == sum("<!-- example" in b.mark for b in blocks), "a mark that is not right before a fence"
     assert sum(b.skip_reason is None for b in EXAMPLES) >= 6, "the examples that run went missing"
 
 
@@ -85,7 +98,7 @@ def test_every_block_is_an_example_or_output() -> None:
 def readme_server() -> Iterator[str]:
     """What `make run` serves on a machine without a GPU: the CPU backend, default settings, a free port."""
     port = free_port()
-    with running_server(uvicorn_command(port), port, env={"MATMUL_BACKEND": "cpu"}):
+    with running_server(uvicorn_command(port), port, env={"MATMUL_BACKEND": BACKEND}):
         yield f"127.0.0.1:{port}"
 
 
