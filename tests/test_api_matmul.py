@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import io
+import zipfile
 from typing import NoReturn
 
 import httpx
 import numpy as np
 import pytest
 
+from app import codecs
 from app.config import Settings
 from app.engine import Engine
 from app.main import create_app
@@ -272,6 +275,92 @@ async def test_multipart_framing_errors(
 ) -> None:
     headers = {"content-type": "multipart/form-data; boundary=xx"}
     _error(await client.post("/matmul", content=_multipart(*parts), headers=headers), 422, code, words)
+
+
+def _npy_with_shape(shape: str) -> bytes:
+    """A float32 .npy file whose header says `shape` as written, and 64 bytes of data."""
+    text = "{'descr': '<f4', 'fortran_order': False, 'shape': " + shape + ", }"
+    text += " " * (-(len(text) + 11) % 64) + "\n"
+    return b"\x93NUMPY\x01\x00" + len(text).to_bytes(2, "little") + text.encode() + bytes(64)
+
+
+HOSTILE_HEADERS = [
+    pytest.param(_npy_with_shape("(True, 4)"), "'True' in the shape", id="boolean"),
+    pytest.param(_npy_with_shape("(" + "-" * 5000 + "2, 2)"), "something NumPy does not write", id="minus-tower"),
+    pytest.param(_npy_with_shape("(" + "+" * 5000 + "2, 2)"), "something NumPy does not write", id="plus-tower"),
+]
+
+
+@pytest.mark.parametrize(("hostile", "words"), HOSTILE_HEADERS)
+async def test_hostile_npy_headers_are_422_in_multipart_parts_and_npz_members(
+    client: httpx.AsyncClient, hostile: bytes, words: str
+) -> None:
+    """They were 500s (TypeError at reshape, RecursionError in the literal parser); in an .npz the RecursionError
+    was a 422 saying the archive was not a valid .npz."""
+    files = {"a": ("a.npy", hostile), "b": ("b.npy", npy_bytes(np.eye(2)))}
+    _error(
+        await client.post("/matmul", files=files),
+        422,
+        "malformed_payload",
+        f"'a' is not a valid .npy file: its header has {words}",
+    )
+    buffer = io.BytesIO()
+    with zipfile.ZipFile(buffer, "w", compression=zipfile.ZIP_DEFLATED) as npz:
+        npz.writestr("a.npy", hostile)
+        npz.writestr("b.npy", npy_bytes(np.eye(2)))
+    r = await client.post("/matmul", content=buffer.getvalue(), headers={"content-type": "application/x-npz"})
+    _error(r, 422, "malformed_payload", f"'a' is not a valid .npy file: its header has {words}")
+
+
+async def test_npy_format_version_3_is_accepted(client: httpx.AsyncClient) -> None:
+    buffer = io.BytesIO()
+    np.lib.format.write_array(buffer, np.eye(2, dtype=np.float32), version=(3, 0))
+    files = {"a": ("a.npy", buffer.getvalue()), "b": ("b.npy", npy_bytes(np.full((2, 2), 3.0)))}
+    r = await client.post("/matmul", files=files)
+    assert r.status_code == 200, r.text
+    assert r.json()["result"] == [[3.0, 3.0], [3.0, 3.0]]
+
+
+async def test_a_multipart_preamble_and_epilogue_are_accepted(client: httpx.AsyncClient) -> None:
+    body = b"This is a preamble.\r\n" + _multipart(("a", npy_bytes(np.eye(2))), ("b", npy_bytes(np.eye(2))))
+    headers = {"content-type": "multipart/form-data; boundary=xx"}
+    r = await client.post("/matmul", content=body + b"This is an epilogue.\r\n", headers=headers)
+    assert r.status_code == 200, r.text
+
+
+@pytest.mark.parametrize("length", [71, 300])
+async def test_a_multipart_boundary_over_70_characters_is_422(client: httpx.AsyncClient, length: int) -> None:
+    """Over 256 characters it was a 500 (python-multipart's constructor raised outside the error handling)."""
+    boundary = "b" * length
+    body = _multipart(("a", npy_bytes(np.eye(2))), ("b", npy_bytes(np.eye(2)))).replace(
+        b"--xx", f"--{boundary}".encode()
+    )
+    headers = {"content-type": f"multipart/form-data; boundary={boundary}"}
+    r = await client.post("/matmul", content=body, headers=headers)
+    _error(r, 422, "malformed_payload", f"boundary is {length} characters; RFC 2046 allows 1 to 70")
+
+
+async def test_a_parameter_sent_as_a_form_field_is_pointed_to_the_query_string(client: httpx.AsyncClient) -> None:
+    """curl -F a=@a.npy -F b=@b.npy -F kernel=numpy: the advice was to send kernel.npy as a file."""
+    files = {"a": ("a.npy", npy_bytes(np.eye(2))), "b": ("b.npy", npy_bytes(np.eye(2)))}
+    r = await client.post("/matmul", files=files, data={"kernel": "numpy"})
+    _error(r, 422, "invalid_parameter", "parameters belong in the query string (POST /matmul?kernel=numpy)")
+    assert r.json()["location"] == ["kernel"]
+
+
+async def test_whatever_a_decoder_raises_is_the_clients_422_naming_it(
+    client: httpx.AsyncClient, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The one place that decides: a failure mode of a parser nobody foresaw is a 422, not a 500, and is logged."""
+
+    def unforeseen(*args: object) -> NoReturn:
+        raise RecursionError("maximum recursion depth exceeded")
+
+    monkeypatch.setattr(codecs, "decode_json", unforeseen)
+    r = await client.post("/matmul", json={"a": [[1]], "b": [[1]]})
+    _error(r, 422, "malformed_payload", "the JSON body cannot be decoded: maximum recursion depth exceeded")
+    records = [record for record in caplog.records if record.exc_info is not None]
+    assert len(records) == 1 and "RecursionError" in records[0].getMessage()
 
 
 async def test_an_unexpected_error_is_a_500_in_the_error_format_that_shows_nothing_of_it(

@@ -9,10 +9,11 @@ from fastapi import APIRouter, Query, Request, Response
 
 from app import codecs
 from app.api.deps import EngineDep, SettingsDep
-from app.api.multipart import parse_file_parts
+from app.api.multipart import decode_multipart
 from app.api.product import (
     Stopwatch,
     compute,
+    decode_client_bytes,
     describe,
     limits_of,
     off_loop_if_large,
@@ -112,13 +113,14 @@ async def _read_operands(request: Request, settings: Settings, limits: codecs.Li
         body = await read_body(request, settings.max_body_bytes, "body")
     read_ms = (perf_counter() - started) * 1e3
     if content_type == MULTIPART_MEDIA_TYPE:
-        parts = await off_loop_if_large(len(body), settings, parse_file_parts, body, request.headers["content-type"])
-        operands = codecs.decode_parts(parts, limits, container="multipart body")
+        operands = await decode_client_bytes(
+            "multipart body", len(body), settings, decode_multipart, body, request.headers["content-type"], limits
+        )
     elif content_type == codecs.JSON_MEDIA_TYPE:
-        operands = await off_loop_if_large(len(body), settings, codecs.decode_json, body, limits)
+        operands = await decode_client_bytes("JSON body", len(body), settings, codecs.decode_json, body, limits)
     else:
-        operands = await off_loop_if_large(
-            len(body), settings, codecs.decode_npz, body, limits, settings.max_body_bytes
+        operands = await decode_client_bytes(
+            ".npz archive", len(body), settings, codecs.decode_npz, body, limits, settings.max_body_bytes
         )
     return operands, read_ms
 

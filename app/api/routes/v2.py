@@ -22,6 +22,7 @@ from app.api.errors import PROTOCOL_PREFIX, protocol_error_response
 from app.api.product import (
     Stopwatch,
     compute,
+    decode_client_bytes,
     describe,
     limits_of,
     off_loop_if_large,
@@ -280,8 +281,8 @@ async def infer(model: ModelName, request: Request, engine: EngineDep, settings:
         body = await read_body(request, settings.max_body_bytes, "body")
         clock.read_ms = (perf_counter() - clock.received) * 1e3
         header_length = request.headers.get(inference_protocol.HEADER_LENGTH)
-        decoded = await off_loop_if_large(
-            len(body), settings, inference_protocol.decode_infer, body, header_length, limits
+        decoded = await decode_client_bytes(
+            "inference request", len(body), settings, inference_protocol.decode_infer, body, header_length, limits
         )
         clock.mark_decoded()
         options = decoded.operands.options
