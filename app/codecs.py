@@ -147,7 +147,8 @@ def working_dtype(requested: str | None, operands: Operands) -> np.dtype:
 # ---------------------------------------------------------------------------------------------- JSON in
 
 
-def _json_type(value: object) -> str:
+def json_type(value: object) -> str:
+    """How a decoded JSON value is named in messages: null, a boolean, a string, an object, a list, a number."""
     if value is None:
         return "null"
     if isinstance(value, bool):
@@ -167,7 +168,7 @@ def _locate_json_problem(value: list[Any], name: str) -> InvalidMatrix | None:
     for i, row in enumerate(value):
         if not isinstance(row, list):
             return InvalidMatrix(
-                f"{name}[{i}] is {_json_type(row)}; '{name}' must be a list of rows, each a list of numbers",
+                f"{name}[{i}] is {json_type(row)}; '{name}' must be a list of rows, each a list of numbers",
                 location=[name, i],
             )
         if width is None:
@@ -178,7 +179,7 @@ def _locate_json_problem(value: list[Any], name: str) -> InvalidMatrix | None:
             )
         for j, x in enumerate(row):
             if isinstance(x, bool) or not isinstance(x, int | float):
-                return InvalidMatrix(f"{name}[{i}][{j}] is {_json_type(x)}, expected a number", location=[name, i, j])
+                return InvalidMatrix(f"{name}[{i}][{j}] is {json_type(x)}, expected a number", location=[name, i, j])
     return None
 
 
@@ -188,7 +189,7 @@ def _json_matrix(doc: Mapping[str, Any], name: str, may_hold_booleans: bool, lim
     value = doc[name]
     if not isinstance(value, list) or not value:
         raise InvalidMatrix(
-            f"'{name}' must be a non-empty list of rows (a 2-D array of numbers), got {_json_type(value)}"
+            f"'{name}' must be a non-empty list of rows (a 2-D array of numbers), got {json_type(value)}"
             + (" with no rows" if isinstance(value, list) else ""),
             location=[name],
         )
@@ -218,7 +219,7 @@ def decode_json(body: bytes, limits: Limits) -> Operands:
     except orjson.JSONDecodeError as exc:
         raise MalformedPayload(f"the body is not valid JSON: {exc}") from exc
     if not isinstance(doc, dict):
-        raise MalformedPayload(f"the JSON body must be an object with keys 'a' and 'b', got {_json_type(doc)}")
+        raise MalformedPayload(f"the JSON body must be an object with keys 'a' and 'b', got {json_type(doc)}")
     unknown = sorted(set(doc) - {*OPERANDS, *JSON_OPTION_KEYS})
     if unknown:
         raise InvalidParameter(
@@ -233,10 +234,10 @@ def decode_json(body: bytes, limits: Limits) -> Operands:
 def _json_options(doc: Mapping[str, Any]) -> RequestOptions:
     for key in ("kernel", "dtype"):
         if doc.get(key) is not None and not isinstance(doc[key], str):
-            raise InvalidParameter(f"'{key}' must be a string, got {_json_type(doc[key])}", location=[key])
+            raise InvalidParameter(f"'{key}' must be a string, got {json_type(doc[key])}", location=[key])
     tile = doc.get("tile")
     if tile is not None and (isinstance(tile, bool) or not isinstance(tile, int)):
-        raise InvalidParameter(f"'tile' must be an integer, got {_json_type(tile)}", location=["tile"])
+        raise InvalidParameter(f"'tile' must be an integer, got {json_type(tile)}", location=["tile"])
     return RequestOptions(kernel=doc.get("kernel"), tile=tile, dtype=doc.get("dtype"))
 
 

@@ -13,7 +13,8 @@ from fastapi import FastAPI
 from app import __version__
 from app.allocator import cap_malloc_arenas
 from app.api.auth import ApiKeyMiddleware
-from app.api.errors import install_error_handlers
+from app.api.errors import UnexpectedErrors, install_error_handlers
+from app.api.framing import RequestHeadMiddleware
 from app.api.limits import BodyLimitMiddleware
 from app.api.observe import RequestObserver, configure_access_log
 from app.api.routes import api_router
@@ -61,7 +62,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         lifespan=lifespan,
     )
     app.add_middleware(BodyLimitMiddleware)
+    app.add_middleware(RequestHeadMiddleware)
     app.add_middleware(ApiKeyMiddleware)
+    app.add_middleware(UnexpectedErrors)
     app.add_middleware(RequestObserver)
     install_error_handlers(app)
     app.include_router(api_router)

@@ -59,11 +59,13 @@ _REQUEST_BODY_DOC: dict[str, Any] = {
 _ERRORS: dict[int | str, dict[str, Any]] = {
     status: {"model": ErrorBody, "description": text}
     for status, text in {
+        400: "The request has two different Content-Type headers.",
         406: "The Accept header names neither application/json nor application/x-npy.",
         413: "The body is larger than MATMUL_MAX_BODY_BYTES.",
-        415: "The Content-Type is not JSON, multipart/form-data or application/x-npz.",
+        415: "The Content-Type is not JSON, multipart/form-data or application/x-npz, or a Content-Encoding "
+        "other than identity is sent.",
         422: "Malformed body, not a 2-D numeric matrix, shapes that do not multiply, unknown kernel, bad tile "
-        "or dtype; `code` and `location` say which.",
+        "or dtype, a query parameter given twice; `code` and `location` say which.",
         408: "The body stopped arriving for MATMUL_BODY_TIMEOUT_S (a Content-Length larger than what is sent).",
         500: "The device raised an error the service did not expect (device_failure), or the service failed "
         "(internal_error); the message names no internals.",
