@@ -1,8 +1,9 @@
 """matmul-service as a local process on a loopback port, for scripts/bench_service.py and scripts/scaleout_local.py.
 
-Each server is uvicorn on the app factory in a process group of its own (so that `--workers N` children go with
-it), its output in a log file, settings from the environment given. With several workers it gets a fresh
-PROMETHEUS_MULTIPROC_DIR, so that /metrics answers for all of them.
+Each server is uvicorn on the app factory with the service's connection protocol (HTTP_PROTOCOL), in a process
+group of its own (so that `--workers N` children go with it), its output in a log file, settings from the
+environment given. With several workers it gets a fresh PROMETHEUS_MULTIPROC_DIR, so that /metrics answers for
+all of them.
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ from pathlib import Path
 import httpx
 
 ROOT = Path(__file__).resolve().parents[1]
+HTTP_PROTOCOL = ("--http", "app.api.connection:GuardedHttpProtocol")
+"""uvicorn's flag for the connection protocol that bounds request headers (app/api/connection.py)."""
 READY_PROBES_PER_WORKER = 5
 """Consecutive 200s from /readyz, each over a new connection, asked of every worker: a new connection goes to
 whichever worker accepts it first, so one not ready yet is all but sure to be hit."""
@@ -41,7 +44,15 @@ class LocalService:
         self.log = log
         self.workers = workers
         self._metrics_dir = Path(tempfile.mkdtemp(prefix="matmul-metrics-"))
-        command = [sys.executable, "-m", "uvicorn", "app.main:create_app", "--factory", "--no-access-log"]
+        command = [
+            sys.executable,
+            "-m",
+            "uvicorn",
+            "app.main:create_app",
+            "--factory",
+            "--no-access-log",
+            *HTTP_PROTOCOL,
+        ]
         command += ["--host", "127.0.0.1", "--port", str(port), "--workers", str(workers)]
         log.parent.mkdir(parents=True, exist_ok=True)
         with log.open("wb") as output:

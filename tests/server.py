@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -17,6 +18,9 @@ from tests.scripts import ROOT, import_script
 free_port = import_script("local_service").free_port
 
 
+HTTP_PROTOCOL = import_script("local_service").HTTP_PROTOCOL
+
+
 def uvicorn_command(port: int) -> list[str]:
     return [
         sys.executable,
@@ -24,6 +28,7 @@ def uvicorn_command(port: int) -> list[str]:
         "uvicorn",
         "app.main:create_app",
         "--factory",
+        *HTTP_PROTOCOL,
         "--host",
         "127.0.0.1",
         "--port",
@@ -84,3 +89,25 @@ def serving(
 def _stop_group(process: subprocess.Popen[bytes]) -> None:
     """SIGTERM to the server's process group (uvicorn and any workers), SIGKILL if that is not enough."""
     import_script("local_service").stop_group(process)
+
+
+def read_until_closed(sock: socket.socket) -> bytes:
+    """Everything the server sends until it closes the connection (a socket timeout fails the test: a hang)."""
+    chunks = []
+    while chunk := sock.recv(65536):
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def status_of_a_large_header(port: int, header_bytes: int, path: str = "/healthz") -> tuple[int, bytes]:
+    """The status and body of the answer to a GET with one header of `header_bytes`, over a raw socket; the
+    server must close the connection after it."""
+    request = b"GET %s HTTP/1.1\r\nHost: t\r\nX-Big: %s\r\nConnection: close\r\n\r\n" % (
+        path.encode(),
+        b"x" * header_bytes,
+    )
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+        sock.sendall(request)
+        answer = read_until_closed(sock)
+    head, _, body = answer.partition(b"\r\n\r\n")
+    return int(head.split(b" ", 2)[1]), body
