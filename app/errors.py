@@ -1,34 +1,35 @@
 """The domain errors of the service, and nothing else.
 
-Every failure a client can cause or see is one of these; `app.api.errors` maps them to HTTP answers in
-one place, so routes, codecs and the engine raise them and never build HTTP responses themselves::
+Every failure a client can cause or see is one of these, with a stable `code` that names it on every surface
+(the answer's body, the logs). Nothing here knows HTTP: `app.api.errors` holds the one table from these classes
+to HTTP statuses, so the service, the codecs and the engine raise them and never build HTTP answers::
 
-    MatmulError                       500  internal_error
-    ├── InvalidInput                  422  invalid_input
-    │   ├── MalformedPayload          422  malformed_payload      body cannot be parsed (JSON, .npy, .npz, multipart)
-    │   ├── InvalidMatrix             422  invalid_matrix         parsed, but not a 2-D numeric matrix
-    │   ├── ShapeMismatch             422  shape_mismatch         inner dimensions differ, or a size limit is passed
-    │   ├── UnknownKernel             422  unknown_kernel         not a kernel of this backend
-    │   └── InvalidParameter          422  invalid_parameter      bad tile, dtype, or conflicting parameters
-    ├── BadRequest                    400  bad_request            a request that contradicts itself (two Content-Types)
-    │                                                             or the inference protocol (an infer id not a string)
-    ├── NotFound                      404  not_found              a route that is switched off
-    │   └── UnknownModel              404  unknown_model          inference protocol: no such model or version
-    ├── Unauthorized                  401  unauthorized           no or wrong API key (sent with WWW-Authenticate)
-    ├── BodyTimeout                   408  body_timeout           the body stopped arriving
-    ├── HeaderTimeout                 408  header_timeout         the request's headers did not all arrive in time
-    ├── HeadersTooLarge               431  headers_too_large      the request line and headers passed their limit
-    ├── PayloadTooLarge               413  payload_too_large
-    ├── UnsupportedMediaType          415  unsupported_media_type
-    ├── NotAcceptable                 406  not_acceptable
-    ├── ServiceUnavailable            503  service_unavailable    (sent with Retry-After)
-    │   ├── Overloaded                503  overloaded             the worker's queue is full
-    │   ├── NotReady                  503  not_ready              kernels still compiling, or the device failed
-    │   ├── DeviceOutOfMemory         503  device_out_of_memory   the product does not fit in device memory now
-    │   └── DeviceLost                503  device_lost            a sticky CUDA error: the process must restart
-    ├── DeadlineExceeded              504  deadline_exceeded      still queued when the request's deadline passed
-    ├── ClientGone                    499  client_gone            the client disconnected (nobody reads this answer)
-    └── DeviceFailure                 500  device_failure         the device raised an error we did not expect
+    MatmulError                   internal_error
+    ├── InvalidInput              invalid_input
+    │   ├── MalformedPayload      malformed_payload      body cannot be parsed (JSON, .npy, .npz, multipart)
+    │   ├── InvalidMatrix         invalid_matrix         parsed, but not a 2-D numeric matrix
+    │   ├── ShapeMismatch         shape_mismatch         inner dimensions differ, or a size limit is passed
+    │   ├── UnknownKernel         unknown_kernel         not a kernel of this backend
+    │   └── InvalidParameter      invalid_parameter      bad tile, dtype, or conflicting parameters
+    ├── BadRequest                bad_request            a request that contradicts itself (two Content-Types)
+    │                                                    or the inference protocol (an infer id not a string)
+    ├── NotFound                  not_found              a route that is switched off
+    │   └── UnknownModel          unknown_model          inference protocol: no such model or version
+    ├── Unauthorized              unauthorized           no or wrong API key (sent with WWW-Authenticate)
+    ├── BodyTimeout               body_timeout           the body stopped arriving
+    ├── HeaderTimeout             header_timeout         the request's headers did not all arrive in time
+    ├── HeadersTooLarge           headers_too_large      the request line and headers passed their limit
+    ├── PayloadTooLarge           payload_too_large
+    ├── UnsupportedMediaType      unsupported_media_type
+    ├── NotAcceptable             not_acceptable
+    ├── ServiceUnavailable        service_unavailable    (sent with Retry-After)
+    │   ├── Overloaded            overloaded             the worker's queue is full
+    │   ├── NotReady              not_ready              kernels still compiling, or the device failed
+    │   ├── DeviceOutOfMemory     device_out_of_memory   the product does not fit in device memory now
+    │   └── DeviceLost            device_lost            a sticky CUDA error: the process must restart
+    ├── DeadlineExceeded          deadline_exceeded      still queued when the request's deadline passed
+    ├── ClientGone                client_gone            the client disconnected (nobody reads this answer)
+    └── DeviceFailure             device_failure         the device raised an error we did not expect
 
 Library errors (NumPy, CuPy, CUDA, zipfile, ...) are translated into these with ``raise ... from exc``
 where they happen, so the message names what was wrong and where (which matrix, row, dimension).
@@ -44,7 +45,6 @@ Location = Sequence[str | int]
 class MatmulError(Exception):
     """Base of every error the service reports to a client."""
 
-    status_code: int = 500
     code: str = "internal_error"
 
     def __init__(self, message: str, *, location: Location | None = None) -> None:
@@ -54,7 +54,6 @@ class MatmulError(Exception):
 
 
 class InvalidInput(MatmulError):
-    status_code = 422
     code = "invalid_input"
 
 
@@ -79,12 +78,10 @@ class InvalidParameter(InvalidInput):
 
 
 class BadRequest(MatmulError):
-    status_code = 400
     code = "bad_request"
 
 
 class NotFound(MatmulError):
-    status_code = 404
     code = "not_found"
 
 
@@ -93,42 +90,34 @@ class UnknownModel(NotFound):
 
 
 class Unauthorized(MatmulError):
-    status_code = 401
     code = "unauthorized"
 
 
 class BodyTimeout(MatmulError):
-    status_code = 408
     code = "body_timeout"
 
 
 class HeaderTimeout(MatmulError):
-    status_code = 408
     code = "header_timeout"
 
 
 class HeadersTooLarge(MatmulError):
-    status_code = 431
     code = "headers_too_large"
 
 
 class PayloadTooLarge(MatmulError):
-    status_code = 413
     code = "payload_too_large"
 
 
 class UnsupportedMediaType(MatmulError):
-    status_code = 415
     code = "unsupported_media_type"
 
 
 class NotAcceptable(MatmulError):
-    status_code = 406
     code = "not_acceptable"
 
 
 class ServiceUnavailable(MatmulError):
-    status_code = 503
     code = "service_unavailable"
 
 
@@ -149,12 +138,10 @@ class DeviceLost(ServiceUnavailable):
 
 
 class DeadlineExceeded(MatmulError):
-    status_code = 504
     code = "deadline_exceeded"
 
 
 class ClientGone(MatmulError):
-    status_code = 499
     code = "client_gone"
 
 

@@ -9,7 +9,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from app.api.schemas import Timing
+from app.product import Timing
 
 
 @dataclass

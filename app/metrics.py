@@ -20,7 +20,7 @@ from prometheus_client import (
 )
 from prometheus_client.multiprocess import MultiProcessCollector
 
-from app.api.schemas import Timing
+from app.product import Timing
 
 # Seconds; from 50 us (a tiny product's kernel) to 60 s (a huge JSON body).
 BUCKETS = (5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 60.0)

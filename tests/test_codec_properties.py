@@ -24,6 +24,7 @@ from hypothesis import example, given
 from hypothesis import strategies as st
 
 from app import codecs, inference_protocol
+from app.api.errors import status_of
 from app.api.multipart import decode_multipart
 from app.errors import MalformedPayload, MatmulError
 from tests.conftest import npy_bytes, npz_bytes
@@ -160,7 +161,7 @@ def decodes_or_refuses(decode: Callable[..., Any], *args: Any) -> Any:
         return decode(*args)
     except MatmulError as exc:
         refusal = exc
-    assert refusal.message and 400 <= refusal.status_code < 500, refusal
+    assert refusal.message and 400 <= status_of(refusal) < 500, refusal
     return None
 
 

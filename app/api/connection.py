@@ -23,7 +23,7 @@ from uvicorn.config import Config
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 from uvicorn.server import ServerState
 
-from app.api.errors import error_body_for
+from app.api.errors import error_body_for, status_of
 from app.config import Settings
 from app.errors import HeadersTooLarge, HeaderTimeout, MatmulError
 
@@ -142,7 +142,7 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         for the header timeout). Closing at once with unread bytes would reset the connection, and a reset can
         discard the answer before the client reads it."""
         body = error_body_for(self.url.decode("latin-1") if self.head_begun else "", error)
-        head = [STATUS_LINE[error.status_code]]
+        head = [STATUS_LINE[status_of(error)]]
         head += [name + b": " + value + b"\r\n" for name, value in self.server_state.default_headers]
         head.append(b"content-type: application/json\r\ncontent-length: %d\r\nconnection: close\r\n\r\n" % len(body))
         self.transport.write(b"".join(head) + body)

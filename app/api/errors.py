@@ -1,57 +1,95 @@
-"""Domain errors -> HTTP answers, in one place: `{"code", "message", "location"}` with the error's status, or the
-inference protocol's `{"error": "<message>"}` under /v2."""
+"""Domain errors -> HTTP answers, in one place: the one table from error class to status, and the one renderer
+every handler, middleware and connection answers through: `{"code", "message", "location"}` with the error's
+status, or the inference protocol's `{"error": "<message>"}` under /v2."""
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 
 import orjson
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, Request, Response
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from app.api.schemas import ErrorBody
-from app.errors import MatmulError, ServiceUnavailable, Unauthorized
+from app.errors import (
+    BadRequest,
+    BodyTimeout,
+    ClientGone,
+    DeadlineExceeded,
+    HeadersTooLarge,
+    HeaderTimeout,
+    InvalidInput,
+    InvalidParameter,
+    MatmulError,
+    NotAcceptable,
+    NotFound,
+    PayloadTooLarge,
+    ServiceUnavailable,
+    Unauthorized,
+    UnsupportedMediaType,
+)
 
 log = logging.getLogger(__name__)
 
-_HTTP_CODES = {404: "not_found", 405: "method_not_allowed"}
 PROTOCOL_PREFIX = "/v2"
+"""The inference protocol's surface: its errors are `{"error": "<message>"}`, its bad parameters 400."""
+
+STATUS: Mapping[type, int] = {
+    MatmulError: 500,
+    InvalidInput: 422,
+    BadRequest: 400,
+    NotFound: 404,
+    Unauthorized: 401,
+    BodyTimeout: 408,
+    HeaderTimeout: 408,
+    HeadersTooLarge: 431,
+    PayloadTooLarge: 413,
+    UnsupportedMediaType: 415,
+    NotAcceptable: 406,
+    ServiceUnavailable: 503,
+    DeadlineExceeded: 504,
+    ClientGone: 499,
+}
+"""The HTTP status of each domain error; a class not listed answers with its nearest listed ancestor's."""
+_ROUTING_CODES = {404: "not_found", 405: "method_not_allowed"}
 
 
-def _headers(exc: MatmulError, retry_after_s: int) -> dict[str, str]:
-    if isinstance(exc, ServiceUnavailable):
+def status_of(error: MatmulError) -> int:
+    """The HTTP status of a domain error: the first class of its MRO the table lists."""
+    return next(STATUS[cls] for cls in type(error).__mro__ if cls in STATUS)
+
+
+def _headers(error: MatmulError, retry_after_s: int) -> dict[str, str]:
+    if isinstance(error, ServiceUnavailable):
         return {"Retry-After": str(retry_after_s)}
-    if isinstance(exc, Unauthorized):
+    if isinstance(error, Unauthorized):
         return {"WWW-Authenticate": 'Bearer realm="matmul-service"'}
     return {}
 
 
-def error_response(exc: MatmulError, retry_after_s: int) -> JSONResponse:
-    """The service's error answer: {"code", "message", "location"}."""
-    body = ErrorBody(code=exc.code, message=exc.message, location=exc.location)
-    return JSONResponse(body.model_dump(), status_code=exc.status_code, headers=_headers(exc, retry_after_s))
-
-
-def protocol_error_response(exc: MatmulError, retry_after_s: int) -> JSONResponse:
-    """The inference protocol's error answer: {"error": "<message>"}."""
-    return JSONResponse({"error": exc.message}, status_code=exc.status_code, headers=_headers(exc, retry_after_s))
-
-
-def error_response_for(path: str, exc: MatmulError, retry_after_s: int) -> JSONResponse:
-    """The error answer in the format of the route `path` belongs to, for middleware that answers before
-    routing: the inference protocol's under /v2, the service's everywhere else."""
-    respond = protocol_error_response if path.startswith(PROTOCOL_PREFIX) else error_response
-    return respond(exc, retry_after_s)
-
-
-def error_body_for(path: str, exc: MatmulError) -> bytes:
-    """The JSON body of error_response_for, for a connection that answers before any app sees the request."""
+def _body(path: str, code: str, message: str, location: list[str | int] | None) -> bytes:
     if path.startswith(PROTOCOL_PREFIX):
-        return orjson.dumps({"error": exc.message})
-    return orjson.dumps(ErrorBody(code=exc.code, message=exc.message, location=exc.location).model_dump())
+        return orjson.dumps({"error": message})
+    return orjson.dumps(ErrorBody(code=code, message=message, location=location).model_dump())
+
+
+def error_body_for(path: str, error: MatmulError) -> bytes:
+    """The JSON body of the answer to `error` in the format of the surface `path` belongs to: the inference
+    protocol's under /v2, the service's everywhere else."""
+    return _body(path, error.code, error.message, error.location)
+
+
+def error_response_for(path: str, error: MatmulError, retry_after_s: int) -> Response:
+    """The answer to `error` on the surface `path` belongs to, with its status and headers."""
+    return Response(
+        error_body_for(path, error),
+        status_code=status_of(error),
+        headers=_headers(error, retry_after_s),
+        media_type="application/json",
+    )
 
 
 def _retry_after(request: Request) -> int:
@@ -59,36 +97,37 @@ def _retry_after(request: Request) -> int:
     return settings.retry_after_s if settings is not None else 1
 
 
-async def _on_matmul_error(request: Request, exc: Exception) -> JSONResponse:
+async def _on_matmul_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, MatmulError)
-    if exc.status_code >= 500:
-        log.warning("%s %s -> %d %s: %s", request.method, request.url.path, exc.status_code, exc.code, exc.message)
-    return error_response(exc, _retry_after(request))
+    status = status_of(exc)
+    if status >= 500:
+        log.warning("%s %s -> %d %s: %s", request.method, request.url.path, status, exc.code, exc.message)
+    return error_response_for(request.url.path, exc, _retry_after(request))
 
 
-async def _on_validation_error(request: Request, exc: Exception) -> JSONResponse:
+async def _on_validation_error(request: Request, exc: Exception) -> Response:
+    """A path, query or header parameter out of its bounds: 422 invalid_parameter, 400 under the protocol."""
     assert isinstance(exc, RequestValidationError)
     first = exc.errors()[0]
     location = [part for part in first.get("loc", ()) if isinstance(part, str | int)]
-    where = ".".join(str(part) for part in location)
-    body = ErrorBody(code="invalid_parameter", message=f"{where}: {first.get('msg', 'invalid')}", location=location)
-    return JSONResponse(body.model_dump(), status_code=422)
+    message = f"{'.'.join(str(part) for part in location)}: {first.get('msg', 'invalid')}"
+    path = request.url.path
+    error = BadRequest if path.startswith(PROTOCOL_PREFIX) else InvalidParameter
+    return error_response_for(path, error(message, location=location), _retry_after(request))
 
 
-async def _on_http_error(request: Request, exc: Exception) -> JSONResponse:
+async def _on_routing_error(request: Request, exc: Exception) -> Response:
     """Routing's own answers (404 no such route, 405 wrong method), in the format of the surface asked."""
     assert isinstance(exc, StarletteHTTPException)
-    if request.url.path.startswith(PROTOCOL_PREFIX):
-        return JSONResponse({"error": str(exc.detail)}, status_code=exc.status_code, headers=exc.headers)
-    code = _HTTP_CODES.get(exc.status_code, "http_error")
-    body = ErrorBody(code=code, message=str(exc.detail), location=None)
-    return JSONResponse(body.model_dump(), status_code=exc.status_code, headers=exc.headers)
+    code = _ROUTING_CODES.get(exc.status_code, "http_error")
+    body = _body(request.url.path, code, str(exc.detail), None)
+    return Response(body, status_code=exc.status_code, headers=exc.headers, media_type="application/json")
 
 
 def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(MatmulError, _on_matmul_error)
     app.add_exception_handler(RequestValidationError, _on_validation_error)
-    app.add_exception_handler(StarletteHTTPException, _on_http_error)
+    app.add_exception_handler(StarletteHTTPException, _on_routing_error)
 
 
 class UnexpectedErrors:

@@ -11,8 +11,8 @@ from typing import Any
 import orjson
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from app.api.schemas import MatmulMetadata
 from app.metrics import ServiceMetrics
+from app.product import MatmulMetadata
 
 access_log = logging.getLogger("app.access")
 _VALID_REQUEST_ID = re.compile(rb"[A-Za-z0-9._:-]{1,128}")

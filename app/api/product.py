@@ -21,10 +21,10 @@ from starlette.concurrency import run_in_threadpool
 from starlette.requests import ClientDisconnect
 
 from app import codecs
-from app.api.schemas import DtypeName, MatmulMetadata, RooflineModel, Timing
 from app.config import Settings
 from app.engine import Engine, Outcome
 from app.errors import ClientGone, InvalidParameter, MalformedPayload, MatmulError, PayloadTooLarge
+from app.product import DtypeName, MatmulMetadata, RooflineModel, Timing
 from kernels.roofline import roofline
 
 log = logging.getLogger(__name__)

@@ -6,8 +6,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 
-DtypeName = Literal["float32", "float64"]
-BackendName = Literal["cpu", "gpu"]
+from app.product import BackendName, MatmulMetadata
 
 
 class ErrorBody(BaseModel):
@@ -18,68 +17,6 @@ class ErrorBody(BaseModel):
     location: list[str | int] | None = Field(
         None, description="Where in the request: a parameter name, or a matrix and its row/column, e.g. ['a', 3, 7]."
     )
-
-
-class Timing(BaseModel):
-    """Where the time of one request went, in milliseconds."""
-
-    read_ms: float = Field(description="Receiving the body (and parsing multipart framing).")
-    decode_ms: float = Field(description="Parsing JSON / .npy / .npz into arrays and checking them.")
-    queue_ms: float = Field(description="Waiting in the worker's queue, from enqueue to start.")
-    h2d_ms: float = Field(
-        description="Converting the operands into pinned buffers of the working dtype and copying them to the "
-        "device (CUDA events). On the CPU backend: the dtype conversion alone."
-    )
-    kernel_ms: float = Field(
-        description="The kernel alone, between CUDA events (CPU: wall time of numpy.matmul or of the emulation)."
-    )
-    d2h_ms: float = Field(description="Copying the product back into pinned host memory (CUDA events); 0 on CPU.")
-    encode_ms: float = Field(description="Serialising the product (JSON or .npy).")
-    total_ms: float = Field(description="From the request reaching the route to the answer being ready to send.")
-
-
-class RooflineModel(BaseModel):
-    """The product against the device's roofs (docs/roofline.md). Work and traffic are this product's; rates are
-    its launch's, like `gflops`. Null where not known (the CPU backend has no peaks) or nothing was timed."""
-
-    flops: int = Field(description="2*m*n*k: the product's floating-point operations.")
-    global_bytes: int = Field(
-        description="Bytes the kernel requests from global memory by its access pattern (naive: 2*m*n*k elements "
-        "read, tiled: 2*m*n*k/TILE, the block-tiled ones once per block row or column; libraries: A and B read "
-        "once), plus C written once."
-    )
-    intensity: float | None = Field(description="flops / global_bytes: FLOPs per byte requested.")
-    peak_gflops: float | None = Field(
-        description="The device's peak in the working dtype: SMs x FMA lanes per SM x 2 x clock. Null on the CPU."
-    )
-    peak_fraction: float | None = Field(description="gflops / peak_gflops.")
-    global_gbps: float | None = Field(
-        description="global_bytes / kernel time, in GB/s: the rate of requests, which can pass DRAM's where L1 and "
-        "L2 serve them."
-    )
-    dram_gbps: float | None = Field(
-        description="The device's DRAM bandwidth: memory clock x bus width x 2 (double data rate). Null on the CPU."
-    )
-
-
-class MatmulMetadata(BaseModel):
-    """What a product answer says about itself; `.npy` answers carry it in X-Matmul-* headers instead."""
-
-    shape: tuple[int, int] = Field(description="Shape of the result, [m, n].")
-    dtype: DtypeName
-    kernel: str = Field(description="The kernel that ran (what `auto` resolved to).")
-    tile: int | None = Field(description="Tile width for kernels that have one, else null.")
-    backend: BackendName
-    device: str
-    timing: Timing
-    gflops: float | None = Field(
-        description="2*m*n*k / kernel_ms; null when no arithmetic was done. For a batched product, the launch's "
-        "rate: the whole batch's work over its kernel time."
-    )
-    batch_size: int = Field(
-        description="Products computed in the same launch (dynamic batching); its timings are the launch's."
-    )
-    roofline: RooflineModel
 
 
 class MatmulResponse(MatmulMetadata):

@@ -21,9 +21,10 @@ from app.api.product import (
     server_timing,
 )
 from app.api.responses import BuffersResponse
-from app.api.schemas import DtypeName, ErrorBody, MatmulMetadata, MatmulResponse
+from app.api.schemas import ErrorBody, MatmulResponse
 from app.config import Settings
 from app.errors import UnsupportedMediaType
+from app.product import DtypeName, MatmulMetadata
 
 router = APIRouter(tags=["matmul"])
 MULTIPART_MEDIA_TYPE = "multipart/form-data"

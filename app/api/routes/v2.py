@@ -9,18 +9,14 @@ An answer's `parameters` name the kernel and backend that ran it and carry its r
 
 from __future__ import annotations
 
-from collections.abc import Callable, Coroutine
 from time import perf_counter
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Path, Request, Response
-from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
-from fastapi.routing import APIRoute
 
 from app import __version__, inference_protocol
 from app.api.deps import EngineDep, SettingsDep
-from app.api.errors import PROTOCOL_PREFIX, protocol_error_response
+from app.api.errors import PROTOCOL_PREFIX
 from app.api.product import (
     Stopwatch,
     compute,
@@ -41,26 +37,7 @@ MODEL = "matmul"
 VERSION = "1"
 
 
-class V2Route(APIRoute):
-    """Answers errors in the protocol's format, `{"error": "<message>"}`, with the domain error's status."""
-
-    def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
-        handler = super().get_route_handler()
-
-        async def protocol_errors(request: Request) -> Response:
-            try:
-                return await handler(request)
-            except MatmulError as exc:
-                return protocol_error_response(exc, request.app.state.settings.retry_after_s)
-            except RequestValidationError as exc:
-                first = exc.errors()[0]
-                where = ".".join(str(part) for part in first.get("loc", ()))
-                return JSONResponse({"error": f"{where}: {first.get('msg', 'invalid')}"}, status_code=400)
-
-        return protocol_errors
-
-
-router = APIRouter(prefix=PROTOCOL_PREFIX, tags=["inference protocol v2"], route_class=V2Route)
+router = APIRouter(prefix=PROTOCOL_PREFIX, tags=["inference protocol v2"])
 _ERROR_BODY = {"type": "object", "required": ["error"], "properties": {"error": {"type": "string"}}}
 
 
