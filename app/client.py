@@ -29,7 +29,8 @@ from typing import Any, Literal, Self, TypedDict, Unpack
 import httpx
 import numpy as np
 
-from app.codecs import JSON_MEDIA_TYPE, NPY_MEDIA_TYPE, NPZ_MEDIA_TYPE, encode_json_matrix
+from app.codecs import JSON_MEDIA_TYPE, NPY_MEDIA_TYPE, NPZ_MEDIA_TYPE
+from app.codecs.json import encode_json_matrix
 
 RequestFormat = Literal["npy", "json", "npz"]
 """How the operands travel: `npy` (multipart, one `.npy` part each), `json`, or one `.npz` body."""

@@ -20,7 +20,7 @@ from app.api.framing import RequestHeadMiddleware
 from app.api.limits import BodyLimitMiddleware
 from app.api.observe import RequestObserver, configure_access_log
 from app.api.routes import api_router, docs
-from app.api.routes.v2 import new_statistics
+from app.api.v2.statistics import InferenceStatistics
 from app.config import Settings
 from app.engine import build_engine
 from app.metrics import ServiceMetrics
@@ -46,7 +46,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         app.state.settings = resolved
         app.state.engine = engine
         app.state.metrics = ServiceMetrics()
-        app.state.inference_stats = new_statistics(engine)
+        app.state.inference_stats = InferenceStatistics()
         configure_access_log(resolved.access_log)
         engine.start()
         try:

@@ -441,7 +441,7 @@ async def test_whatever_a_decoder_raises_is_the_clients_422_naming_it(
     def unforeseen(*args: object) -> NoReturn:
         raise RecursionError("maximum recursion depth exceeded")
 
-    monkeypatch.setattr(codecs, "decode_json", unforeseen)
+    monkeypatch.setattr(codecs.json, "decode_json", unforeseen)
     r = await client.post("/matmul", json={"a": [[1]], "b": [[1]]})
     _error(r, 422, "malformed_payload", "the JSON body cannot be decoded: maximum recursion depth exceeded")
     records = [record for record in caplog.records if record.exc_info is not None]

@@ -23,9 +23,9 @@ import pytest
 from hypothesis import example, given
 from hypothesis import strategies as st
 
-from app import codecs, inference_protocol
+from app import codecs
 from app.api.errors import status_of
-from app.api.multipart import decode_multipart
+from app.codecs.multipart import decode_multipart
 from app.errors import MalformedPayload, MatmulError
 from tests.conftest import npy_bytes, npz_bytes
 
@@ -99,7 +99,7 @@ npy_headers = st.builds(
 )
 """Headers with every field plausible or not: negative, huge and ill-typed shapes; unsupported dtypes."""
 npy_files = st.builds(lambda header, data: header + data, npy_headers, st.binary(max_size=96))
-valid_npy = matrices().map(codecs.encode_npy) | matrices().map(npy_bytes)
+valid_npy = matrices().map(codecs.npy.encode_npy) | matrices().map(npy_bytes)
 
 
 def savez(compressed: bool, **members: bytes) -> bytes:
@@ -168,7 +168,7 @@ def decodes_or_refuses(decode: Callable[..., Any], *args: Any) -> Any:
 def assert_within_limits(matrix: np.ndarray) -> None:
     assert matrix.ndim == 2 and min(matrix.shape) >= 0
     assert max(matrix.shape) <= LIMITS.max_dim and matrix.size <= LIMITS.max_elements
-    codecs.check_dtype(matrix.dtype, "decoded")
+    codecs.operands.check_dtype(matrix.dtype, "decoded")
 
 
 def assert_operands_sane(operands: codecs.Operands | None) -> None:
@@ -202,7 +202,7 @@ def json_body(a: bytes, b: bytes) -> bytes:
 
 @given(matrices())
 def test_npy_round_trip(matrix: np.ndarray) -> None:
-    decoded = codecs.decode_npy(codecs.encode_npy(matrix), "a", LIMITS)
+    decoded = codecs.npy.decode_npy(codecs.npy.encode_npy(matrix), "a", LIMITS)
     assert decoded.dtype == matrix.dtype
     assert_same(decoded, matrix)
 
@@ -212,17 +212,17 @@ def test_npy_files_numpy_writes_decode_as_written(matrix: np.ndarray, version: t
     """Fortran-ordered and big-endian files, every header version: the data is what NumPy saved."""
     buffer = io.BytesIO()
     np.lib.format.write_array(buffer, matrix, version=version)
-    decoded = codecs.decode_npy(buffer.getvalue(), "a", LIMITS)
+    decoded = codecs.npy.decode_npy(buffer.getvalue(), "a", LIMITS)
     assert decoded.dtype == matrix.dtype and decoded.flags.f_contiguous == matrix.flags.f_contiguous
     assert_same(decoded, matrix)
 
 
 @given(matrices(), matrices(), st.booleans())
 def test_npz_and_multipart_round_trip(a: np.ndarray, b: np.ndarray, compressed: bool) -> None:
-    archive = savez(compressed, a=npy_bytes(a), b=codecs.encode_npy(b))
+    archive = savez(compressed, a=npy_bytes(a), b=codecs.npy.encode_npy(b))
     for operands in (
-        codecs.decode_npz(archive, LIMITS, MAX_MEMBER_BYTES),
-        codecs.decode_parts({"a": npy_bytes(a), "b": codecs.encode_npy(b)}, LIMITS, container="multipart body"),
+        codecs.npz.decode_npz(archive, LIMITS, MAX_MEMBER_BYTES),
+        codecs.npy.decode_parts({"a": npy_bytes(a), "b": codecs.npy.encode_npy(b)}, LIMITS, container="multipart body"),
     ):
         assert (operands.a.dtype, operands.b.dtype) == (a.dtype, b.dtype) and operands.typed
         assert_same(operands.a, a)
@@ -232,7 +232,9 @@ def test_npz_and_multipart_round_trip(a: np.ndarray, b: np.ndarray, compressed: 
 @given(matrices(finite=True, min_rows=1), matrices(finite=True, min_rows=1))
 def test_json_round_trip(a: np.ndarray, b: np.ndarray) -> None:
     """Finite matrices with at least one row (JSON cannot say how many columns no rows have)."""
-    operands = codecs.decode_json(json_body(codecs.encode_json_matrix(a), codecs.encode_json_matrix(b)), LIMITS)
+    operands = codecs.json.decode_json(
+        json_body(codecs.json.encode_json_matrix(a), codecs.json.encode_json_matrix(b)), LIMITS
+    )
     assert not operands.typed
     for decoded, original in ((operands.a, a), (operands.b, b)):
         assert decoded.dtype.kind in "iuf"
@@ -245,7 +247,7 @@ def test_json_round_trip(a: np.ndarray, b: np.ndarray) -> None:
 @example(np.arange(6, dtype=">f8").reshape(2, 3))  # orjson reads native byte order only
 @example(np.asfortranarray(np.arange(6, dtype=np.int16).reshape(2, 3)))  # and C order only
 def test_json_writes_non_finite_elements_as_null(matrix: np.ndarray) -> None:
-    rows = orjson.loads(codecs.encode_json_matrix(matrix))
+    rows = orjson.loads(codecs.json.encode_json_matrix(matrix))
     assert len(rows) == matrix.shape[0] and all(len(row) == matrix.shape[1] for row in rows)
     assert_json_numbers([number for row in rows for number in row], matrix)
 
@@ -281,7 +283,7 @@ def test_infer_round_trip(pair: tuple[np.ndarray, np.ndarray], binary: bool) -> 
     a, b = pair
     if not binary:
         a, b = (np.nan_to_num(x, nan=0.0, posinf=1.0, neginf=-1.0) for x in (a, b))  # JSON has no NaN/Inf
-    decoded = inference_protocol.decode_infer(*infer_request(a, b, binary), LIMITS)
+    decoded = codecs.inference_v2.decode_infer(*infer_request(a, b, binary), LIMITS)
     assert decoded.binary_output is binary
     assert decoded.operands.options.dtype == ("float64" if np.dtype("<f8") in (a.dtype, b.dtype) else "float32")
     assert_same(decoded.operands.a.astype(a.dtype), a)
@@ -291,7 +293,7 @@ def test_infer_round_trip(pair: tuple[np.ndarray, np.ndarray], binary: bool) -> 
 @given(matrices(dtypes=FLOATS), st.booleans(), st.none() | st.text(max_size=8))
 @example(np.zeros((0, 3), np.float32), True, None)  # memoryview cannot cast an empty shape
 def test_infer_answer_round_trip(c: np.ndarray, binary: bool, request_id: str | None) -> None:
-    body, header_length = inference_protocol.encode_infer(c, "matmul", request_id, binary, {"kernel": "numpy"})
+    body, header_length = codecs.inference_v2.encode_infer(c, "matmul", request_id, binary, {"kernel": "numpy"})
     header = orjson.loads(body[:header_length] if binary else body)
     (output,) = header["outputs"]
     assert output["shape"] == list(c.shape) and header.get("id") == request_id
@@ -396,7 +398,7 @@ def reads_as_numpy_does(decoded: np.ndarray, data: bytes) -> None:
 @example(npy_with_header(shape_text("9" * 5000 + ", 2"), 2, bytes(16)))
 @example(npy_with_header(header_text("<f4", False, (2, 2)).replace("'<f4'", "'<f4é'"), 1, bytes(16)))
 def test_hostile_npy_header_text_is_refused_or_read_as_numpy_reads_it(data: bytes) -> None:
-    decoded = decodes_or_refuses(codecs.decode_npy, data, "a", LIMITS)
+    decoded = decodes_or_refuses(codecs.npy.decode_npy, data, "a", LIMITS)
     if decoded is not None:
         assert_within_limits(decoded)
         reads_as_numpy_does(decoded, data)
@@ -408,7 +410,7 @@ def test_hostile_npy_header_text_is_refused_or_read_as_numpy_reads_it(data: byte
 def test_hostile_npy_header_text_in_an_npz_member_is_refused_or_read(hostile: bytes, valid: bytes, first: bool) -> None:
     members = {"a": hostile, "b": valid} if first else {"a": valid, "b": hostile}
     for compressed in (False, True):
-        assert_operands_sane(decodes_or_refuses(codecs.decode_npz, savez(compressed, **members), LIMITS, 1 << 16))
+        assert_operands_sane(decodes_or_refuses(codecs.npz.decode_npz, savez(compressed, **members), LIMITS, 1 << 16))
 
 
 def multipart_body(parts: list[tuple[str, bytes, bool]], boundary: str, preamble: bytes, epilogue: bytes) -> bytes:
@@ -460,7 +462,7 @@ PYTHON2_HEADER = "ignore:Reading `.npy` or `.npz` file required additional heade
 @example(npy_header("<f8", False, (-2, -3)) + bytes(48))  # two negative sides whose product looks right
 @example(b"\x93NUMPY\x01\x00\x04\x00'''\n")  # neither Python nor NumPy's tokenizer reads the header
 def test_any_npy_bytes_decode_or_are_refused(data: bytes) -> None:
-    decoded = decodes_or_refuses(codecs.decode_npy, data, "a", LIMITS)
+    decoded = decodes_or_refuses(codecs.npy.decode_npy, data, "a", LIMITS)
     if decoded is not None:
         assert_within_limits(decoded)
 
@@ -468,7 +470,7 @@ def test_any_npy_bytes_decode_or_are_refused(data: bytes) -> None:
 @pytest.mark.filterwarnings(PYTHON2_HEADER)
 @given(st.dictionaries(st.sampled_from(["a", "b", "c", ""]), st.binary(max_size=64) | mutated(valid_npy) | npy_files))
 def test_any_parts_decode_or_are_refused(parts: dict[str, bytes]) -> None:
-    assert_operands_sane(decodes_or_refuses(codecs.decode_parts, parts, LIMITS, "multipart body"))
+    assert_operands_sane(decodes_or_refuses(codecs.npy.decode_parts, parts, LIMITS, "multipart body"))
 
 
 def _zip_with_central_directory_offset_past_its_place() -> bytes:
@@ -484,7 +486,7 @@ def _zip_with_central_directory_offset_past_its_place() -> bytes:
 @given(st.binary(max_size=512) | mutated(valid_npz))
 @example(_zip_with_central_directory_offset_past_its_place())
 def test_any_npz_bytes_decode_or_are_refused(data: bytes) -> None:
-    assert_operands_sane(decodes_or_refuses(codecs.decode_npz, data, LIMITS, MAX_MEMBER_BYTES))
+    assert_operands_sane(decodes_or_refuses(codecs.npz.decode_npz, data, LIMITS, MAX_MEMBER_BYTES))
 
 
 def _zip_with_member_header(member: bytes, method: int, flags: int) -> bytes:
@@ -515,13 +517,13 @@ NOT_LZMA = b"\x09\x04\x05\x00" + b"\xff" * 60  # zipfile's LZMA header, then pro
 def test_npz_members_compressed_oddly_or_encrypted_are_refused(member: bytes, method: int, flags: int) -> None:
     """Bytes that zlib, lzma or bz2 cannot inflate, and encrypted members, are malformed payloads."""
     with pytest.raises(MalformedPayload, match=r"not a valid \.npz archive"):
-        codecs.decode_npz(_zip_with_member_header(member, method, flags), LIMITS, MAX_MEMBER_BYTES)
+        codecs.npz.decode_npz(_zip_with_member_header(member, method, flags), LIMITS, MAX_MEMBER_BYTES)
 
 
 @given(st.binary(max_size=256) | json_bodies | mutated(json_bodies))
 @example(b'{"a": ' + b"[" * 100 + b"1" + b"]" * 100 + b', "b": [[1]]}')  # deeper than NumPy's 64 dimensions
 def test_any_json_bytes_decode_or_are_refused(data: bytes) -> None:
-    assert_operands_sane(decodes_or_refuses(codecs.decode_json, data, LIMITS))
+    assert_operands_sane(decodes_or_refuses(codecs.json.decode_json, data, LIMITS))
 
 
 @given(st.binary(max_size=256) | infer_docs.map(orjson.dumps) | mutated(infer_docs.map(orjson.dumps)), HEADER_LENGTHS)
@@ -529,7 +531,7 @@ def test_any_json_bytes_decode_or_are_refused(data: bytes) -> None:
 @example(b"{}", "\u00b2")  # str.isdigit() says yes to a superscript two; int() does not
 @example(b"{}", "9" * 5000)  # more digits than int() converts
 def test_any_infer_body_decodes_or_is_refused(body: bytes, header_length: str | None) -> None:
-    decoded = decodes_or_refuses(inference_protocol.decode_infer, body, header_length, LIMITS)
+    decoded = decodes_or_refuses(codecs.inference_v2.decode_infer, body, header_length, LIMITS)
     if decoded is not None:
         assert_operands_sane(decoded.operands)
 
@@ -542,6 +544,6 @@ def test_infer_binary_data_with_any_header_decodes_or_is_refused(
     header = orjson.dumps(doc)
     body = header + pair[0].tobytes() + pair[1].tobytes()
     header_length = str(len(header) + data.draw(st.integers(-2, 2)))
-    decoded = decodes_or_refuses(inference_protocol.decode_infer, body, header_length, LIMITS)
+    decoded = decodes_or_refuses(codecs.inference_v2.decode_infer, body, header_length, LIMITS)
     if decoded is not None:
         assert_operands_sane(decoded.operands)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from app.api.multipart import parse_file_parts
+from app.codecs.multipart import parse_file_parts
 from app.errors import InvalidMatrix, InvalidParameter, MalformedPayload
 from tests.conftest import npy_bytes
 

@@ -8,6 +8,7 @@ from fastapi import Depends, Request
 
 from app.config import Settings
 from app.engine import Engine
+from app.service import MatmulService
 
 
 def get_engine(request: Request) -> Engine:
@@ -22,3 +23,11 @@ def get_settings(request: Request) -> Settings:
 
 EngineDep = Annotated[Engine, Depends(get_engine)]
 SettingsDep = Annotated[Settings, Depends(get_settings)]
+
+
+def get_service(engine: EngineDep, settings: SettingsDep) -> MatmulService:
+    """The service over the engine and settings these dependencies hand out (a test that swaps one swaps it)."""
+    return MatmulService(engine, settings)
+
+
+ServiceDep = Annotated[MatmulService, Depends(get_service)]

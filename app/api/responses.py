@@ -1,4 +1,4 @@
-"""An answer sent as the buffers it is made of, in order, without first joining them into one bytes object."""
+"""How product answers are sent: as the buffers they are made of, with their metadata in headers."""
 
 from __future__ import annotations
 
@@ -6,6 +6,8 @@ from collections.abc import Mapping, Sequence
 
 from fastapi import Response
 from starlette.types import Receive, Scope, Send
+
+from app.product import MatmulMetadata, Timing
 
 
 class BuffersResponse(Response):
@@ -24,3 +26,29 @@ class BuffersResponse(Response):
             await send({"type": "http.response.body", "body": buffer, "more_body": i < last})
         if not self.buffers:
             await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+def server_timing(timing: Timing) -> str:
+    """The W3C Server-Timing header value: `read;dur=0.021, decode;dur=0.090, ...` in milliseconds."""
+    return ", ".join(f"{name.removesuffix('_ms')};dur={value:.3f}" for name, value in timing.model_dump().items())
+
+
+def product_headers(meta: MatmulMetadata) -> dict[str, str]:
+    """Server-Timing and the X-Matmul-* headers of a /matmul answer: its metadata, whatever the body's format."""
+    headers = {
+        "Server-Timing": server_timing(meta.timing),
+        "X-Matmul-Kernel": meta.kernel,
+        "X-Matmul-Backend": meta.backend,
+        "X-Matmul-Device": meta.device,
+        "X-Matmul-Shape": f"{meta.shape[0]}x{meta.shape[1]}",
+        "X-Matmul-Dtype": meta.dtype,
+        "X-Matmul-Batch-Size": str(meta.batch_size),
+    }
+    if meta.tile is not None:
+        headers["X-Matmul-Tile"] = str(meta.tile)
+    if meta.gflops is not None:
+        headers["X-Matmul-Gflops"] = f"{meta.gflops:.3f}"
+    for name, value in meta.roofline.model_dump(exclude_none=True).items():
+        header = "X-Matmul-Roofline-" + "-".join(word.capitalize() for word in name.split("_"))
+        headers[header] = str(value) if isinstance(value, int) else f"{value:.6g}"
+    return headers

@@ -4,8 +4,9 @@ from typing import Any
 
 from fastapi import APIRouter
 
-from app.api.routes import docs, echo, health, info, matmul, metrics, v2
+from app.api.routes import docs, echo, health, info, matmul, metrics
 from app.api.schemas import ErrorBody
+from app.api.v2 import routes as v2
 
 UNAUTHORIZED: dict[int | str, dict[str, Any]] = {
     401: {

@@ -5,7 +5,7 @@ from __future__ import annotations
 from fastapi import APIRouter, Request, Response
 
 from app.api.deps import SettingsDep
-from app.api.product import read_body
+from app.api.exchange import read_body
 from app.api.schemas import ErrorBody
 from app.errors import NotFound
 

@@ -1,33 +1,21 @@
-"""POST /matmul: read the body, decode it, run the product on the engine, encode the answer."""
+"""POST /matmul: read the body, decode it, run the product through the service, encode the answer."""
 
 from __future__ import annotations
 
-from time import perf_counter
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Query, Request, Response
 
 from app import codecs
-from app.api.deps import EngineDep, SettingsDep
-from app.api.multipart import decode_multipart
-from app.api.product import (
-    Stopwatch,
-    compute,
-    decode_client_bytes,
-    describe,
-    limits_of,
-    off_loop_if_large,
-    read_body,
-    server_timing,
-)
-from app.api.responses import BuffersResponse
+from app.api.deps import ServiceDep, SettingsDep
+from app.api.exchange import off_loop_if_large, read_body, requested_deadline_s, unless_disconnected
+from app.api.negotiation import choose_encoding
+from app.api.responses import BuffersResponse, product_headers
 from app.api.schemas import ErrorBody, MatmulResponse
-from app.config import Settings
-from app.errors import UnsupportedMediaType
-from app.product import DtypeName, MatmulMetadata
+from app.product import DtypeName
+from app.service import WORKING_DTYPES, Stopwatch
 
 router = APIRouter(tags=["matmul"])
-MULTIPART_MEDIA_TYPE = "multipart/form-data"
 
 _NPY_FILE = {"type": "string", "format": "binary", "description": "A 2-D .npy file (np.save)."}
 _REQUEST_BODY_DOC: dict[str, Any] = {
@@ -41,7 +29,7 @@ _REQUEST_BODY_DOC: dict[str, Any] = {
                     "properties": {
                         "a": {"type": "array", "items": {"type": "array", "items": {"type": "number"}}},
                         "b": {"type": "array", "items": {"type": "array", "items": {"type": "number"}}},
-                        "dtype": {"type": "string", "enum": list(codecs.WORKING_DTYPES)},
+                        "dtype": {"type": "string", "enum": list(WORKING_DTYPES)},
                         "kernel": {"type": "string"},
                         "tile": {"type": "integer"},
                     },
@@ -103,53 +91,6 @@ DtypeParam = Annotated[
 ]
 
 
-async def _read_operands(request: Request, settings: Settings, limits: codecs.Limits) -> tuple[codecs.Operands, float]:
-    """The decoded operands, and the milliseconds spent receiving the body (the rest is decoding)."""
-    content_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
-    started = perf_counter()
-    if content_type not in (codecs.JSON_MEDIA_TYPE, codecs.NPZ_MEDIA_TYPE, MULTIPART_MEDIA_TYPE):
-        raise UnsupportedMediaType(
-            f"Content-Type {content_type or '(none)'!r} is not supported; send {codecs.JSON_MEDIA_TYPE}, "
-            f"multipart/form-data with .npy parts 'a' and 'b', or {codecs.NPZ_MEDIA_TYPE}"
-        )
-    if content_type == codecs.JSON_MEDIA_TYPE:
-        body = await read_body(request, settings.max_json_bytes, "JSON body")
-    else:
-        body = await read_body(request, settings.max_body_bytes, "body")
-    read_ms = (perf_counter() - started) * 1e3
-    if content_type == MULTIPART_MEDIA_TYPE:
-        operands = await decode_client_bytes(
-            "multipart body", len(body), settings, decode_multipart, body, request.headers["content-type"], limits
-        )
-    elif content_type == codecs.JSON_MEDIA_TYPE:
-        operands = await decode_client_bytes("JSON body", len(body), settings, codecs.decode_json, body, limits)
-    else:
-        operands = await decode_client_bytes(
-            ".npz archive", len(body), settings, codecs.decode_npz, body, limits, settings.max_body_bytes
-        )
-    return operands, read_ms
-
-
-def _headers(meta: MatmulMetadata) -> dict[str, str]:
-    headers = {
-        "Server-Timing": server_timing(meta.timing),
-        "X-Matmul-Kernel": meta.kernel,
-        "X-Matmul-Backend": meta.backend,
-        "X-Matmul-Device": meta.device,
-        "X-Matmul-Shape": f"{meta.shape[0]}x{meta.shape[1]}",
-        "X-Matmul-Dtype": meta.dtype,
-        "X-Matmul-Batch-Size": str(meta.batch_size),
-    }
-    if meta.tile is not None:
-        headers["X-Matmul-Tile"] = str(meta.tile)
-    if meta.gflops is not None:
-        headers["X-Matmul-Gflops"] = f"{meta.gflops:.3f}"
-    for name, value in meta.roofline.model_dump(exclude_none=True).items():
-        header = "X-Matmul-Roofline-" + "-".join(word.capitalize() for word in name.split("_"))
-        headers[header] = str(value) if isinstance(value, int) else f"{value:.6g}"
-    return headers
-
-
 @router.post(
     "/matmul",
     summary="Multiply two matrices",
@@ -159,7 +100,7 @@ def _headers(meta: MatmulMetadata) -> dict[str, str]:
 )
 async def matmul(
     request: Request,
-    engine: EngineDep,
+    service: ServiceDep,
     settings: SettingsDep,
     kernel: KernelParam = None,
     tile: TileParam = None,
@@ -167,21 +108,26 @@ async def matmul(
 ) -> Response:
     """Compute C = A @ B from JSON, multipart .npy parts or an .npz body; answer JSON or .npy (Accept)."""
     clock = Stopwatch()
-    answer_as = codecs.choose_encoding(request.headers.get("accept"))
-    engine.check_ready()
-    engine.check_room()
-    limits = limits_of(settings)
-    operands, clock.read_ms = await _read_operands(request, settings, limits)
+    answer_as = choose_encoding(request.headers.get("accept"))
+    service.admit()
+    content_type = request.headers.get("content-type", "")
+    if codecs.decodable_media_type(content_type) == codecs.JSON_MEDIA_TYPE:
+        body = await read_body(request, settings.max_json_bytes, "JSON body")
+    else:
+        body = await read_body(request, settings.max_body_bytes, "body")
+    clock.mark_read()
+    operands = await off_loop_if_large(
+        len(body), settings, codecs.decode, content_type, body, service.limits, settings.max_body_bytes
+    )
     clock.mark_decoded()
     options = codecs.RequestOptions(kernel=kernel, tile=tile, dtype=dtype).merged_with(operands.options)
-    product = await compute(request, engine, settings, operands, options)
-    c = product.outcome.c
+    product = await unless_disconnected(request, service.run(operands, options, requested_deadline_s(request), clock))
 
-    clock.computed = perf_counter()
+    # .npy: a header and a view of the product's memory, nothing to move off the loop
+    encoding_bytes = product.c.nbytes if answer_as == codecs.JSON_MEDIA_TYPE else 0
+    encoded = await off_loop_if_large(encoding_bytes, settings, codecs.encode, answer_as, product.c)
+    request.state.product = meta = product.describe()
     if answer_as == codecs.NPY_MEDIA_TYPE:
-        npy = codecs.npy_parts(c)
-        return BuffersResponse(npy, media_type=answer_as, headers=_headers(describe(request, engine, product, clock)))
-    matrix = await off_loop_if_large(c.nbytes, settings, codecs.encode_json_matrix, c)
-    meta = describe(request, engine, product, clock)
-    body = codecs.encode_json_envelope(matrix, meta.model_dump())
-    return Response(content=body, media_type=answer_as, headers=_headers(meta))
+        return BuffersResponse(encoded, media_type=answer_as, headers=product_headers(meta))
+    body = codecs.encode_json_envelope(encoded[0], meta.model_dump())
+    return Response(content=body, media_type=answer_as, headers=product_headers(meta))

@@ -16,7 +16,8 @@ from typing import Any
 import numpy as np
 import orjson
 
-from app.codecs import Limits, Operands, RequestOptions, check_shape, json_type
+from app.codecs.json import json_type
+from app.codecs.operands import Limits, Operands, RequestOptions, check_shape
 from app.errors import BadRequest, InvalidMatrix, InvalidParameter, MalformedPayload
 
 HEADER_LENGTH = "Inference-Header-Content-Length"

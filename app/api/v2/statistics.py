@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Annotated, Any
+
+from fastapi import Depends, Request
 
 from app.product import Timing
 
@@ -64,3 +66,21 @@ class ModelStatistics:
             },
             "batch_stats": [],
         }
+
+
+class InferenceStatistics:
+    """Every model's statistics, kept from the first request that names it."""
+
+    def __init__(self) -> None:
+        self.by_model: dict[str, ModelStatistics] = {}
+
+    def of(self, model: str) -> ModelStatistics:
+        return self.by_model.setdefault(model, ModelStatistics())
+
+
+def get_statistics(request: Request) -> InferenceStatistics:
+    statistics: InferenceStatistics = request.app.state.inference_stats
+    return statistics
+
+
+StatisticsDep = Annotated[InferenceStatistics, Depends(get_statistics)]

@@ -1,41 +1,25 @@
 """The Open Inference Protocol v2 (KServe / Triton HTTP): health, metadata, config, statistics and infer.
 
-Models: `matmul` runs `auto` and takes `parameters.kernel` (and `tile`) per request; `matmul_<kernel>` runs
-one kernel of this backend (`matmul_tiled`, `matmul_cublas`, ...), so tools that address a model by name
-alone (perf_analyzer) can still choose the kernel. Each has version "1". Errors are `{"error": "..."}`.
+The models are app.api.v2.models' catalogue. Errors are `{"error": "..."}` (app.api.errors renders them).
 An answer's `parameters` name the kernel and backend that ran it and carry its roofline as `roofline_<field>`
 (the fields of /matmul's `roofline` that are not null: the protocol's parameters are numbers or strings).
 """
 
 from __future__ import annotations
 
-from time import perf_counter
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Path, Request, Response
 
-from app import __version__, inference_protocol
-from app.api.deps import EngineDep, SettingsDep
+from app import __version__, codecs
+from app.api.deps import EngineDep, ServiceDep, SettingsDep
 from app.api.errors import PROTOCOL_PREFIX
-from app.api.product import (
-    Stopwatch,
-    compute,
-    decode_client_bytes,
-    describe,
-    limits_of,
-    off_loop_if_large,
-    read_body,
-    roofline_of,
-    server_timing,
-)
-from app.codecs import JSON_MEDIA_TYPE, Operands, RequestOptions
-from app.engine import Engine
-from app.errors import InvalidParameter, MatmulError, UnknownModel
-from app.inference_stats import ModelStatistics
-
-MODEL = "matmul"
-VERSION = "1"
-
+from app.api.exchange import off_loop_if_large, read_body, requested_deadline_s, unless_disconnected
+from app.api.responses import server_timing
+from app.api.v2.models import CatalogueDep
+from app.api.v2.statistics import StatisticsDep
+from app.errors import MatmulError
+from app.service import Stopwatch
 
 router = APIRouter(prefix=PROTOCOL_PREFIX, tags=["inference protocol v2"])
 _ERROR_BODY = {"type": "object", "required": ["error"], "properties": {"error": {"type": "string"}}}
@@ -70,50 +54,16 @@ _INFER_ERRORS: dict[int | str, dict[str, Any]] = {
 }
 
 
-def model_kernels(engine: Engine) -> dict[str, str | None]:
-    """Model name -> the kernel it runs (None: the request's parameters.kernel, else auto)."""
-    kernels = [k.name for k in engine.kernels() if k.kind != "auto"]
-    return {MODEL: None} | {f"{MODEL}_{name}": name for name in kernels}
-
-
-def _statistics(request: Request) -> dict[str, ModelStatistics]:
-    stats: dict[str, ModelStatistics] = request.app.state.inference_stats
-    return stats
-
-
-def _model(model: str, engine: Engine, version: str | None = None) -> str | None:
-    models = model_kernels(engine)
-    if model not in models:
-        raise UnknownModel(f"unknown model '{model}'; this server has {list(models)}")
-    if version is not None and version != VERSION:
-        raise UnknownModel(f"model '{model}' has no version '{version}'; its only version is '{VERSION}'")
-    return models[model]
-
-
 ModelName = Annotated[str, Path(max_length=128, description="`matmul` (auto), or `matmul_<kernel>`.")]
 VersionName = Annotated[str, Path(max_length=32, description="The model version; only `1` exists.")]
 
 
-def _known_version(model: ModelName, version: VersionName, engine: EngineDep) -> None:
+def _known_version(model: ModelName, version: VersionName, catalogue: CatalogueDep) -> None:
     """The `{version}` of the versioned routes: the model must have it (the unversioned routes take none)."""
-    _model(model, engine, version)
+    catalogue.kernel_of(model, version)
 
 
 VERSIONED = [Depends(_known_version)]
-
-
-def _metadata(model: str, engine: Engine) -> dict[str, Any]:
-    def tensor(name: str) -> dict[str, Any]:
-        return {"name": name, "datatype": "FP32", "shape": [-1, -1]}
-
-    return {
-        "name": model,
-        "versions": [VERSION],
-        "platform": "matmul-service",
-        "inputs": [tensor(name) for name in inference_protocol.INPUTS],
-        "outputs": [tensor(inference_protocol.OUTPUT)],
-        "parameters": {"backend": engine.backend_name, "datatypes": list(inference_protocol.DATATYPES)},
-    }
 
 
 @router.get("", summary="Server metadata", responses=_GUARDED)
@@ -140,9 +90,9 @@ async def ready(engine: EngineDep) -> dict[str, bool]:
 
 
 @router.get("/models/stats", summary="Statistics of every model", responses=_GUARDED)
-async def all_statistics(request: Request) -> dict[str, Any]:
+async def all_statistics(catalogue: CatalogueDep, statistics: StatisticsDep) -> dict[str, Any]:
     """The statistics extension for every model."""
-    return {"model_stats": [stats.as_json(name) for name, stats in _statistics(request).items()]}
+    return {"model_stats": [statistics.of(name).as_json(name) for name in catalogue.kernels]}
 
 
 @router.get("/models/{model}", summary="Model metadata", responses=_MODEL_ERRORS)
@@ -152,10 +102,10 @@ async def all_statistics(request: Request) -> dict[str, Any]:
     summary="Model version metadata",
     responses=_MODEL_ERRORS,
 )
-async def model_metadata(model: ModelName, engine: EngineDep) -> dict[str, Any]:
+async def model_metadata(model: ModelName, catalogue: CatalogueDep) -> dict[str, Any]:
     """Inputs A (m x k) and B (k x n), output C (m x n), FP32 or FP64; -1 marks a variable dimension."""
-    _model(model, engine)
-    return _metadata(model, engine)
+    catalogue.kernel_of(model)
+    return catalogue.metadata(model)
 
 
 @router.get("/models/{model}/ready", summary="Model readiness", responses={**_MODEL_ERRORS, 503: _ERROR})
@@ -165,9 +115,9 @@ async def model_metadata(model: ModelName, engine: EngineDep) -> dict[str, Any]:
     summary="Model version readiness",
     responses={**_MODEL_ERRORS, 503: _ERROR},
 )
-async def model_ready(model: ModelName, engine: EngineDep) -> dict[str, Any]:
+async def model_ready(model: ModelName, catalogue: CatalogueDep, engine: EngineDep) -> dict[str, Any]:
     """200 when the model exists and the kernels are ready."""
-    _model(model, engine)
+    catalogue.kernel_of(model)
     engine.check_ready()
     return {"name": model, "ready": True}
 
@@ -179,21 +129,10 @@ async def model_ready(model: ModelName, engine: EngineDep) -> dict[str, Any]:
     summary="Model version configuration",
     responses=_MODEL_ERRORS,
 )
-async def model_config(model: ModelName, engine: EngineDep) -> dict[str, Any]:
+async def model_config(model: ModelName, catalogue: CatalogueDep) -> dict[str, Any]:
     """Triton's model configuration extension: a minimal config (no batching dimension)."""
-    _model(model, engine)
-
-    def tensor(name: str) -> dict[str, Any]:
-        return {"name": name, "data_type": "TYPE_FP32", "dims": [-1, -1]}
-
-    return {
-        "name": model,
-        "platform": "matmul-service",
-        "backend": engine.backend_name,
-        "max_batch_size": 0,
-        "input": [tensor(name) for name in inference_protocol.INPUTS],
-        "output": [tensor(inference_protocol.OUTPUT)],
-    }
+    catalogue.kernel_of(model)
+    return catalogue.config(model)
 
 
 @router.get("/models/{model}/stats", summary="Model statistics", responses=_MODEL_ERRORS)
@@ -203,10 +142,10 @@ async def model_config(model: ModelName, engine: EngineDep) -> dict[str, Any]:
     summary="Model version statistics",
     responses=_MODEL_ERRORS,
 )
-async def model_statistics(model: ModelName, request: Request, engine: EngineDep) -> dict[str, Any]:
+async def model_statistics(model: ModelName, catalogue: CatalogueDep, statistics: StatisticsDep) -> dict[str, Any]:
     """The statistics extension: counts and cumulative nanoseconds of success, fail, queue and compute stages."""
-    _model(model, engine)
-    return {"model_stats": [_statistics(request)[model].as_json(model)]}
+    catalogue.kernel_of(model)
+    return {"model_stats": [statistics.of(model).as_json(model)]}
 
 
 _INFER_BODY: dict[str, Any] = {
@@ -232,12 +171,6 @@ _INFER_BODY: dict[str, Any] = {
 }
 
 
-def _record_failure(request: Request, model: str, clock: Stopwatch) -> None:
-    stats = _statistics(request).get(model)
-    if stats is not None:
-        stats.record_failure((perf_counter() - clock.received) * 1e3)
-
-
 @router.post(
     "/models/{model}/infer",
     summary="Infer",
@@ -251,51 +184,51 @@ def _record_failure(request: Request, model: str, clock: Stopwatch) -> None:
     responses=_INFER_ERRORS,
     openapi_extra=_INFER_BODY,
 )
-async def infer(model: ModelName, request: Request, engine: EngineDep, settings: SettingsDep) -> Response:
+async def infer(
+    model: ModelName,
+    request: Request,
+    service: ServiceDep,
+    settings: SettingsDep,
+    catalogue: CatalogueDep,
+    statistics: StatisticsDep,
+) -> Response:
     """C = A @ B; tensors as JSON data or binary tensor data; C in binary when the request asks for it."""
     clock = Stopwatch()
-    fixed_kernel = _model(model, engine)
+    catalogue.kernel_of(model)
     try:
-        engine.check_ready()
-        engine.check_room()
-        limits = limits_of(settings)
+        service.admit()
         body = await read_body(request, settings.max_body_bytes, "body")
-        clock.read_ms = (perf_counter() - clock.received) * 1e3
-        header_length = request.headers.get(inference_protocol.HEADER_LENGTH)
-        decoded = await decode_client_bytes(
-            "inference request", len(body), settings, inference_protocol.decode_infer, body, header_length, limits
-        )
+        clock.mark_read()
+        header_length = request.headers.get(codecs.inference_v2.HEADER_LENGTH)
+        decoded = await off_loop_if_large(len(body), settings, codecs.decode_infer, body, header_length, service.limits)
         clock.mark_decoded()
-        options = decoded.operands.options
-        if fixed_kernel is not None:
-            if options.kernel not in (None, fixed_kernel):
-                raise InvalidParameter(f"model '{model}' runs kernel '{fixed_kernel}'; use model '{MODEL}' to choose")
-            options = RequestOptions(kernel=fixed_kernel, tile=options.tile, dtype=options.dtype)
-        operands = Operands(a=decoded.operands.a, b=decoded.operands.b, options=options)
-        product = await compute(request, engine, settings, operands, options)
-        clock.computed = perf_counter()
-        c = product.outcome.c
-        roofline = roofline_of(product).model_dump(exclude_none=True)
+        options = catalogue.options_for(model, decoded.operands.options)
+        product = await unless_disconnected(
+            request, service.run(decoded.operands, options, requested_deadline_s(request), clock)
+        )
         parameters = {
             "kernel": product.outcome.plan.kernel,
-            "backend": engine.backend_name,
-            **{f"roofline_{name}": value for name, value in roofline.items()},
+            "backend": product.backend,
+            **{f"roofline_{name}": value for name, value in product.roofline.model_dump(exclude_none=True).items()},
         }
+        c = product.c
         body, header_size = await off_loop_if_large(
-            c.nbytes, settings, inference_protocol.encode_infer, c, model, decoded.id, decoded.binary_output, parameters
+            c.nbytes,
+            settings,
+            codecs.inference_v2.encode_infer,
+            c,
+            model,
+            decoded.id,
+            decoded.binary_output,
+            parameters,
         )
     except MatmulError:
-        _record_failure(request, model, clock)
+        statistics.of(model).record_failure(clock.elapsed_ms())
         raise
-    meta = describe(request, engine, product, clock)
-    _statistics(request)[model].record_success(meta.timing)
+    request.state.product = meta = product.describe()
+    statistics.of(model).record_success(meta.timing)
     headers = {"Server-Timing": server_timing(meta.timing)}
     if header_size is None:
-        return Response(content=body, media_type=JSON_MEDIA_TYPE, headers=headers)
-    headers[inference_protocol.HEADER_LENGTH] = str(header_size)
-    return Response(content=body, media_type=inference_protocol.BINARY_MEDIA_TYPE, headers=headers)
-
-
-def new_statistics(engine: Engine) -> dict[str, ModelStatistics]:
-    """Empty statistics for every model the engine serves."""
-    return {name: ModelStatistics() for name in model_kernels(engine)}
+        return Response(content=body, media_type=codecs.JSON_MEDIA_TYPE, headers=headers)
+    headers[codecs.inference_v2.HEADER_LENGTH] = str(header_size)
+    return Response(content=body, media_type=codecs.inference_v2.BINARY_MEDIA_TYPE, headers=headers)

@@ -17,9 +17,11 @@ from urllib.parse import urlencode
 from python_multipart.exceptions import MultipartParseError
 from python_multipart.multipart import MultipartParser, MultipartState, parse_options_header
 
-from app import codecs
+from app.codecs.npy import decode_parts
+from app.codecs.operands import OPERANDS, Limits, Operands
 from app.errors import InvalidMatrix, InvalidParameter, MalformedPayload
 
+MEDIA_TYPE = "multipart/form-data"
 MAX_PARTS = 8
 MAX_BOUNDARY = 70
 """RFC 2046 section 5.1.1: a boundary is 1 to 70 characters."""
@@ -92,9 +94,9 @@ def parse_file_parts(body: bytes, content_type: str) -> dict[str, bytes | memory
     return _file_parts(finished)
 
 
-def decode_multipart(body: bytes, content_type: str, limits: codecs.Limits) -> codecs.Operands:
+def decode_multipart(body: bytes, content_type: str, limits: Limits) -> Operands:
     """A multipart/form-data body with the .npy file parts 'a' and 'b' -> Operands."""
-    return codecs.decode_parts(parse_file_parts(body, content_type), limits, container="multipart body")
+    return decode_parts(parse_file_parts(body, content_type), limits, container="multipart body")
 
 
 def _without_preamble(body: bytes, boundary: bytes) -> bytes:
@@ -113,7 +115,7 @@ def _without_preamble(body: bytes, boundary: bytes) -> bytes:
 
 def _text_field_error(name: str, part: _Part) -> InvalidMatrix | InvalidParameter:
     """What to say about a text field: matrices are files, parameters belong in the query string."""
-    if name in codecs.OPERANDS:
+    if name in OPERANDS:
         return InvalidMatrix(
             f"part '{name}' is a text field; send each matrix as a .npy file (curl -F {name}=@{name}.npy)",
             location=[name],

@@ -1,0 +1,166 @@
+"""The product service: decoded operands in, a computed and described product out, with no HTTP in between.
+
+A route reads and decodes a body, hands the operands to `MatmulService.run` and encodes what it returns; the
+service owns what lies between: the size limits, the checks that the operands multiply, the working dtype, the
+engine call under the request's deadline, the stopwatch of every stage, and the metadata and roofline an
+answer carries.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from time import perf_counter
+from typing import cast
+
+import numpy as np
+
+from app.codecs import Limits, Operands, RequestOptions
+from app.codecs.operands import check_shape
+from app.config import Settings
+from app.engine import Engine, Outcome
+from app.errors import InvalidParameter, ShapeMismatch
+from app.product import BackendName, DtypeName, MatmulMetadata, RooflineModel, Timing
+from kernels.roofline import roofline
+
+WORKING_DTYPES: dict[str, np.dtype] = {"float32": np.dtype(np.float32), "float64": np.dtype(np.float64)}
+DEFAULT_DTYPE = "float32"
+
+
+def check_product(a: np.ndarray, b: np.ndarray, limits: Limits) -> None:
+    """Inner dimensions agree and the result fits the limits."""
+    (m, k), (k2, n) = a.shape, b.shape
+    if k != k2:
+        raise ShapeMismatch(
+            f"inner dimensions differ: 'a' is {m}x{k} and 'b' is {k2}x{n}; a's columns ({k}) must equal "
+            f"b's rows ({k2})",
+            location=["b", 0],
+        )
+    check_shape((m, n), "result", limits, max_elements=limits.max_result_elements)
+
+
+def working_dtype(requested: str | None, operands: Operands) -> np.dtype:
+    """The dtype the product is computed in: the one requested, else float64 if a typed operand is, else float32."""
+    if requested is not None:
+        try:
+            return WORKING_DTYPES[requested]
+        except KeyError:
+            raise InvalidParameter(
+                f"dtype '{requested}' is not supported; choose one of {list(WORKING_DTYPES)}",
+                location=["dtype"],
+            ) from None
+    native = (operands.a.dtype.newbyteorder("="), operands.b.dtype.newbyteorder("="))
+    if operands.typed and np.dtype(np.float64) in native:
+        return WORKING_DTYPES["float64"]
+    return WORKING_DTYPES[DEFAULT_DTYPE]
+
+
+@dataclass
+class Stopwatch:
+    """The checkpoints of one request, in perf_counter seconds, from the moment it reached its route."""
+
+    received: float = field(default_factory=perf_counter)
+    read: float = 0.0
+    decoded: float = 0.0
+    computed: float = 0.0
+
+    def mark_read(self) -> None:
+        self.read = perf_counter()
+
+    def mark_decoded(self) -> None:
+        self.decoded = perf_counter()
+
+    def elapsed_ms(self) -> float:
+        return (perf_counter() - self.received) * 1e3
+
+
+@dataclass(frozen=True)
+class Product:
+    """A computed product and how it was made, until its answer is encoded."""
+
+    outcome: Outcome
+    dtype: np.dtype
+    m: int
+    k: int
+    n: int
+    backend: BackendName
+    clock: Stopwatch
+    roofline: RooflineModel
+
+    @property
+    def c(self) -> np.ndarray:
+        return self.outcome.c
+
+    def describe(self) -> MatmulMetadata:
+        """The product's metadata, its answer encoded now."""
+        clock, device = self.clock, self.outcome.device
+        finished = perf_counter()
+        flops = 2 * self.m * self.n * self.k
+        read_ms = (clock.read - clock.received) * 1e3
+        return MatmulMetadata(
+            shape=(self.m, self.n),
+            dtype=cast(DtypeName, self.dtype.name),
+            kernel=self.outcome.plan.kernel,
+            tile=self.outcome.plan.tile,
+            backend=self.backend,
+            device=self.outcome.device_name,
+            timing=Timing(
+                read_ms=read_ms,
+                decode_ms=(clock.decoded - clock.received) * 1e3 - read_ms,
+                queue_ms=self.outcome.queue_ms,
+                h2d_ms=device.h2d_ms,
+                kernel_ms=device.kernel_ms,
+                d2h_ms=device.d2h_ms,
+                encode_ms=(finished - clock.computed) * 1e3,
+                total_ms=(finished - clock.received) * 1e3,
+            ),
+            gflops=flops * self.outcome.batch_size / (device.kernel_ms * 1e6)
+            if flops and device.kernel_ms > 0
+            else None,
+            batch_size=self.outcome.batch_size,
+            roofline=self.roofline,
+        )
+
+
+class MatmulService:
+    """Runs products on the engine within the settings' limits and deadline."""
+
+    def __init__(self, engine: Engine, settings: Settings) -> None:
+        self.engine = engine
+        self.limits = Limits(
+            max_dim=settings.max_dim,
+            max_elements=settings.max_elements,
+            max_result_elements=settings.max_result_elements,
+        )
+        self.max_queue_s = settings.request_timeout_s
+
+    def admit(self) -> None:
+        """NotReady or Overloaded now, before a body is read; the room is checked again when the product is
+        queued."""
+        self.engine.check_ready()
+        self.engine.check_room()
+
+    async def run(
+        self, operands: Operands, options: RequestOptions, deadline_s: float | None, clock: Stopwatch
+    ) -> Product:
+        """Check that the operands multiply, resolve the dtype, and run the product on the engine; it may wait in
+        the queue for `deadline_s` (at most the settings' request timeout, which is also the default)."""
+        a, b = operands.a, operands.b
+        check_product(a, b, self.limits)
+        working = working_dtype(options.dtype, operands)
+        (m, k), n = a.shape, b.shape[1]
+        queue_s = self.max_queue_s if deadline_s is None else min(deadline_s, self.max_queue_s)
+        outcome = await self.engine.matmul(a, b, working, options.kernel or "auto", options.tile, queue_s)
+        clock.computed = perf_counter()
+        line = roofline(
+            outcome.plan.config, (m, n, k), working, outcome.batch_size, outcome.device.kernel_ms, outcome.peaks
+        )
+        return Product(
+            outcome=outcome,
+            dtype=working,
+            m=m,
+            k=k,
+            n=n,
+            backend=self.engine.backend_name,
+            clock=clock,
+            roofline=RooflineModel.model_validate(line, from_attributes=True),
+        )
