@@ -1,6 +1,6 @@
 # The two commands of the README:
 #   make run    install the service into .venv and start it on :8000 (GPU backend if CuPy sees a device)
-#   make test   install the test tools into .venv and run ruff, mypy and pytest
+#   make test   install the test tools into .venv and run ruff, mypy, the import contracts and pytest
 PYTHON ?= python3
 VENV ?= .venv
 HOST ?= 0.0.0.0
@@ -29,6 +29,7 @@ test: install-test
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
+	$(BIN)/lint-imports
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 clean:
