@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import hmac
 
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import Receive, Scope, Send
 
 from app.api.errors import error_response_for
+from app.api.middleware import HttpMiddleware
 from app.errors import Unauthorized
 
 OPEN_PATHS = frozenset({"/healthz", "/readyz", "/v2/health/live", "/v2/health/ready"})
@@ -29,13 +30,10 @@ def _matches(presented: bytes, keys: list[bytes]) -> bool:
     return found
 
 
-class ApiKeyMiddleware:
-    def __init__(self, app: ASGIApp) -> None:
-        self.app = app
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        settings = scope["app"].state.settings if scope["type"] == "http" else None
-        if settings is None or not settings.api_keys or scope["path"] in OPEN_PATHS:
+class ApiKeyMiddleware(HttpMiddleware):
+    async def handle(self, scope: Scope, receive: Receive, send: Send) -> None:
+        settings = scope["app"].state.settings
+        if not settings.api_keys or scope["path"] in OPEN_PATHS:
             await self.app(scope, receive, send)
             return
         keys = [key.get_secret_value().encode() for key in settings.api_keys]

@@ -11,8 +11,9 @@ import orjson
 from fastapi import FastAPI, Request, Response
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from starlette.types import Message, Receive, Scope, Send
 
+from app.api.middleware import HttpMiddleware
 from app.api.schemas import ErrorBody
 from app.errors import (
     BadRequest,
@@ -130,19 +131,13 @@ def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(StarletteHTTPException, _on_routing_error)
 
 
-class UnexpectedErrors:
+class UnexpectedErrors(HttpMiddleware):
     """An exception no handler knows: logged once with its traceback and answered 500 in the route's error format,
     naming nothing of it. (A handler for Exception would not do: Starlette re-raises the exception once the handler
     has answered, and the server logs the same traceback a second time.) If the answer had already begun, the
     exception goes on to the server, which logs it once and closes the connection."""
 
-    def __init__(self, app: ASGIApp) -> None:
-        self.app = app
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
+    async def handle(self, scope: Scope, receive: Receive, send: Send) -> None:
         started = False
 
         async def watching_send(message: Message) -> None:

@@ -7,9 +7,10 @@ from __future__ import annotations
 from collections import Counter
 from urllib.parse import parse_qsl
 
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import Receive, Scope, Send
 
 from app.api.errors import error_response_for
+from app.api.middleware import HttpMiddleware
 from app.errors import BadRequest, InvalidParameter, MatmulError, UnsupportedMediaType
 
 
@@ -44,17 +45,13 @@ def head_problem(headers: list[tuple[bytes, bytes]], query_string: bytes) -> Mat
     return None
 
 
-class RequestHeadMiddleware:
+class RequestHeadMiddleware(HttpMiddleware):
     """Answers a request whose head is ambiguous (see head_problem) before the app reads it."""
 
-    def __init__(self, app: ASGIApp) -> None:
-        self.app = app
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http":
-            problem = head_problem(scope["headers"], scope["query_string"])
-            if problem is not None:
-                retry_after_s: int = scope["app"].state.settings.retry_after_s
-                await error_response_for(scope["path"], problem, retry_after_s)(scope, receive, send)
-                return
+    async def handle(self, scope: Scope, receive: Receive, send: Send) -> None:
+        problem = head_problem(scope["headers"], scope["query_string"])
+        if problem is not None:
+            retry_after_s: int = scope["app"].state.settings.retry_after_s
+            await error_response_for(scope["path"], problem, retry_after_s)(scope, receive, send)
+            return
         await self.app(scope, receive, send)

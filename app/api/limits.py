@@ -5,22 +5,17 @@ from __future__ import annotations
 
 import asyncio
 
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from starlette.types import Message, Receive, Scope, Send
 
 from app.api.errors import error_response_for
+from app.api.middleware import HttpMiddleware
 from app.errors import BodyTimeout, MalformedPayload, PayloadTooLarge
 
 
-class BodyLimitMiddleware:
+class BodyLimitMiddleware(HttpMiddleware):
     """Checks `Content-Length` up front, and counts the bytes actually received (a client may lie)."""
 
-    def __init__(self, app: ASGIApp) -> None:
-        self.app = app
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
+    async def handle(self, scope: Scope, receive: Receive, send: Send) -> None:
         settings = scope["app"].state.settings
         limit: int = settings.max_body_bytes
         declared = dict(scope["headers"]).get(b"content-length")

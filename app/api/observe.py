@@ -9,8 +9,9 @@ from time import perf_counter
 from typing import Any
 
 import orjson
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from starlette.types import Message, Receive, Scope, Send
 
+from app.api.middleware import HttpMiddleware
 from app.metrics import ServiceMetrics
 from app.product import MatmulMetadata
 
@@ -26,16 +27,10 @@ def _request_id(scope: Scope) -> str:
     return uuid.uuid4().hex
 
 
-class RequestObserver:
+class RequestObserver(HttpMiddleware):
     """Outermost middleware, so it also sees answers the inner layers give without reaching a route."""
 
-    def __init__(self, app: ASGIApp) -> None:
-        self.app = app
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
+    async def handle(self, scope: Scope, receive: Receive, send: Send) -> None:
         metrics: ServiceMetrics = scope["app"].state.metrics
         request_id = _request_id(scope)
         started = perf_counter()

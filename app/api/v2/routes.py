@@ -7,7 +7,8 @@ An answer's `parameters` name the kernel and backend that ran it and carry its r
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from collections.abc import Callable
+from typing import Annotated, Any, TypeVar
 
 from fastapi import APIRouter, Depends, Path, Request, Response
 
@@ -64,6 +65,36 @@ def _known_version(model: ModelName, version: VersionName, catalogue: CatalogueD
 
 
 VERSIONED = [Depends(_known_version)]
+Endpoint = TypeVar("Endpoint", bound=Callable[..., Any])
+
+
+def _model_route(
+    method: str,
+    suffix: str,
+    summary: str,
+    versioned_summary: str,
+    responses: dict[int | str, dict[str, Any]],
+    **extra: Any,
+) -> Callable[[Endpoint], Endpoint]:
+    """The route at /models/{model}<suffix>, and its twin at /models/{model}/versions/{version}<suffix>."""
+
+    def register(endpoint: Endpoint) -> Endpoint:
+        for path, route_summary, dependencies in (
+            (f"/models/{{model}}/versions/{{version}}{suffix}", versioned_summary, VERSIONED),
+            (f"/models/{{model}}{suffix}", summary, []),
+        ):
+            router.add_api_route(
+                path,
+                endpoint,
+                methods=[method],
+                dependencies=dependencies,
+                summary=route_summary,
+                responses=responses,
+                **extra,
+            )
+        return endpoint
+
+    return register
 
 
 @router.get("", summary="Server metadata", responses=_GUARDED)
@@ -95,26 +126,14 @@ async def all_statistics(catalogue: CatalogueDep, statistics: StatisticsDep) -> 
     return {"model_stats": [statistics.of(name).as_json(name) for name in catalogue.kernels]}
 
 
-@router.get("/models/{model}", summary="Model metadata", responses=_MODEL_ERRORS)
-@router.get(
-    "/models/{model}/versions/{version}",
-    dependencies=VERSIONED,
-    summary="Model version metadata",
-    responses=_MODEL_ERRORS,
-)
+@_model_route("GET", "", "Model metadata", "Model version metadata", _MODEL_ERRORS)
 async def model_metadata(model: ModelName, catalogue: CatalogueDep) -> dict[str, Any]:
     """Inputs A (m x k) and B (k x n), output C (m x n), FP32 or FP64; -1 marks a variable dimension."""
     catalogue.kernel_of(model)
     return catalogue.metadata(model)
 
 
-@router.get("/models/{model}/ready", summary="Model readiness", responses={**_MODEL_ERRORS, 503: _ERROR})
-@router.get(
-    "/models/{model}/versions/{version}/ready",
-    dependencies=VERSIONED,
-    summary="Model version readiness",
-    responses={**_MODEL_ERRORS, 503: _ERROR},
-)
+@_model_route("GET", "/ready", "Model readiness", "Model version readiness", {**_MODEL_ERRORS, 503: _ERROR})
 async def model_ready(model: ModelName, catalogue: CatalogueDep, engine: EngineDep) -> dict[str, Any]:
     """200 when the model exists and the kernels are ready."""
     catalogue.kernel_of(model)
@@ -122,26 +141,14 @@ async def model_ready(model: ModelName, catalogue: CatalogueDep, engine: EngineD
     return {"name": model, "ready": True}
 
 
-@router.get("/models/{model}/config", summary="Model configuration", responses=_MODEL_ERRORS)
-@router.get(
-    "/models/{model}/versions/{version}/config",
-    dependencies=VERSIONED,
-    summary="Model version configuration",
-    responses=_MODEL_ERRORS,
-)
+@_model_route("GET", "/config", "Model configuration", "Model version configuration", _MODEL_ERRORS)
 async def model_config(model: ModelName, catalogue: CatalogueDep) -> dict[str, Any]:
     """Triton's model configuration extension: a minimal config (no batching dimension)."""
     catalogue.kernel_of(model)
     return catalogue.config(model)
 
 
-@router.get("/models/{model}/stats", summary="Model statistics", responses=_MODEL_ERRORS)
-@router.get(
-    "/models/{model}/versions/{version}/stats",
-    dependencies=VERSIONED,
-    summary="Model version statistics",
-    responses=_MODEL_ERRORS,
-)
+@_model_route("GET", "/stats", "Model statistics", "Model version statistics", _MODEL_ERRORS)
 async def model_statistics(model: ModelName, catalogue: CatalogueDep, statistics: StatisticsDep) -> dict[str, Any]:
     """The statistics extension: counts and cumulative nanoseconds of success, fail, queue and compute stages."""
     catalogue.kernel_of(model)
@@ -171,19 +178,7 @@ _INFER_BODY: dict[str, Any] = {
 }
 
 
-@router.post(
-    "/models/{model}/infer",
-    summary="Infer",
-    responses=_INFER_ERRORS,
-    openapi_extra=_INFER_BODY,
-)
-@router.post(
-    "/models/{model}/versions/{version}/infer",
-    dependencies=VERSIONED,
-    summary="Infer (versioned)",
-    responses=_INFER_ERRORS,
-    openapi_extra=_INFER_BODY,
-)
+@_model_route("POST", "/infer", "Infer", "Infer (versioned)", _INFER_ERRORS, openapi_extra=_INFER_BODY)
 async def infer(
     model: ModelName,
     request: Request,
