@@ -43,16 +43,14 @@ from multiprocessing.synchronize import Event
 from pathlib import Path
 from typing import Any, Literal
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
 import httpx
-import loadtest
-from local_service import LocalService, free_port
 from rich.console import Console
 from rich.table import Table
 
 from app.client import AsyncMatmulClient, RequestFormat
 from app.config import Settings
+from matmul_tools import loadtest
+from matmul_tools.service import LocalService, free_port
 
 Route = Literal["matmul", "echo"]
 PHASES = ("read", "decode", "queue", "h2d", "kernel", "d2h", "encode", "total", loadtest.CLIENT_SIDE)
@@ -351,8 +349,8 @@ def run_server(
     clients: ClientPool, args: argparse.Namespace, config: Config, cells: list[Cell], devices: str | None, log: Console
 ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """Start a fresh server for `config`, run every cell against it, stop it: its /v1/info and the cells' figures."""
-    service = LocalService(free_port(), server_env(args, config, devices), args.out / f"server-{config.token}.log",
-                           config.workers)  # fmt: skip
+    log_path = args.out / f"server-{config.token}.log"
+    service = LocalService.uvicorn(free_port(), server_env(args, config, devices), log_path, config.workers)
     results = []
     try:
         service.wait_ready(args.ready_timeout)

@@ -22,8 +22,6 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 from kernels.cuda import COMPILE_OPTIONS, compile_ptx
 from kernels.registry import CTYPES, KERNELS, KernelSpec
 

@@ -52,7 +52,6 @@ import multiprocessing
 import random
 import sys
 import time
-import zipfile
 from collections import Counter
 from collections.abc import Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor
@@ -63,15 +62,12 @@ from typing import Any, Literal
 
 import httpx
 import numpy as np
-from prometheus_client.parser import text_string_to_metric_families
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from loadtest import open_loop, parse_mix, summarize, wait_ready
 
 from app.client import FORMATS, AsyncMatmulClient, RequestFormat, encode_payload
 from app.codecs import JSON_MEDIA_TYPE, NPY_MEDIA_TYPE, NPZ_MEDIA_TYPE
+from matmul_tools.bodies import load_npy, npy_bytes, zip_members
+from matmul_tools.loadtest import open_loop, parse_mix, summarize, wait_ready
+from matmul_tools.prometheus import sample_sums
 
 Kind = Literal["valid", "invalid", "oversized"]
 KINDS: tuple[Kind, ...] = ("valid", "invalid", "oversized")
@@ -108,21 +104,6 @@ class Probe:
     operands: tuple[np.ndarray, np.ndarray] | None = field(default=None, repr=False)
     deadline_s: float | None = None
     """Sent as X-Request-Timeout: the longest the product may wait in the server's queue."""
-
-
-def _npy(array: np.ndarray) -> bytes:
-    buffer = io.BytesIO()
-    np.save(buffer, array, allow_pickle=False)
-    return buffer.getvalue()
-
-
-def _npz(a: bytes, b: bytes) -> bytes:
-    """An .npz archive of two member files given as they are (whole, cut short, or only a header)."""
-    buffer = io.BytesIO()
-    with zipfile.ZipFile(buffer, "w") as archive:
-        archive.writestr("a.npy", a)
-        archive.writestr("b.npy", b)
-    return buffer.getvalue()
 
 
 def _header_claiming(shape: tuple[int, int]) -> bytes:
@@ -179,10 +160,12 @@ def invalid_probes(rng: np.random.Generator) -> list[Probe]:
         _product("invalid", "tile out of range", a, b, tile="100000"),
         _product("invalid", "huge query number", a, b, tile="9" * 400),
         _product("invalid", "unsupported dtype", a, b, dtype="float16"),
-        Probe("invalid", "truncated npy", _npz(_npy(a)[:100], _npy(b)), NPZ_MEDIA_TYPE),
+        Probe("invalid", "truncated npy", zip_members(a=npy_bytes(a)[:100], b=npy_bytes(b)), NPZ_MEDIA_TYPE),
         Probe("invalid", "garbage npz", rng.bytes(512), NPZ_MEDIA_TYPE),
         Probe("invalid", "wrong media type", b"a,b\n1,2\n", "text/csv"),
-        Probe("invalid", "not acceptable", _npz(_npy(a), _npy(b)), NPZ_MEDIA_TYPE, accept="text/html"),
+        Probe(
+            "invalid", "not acceptable", zip_members(a=npy_bytes(a), b=npy_bytes(b)), NPZ_MEDIA_TYPE, accept="text/html"
+        ),
         Probe("invalid", "infer malformed", b'{"inputs": [', json, path=infer, accept=json),
         Probe("invalid", "infer data short of its shape", lying_infer, json, path=infer, accept=json),
         Probe("invalid", "infer unknown model", b"{}", json, path="/v2/models/no-such-model/infer", accept=json),
@@ -193,7 +176,7 @@ def oversized_probes(max_body_bytes: int) -> list[Probe]:
     claims = _header_claiming((1 << 31, 1 << 31))
     column, row = np.ones((65_536, 1), np.float32), np.ones((1, 65_536), np.float32)
     probes = [
-        Probe("oversized", "npy headers claim 2^31 x 2^31", _npz(claims, claims), NPZ_MEDIA_TYPE),
+        Probe("oversized", "npy headers claim 2^31 x 2^31", zip_members(a=claims, b=claims), NPZ_MEDIA_TYPE),
         _product("oversized", "result of 2^32 elements", column, row),
     ]
     if max_body_bytes + 1 <= OVERSIZED_BODY_CAP:
@@ -372,7 +355,7 @@ def shares(args: argparse.Namespace) -> list[ClientShare]:
 def wrong_result(response: httpx.Response, a: np.ndarray, b: np.ndarray) -> str | None:
     """What is wrong with the product in `response` (a .npy or JSON answer), or None when it is a @ b."""
     if response.headers.get("content-type", "").startswith(NPY_MEDIA_TYPE):
-        c = np.load(io.BytesIO(response.content), allow_pickle=False)
+        c = load_npy(response.content)
     else:
         c = np.array(response.json()["result"], dtype=np.float64)  # JSON null (NaN, Inf) reads as NaN
     reference = a.astype(np.float64) @ b.astype(np.float64)
@@ -389,13 +372,7 @@ async def read_metrics(http: httpx.AsyncClient) -> dict[str, float]:
     """The server's resident memory, device pool and queue depth from GET /metrics (summed over label sets)."""
     response = await http.get("/metrics")
     response.raise_for_status()
-    wanted = (RSS_METRIC, DEVICE_METRIC, QUEUE_METRIC)
-    values: dict[str, float] = {}
-    for family in text_string_to_metric_families(response.text):
-        for sample in family.samples:
-            if sample.name in wanted:
-                values[sample.name] = values.get(sample.name, 0.0) + sample.value
-    return values
+    return sample_sums(response.text, (RSS_METRIC, DEVICE_METRIC, QUEUE_METRIC))
 
 
 async def watch_memory(
@@ -572,7 +549,7 @@ async def soak(args: argparse.Namespace) -> dict[str, Any]:
     async with httpx.AsyncClient(base_url=args.url, timeout=args.timeout) as http:
         client = AsyncMatmulClient(http=http)
         if args.wait_ready:
-            await wait_ready(client, args.wait_ready)
+            await wait_ready(http, args.wait_ready)
         server = await client.info()
         probes = build_probes(args.seed, args.max_body_bytes)
         for probe in (probe for kind in KINDS for probe in probes[kind]):

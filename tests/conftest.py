@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import io
 import os
 from collections.abc import AsyncIterator, Iterator
 
@@ -15,7 +14,7 @@ from hypothesis import settings
 from app.config import Settings
 from app.engine.gpu import gpu_unavailable
 from app.main import create_app
-from tests.server import free_port, running_server, uvicorn_command
+from matmul_tools.service import free_port, running_server, uvicorn_command, wait_ready_async
 
 # Relative Frobenius error allowed against a float64 reference. A correct float32 product of k terms errs
 # about sqrt(k) * 2^-24 (4e-6 at k = 4097); float64 about sqrt(k) * 2^-53. Each bound has headroom of ~5x.
@@ -71,22 +70,6 @@ def assert_product(c: np.ndarray, a: np.ndarray, b: np.ndarray, dtype: np.dtype)
     assert relative_error(c, reference) <= REL_TOLERANCE[np.dtype(dtype)]
 
 
-def npy_bytes(array: np.ndarray) -> bytes:
-    buffer = io.BytesIO()
-    np.save(buffer, array, allow_pickle=False)
-    return buffer.getvalue()
-
-
-def npz_bytes(**arrays: np.ndarray) -> bytes:
-    buffer = io.BytesIO()
-    np.savez(buffer, **arrays)  # type: ignore[arg-type]
-    return buffer.getvalue()
-
-
-def load_npy(content: bytes) -> np.ndarray:
-    return np.load(io.BytesIO(content), allow_pickle=False)
-
-
 @pytest.fixture
 def cpu_settings() -> Settings:
     return Settings(backend="cpu")
@@ -96,18 +79,8 @@ async def _client_for(app: FastAPI) -> AsyncIterator[httpx.AsyncClient]:
     async with app.router.lifespan_context(app):
         transport = httpx.ASGITransport(app=app)
         async with httpx.AsyncClient(transport=transport, base_url="http://testserver") as client:
-            await wait_ready(client)
+            await wait_ready_async(client, timeout_s=30)
             yield client
-
-
-async def wait_ready(client: httpx.AsyncClient, attempts: int = 600) -> None:
-    import anyio
-
-    for _ in range(attempts):
-        if (await client.get("/readyz")).status_code == 200:
-            return
-        await anyio.sleep(0.05)
-    raise AssertionError(f"never ready: {(await client.get('/v1/info')).json()}")
 
 
 @pytest.fixture

@@ -14,7 +14,9 @@ from app.config import Settings
 from app.engine import Engine, Plan
 from app.engine.cpu import CpuBackend
 from app.main import create_app
-from tests.conftest import assert_product, load_npy, npy_bytes, npz_bytes, wait_ready
+from matmul_tools.bodies import MULTIPART_CONTENT_TYPE, load_npy, multipart_body, npy_bytes, npz_bytes
+from matmul_tools.service import wait_ready_async
+from tests.conftest import assert_product
 
 pytestmark = pytest.mark.anyio
 
@@ -98,7 +100,7 @@ async def test_queued_emulated_products_run_as_one_batch() -> None:
     async with app.router.lifespan_context(app):
         transport = httpx.ASGITransport(app=app)
         async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
-            await wait_ready(client)
+            await wait_ready_async(client, timeout_s=30)
             answers = await asyncio.gather(
                 *(
                     client.post(
@@ -327,20 +329,6 @@ async def test_body_over_the_limit_is_refused_before_reading(cpu_settings: objec
         _error(r, 413, "payload_too_large", "passed the limit of 2048")
 
 
-def _multipart(*parts: tuple[str, bytes]) -> bytes:
-    return (
-        b"".join(
-            b'--xx\r\nContent-Disposition: form-data; name="'
-            + name.encode()
-            + b'"; filename="f.npy"\r\n\r\n'
-            + data
-            + b"\r\n"
-            for name, data in parts
-        )
-        + b"--xx--\r\n"
-    )
-
-
 @pytest.mark.parametrize(
     ("parts", "code", "words"),
     [
@@ -355,8 +343,8 @@ def _multipart(*parts: tuple[str, bytes]) -> bytes:
 async def test_multipart_framing_errors(
     client: httpx.AsyncClient, parts: list[tuple[str, bytes]], code: str, words: str
 ) -> None:
-    headers = {"content-type": "multipart/form-data; boundary=xx"}
-    _error(await client.post("/matmul", content=_multipart(*parts), headers=headers), 422, code, words)
+    headers = {"content-type": MULTIPART_CONTENT_TYPE}
+    _error(await client.post("/matmul", content=multipart_body(parts, "f.npy"), headers=headers), 422, code, words)
 
 
 async def test_an_unexpected_error_is_a_500_in_the_error_format_that_shows_nothing_of_it(
@@ -374,7 +362,7 @@ async def test_an_unexpected_error_is_a_500_in_the_error_format_that_shows_nothi
         # Starlette re-raises the exception once its handler has answered, for the server to log: not a client's concern
         transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
         async with httpx.AsyncClient(transport=transport, base_url="http://testserver") as client:
-            await wait_ready(client)
+            await wait_ready_async(client, timeout_s=30)
             r = await client.post("/matmul", json={"a": [[1.0]], "b": [[2.0]]})
     assert r.status_code == 500 and r.headers["content-type"] == "application/json"
     assert r.json() == {"code": "internal_error", "message": "internal server error", "location": None}

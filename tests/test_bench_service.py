@@ -7,8 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tests.scripts import import_script
-from tests.server import ROOT
+from tests.scripts import ROOT, import_script
 
 bench = import_script("bench_service")
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"

@@ -13,8 +13,8 @@ import pytest
 from app.cli import client_main
 from app.client import FORMATS
 from app.config import Settings
+from matmul_tools.service import free_port, running_server
 from tests.conftest import assert_product
-from tests.server import free_port, running_server
 
 SCRIPTS = Path(sys.executable).parent
 

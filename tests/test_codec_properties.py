@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 
 from app import codecs, inference_protocol
 from app.errors import MalformedPayload, MatmulError
-from tests.conftest import npy_bytes, npz_bytes
+from matmul_tools.bodies import npy_bytes, npz_bytes, zip_members
 
 LIMITS = codecs.Limits(max_dim=64, max_elements=1024, max_result_elements=4096)
 MAX_MEMBER_BYTES = 1 << 16
@@ -97,17 +97,7 @@ npy_files = st.builds(lambda header, data: header + data, npy_headers, st.binary
 valid_npy = matrices().map(codecs.encode_npy) | matrices().map(npy_bytes)
 
 
-def savez(compressed: bool, **members: bytes) -> bytes:
-    """An .npz archive holding the given member files (np.savez's layout)."""
-    buffer = io.BytesIO()
-    method = zipfile.ZIP_DEFLATED if compressed else zipfile.ZIP_STORED
-    with zipfile.ZipFile(buffer, "w", compression=method) as archive:
-        for name, data in members.items():
-            archive.writestr(f"{name}.npy", data)
-    return buffer.getvalue()
-
-
-valid_npz = st.builds(savez, compressed=st.booleans(), a=valid_npy, b=valid_npy)
+valid_npz = st.builds(zip_members, compressed=st.booleans(), a=valid_npy, b=valid_npy)
 
 JSON_INTEGERS = st.integers(-(2**63), 2**64 - 1)  # what orjson writes
 JSON_SCALARS = st.none() | st.booleans() | JSON_INTEGERS | st.floats(allow_nan=False) | st.text(max_size=4)
@@ -217,7 +207,7 @@ def test_npy_files_numpy_writes_decode_as_written(matrix: np.ndarray, version: t
 
 @given(matrices(), matrices(), st.booleans())
 def test_npz_and_multipart_round_trip(a: np.ndarray, b: np.ndarray, compressed: bool) -> None:
-    archive = savez(compressed, a=npy_bytes(a), b=codecs.encode_npy(b))
+    archive = zip_members(compressed, a=npy_bytes(a), b=codecs.encode_npy(b))
     for operands in (
         codecs.decode_npz(archive, LIMITS, MAX_MEMBER_BYTES),
         codecs.decode_parts({"a": npy_bytes(a), "b": codecs.encode_npy(b)}, LIMITS, container="multipart body"),
@@ -343,7 +333,7 @@ def test_any_npz_bytes_decode_or_are_refused(data: bytes) -> None:
 
 def _zip_with_member_header(member: bytes, method: int, flags: int) -> bytes:
     """An .npz whose members, stored as `member`, claim another compression method or the encryption flag."""
-    archive = bytearray(savez(False, a=member, b=member))
+    archive = bytearray(zip_members(a=member, b=member))
     for signature, flags_at, method_at in ((b"PK\x03\x04", 6, 8), (b"PK\x01\x02", 8, 10)):
         at = archive.find(signature)
         archive[at + flags_at] |= flags

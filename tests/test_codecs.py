@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import io
 import tracemalloc
-import zipfile
 from collections.abc import Callable
 
 import numpy as np
@@ -13,7 +12,7 @@ import pytest
 
 from app import codecs
 from app.errors import InvalidMatrix, InvalidParameter, MalformedPayload, NotAcceptable, ShapeMismatch
-from tests.conftest import load_npy, npy_bytes, npz_bytes
+from matmul_tools.bodies import load_npy, npy_bytes, npz_bytes, zip_members
 
 LIMITS = codecs.Limits(max_dim=1000, max_elements=10_000, max_result_elements=100_000)
 
@@ -170,11 +169,7 @@ class TestParts:
 
     @staticmethod
     def _deflated_npz(a_member: bytes) -> bytes:
-        buffer = io.BytesIO()
-        with zipfile.ZipFile(buffer, "w", compression=zipfile.ZIP_DEFLATED) as archive:
-            archive.writestr("a.npy", a_member)
-            archive.writestr("b.npy", npy_bytes(np.eye(2)))
-        return buffer.getvalue()
+        return zip_members(compressed=True, a=a_member, b=npy_bytes(np.eye(2)))
 
     @staticmethod
     def _peak_bytes_of(decode: Callable[[], object]) -> int:
@@ -206,12 +201,9 @@ class TestParts:
         assert peak < 4 << 20
 
     def test_npz_member_that_is_not_npy(self) -> None:
-        buffer = io.BytesIO()
-        with zipfile.ZipFile(buffer, "w") as archive:
-            archive.writestr("a.npy", b"hello")
-            archive.writestr("b.npy", npy_bytes(np.eye(2)))
+        body = zip_members(a=b"hello", b=npy_bytes(np.eye(2)))
         with pytest.raises(MalformedPayload, match=r"'a' is not a valid \.npy"):
-            codecs.decode_npz(buffer.getvalue(), LIMITS, max_member_bytes=1 << 20)
+            codecs.decode_npz(body, LIMITS, max_member_bytes=1 << 20)
 
 
 class TestChecks:

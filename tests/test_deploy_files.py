@@ -7,6 +7,7 @@ checked against what they deploy: the settings, the load-test script's flags, th
 
 from __future__ import annotations
 
+import ast
 import re
 import subprocess
 import sys
@@ -23,11 +24,10 @@ from packaging.requirements import Requirement
 from uvicorn.main import main as uvicorn_cli
 
 from app.config import Settings
-from tests.scripts import import_script
-from tests.server import ROOT
+from matmul_tools import loadtest
+from tests.scripts import ROOT, import_script
 
 SCRIPTS = Path(sys.executable).parent
-loadtest = import_script("loadtest")
 scaleout = import_script("scaleout_local")
 COMPOSE_PATH = ROOT / "docker-compose.yml"
 COMPOSE: dict[str, Any] = yaml.safe_load(COMPOSE_PATH.read_text())
@@ -231,6 +231,32 @@ def test_the_service_is_restarted_when_it_exits_and_stopped_only_after_its_grace
 def test_the_service_settings_are_real_settings() -> None:
     variables = set(COMPOSE["services"]["matmul"]["environment"])
     assert variables <= SETTING_VARIABLES and {"MATMUL_BACKEND", "MATMUL_QUEUE_SIZE"} <= variables
+
+
+def first_party_imports(path: Path, seen: set[Path] | None = None) -> set[str]:
+    """The project's packages that `path` imports, and those its imports of them import in turn."""
+    seen = seen if seen is not None else set()
+    seen.add(path)
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        names = [alias.name for alias in node.names] if isinstance(node, ast.Import) else []
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names = [node.module, *(f"{node.module}.{alias.name}" for alias in node.names)]
+        for name in names:
+            if name.split(".")[0] not in PYPROJECT["tool"]["hatch"]["build"]["targets"]["wheel"]["packages"]:
+                continue
+            found.add(name.split(".")[0])
+            module = ROOT / (name.replace(".", "/") + ".py")
+            if module.is_file() and module not in seen:
+                found |= first_party_imports(module, seen)
+    return found
+
+
+def test_the_loadtest_stage_copies_every_package_the_script_imports() -> None:
+    copied = {instruction.value[0] for instruction in LOADTEST if instruction.cmd == "COPY"}
+    imported = first_party_imports(ROOT / "scripts" / "loadtest.py")
+    assert "matmul_tools" in imported
+    assert imported <= copied, f"the loadtest image lacks {imported - copied}"
 
 
 def test_the_kernel_cache_is_a_named_volume_at_cupy_cache_dir() -> None:

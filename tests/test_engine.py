@@ -21,6 +21,7 @@ from app.engine.base import Finished
 from app.errors import DeviceOutOfMemory, NotReady
 from app.main import create_app
 from kernels.roofline import DevicePeaks
+from matmul_tools.service import wait_ready_async
 
 pytestmark = pytest.mark.anyio
 
@@ -483,7 +484,7 @@ async def test_a_bad_operand_in_a_batch_fails_only_its_own_request() -> None:
     async with app.router.lifespan_context(app):
         transport = httpx.ASGITransport(app=app)
         async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
-            await _wait_ready(client)
+            await wait_ready_async(client, timeout_s=30)
             backend = app.state.engine.workers[0].backend
             launches: list[int] = []
             submit = backend.submit
@@ -499,10 +500,3 @@ async def test_a_bad_operand_in_a_batch_fails_only_its_own_request() -> None:
     assert [r.status_code for r in answers] == [200, 200, 200, 422]
     assert all(r.json()["result"] == [[11.0]] for r in answers[:3])
     assert "out of range for float32" in answers[3].json()["message"]
-
-
-async def _wait_ready(client: httpx.AsyncClient) -> None:
-    for _ in range(200):
-        if (await client.get("/readyz")).status_code == 200:
-            return
-        await asyncio.sleep(0.01)

@@ -12,7 +12,8 @@ from app.engine.base import CUBLAS, Plan
 from kernels.emulation import EMULATIONS
 from kernels.registry import KERNELS, KernelSpec, LaunchConfig, cdiv
 from kernels.roofline import FMA_LANES
-from tests.conftest import assert_product, load_npy, npy_bytes
+from matmul_tools.bodies import load_npy, npy_bytes
+from tests.conftest import assert_product
 
 pytestmark = pytest.mark.gpu
 

@@ -12,8 +12,9 @@ import pytest
 
 from app.config import Settings
 from app.main import DEVICE_LOST_EXIT_CODE, create_app
-from tests.conftest import _client_for, assert_product, npy_bytes
-from tests.server import free_port, running_server, serving, uvicorn_command
+from matmul_tools.bodies import npy_bytes
+from matmul_tools.service import free_port, running_server, serving, uvicorn_command
+from tests.conftest import _client_for, assert_product
 
 pytestmark = pytest.mark.gpu
 LIMIT = 256 << 20

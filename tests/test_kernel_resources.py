@@ -6,28 +6,12 @@ is on PATH.
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-from types import ModuleType
-
 import pytest
 
 from kernels.registry import KERNELS
+from tests.scripts import import_script
 
-
-def _load_check_kernels() -> ModuleType:
-    path = Path(__file__).resolve().parents[1] / "scripts" / "check_kernels.py"
-    spec = importlib.util.spec_from_file_location("check_kernels", path)
-    assert spec is not None
-    assert spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-check_kernels = _load_check_kernels()
+check_kernels = import_script("check_kernels")
 
 
 @pytest.mark.parametrize("name", list(KERNELS))

@@ -12,7 +12,8 @@ from fastapi import FastAPI
 
 from app.config import Settings
 from app.main import create_app
-from tests.conftest import _client_for, npy_bytes
+from matmul_tools.bodies import npy_bytes
+from tests.conftest import _client_for
 
 pytestmark = pytest.mark.anyio
 

@@ -12,14 +12,11 @@ from typing import Any
 
 import pytest
 
-from tests.scripts import import_script
-from tests.server import ROOT
+from matmul_tools import loadtest
+from tests.scripts import ROOT
 
 SCRIPT = ROOT / "scripts" / "loadtest.py"
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
-
-
-loadtest = import_script("loadtest")
 
 
 def run_loadtest(url: str, out: Path, *args: str) -> tuple[dict[str, Any], str]:

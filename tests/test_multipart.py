@@ -8,26 +8,13 @@ import pytest
 
 from app.api.multipart import parse_file_parts
 from app.errors import MalformedPayload
-from tests.conftest import npy_bytes
-
-CONTENT_TYPE = "multipart/form-data; boundary=xx"
-
-
-def multipart(**parts: bytes) -> bytes:
-    return (
-        b"".join(
-            b'--xx\r\nContent-Disposition: form-data; name="%s"; filename="%s.npy"\r\n\r\n%s\r\n'
-            % (name.encode(), name.encode(), data)
-            for name, data in parts.items()
-        )
-        + b"--xx--\r\n"
-    )
+from matmul_tools.bodies import MULTIPART_CONTENT_TYPE, multipart_body, npy_bytes
 
 
 def test_parts_are_views_of_the_body() -> None:
     a, b = npy_bytes(np.arange(12.0).reshape(3, 4)), npy_bytes(np.ones((4, 2), np.float32))
-    body = multipart(a=a, b=b)
-    parts = parse_file_parts(body, CONTENT_TYPE)
+    body = multipart_body([("a", a), ("b", b)])
+    parts = parse_file_parts(body, MULTIPART_CONTENT_TYPE)
     assert {name: bytes(data) for name, data in parts.items()} == {"a": a, "b": b}
     for data in parts.values():
         assert isinstance(data, memoryview) and data.obj is body
@@ -36,11 +23,11 @@ def test_parts_are_views_of_the_body() -> None:
 def test_data_that_looks_like_a_boundary_is_kept_whole() -> None:
     """'\\r\\n--x' inside a part makes the parser hold those bytes back and hand them over from its own buffer."""
     tricky = b"head\r\n--x not a boundary\r\n-- nor this\r\n--xy" + bytes(range(256))
-    parts = parse_file_parts(multipart(a=tricky, b=b"tail"), CONTENT_TYPE)
+    parts = parse_file_parts(multipart_body([("a", tricky), ("b", b"tail")]), MULTIPART_CONTENT_TYPE)
     assert bytes(parts["a"]) == tricky and bytes(parts["b"]) == b"tail"
 
 
 def test_a_body_without_its_closing_boundary_is_malformed() -> None:
-    body = multipart(a=b"data")[: -len(b"--xx--\r\n") - 3]
+    body = multipart_body([("a", b"data")])[: -len(b"--xx--\r\n") - 3]
     with pytest.raises(MalformedPayload, match="ends before its closing boundary '--xx--'"):
-        parse_file_parts(body, CONTENT_TYPE)
+        parse_file_parts(body, MULTIPART_CONTENT_TYPE)

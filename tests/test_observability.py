@@ -80,7 +80,7 @@ def test_metrics_are_merged_across_worker_processes(tmp_path: object) -> None:
 
     import httpx as sync_httpx
 
-    from tests.server import free_port, running_server, uvicorn_command
+    from matmul_tools.service import free_port, running_server, uvicorn_command
 
     port = free_port()
     directory = os.fspath(tmp_path)  # type: ignore[call-overload]

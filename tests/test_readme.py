@@ -23,9 +23,9 @@ import httpx
 import numpy as np
 import pytest
 
-from tests.conftest import npy_bytes
+from matmul_tools.bodies import npy_bytes
+from matmul_tools.service import free_port, running_server, uvicorn_command
 from tests.scripts import ROOT
-from tests.server import free_port, running_server, uvicorn_command
 
 README = ROOT / "README.md"
 EXAMPLE_LANGUAGES = {"sh", "python"}

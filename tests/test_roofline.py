@@ -11,7 +11,7 @@ import pytest
 from kernels.cuda import device_attributes
 from kernels.registry import KERNELS, minimum_global_elements
 from kernels.roofline import DevicePeaks, gpu_peaks, roofline
-from tests.conftest import npy_bytes
+from matmul_tools.bodies import npy_bytes
 
 
 @pytest.mark.parametrize(

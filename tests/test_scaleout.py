@@ -10,8 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.scripts import import_script
-from tests.server import ROOT
+from tests.scripts import ROOT, import_script
 
 scaleout = import_script("scaleout_local")
 pytestmark = pytest.mark.skipif(

@@ -8,8 +8,9 @@ import httpx
 import numpy as np
 import pytest
 
-from tests.conftest import assert_product, load_npy, npy_bytes
-from tests.server import free_port, running_server, uvicorn_command
+from matmul_tools.bodies import load_npy, npy_bytes
+from matmul_tools.service import free_port, running_server, uvicorn_command
+from tests.conftest import assert_product
 
 
 def exercise(client: httpx.Client, backend: str) -> None:

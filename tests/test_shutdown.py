@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import io
 import os
 import signal
 import socket
@@ -14,15 +13,16 @@ from collections.abc import Iterator
 import httpx
 import numpy as np
 
-from tests.conftest import npy_bytes
-from tests.server import ROOT, free_port, serving, uvicorn_command
+from matmul_tools.bodies import load_npy, npy_bytes
+from matmul_tools.prometheus import sample_sums
+from matmul_tools.service import free_port, serving, uvicorn_command, wait_ready
+from tests.scripts import ROOT
 
 
 def requests_in_flight(url: str) -> float:
     """The server's matmul_requests_in_flight gauge, which counts the scrape that reads it."""
-    metrics = httpx.get(f"{url}/metrics").text
-    line = next(line for line in metrics.splitlines() if line.startswith("matmul_requests_in_flight "))
-    return float(line.split()[1])
+    gauge = "matmul_requests_in_flight"
+    return sample_sums(httpx.get(f"{url}/metrics").text, [gauge])[gauge]
 
 
 def accepts_connections(port: int) -> bool:
@@ -41,12 +41,7 @@ def test_sigterm_lets_an_in_flight_product_finish() -> None:
     process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
         url = f"http://127.0.0.1:{port}"
-        for _ in range(300):
-            try:
-                if httpx.get(f"{url}/readyz").status_code == 200:
-                    break
-            except httpx.TransportError:
-                time.sleep(0.1)
+        wait_ready(url, 60, process=process)
         a = np.random.default_rng(0).standard_normal((1500, 1500))
         files = {"a": ("a.npy", npy_bytes(a)), "b": ("b.npy", npy_bytes(a))}
         answers: list[httpx.Response] = []
@@ -64,7 +59,7 @@ def test_sigterm_lets_an_in_flight_product_finish() -> None:
         log = process.stderr.read().decode() if process.stderr else ""
         assert "Application shutdown complete" in log
         assert answers and answers[0].status_code == 200
-        np.testing.assert_allclose(np.load(io.BytesIO(answers[0].content)), a @ a, rtol=1e-10)
+        np.testing.assert_allclose(load_npy(answers[0].content), a @ a, rtol=1e-10)
     finally:
         if process.poll() is None:
             process.kill()

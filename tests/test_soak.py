@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import io
 import json
 import subprocess
 import sys
@@ -12,8 +11,9 @@ import httpx
 import numpy as np
 import pytest
 
-from tests.scripts import import_script
-from tests.server import ROOT, free_port, running_server, uvicorn_command
+from matmul_tools.bodies import npy_bytes
+from matmul_tools.service import free_port, running_server, uvicorn_command
+from tests.scripts import ROOT, import_script
 
 soak = import_script("soak")
 MAX_BODY_BYTES = 1 << 20
@@ -56,12 +56,6 @@ def test_each_valid_shape_is_also_sent_with_a_deadline_it_may_miss() -> None:
     assert all(probe.operands is not None and probe.operands[0].dtype == np.float32 for probe in hurried)
 
 
-def _npy(array: np.ndarray) -> bytes:
-    buffer = io.BytesIO()
-    np.save(buffer, array)
-    return buffer.getvalue()
-
-
 @pytest.mark.anyio
 async def test_a_500_a_wrong_product_or_memory_growth_fail_the_soak() -> None:
     """A server that answers 500 to what it cannot read and a wrong product to the rest; 503s are fine."""
@@ -70,7 +64,9 @@ async def test_a_500_a_wrong_product_or_memory_growth_fail_the_soak() -> None:
     def server(request: httpx.Request) -> httpx.Response:
         status = next(answers)
         if status == 200:
-            return httpx.Response(200, content=_npy(np.zeros((8, 8))), headers={"content-type": "application/x-npy"})
+            return httpx.Response(
+                200, content=npy_bytes(np.zeros((8, 8))), headers={"content-type": "application/x-npy"}
+            )
         return httpx.Response(status, json={"code": "internal_error", "message": "boom"})
 
     rng = np.random.default_rng(0)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 import socket
 
-from tests.server import free_port, running_server, uvicorn_command
+from matmul_tools.service import free_port, running_server, uvicorn_command
 
 ENV = {"MATMUL_BACKEND": "cpu", "MATMUL_ACCESS_LOG": "false"}
 
