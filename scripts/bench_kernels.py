@@ -30,6 +30,7 @@ from typing import Any
 import numpy as np
 
 from kernels.cuda import KernelLibrary, device_attributes
+from kernels.reference import tolerance
 from kernels.registry import KERNELS, KernelSpec, LaunchConfig
 from kernels.roofline import DevicePeaks, gpu_peaks, roofline
 
@@ -38,9 +39,6 @@ SQUARE_SIZES = (256, 512, 1024, 2048, 4096, 8192)
 ODD_SHAPES = ((1, 1, 1), (17, 9, 33), (1000, 1000, 1), (4095, 31, 4097), (4093, 4099, 4097))
 """(m, n, k): C is m x n, the inner dimension k. Sides that are not multiples of any tile or vector width."""
 DTYPES = ("float32", "float64")
-TOLERANCE = {"float32": 3e-5, "float64": 1e-13}
-"""Relative Frobenius error allowed (as in tests/conftest.py): a float32 dot product of k terms errs about
-sqrt(k) * 2^-24 (5e-6 at k = 8192), float64 about sqrt(k) * 2^-53; a wrong element gives errors near 1."""
 HEADLINE_SHAPES = ((2048, 2048, 2048), (4096, 4096, 4096), (8192, 8192, 8192), (4093, 4099, 4097))
 """The shapes the issue sets bars at; the run ends with their rows."""
 SLOW_KERNELS = ("naive", "tiled", "coalesced")
@@ -158,7 +156,7 @@ def run_sweep(args: argparse.Namespace) -> tuple[list[Result], dict[str, Any]]:
                     continue
                 run = bench.launcher(spec, config)
                 row.rel_error = bench.error(run, sets, reference, dtype)
-                if not row.rel_error <= TOLERANCE[dtype]:
+                if not row.rel_error <= tolerance(dtype):
                     row.note = "WRONG"
                     continue
                 if args.check_only:

@@ -65,6 +65,7 @@ import numpy as np
 
 from app.client import FORMATS, AsyncMatmulClient, RequestFormat, encode_payload
 from app.codecs import JSON_MEDIA_TYPE, NPY_MEDIA_TYPE, NPZ_MEDIA_TYPE
+from kernels.reference import relative_error, tolerance
 from matmul_tools.bodies import load_npy, npy_bytes, zip_members
 from matmul_tools.loadtest import open_loop, parse_mix, summarize, wait_ready
 from matmul_tools.prometheus import sample_sums
@@ -73,8 +74,6 @@ Kind = Literal["valid", "invalid", "oversized"]
 KINDS: tuple[Kind, ...] = ("valid", "invalid", "oversized")
 TOLERATED_5XX = (503, 504)
 """Overload (queue full, not ready) and deadlines: what a service above its capacity answers, by design."""
-REL_TOLERANCE = {np.dtype(np.float32): 1e-4, np.dtype(np.float64): 1e-12}
-"""Relative Frobenius error allowed against NumPy in float64: a correct product errs about sqrt(k) * eps (k <= 256)."""
 RSS_METRIC = "process_resident_memory_bytes"
 DEVICE_METRIC = "matmul_device_memory_bytes"
 QUEUE_METRIC = "matmul_queue_depth"
@@ -363,8 +362,8 @@ def wrong_result(response: httpx.Response, a: np.ndarray, b: np.ndarray) -> str 
         return f"shape {list(c.shape)}, expected {list(reference.shape)}"
     if not np.isfinite(c).all():
         return "the product holds NaN or Inf; the operands are finite"
-    error = float(np.linalg.norm(c.astype(np.float64) - reference) / np.linalg.norm(reference))
-    bound = REL_TOLERANCE[np.result_type(a.dtype, b.dtype)]
+    error = relative_error(c, reference)
+    bound = tolerance(np.result_type(a.dtype, b.dtype))
     return f"relative error {error:.3g} over {bound:g}" if error > bound else None
 
 

@@ -14,11 +14,8 @@ from hypothesis import settings
 from app.config import Settings
 from app.engine.gpu import gpu_unavailable
 from app.main import create_app
+from kernels.reference import relative_error, tolerance
 from matmul_tools.service import free_port, running_server, uvicorn_command, wait_ready_async
-
-# Relative Frobenius error allowed against a float64 reference. A correct float32 product of k terms errs
-# about sqrt(k) * 2^-24 (4e-6 at k = 4097); float64 about sqrt(k) * 2^-53. Each bound has headroom of ~5x.
-REL_TOLERANCE = {np.dtype(np.float32): 3e-5, np.dtype(np.float64): 1e-13}
 
 GPU_MISSING = gpu_unavailable(0)
 
@@ -57,17 +54,12 @@ def served_url() -> Iterator[str]:
         yield f"http://127.0.0.1:{port}"
 
 
-def relative_error(c: np.ndarray, reference: np.ndarray) -> float:
-    scale = float(np.linalg.norm(reference))
-    return float(np.linalg.norm(c.astype(np.float64) - reference)) / (scale if scale else 1.0)
-
-
 def assert_product(c: np.ndarray, a: np.ndarray, b: np.ndarray, dtype: np.dtype) -> None:
     """c equals a @ b computed in float64, within the tolerance of `dtype`, and has no unwritten element."""
     reference = a.astype(np.float64) @ b.astype(np.float64)
     assert c.shape == reference.shape
     assert np.isfinite(c).all(), "result has NaN/Inf: an element was not written"
-    assert relative_error(c, reference) <= REL_TOLERANCE[np.dtype(dtype)]
+    assert relative_error(c, reference) <= tolerance(dtype)
 
 
 @pytest.fixture
