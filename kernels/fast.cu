@@ -35,10 +35,7 @@
 // float (a 128-register cap at 256 threads: 16 warps per SM to hide shared-memory latency); doubles take
 // twice the registers, so they get one block per SM.
 
-template <typename T, int W>
-struct alignas(sizeof(T) * W) Chunk {
-    T v[W];
-};
+#include "common.cuh"
 
 __device__ __forceinline__ unsigned shared_address(const void* p) {
     return static_cast<unsigned>(__cvta_generic_to_shared(p));

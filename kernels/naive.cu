@@ -7,13 +7,12 @@
 // of it), which is why this runs near a tenth of cuBLAS. Bounds are checked on the output only: a
 // thread that owns no element does no work, and there is no barrier for it to miss.
 
+#include "common.cuh"
+
 template <typename T>
 __global__ void matmul_naive(const T* __restrict__ A, const T* __restrict__ B, T* __restrict__ C,
                              int M, int N, int K) {
-    // A batched launch runs gridDim.z products of one shape, stored back to back: blockIdx.z picks one.
-    A += (size_t)blockIdx.z * M * K;
-    B += (size_t)blockIdx.z * K * N;
-    C += (size_t)blockIdx.z * M * N;
+    SELECT_BATCH_PRODUCT(A, B, C, M, N, K);
     const int row = blockIdx.y * blockDim.y + threadIdx.y;
     const int col = blockIdx.x * blockDim.x + threadIdx.x;
     if (row >= M || col >= N) return;  // safe: this kernel has no barrier

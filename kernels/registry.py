@@ -13,12 +13,15 @@ configuration `config_for()` picks.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
 
 KERNEL_DIR = Path(__file__).resolve().parent
+LOCAL_INCLUDE = re.compile(r'^#include "(?P<header>[\w.]+\.cuh)"$', re.MULTILINE)
+"""An include of a header of this folder (kernels/common.cuh), which `KernelSpec.read_source` puts in place."""
 CTYPES = MappingProxyType({"float32": "float", "float64": "double"})
 MAX_THREADS_PER_BLOCK = 1024
 MAX_GRID_Y = 65535
@@ -112,7 +115,18 @@ class KernelSpec:
         return KERNEL_DIR / self.source
 
     def read_source(self) -> str:
-        return self.path.read_text(encoding="utf-8")
+        """The source with each `#include "<name>.cuh"` of this folder replaced by that header's text, between
+        `#line` directives so that compiler messages still name the right file and line. NVRTC then needs no
+        include path, and the text CuPy keys its kernel cache on (a volume that outlives images) changes when a
+        header does, which an include path would hide from it."""
+        source = self.path.read_text(encoding="utf-8")
+
+        def header_text(include: re.Match[str]) -> str:
+            line = source.count("\n", 0, include.start()) + 1
+            text = (KERNEL_DIR / include["header"]).read_text(encoding="utf-8")
+            return f'#line 1 "{include["header"]}"\n{text}#line {line + 1} "{self.source}"'
+
+        return LOCAL_INCLUDE.sub(header_text, source)
 
     def name_expression(self, dtype: str, config: LaunchConfig) -> str:
         args = ", ".join([CTYPES[dtype], *(str(a) for a in config.template_args)])

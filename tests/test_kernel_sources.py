@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from kernels.cuda import compile_ptx
-from kernels.registry import KERNELS, KernelSpec, LaunchConfig
+from kernels.registry import KERNEL_DIR, KERNELS, LOCAL_INCLUDE, KernelSpec, LaunchConfig
 
 
 def _nvrtc_missing() -> str | None:
@@ -56,3 +58,19 @@ def test_a_grid_past_cudas_y_limit_is_a_value_error() -> None:
 def test_configs_are_checked_when_declared() -> None:
     with pytest.raises(ValueError, match="more than 1024 threads"):
         LaunchConfig(label="x", template_args=(), threads=(64, 32), tile_m=64, tile_n=32)
+
+
+@pytest.mark.parametrize("spec", list(KERNELS.values()), ids=list(KERNELS))
+def test_each_source_opens_with_its_comment_and_gets_its_headers_in_place(spec: KernelSpec) -> None:
+    """The source NVRTC compiles holds no include of a local header; after each #line directive the text goes on
+    with the line of the file it names, so compiler messages point at the right place."""
+    assert spec.path.read_text().startswith(f"// {spec.name}: ")
+    source = spec.read_source()
+    assert not LOCAL_INCLUDE.search(source)
+    lines = source.splitlines()
+    directives = [(i, match) for i, line in enumerate(lines) if (match := re.fullmatch(r'#line (\d+) "(.+)"', line))]
+    assert [match[2] for _, match in directives] == ["common.cuh", spec.source]
+    for i, match in directives:
+        original = (KERNEL_DIR / match[2]).read_text().splitlines()
+        following = lines[i + 1 : i + 4]
+        assert following == original[int(match[1]) - 1 : int(match[1]) + 2]
