@@ -362,9 +362,16 @@ def plot_report(report: dict[str, Any], path: Path) -> None:
 # ------------------------------------------------------------------------------------------------ the CLI
 
 
-def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=DESCRIPTION)
+def server_arguments(description: str) -> argparse.ArgumentParser:
+    """A parser with the options of every tool that loads a running server: --url and --wait-ready."""
+    parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--url", default="http://localhost:8000", help="the server (default: %(default)s)")
+    parser.add_argument("--wait-ready", type=float, default=0, help="first wait up to this many seconds for /readyz")
+    return parser
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    parser = server_arguments(DESCRIPTION)
     parser.add_argument("--mode", choices=["closed", "open"], default="closed", help="closed or open loop")
     parser.add_argument(
         "--concurrency",
@@ -384,7 +391,6 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--dtype", choices=["float32", "float64"], default="float32")
     parser.add_argument("--tile", type=int, help="tile width for the tiled kernel")
     parser.add_argument("--timeout", type=float, default=60.0, help="seconds one request may take")
-    parser.add_argument("--wait-ready", type=float, default=0, help="first wait up to this many seconds for /readyz")
     parser.add_argument("--seed", type=int, default=0, help="seed of the operands and of the mix draws")
     parser.add_argument("--out", default="out/loadtest", help="writes OUT.json and OUT.png (default: %(default)s)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")

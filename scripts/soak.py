@@ -67,7 +67,7 @@ from app.client import FORMATS, AsyncMatmulClient, RequestFormat, encode_payload
 from app.codecs import JSON_MEDIA_TYPE, NPY_MEDIA_TYPE, NPZ_MEDIA_TYPE
 from kernels.reference import relative_error, tolerance
 from matmul_tools.bodies import load_npy, npy_bytes, zip_members
-from matmul_tools.loadtest import open_loop, parse_mix, summarize, wait_ready
+from matmul_tools.loadtest import open_loop, parse_mix, server_arguments, summarize, wait_ready
 from matmul_tools.prometheus import sample_sums
 
 Kind = Literal["valid", "invalid", "oversized"]
@@ -82,6 +82,27 @@ VALID_SHAPES = ((8, 8, 8), (64, 64, 64), (128, 32, 96), (256, 256, 256))
 MIB = 1 << 20
 TIGHT_DEADLINE_S = 0.001
 """The deadline of the hurried valid probes: under load some wait longer in the queue, and get 504."""
+MEMORY_BOUNDS = (
+    (
+        "--max-rss-growth-mib",
+        640.0,
+        "bound on the server's RSS growth over the run: room for the allocator to keep what --concurrency requests "
+        "in flight at once held (64 of the largest valid ones, 256^2 float64 as JSON, hold about 9 MiB each: body, "
+        "parsed lists, arrays, answer)",
+    ),
+    (
+        "--max-rss-load-growth-mib",
+        64.0,
+        "bound on the RSS growth from the first reading under load to the last, once that high-water mark is "
+        "reached: a leak grows with the requests",
+    ),
+    (
+        "--max-device-growth-mib",
+        512.0,
+        "bound on the device pool's growth: room for the blocks it caches for the largest products",
+    ),
+)
+"""The memory checks' options (MiB): option, default and what it bounds."""
 NOT_SENT = "not sent"
 """The status of a request due while every connection of its process was busy."""
 
@@ -574,8 +595,7 @@ def parse_kind(text: str) -> Kind:
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
-    parser.add_argument("--url", default="http://localhost:8000", help="the server (default: %(default)s)")
+    parser = server_arguments(__doc__.split("\n\n")[0] if __doc__ else "")
     parser.add_argument("--minutes", type=float, default=1.0, help="how long to send (default: %(default)s)")
     parser.add_argument(
         "--rate",
@@ -609,30 +629,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--max-body-bytes", type=int, default=1 << 30, help="the server's MATMUL_MAX_BODY_BYTES (default: %(default)s)"
     )
-    parser.add_argument(
-        "--max-rss-growth-mib",
-        type=float,
-        default=640.0,
-        help="bound on the server's RSS growth over the run: room for the allocator to keep what --concurrency "
-        "requests in flight at once held (64 of the largest valid ones, 256^2 float64 as JSON, hold about 9 MiB "
-        "each: body, parsed lists, arrays, answer) (default: %(default)s)",
-    )
-    parser.add_argument(
-        "--max-rss-load-growth-mib",
-        type=float,
-        default=64.0,
-        help="bound on the RSS growth from the first reading under load to the last, once that high-water mark "
-        "is reached: a leak grows with the requests (default: %(default)s)",
-    )
+    for option, default, meaning in MEMORY_BOUNDS:
+        parser.add_argument(option, type=float, default=default, help=f"{meaning} (default: %(default)s)")
     parser.add_argument(
         "--memory-every", type=float, default=15.0, help="seconds between RSS readings under load (default: 15)"
-    )
-    parser.add_argument(
-        "--max-device-growth-mib",
-        type=float,
-        default=512.0,
-        help="bound on the device pool's growth: room for the blocks it caches for the largest products "
-        "(default: %(default)s)",
     )
     parser.add_argument(
         "--timeout", type=float, default=30.0, help="seconds one request may take (default: %(default)s)"
@@ -643,7 +643,6 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         default=30.0,
         help="seconds to wait for answers after the last start (default: %(default)s)",
     )
-    parser.add_argument("--wait-ready", type=float, default=0, help="first wait up to this many seconds for /readyz")
     parser.add_argument("--seed", type=int, default=0, help="seed of the operands and the draws (default: %(default)s)")
     parser.add_argument("--out", default="out/soak.json", help="the JSON report (default: %(default)s)")
     args = parser.parse_args(argv)

@@ -19,6 +19,10 @@ from matmul_tools.service import free_port, running_server, uvicorn_command, wai
 
 GPU_MISSING = gpu_unavailable(0)
 
+EDGE_SHAPES = [(1, 1, 1), (1, 64, 1), (1, 5, 300), (300, 5, 1), (17, 33, 9), (1000, 1, 1000)]
+"""(m, k, n) that every kernel is checked on: 1x1, 1xN and Nx1 products, k = 1, sides that are not multiples of any
+tile or vector width."""
+
 # Hypothesis (the codec properties, and schemathesis's fuzzing): few examples, no per-example deadline, so
 # the suite stays quick and steady on CI's two cores; HYPOTHESIS_PROFILE=thorough searches far longer.
 settings.register_profile("ci", max_examples=100, deadline=None)

@@ -7,17 +7,12 @@ import pytest
 
 from kernels.emulation import EMULATIONS
 from kernels.registry import KERNELS, LaunchConfig
-from tests.conftest import assert_product
+from tests.conftest import EDGE_SHAPES, assert_product
 
-# (m, k, n): those of tests/test_gpu.py that run in milliseconds here (sides that are not multiples of any
-# tile, 1x1, 1xN, Nx1, k=1), a k that spans several tiles, and empty dimensions.
+# (m, k, n): the edge shapes every kernel is checked on, the self-test's, a k that spans several tiles, and empty
+# dimensions.
 SHAPES = [
-    (1, 1, 1),
-    (1, 64, 1),
-    (1, 5, 300),
-    (300, 5, 1),
-    (17, 33, 9),
-    (1000, 1, 1000),
+    *EDGE_SHAPES,
     (67, 45, 39),
     (130, 257, 70),
     (0, 3, 4),

@@ -426,11 +426,18 @@ def _product(engine: Engine, value: float) -> asyncio.Task[Outcome]:
     return asyncio.create_task(engine.matmul(np.full((1, 1), value), np.ones((1, 1)), f64, "numpy", None, None))
 
 
+async def _submitted(engine: Engine, backend: PipelinedBackend, value: float) -> asyncio.Task[Outcome]:
+    """A product of `value`, once the backend holds its launch (the launch before it already submitted)."""
+    launches = len(backend.launches)
+    product = _product(engine, value)
+    await _wait(lambda: len(backend.launches) == launches + 1)
+    return product
+
+
 async def test_the_next_launch_is_submitted_while_the_previous_one_runs() -> None:
     backend = PipelinedBackend()
     engine = await _pipelined(backend)
-    first = _product(engine, 1)
-    await _wait(lambda: len(backend.launches) == 1)
+    first = await _submitted(engine, backend, 1)
     rest = [_product(engine, 2), _product(engine, 3)]
     await _wait(lambda: len(backend.launches) == 2)
     await asyncio.sleep(0.05)
@@ -450,12 +457,10 @@ async def test_the_next_launch_is_submitted_while_the_previous_one_runs() -> Non
 async def test_a_finished_launch_is_collected_before_the_next_is_submitted() -> None:
     backend = PipelinedBackend()
     engine = await _pipelined(backend)
-    first = _product(engine, 1)
-    await _wait(lambda: len(backend.launches) == 1)
+    first = await _submitted(engine, backend, 1)
     backend.launches[0].finish()
     await first
-    second = _product(engine, 2)
-    await _wait(lambda: len(backend.launches) == 2)
+    second = await _submitted(engine, backend, 2)
     backend.launches[1].finish()
     await second
     assert backend.log == ["submit 1", "collect 1", "submit 2", "collect 2"]
@@ -465,10 +470,8 @@ async def test_a_finished_launch_is_collected_before_the_next_is_submitted() -> 
 async def test_a_launch_that_fails_on_the_device_fails_only_its_own_requests() -> None:
     backend = PipelinedBackend()
     engine = await _pipelined(backend)
-    first = _product(engine, 1)
-    await _wait(lambda: len(backend.launches) == 1)
-    second = _product(engine, 2)
-    await _wait(lambda: len(backend.launches) == 2)
+    first = await _submitted(engine, backend, 1)
+    second = await _submitted(engine, backend, 2)
     backend.launches[0].finish(DeviceOutOfMemory("the product does not fit in device memory now"))
     backend.launches[1].finish()
     with pytest.raises(DeviceOutOfMemory):

@@ -13,18 +13,13 @@ from kernels.emulation import EMULATIONS
 from kernels.registry import KERNELS, KernelSpec, LaunchConfig, cdiv
 from kernels.roofline import FMA_LANES
 from matmul_tools.bodies import load_npy, npy_bytes
-from tests.conftest import assert_product
+from tests.conftest import EDGE_SHAPES, assert_product
 
 pytestmark = pytest.mark.gpu
 
-# (m, k, n): sizes that are not multiples of any tile, degenerate ones (1x1, 1xN, Nx1, k=1), and a big square.
+# (m, k, n): the edge shapes, a long k whose sides are not multiples of any tile, and a big square.
 SHAPES = [
-    (1, 1, 1),
-    (1, 64, 1),
-    (1, 5, 300),
-    (300, 5, 1),
-    (17, 33, 9),
-    (1000, 1, 1000),
+    *EDGE_SHAPES,
     (4095, 4097, 31),
     (2048, 2048, 2048),
 ]
