@@ -10,7 +10,7 @@ cuBLAS dashed) and bench_kernels_roofline.png (GFLOP/s against arithmetic intens
 global-memory requests each kernel's access pattern makes, one point per kernel and shape, under the device's
 compute and memory roofs; see docs/roofline.md) under --out.
 
-    python scripts/bench_kernels.py                       # the whole sweep, both dtypes (under 5 minutes)
+    python scripts/bench_kernels.py                       # the whole sweep, both dtypes
     python scripts/bench_kernels.py --kernels fast --sizes 4096 --dtypes float32 --no-odd
     python scripts/bench_kernels.py --kernels fast --configs all --sizes 2048,4096   # every instance
 """

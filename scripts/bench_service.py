@@ -5,8 +5,8 @@ Each configuration (batching off/on, 1 or N HTTP workers) is a fresh server star
 `--duration` seconds at most (and `--max-requests`), after `--warmup` requests from each client process that
 are left out (the first products of a shape; more would cost minutes at 4096 x 4096 and concurrency 64).
 The load comes from `--client-processes` processes sharing the cell's connections and starting together: httpx
-slows down with many connections in one process (64 connections to one CPU-backend server: 104 req/s
-from one process, 531 from eight), and the client must not be what limits small requests.
+slows down with many connections in one process (docs/throughput.md), and the client must not be what limits
+small requests.
 
 For each cell: req/s, latency p50/p99, payload GB/s (request + response bytes of the 200 answers per second),
 errors, the mean of each phase the server reports in Server-Timing (read, decode, queue, h2d, kernel, d2h,
