@@ -16,7 +16,7 @@ from app.allocator import ARENA_ENV, DEFAULT_ARENAS, cap_malloc_arenas
 
 pytestmark = pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="the arena cap is glibc's")
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 THREADS = 8
 # Each thread mallocs once, all of them at the same time (ctypes calls release the GIL), and keeps the block
 # until every thread has allocated; glibc gives a thread without an arena a new one while under the cap.

@@ -22,7 +22,7 @@ from schemathesis.specs.openapi.checks import (
 from app.codecs import NPZ_MEDIA_TYPE
 from app.config import Settings
 from app.main import create_app
-from tests.test_codec_properties import mutated, valid_npz
+from tests.codecs.test_codec_properties import mutated, valid_npz
 
 APP = create_app(Settings(backend="cpu", access_log=False))
 schema = schemathesis.openapi.from_dict(APP.openapi())
