@@ -194,7 +194,12 @@ def test_the_build_context_holds_what_copy_needs_and_not_the_rest() -> None:
     needed = list(copied_files())
     assert "kernels/registry.py" in needed and "scripts/loadtest.py" in needed
     assert [path for path in needed if ignored(path)] == []
-    for path in (".venv/bin/python", ".git/HEAD", "tests/test_client.py", "app/__pycache__/main.cpython-312.pyc"):
+    for path in (
+        ".venv/bin/python",
+        ".git/HEAD",
+        "tests/client/test_client.py",
+        "app/__pycache__/main.cpython-312.pyc",
+    ):
         assert ignored(path), path
 
 
