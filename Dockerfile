@@ -75,5 +75,6 @@ EXPOSE 8000
 HEALTHCHECK --interval=10s --timeout=3s --start-period=20s --retries=3 \
     CMD ["python3", "-c", "import urllib.request; urllib.request.urlopen('http://127.0.0.1:8000/healthz', timeout=2)"]
 # Settings come from the environment: MATMUL_* for the service, UVICORN_* (host, port, log level) for uvicorn,
-# whose plain access log is off because the service writes its own, in JSON (MATMUL_ACCESS_LOG).
-CMD ["uvicorn", "app.main:create_app", "--factory"]
+# whose plain access log is off because the service writes its own, in JSON (MATMUL_ACCESS_LOG). --http installs
+# the connection protocol that bounds request headers (MATMUL_MAX_HEADER_BYTES, MATMUL_HEADER_TIMEOUT_S).
+CMD ["uvicorn", "app.main:create_app", "--factory", "--http", "app.api.connection:GuardedHttpProtocol"]

@@ -22,7 +22,8 @@ install-test: $(BIN)/python
 	$(BIN)/python -m pip install --quiet -e ".[test]"
 
 run: install-run
-	$(BIN)/python -m uvicorn app.main:create_app --factory --no-access-log --host $(HOST) --port $(PORT)
+	$(BIN)/python -m uvicorn app.main:create_app --factory --http app.api.connection:GuardedHttpProtocol \
+		--no-access-log --host $(HOST) --port $(PORT)
 
 test: install-test
 	$(BIN)/ruff check .

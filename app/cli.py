@@ -20,6 +20,7 @@ from pydantic import ValidationError
 from pydantic.fields import FieldInfo
 
 from app import __version__
+from app.api.connection import GuardedHttpProtocol
 from app.client import DEFAULT_TIMEOUT_S, DEFAULT_URL, FORMATS, MatmulClient, MatmulServiceError, Options, Product
 from app.config import Settings
 
@@ -148,6 +149,12 @@ def service_main(argv: Sequence[str] | None = None) -> int:
 
     # No uvicorn access log: the service writes its own, in JSON (MATMUL_ACCESS_LOG).
     uvicorn.run(
-        "app.main:create_app", factory=True, host=args.host, port=args.port, log_level=args.log_level, access_log=False
+        "app.main:create_app",
+        factory=True,
+        host=args.host,
+        port=args.port,
+        log_level=args.log_level,
+        access_log=False,
+        http=GuardedHttpProtocol,
     )
     return 0

@@ -11,7 +11,7 @@ from __future__ import annotations
 import io
 import lzma
 import math
-import tokenize
+import re
 import zipfile
 import zlib
 from collections.abc import Iterable, Mapping
@@ -147,7 +147,8 @@ def working_dtype(requested: str | None, operands: Operands) -> np.dtype:
 # ---------------------------------------------------------------------------------------------- JSON in
 
 
-def _json_type(value: object) -> str:
+def json_type(value: object) -> str:
+    """How a decoded JSON value is named in messages: null, a boolean, a string, an object, a list, a number."""
     if value is None:
         return "null"
     if isinstance(value, bool):
@@ -167,7 +168,7 @@ def _locate_json_problem(value: list[Any], name: str) -> InvalidMatrix | None:
     for i, row in enumerate(value):
         if not isinstance(row, list):
             return InvalidMatrix(
-                f"{name}[{i}] is {_json_type(row)}; '{name}' must be a list of rows, each a list of numbers",
+                f"{name}[{i}] is {json_type(row)}; '{name}' must be a list of rows, each a list of numbers",
                 location=[name, i],
             )
         if width is None:
@@ -178,7 +179,7 @@ def _locate_json_problem(value: list[Any], name: str) -> InvalidMatrix | None:
             )
         for j, x in enumerate(row):
             if isinstance(x, bool) or not isinstance(x, int | float):
-                return InvalidMatrix(f"{name}[{i}][{j}] is {_json_type(x)}, expected a number", location=[name, i, j])
+                return InvalidMatrix(f"{name}[{i}][{j}] is {json_type(x)}, expected a number", location=[name, i, j])
     return None
 
 
@@ -188,7 +189,7 @@ def _json_matrix(doc: Mapping[str, Any], name: str, may_hold_booleans: bool, lim
     value = doc[name]
     if not isinstance(value, list) or not value:
         raise InvalidMatrix(
-            f"'{name}' must be a non-empty list of rows (a 2-D array of numbers), got {_json_type(value)}"
+            f"'{name}' must be a non-empty list of rows (a 2-D array of numbers), got {json_type(value)}"
             + (" with no rows" if isinstance(value, list) else ""),
             location=[name],
         )
@@ -218,7 +219,7 @@ def decode_json(body: bytes, limits: Limits) -> Operands:
     except orjson.JSONDecodeError as exc:
         raise MalformedPayload(f"the body is not valid JSON: {exc}") from exc
     if not isinstance(doc, dict):
-        raise MalformedPayload(f"the JSON body must be an object with keys 'a' and 'b', got {_json_type(doc)}")
+        raise MalformedPayload(f"the JSON body must be an object with keys 'a' and 'b', got {json_type(doc)}")
     unknown = sorted(set(doc) - {*OPERANDS, *JSON_OPTION_KEYS})
     if unknown:
         raise InvalidParameter(
@@ -233,10 +234,10 @@ def decode_json(body: bytes, limits: Limits) -> Operands:
 def _json_options(doc: Mapping[str, Any]) -> RequestOptions:
     for key in ("kernel", "dtype"):
         if doc.get(key) is not None and not isinstance(doc[key], str):
-            raise InvalidParameter(f"'{key}' must be a string, got {_json_type(doc[key])}", location=[key])
+            raise InvalidParameter(f"'{key}' must be a string, got {json_type(doc[key])}", location=[key])
     tile = doc.get("tile")
     if tile is not None and (isinstance(tile, bool) or not isinstance(tile, int)):
-        raise InvalidParameter(f"'tile' must be an integer, got {_json_type(tile)}", location=["tile"])
+        raise InvalidParameter(f"'tile' must be an integer, got {json_type(tile)}", location=["tile"])
     return RequestOptions(kernel=doc.get("kernel"), tile=tile, dtype=doc.get("dtype"))
 
 
@@ -257,30 +258,161 @@ class _NpyHeader:
         return self.offset + math.prod(self.shape) * self.dtype.itemsize
 
 
-def _read_npy_header(head: bytes | memoryview, name: str, limits: Limits) -> _NpyHeader:
-    """The header at the start of a `.npy` file (`head` holds at least its first _NPY_MAX_HEADER + 16 bytes, or
-    the whole file), checked: a numeric dtype, a 2-D shape within the limits."""
-    stream = io.BytesIO(memoryview(head)[: _NPY_MAX_HEADER + 16].tobytes())
+_NPY_MAGIC = b"\x93NUMPY"
+_NPY_VERSIONS = {(1, 0): (2, "ascii"), (2, 0): (4, "ascii"), (3, 0): (4, "utf-8")}
+"""Format version -> the width of the header's length field and the header's encoding (3.0: UTF-8 text)."""
+_NPY_KEYS = ("descr", "fortran_order", "shape")
+_NPY_EXAMPLE = "{'descr': '<f4', 'fortran_order': False, 'shape': (2, 3), }"
+_NPY_TOKEN = re.compile(
+    r"[ \t]*(?:(?P<punct>[{}():,])|'(?P<quoted>[^'\\\n]{0,64})'|\"(?P<dquoted>[^\"\\\n]{0,64})\""
+    r"|(?P<bool>True|False)\b|(?P<int>0|[1-9][0-9]{0,19})(?![0-9A-Za-z_.])|(?P<list>\[))"
+)
+"""One token of a header as NumPy writes it: punctuation, a short string, a boolean, a plain decimal integer of at
+most 20 digits, or the `[` of a structured dtype's field list (refused by name). Nothing else is read."""
+_NPY_DESCR = re.compile(r"[<>|=]?[biufcmMOSUV][0-9]{0,5}(?:\[[A-Za-z0-9]{1,4}\])?")
+"""A dtype string as `dtype.str` writes it: byte order, kind, item size, and a datetime unit."""
+
+
+class _NpyHeaderText:
+    """A recursive-descent reader for the header dict `{'descr': <str>, 'fortran_order': <bool>, 'shape': (<ints>)}`
+    exactly as NumPy writes it (keys in any order, spaces between tokens, a trailing comma). It never evaluates the
+    text: a sign, an expression, a nested tuple or anything else NumPy does not write is refused where it stands."""
+
+    def __init__(self, text: str, name: str) -> None:
+        self.text = text
+        self.name = name
+        self.at = 0
+        self.last = 0
+        """Where the last token read begins, for the message."""
+
+    def fail(self, what: str) -> MalformedPayload:
+        near = self.text[self.last : self.last + 24]
+        return MalformedPayload(
+            f"'{self.name}' is not a valid .npy file: its header has {what} at character {self.last} ({near!r}); "
+            f"NumPy writes {_NPY_EXAMPLE}",
+            location=[self.name],
+        )
+
+    def token(self) -> tuple[str, str]:
+        match = _NPY_TOKEN.match(self.text, self.at)
+        if match is None or match.lastgroup is None:
+            self.last = self.at
+            raise self.fail("something NumPy does not write")
+        self.last, self.at = match.start(match.lastgroup), match.end()
+        kind = "quoted" if match.lastgroup == "dquoted" else match.lastgroup
+        return kind, match.group(match.lastgroup)
+
+    def expect(self, punct: str) -> None:
+        if self.token() != ("punct", punct):
+            raise self.fail(f"no {punct!r}")
+
+    def parse(self) -> dict[str, Any]:
+        self.expect("{")
+        fields: dict[str, Any] = {}
+        while True:
+            kind, value = self.token()
+            if (kind, value) == ("punct", "}"):
+                break
+            if kind != "quoted" or value not in _NPY_KEYS or value in fields:
+                raise self.fail(f"the key {value!r}, not one of {list(_NPY_KEYS)} once each")
+            self.expect(":")
+            fields[value] = self.value(value)
+            kind, value = self.token()
+            if (kind, value) == ("punct", "}"):
+                break
+            if (kind, value) != ("punct", ","):
+                raise self.fail("no ',' or '}' after a value")
+        if self.text[self.at :].strip(" \t\r\n"):
+            self.last = self.at
+            raise self.fail("text after the closing '}'")
+        if len(fields) != len(_NPY_KEYS):
+            raise self.fail(f"the keys {sorted(fields)}, not {list(_NPY_KEYS)}")
+        return fields
+
+    def value(self, key: str) -> Any:
+        kind, value = self.token()
+        if key == "descr" and kind == "list":
+            raise InvalidMatrix(
+                f"matrix '{self.name}' has a structured dtype (a list of fields); supported are float32, float64 "
+                "and integers",
+                location=[self.name],
+            )
+        if key == "descr" and kind == "quoted":
+            return value
+        if key == "fortran_order" and kind == "bool":
+            return value == "True"
+        if key == "shape" and (kind, value) == ("punct", "("):
+            return self.shape()
+        raise self.fail(f"{value!r} as its {key!r}")
+
+    def shape(self) -> tuple[int, ...]:
+        sizes: list[int] = []
+        comma = False
+        while True:
+            kind, value = self.token()
+            if (kind, value) == ("punct", ")"):
+                break
+            if kind != "int":
+                raise self.fail(f"{value!r} in the shape, where only non-negative integers go")
+            sizes.append(int(value))
+            kind, value = self.token()
+            comma = (kind, value) == ("punct", ",")
+            if (kind, value) == ("punct", ")"):
+                break
+            if not comma:
+                raise self.fail("no ',' or ')' after a dimension")
+        if len(sizes) == 1 and not comma:
+            raise self.fail("a one-dimensional shape without its comma")
+        return tuple(sizes)
+
+
+def _npy_header_text(head: memoryview, name: str) -> tuple[str, int]:
+    """The header text of a `.npy` file and where its data begins, from the magic, version and length fields."""
+
+    def refuse(problem: str) -> MalformedPayload:
+        return MalformedPayload(f"'{name}' is not a valid .npy file: {problem}", location=[name])
+
+    if len(head) < 8 or head[:6] != _NPY_MAGIC:
+        raise refuse("it does not begin with the .npy magic \\x93NUMPY")
+    version = (head[6], head[7])
+    if version not in _NPY_VERSIONS:
+        raise refuse(f"format version {version[0]}.{version[1]}; NumPy writes 1.0, 2.0 and 3.0")
+    width, encoding = _NPY_VERSIONS[version]
+    size = int.from_bytes(head[8 : 8 + width], "little")
+    offset = 8 + width + size
+    if size > _NPY_MAX_HEADER:
+        raise refuse(f"its header is {size} bytes, over the {_NPY_MAX_HEADER} NumPy reads")
+    if len(head) < offset:
+        raise refuse(f"it ends inside its {size}-byte header (truncated)")
     try:
-        version = np.lib.format.read_magic(stream)
-        if version == (1, 0):
-            shape, fortran_order, dtype = np.lib.format.read_array_header_1_0(stream)
-        elif version == (2, 0):
-            shape, fortran_order, dtype = np.lib.format.read_array_header_2_0(stream)
-        else:
-            raise ValueError(f"unsupported .npy format version {version[0]}.{version[1]}")
-    # A header Python cannot parse is re-read by NumPy's tokenizer (for Python 2 headers), which has errors of its own.
-    except (ValueError, SyntaxError, EOFError, tokenize.TokenError) as exc:
-        raise MalformedPayload(f"'{name}' is not a valid .npy file: {exc}", location=[name]) from exc
+        return bytes(head[8 + width : offset]).decode(encoding), offset
+    except UnicodeDecodeError as exc:
+        said = "UTF-8" if encoding == "utf-8" else "ASCII (format 3.0 is for UTF-8 headers)"
+        raise refuse(f"its version {version[0]}.{version[1]} header is not {said}: {exc.reason}") from exc
+
+
+def _npy_dtype(descr: str, name: str) -> np.dtype:
+    if _NPY_DESCR.fullmatch(descr):
+        try:
+            return np.dtype(descr)
+        except (TypeError, ValueError):
+            pass
+    raise MalformedPayload(f"'{name}' is not a valid .npy file: its descr {descr!r} is not a dtype", location=[name])
+
+
+def _read_npy_header(head: bytes | memoryview | bytearray, name: str, limits: Limits) -> _NpyHeader:
+    """The header at the start of a `.npy` file (`head` holds at least its first _NPY_MAX_HEADER + 16 bytes, or
+    the whole file), read by the grammar NumPy writes and checked: a numeric dtype, a 2-D shape within the limits."""
+    text, offset = _npy_header_text(memoryview(head), name)
+    fields = _NpyHeaderText(text, name).parse()
+    dtype, shape = _npy_dtype(fields["descr"], name), fields["shape"]
     if len(shape) != 2:
         raise InvalidMatrix(
             f"matrix '{name}' must be 2-D, got {len(shape)}-D with shape {list(shape)}", location=[name]
         )
-    if min(shape) < 0:
-        raise MalformedPayload(f"'{name}' has a negative dimension in its .npy header: {list(shape)}", location=[name])
     check_dtype(dtype, name)
     check_shape(shape, name, limits)
-    return _NpyHeader(shape=shape, fortran_order=fortran_order, dtype=dtype, offset=stream.tell())
+    return _NpyHeader(shape=shape, fortran_order=fields["fortran_order"], dtype=dtype, offset=offset)
 
 
 def _data_size_error(header: _NpyHeader, name: str, present: int) -> MalformedPayload:

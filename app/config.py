@@ -40,6 +40,19 @@ class Settings(BaseSettings):
         ge=1024,
         description="Largest JSON body (JSON costs ~20x the memory and time of .npy per element); 413 beyond.",
     )
+    max_header_bytes: int = Field(
+        64 * 1024,
+        ge=1024,
+        le=1 << 24,
+        description="Most bytes of a request line and its headers together; 431 beyond, before the body is read.",
+    )
+    header_timeout_s: float = Field(
+        10.0,
+        gt=0,
+        le=3600,
+        description="Longest a connection may take to deliver a request's headers, from connecting (or from the "
+        "request's first byte on a kept-alive connection); then it is closed, with 408 if part of a request came.",
+    )
     body_timeout_s: float = Field(
         30.0, gt=0, le=3600, description="Longest wait for the next piece of a body that has not all arrived; 408."
     )

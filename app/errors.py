@@ -10,10 +10,14 @@ one place, so routes, codecs and the engine raise them and never build HTTP resp
     │   ├── ShapeMismatch             422  shape_mismatch         inner dimensions differ, or a size limit is passed
     │   ├── UnknownKernel             422  unknown_kernel         not a kernel of this backend
     │   └── InvalidParameter          422  invalid_parameter      bad tile, dtype, or conflicting parameters
+    ├── BadRequest                    400  bad_request            a request that contradicts itself (two Content-Types)
+    │                                                             or the inference protocol (an infer id not a string)
     ├── NotFound                      404  not_found              a route that is switched off
     │   └── UnknownModel              404  unknown_model          inference protocol: no such model or version
     ├── Unauthorized                  401  unauthorized           no or wrong API key (sent with WWW-Authenticate)
     ├── BodyTimeout                   408  body_timeout           the body stopped arriving
+    ├── HeaderTimeout                 408  header_timeout         the request's headers did not all arrive in time
+    ├── HeadersTooLarge               431  headers_too_large      the request line and headers passed their limit
     ├── PayloadTooLarge               413  payload_too_large
     ├── UnsupportedMediaType          415  unsupported_media_type
     ├── NotAcceptable                 406  not_acceptable
@@ -74,6 +78,11 @@ class InvalidParameter(InvalidInput):
     code = "invalid_parameter"
 
 
+class BadRequest(MatmulError):
+    status_code = 400
+    code = "bad_request"
+
+
 class NotFound(MatmulError):
     status_code = 404
     code = "not_found"
@@ -91,6 +100,16 @@ class Unauthorized(MatmulError):
 class BodyTimeout(MatmulError):
     status_code = 408
     code = "body_timeout"
+
+
+class HeaderTimeout(MatmulError):
+    status_code = 408
+    code = "header_timeout"
+
+
+class HeadersTooLarge(MatmulError):
+    status_code = 431
+    code = "headers_too_large"
 
 
 class PayloadTooLarge(MatmulError):

@@ -16,8 +16,8 @@ from typing import Any
 import numpy as np
 import orjson
 
-from app.codecs import Limits, Operands, RequestOptions, check_shape
-from app.errors import InvalidMatrix, InvalidParameter, MalformedPayload
+from app.codecs import Limits, Operands, RequestOptions, check_shape, json_type
+from app.errors import BadRequest, InvalidMatrix, InvalidParameter, MalformedPayload
 
 HEADER_LENGTH = "Inference-Header-Content-Length"
 BINARY_MEDIA_TYPE = "application/octet-stream"
@@ -158,8 +158,10 @@ def decode_infer(body: bytes, header_length: str | None, limits: Limits) -> Infe
             _object(outputs[0].get("parameters", {}), "output parameters").get("binary_data", binary_output)
         )
     request_id = doc.get("id")
+    if request_id is not None and not isinstance(request_id, str):
+        raise BadRequest(f"the request's 'id' must be a string, got {json_type(request_id)}", location=["id"])
     return InferRequest(
-        id=str(request_id) if request_id is not None else None,
+        id=request_id,
         operands=Operands(a=arrays["A"], b=arrays["B"], options=_options(parameters, declared)),
         binary_output=binary_output,
     )

@@ -7,13 +7,16 @@ import os
 import signal
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from typing import Any
 
 from fastapi import FastAPI
 
 from app import __version__
 from app.allocator import cap_malloc_arenas
 from app.api.auth import ApiKeyMiddleware
-from app.api.errors import install_error_handlers
+from app.api.connection import HEADER_LIMITS, HeaderLimits
+from app.api.errors import UnexpectedErrors, install_error_handlers
+from app.api.framing import RequestHeadMiddleware
 from app.api.limits import BodyLimitMiddleware
 from app.api.observe import RequestObserver, configure_access_log
 from app.api.routes import api_router, docs
@@ -36,7 +39,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     """The ASGI app. Settings come from MATMUL_* env vars unless given (tests pass their own)."""
 
     @asynccontextmanager
-    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+    async def lifespan(app: FastAPI) -> AsyncIterator[dict[str, Any]]:
         cap_malloc_arenas()  # before the engine and the codec thread pool start their threads
         resolved = settings if settings is not None else Settings()
         engine = build_engine(resolved, on_device_lost=_shut_down_for_restart)
@@ -47,7 +50,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         configure_access_log(resolved.access_log)
         engine.start()
         try:
-            yield
+            yield {HEADER_LIMITS: HeaderLimits.of(resolved)}  # for the server's connections (app.api.connection)
         finally:
             await engine.stop()
         if engine.device_lost:
@@ -63,7 +66,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         redoc_url=None,
     )
     app.add_middleware(BodyLimitMiddleware)
+    app.add_middleware(RequestHeadMiddleware)
     app.add_middleware(ApiKeyMiddleware)
+    app.add_middleware(UnexpectedErrors)
     app.add_middleware(RequestObserver)
     install_error_handlers(app)
     app.include_router(api_router)

@@ -10,7 +10,7 @@ import numpy as np
 
 MULTIPART_BOUNDARY = "xx"
 MULTIPART_CONTENT_TYPE = f"multipart/form-data; boundary={MULTIPART_BOUNDARY}"
-"""The Content-Type of `multipart_body`'s bodies."""
+"""The Content-Type of `multipart_body`'s bodies with the default boundary."""
 
 
 def npy_bytes(array: np.ndarray) -> bytes:
@@ -44,12 +44,21 @@ def zip_members(compressed: bool = False, **members: bytes) -> bytes:
     return buffer.getvalue()
 
 
-def multipart_body(parts: Iterable[tuple[str, bytes]], filename: str | None = None) -> bytes:
-    """A multipart/form-data body (boundary `MULTIPART_BOUNDARY`) of file parts in the order given, names repeated
-    if they are; each part's filename is `filename`, or its name with `.npy`."""
-    chunks = [
-        b'--%s\r\nContent-Disposition: form-data; name="%s"; filename="%s"\r\n\r\n%s\r\n'
-        % (MULTIPART_BOUNDARY.encode(), name.encode(), (filename or f"{name}.npy").encode(), data)
-        for name, data in parts
-    ]
-    return b"".join([*chunks, b"--%s--\r\n" % MULTIPART_BOUNDARY.encode()])
+def multipart_body(
+    parts: Iterable[tuple[str, bytes] | tuple[str, bytes, bool]],
+    filename: str | None = None,
+    boundary: str = MULTIPART_BOUNDARY,
+    preamble: bytes = b"",
+    epilogue: bytes = b"",
+) -> bytes:
+    """A multipart/form-data body of parts in the order given, names repeated if they are: (name, data) is a file
+    part, (name, data, False) a text field. A file part's filename is `filename`, or its name with `.npy`. The
+    boundary is written in latin-1, so that a test may send any byte in it; `preamble` and `epilogue` stand
+    before the first delimiter and after the closing one."""
+    body = [preamble]
+    for name, data, *is_file in parts:
+        named = f'; filename="{filename or f"{name}.npy"}"' if is_file != [False] else ""
+        head = f'--{boundary}\r\nContent-Disposition: form-data; name="{name}"{named}\r\n\r\n'
+        body += [head.encode("latin-1"), data, b"\r\n"]
+    body += [f"--{boundary}--\r\n".encode("latin-1"), epilogue]
+    return b"".join(body)

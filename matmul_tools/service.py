@@ -1,6 +1,7 @@
 """matmul-service as a local process on a loopback port: started, waited for, stopped.
 
-A server is a command (by default uvicorn on the app factory) in a process group of its own, so that uvicorn's
+A server is a command (by default uvicorn on the app factory with the service's connection protocol,
+HTTP_PROTOCOL) in a process group of its own, so that uvicorn's
 `--workers` children go with it, its output in a log file. It is ready once GET /readyz answers 200; with several
 workers, several times in a row over new connections, since each goes to whichever worker accepts it first.
 """
@@ -23,6 +24,9 @@ from pathlib import Path
 import httpx
 
 ROOT = Path(__file__).resolve().parents[1]
+HTTP_PROTOCOL = ("--http", "app.api.connection:GuardedHttpProtocol")
+"""uvicorn's flag for the connection protocol that bounds request headers (app/api/connection.py), named as an
+import string: the tools start the service as it starts itself without importing its insides."""
 READY_PROBES_PER_WORKER = 5
 """Consecutive 200s from /readyz, each over a new connection, asked of every worker: a new connection goes to
 whichever worker accepts it first, so one not ready yet is all but sure to be hit."""
@@ -40,8 +44,8 @@ def free_port() -> int:
 
 
 def uvicorn_command(port: int, *options: str) -> list[str]:
-    """uvicorn serving the app factory on 127.0.0.1:`port`, with uvicorn's `options` after."""
-    command = [sys.executable, "-m", "uvicorn", "app.main:create_app", "--factory"]
+    """uvicorn serving the app factory with HTTP_PROTOCOL on 127.0.0.1:`port`, with uvicorn's `options` after."""
+    command = [sys.executable, "-m", "uvicorn", "app.main:create_app", "--factory", *HTTP_PROTOCOL]
     return [*command, "--host", "127.0.0.1", "--port", str(port), *options]
 
 

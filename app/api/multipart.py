@@ -4,18 +4,25 @@ Starlette's form parser spools every file part over 1 MB to a temporary file, on
 chunk: 300-450 ms for two 64 MB .npy parts on the GPU machine. The body is already in memory (read under
 the size limits), so this feeds it to the parser whole and keeps each part as a view of the body: the parser
 reports a part's data as offsets into the very buffer it was given, and nothing is copied.
+
+RFC 2046 framing: a boundary of 1 to 70 characters, a preamble before the first delimiter and an epilogue after
+the last are allowed (and ignored).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from urllib.parse import urlencode
 
 from python_multipart.exceptions import MultipartParseError
 from python_multipart.multipart import MultipartParser, MultipartState, parse_options_header
 
-from app.errors import InvalidMatrix, MalformedPayload
+from app import codecs
+from app.errors import InvalidMatrix, InvalidParameter, MalformedPayload
 
 MAX_PARTS = 8
+MAX_BOUNDARY = 70
+"""RFC 2046 section 5.1.1: a boundary is 1 to 70 characters."""
 
 
 @dataclass
@@ -33,6 +40,11 @@ def parse_file_parts(body: bytes, content_type: str) -> dict[str, bytes | memory
     boundary = options.get(b"boundary")
     if not boundary:
         raise MalformedPayload("the multipart body cannot be parsed: its Content-Type has no boundary")
+    if len(boundary) > MAX_BOUNDARY:
+        raise MalformedPayload(
+            f"the multipart boundary is {len(boundary)} characters; RFC 2046 allows 1 to {MAX_BOUNDARY}"
+        )
+    body = _without_preamble(body, boundary)
     finished: list[_Part] = []
     current = _Part()
     view = memoryview(body)
@@ -80,6 +92,40 @@ def parse_file_parts(body: bytes, content_type: str) -> dict[str, bytes | memory
     return _file_parts(finished)
 
 
+def decode_multipart(body: bytes, content_type: str, limits: codecs.Limits) -> codecs.Operands:
+    """A multipart/form-data body with the .npy file parts 'a' and 'b' -> Operands."""
+    return codecs.decode_parts(parse_file_parts(body, content_type), limits, container="multipart body")
+
+
+def _without_preamble(body: bytes, boundary: bytes) -> bytes:
+    """The body from its first delimiter on: what comes before it is a preamble (copied once only when there is one)."""
+    delimiter = b"--" + boundary
+    if body.startswith(delimiter):
+        return body
+    if not body:
+        raise MalformedPayload("the multipart body is empty; send the .npy file parts 'a' and 'b'")
+    first = body.find(b"\r\n" + delimiter)
+    if first < 0:
+        shown = delimiter.decode("latin-1")
+        raise MalformedPayload(f"the multipart body has no delimiter {shown!r} (its Content-Type's boundary)")
+    return body[first + 2 :]
+
+
+def _text_field_error(name: str, part: _Part) -> InvalidMatrix | InvalidParameter:
+    """What to say about a text field: matrices are files, parameters belong in the query string."""
+    if name in codecs.OPERANDS:
+        return InvalidMatrix(
+            f"part '{name}' is a text field; send each matrix as a .npy file (curl -F {name}=@{name}.npy)",
+            location=[name],
+        )
+    query = urlencode({name: bytes(b"".join(part.chunks)[:64]).decode("latin-1")})
+    return InvalidParameter(
+        f"part '{name}' is a text field; parameters belong in the query string (POST /matmul?{query}) and the "
+        "body holds only the .npy file parts 'a' and 'b'",
+        location=[name],
+    )
+
+
 def _file_parts(parts: list[_Part]) -> dict[str, bytes | memoryview]:
     files: dict[str, bytes | memoryview] = {}
     for part in parts:
@@ -88,10 +134,7 @@ def _file_parts(parts: list[_Part]) -> dict[str, bytes | memoryview]:
         if disposition != b"form-data" or not name:
             raise MalformedPayload("a multipart part has no Content-Disposition: form-data; name=...")
         if b"filename" not in options:
-            raise InvalidMatrix(
-                f"part '{name}' is a text field; send each matrix as a .npy file (curl -F {name}=@{name}.npy)",
-                location=[name],
-            )
+            raise _text_field_error(name, part)
         if name in files:
             raise InvalidMatrix(f"part '{name}' is sent twice", location=[name])
         files[name] = part.chunks[0] if len(part.chunks) == 1 else b"".join(part.chunks)

@@ -8,6 +8,7 @@ the record left on `request.state.product` is what access logs and metrics read.
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -23,9 +24,10 @@ from app import codecs
 from app.api.schemas import DtypeName, MatmulMetadata, RooflineModel, Timing
 from app.config import Settings
 from app.engine import Engine, Outcome
-from app.errors import ClientGone, InvalidParameter, PayloadTooLarge
+from app.errors import ClientGone, InvalidParameter, MalformedPayload, MatmulError, PayloadTooLarge
 from kernels.roofline import roofline
 
+log = logging.getLogger(__name__)
 T = TypeVar("T")
 TIMEOUT_HEADER = "X-Request-Timeout"
 
@@ -35,6 +37,21 @@ async def off_loop_if_large(size: int, settings: Settings, function: Callable[..
     if size <= settings.inline_codec_bytes:
         return function(*args)
     return await run_in_threadpool(function, *args)
+
+
+async def decode_client_bytes(what: str, size: int, settings: Settings, decoder: Callable[..., T], *args: Any) -> T:
+    """Run a decoder on bytes a client sent (off the loop when large), and decide what its failures are: the
+    decoders raise a MatmulError that names what was wrong, and anything else they raise (a parser's failure
+    mode nobody foresaw) is still the client's malformed `what`, a 422 naming the exception, never a 500. Such an
+    exception is logged once with its traceback, to be given a message of its own."""
+    try:
+        return await off_loop_if_large(size, settings, decoder, *args)
+    except MatmulError:
+        raise
+    except Exception as exc:
+        log.warning("the %s raised %s in %s", what, type(exc).__name__, decoder.__qualname__, exc_info=exc)
+        said = str(exc)[:200] or type(exc).__name__
+        raise MalformedPayload(f"the {what} cannot be decoded: {said}") from exc
 
 
 async def read_body(request: Request, limit: int, what: str) -> bytes:

@@ -55,10 +55,10 @@ async def test_openapi_documents_every_route_parameter_and_error(client: httpx.A
     post = spec["paths"]["/matmul"]["post"]
     assert {p["name"] for p in post["parameters"]} == {"kernel", "tile", "dtype"}
     assert set(post["requestBody"]["content"]) == {"application/json", "multipart/form-data", "application/x-npz"}
-    assert set(post["responses"]) == {"200", "401", "406", "408", "413", "415", "422", "500", "503", "504"}
+    assert set(post["responses"]) == {"200", "400", "401", "406", "408", "413", "415", "422", "500", "503", "504"}
     assert "application/x-npy" in post["responses"]["200"]["content"]
     infer = spec["paths"]["/v2/models/{model}/infer"]["post"]["responses"]
-    assert {"401", "408", "413", "422", "500", "503", "504"} <= set(infer)
+    assert {"400", "401", "408", "413", "415", "422", "500", "503", "504"} <= set(infer)
     assert infer["503"]["content"]["application/json"]["schema"]["required"] == ["error"]  # the protocol's format
     for path in ("/v1/info", "/v1/kernels", "/metrics", "/v2", "/v2/models/stats"):
         assert "401" in spec["paths"][path]["get"]["responses"], path

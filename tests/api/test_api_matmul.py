@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import asyncio
+import io
 import logging
+import zipfile
 from typing import NoReturn
 
 import httpx
 import numpy as np
 import pytest
 
+from app import codecs
 from app.config import Settings
 from app.engine import Engine, Plan
 from app.engine.cpu import CpuBackend
@@ -347,11 +350,96 @@ async def test_multipart_framing_errors(
     _error(await client.post("/matmul", content=multipart_body(parts, "f.npy"), headers=headers), 422, code, words)
 
 
+def _npy_with_shape(shape: str) -> bytes:
+    """A float32 .npy file whose header says `shape` as written, and 64 bytes of data."""
+    text = "{'descr': '<f4', 'fortran_order': False, 'shape': " + shape + ", }"
+    text += " " * (-(len(text) + 11) % 64) + "\n"
+    return b"\x93NUMPY\x01\x00" + len(text).to_bytes(2, "little") + text.encode() + bytes(64)
+
+
+HOSTILE_HEADERS = [
+    pytest.param(_npy_with_shape("(True, 4)"), "'True' in the shape", id="boolean"),
+    pytest.param(_npy_with_shape("(" + "-" * 5000 + "2, 2)"), "something NumPy does not write", id="minus-tower"),
+    pytest.param(_npy_with_shape("(" + "+" * 5000 + "2, 2)"), "something NumPy does not write", id="plus-tower"),
+]
+
+
+@pytest.mark.parametrize(("hostile", "words"), HOSTILE_HEADERS)
+async def test_hostile_npy_headers_are_422_in_multipart_parts_and_npz_members(
+    client: httpx.AsyncClient, hostile: bytes, words: str
+) -> None:
+    """They were 500s (TypeError at reshape, RecursionError in the literal parser); in an .npz the RecursionError
+    was a 422 saying the archive was not a valid .npz."""
+    files = {"a": ("a.npy", hostile), "b": ("b.npy", npy_bytes(np.eye(2)))}
+    _error(
+        await client.post("/matmul", files=files),
+        422,
+        "malformed_payload",
+        f"'a' is not a valid .npy file: its header has {words}",
+    )
+    buffer = io.BytesIO()
+    with zipfile.ZipFile(buffer, "w", compression=zipfile.ZIP_DEFLATED) as npz:
+        npz.writestr("a.npy", hostile)
+        npz.writestr("b.npy", npy_bytes(np.eye(2)))
+    r = await client.post("/matmul", content=buffer.getvalue(), headers={"content-type": "application/x-npz"})
+    _error(r, 422, "malformed_payload", f"'a' is not a valid .npy file: its header has {words}")
+
+
+async def test_npy_format_version_3_is_accepted(client: httpx.AsyncClient) -> None:
+    buffer = io.BytesIO()
+    np.lib.format.write_array(buffer, np.eye(2, dtype=np.float32), version=(3, 0))
+    files = {"a": ("a.npy", buffer.getvalue()), "b": ("b.npy", npy_bytes(np.full((2, 2), 3.0)))}
+    r = await client.post("/matmul", files=files)
+    assert r.status_code == 200, r.text
+    assert r.json()["result"] == [[3.0, 3.0], [3.0, 3.0]]
+
+
+async def test_a_multipart_preamble_and_epilogue_are_accepted(client: httpx.AsyncClient) -> None:
+    parts = [("a", npy_bytes(np.eye(2))), ("b", npy_bytes(np.eye(2)))]
+    body = multipart_body(parts, preamble=b"This is a preamble.\r\n", epilogue=b"This is an epilogue.\r\n")
+    r = await client.post("/matmul", content=body, headers={"content-type": MULTIPART_CONTENT_TYPE})
+    assert r.status_code == 200, r.text
+
+
+@pytest.mark.parametrize("length", [71, 300])
+async def test_a_multipart_boundary_over_70_characters_is_422(client: httpx.AsyncClient, length: int) -> None:
+    """Over 256 characters it was a 500 (python-multipart's constructor raised outside the error handling)."""
+    boundary = "b" * length
+    body = multipart_body([("a", npy_bytes(np.eye(2))), ("b", npy_bytes(np.eye(2)))], boundary=boundary)
+    headers = {"content-type": f"multipart/form-data; boundary={boundary}"}
+    r = await client.post("/matmul", content=body, headers=headers)
+    _error(r, 422, "malformed_payload", f"boundary is {length} characters; RFC 2046 allows 1 to 70")
+
+
+async def test_a_parameter_sent_as_a_form_field_is_pointed_to_the_query_string(client: httpx.AsyncClient) -> None:
+    """curl -F a=@a.npy -F b=@b.npy -F kernel=numpy: the advice was to send kernel.npy as a file."""
+    files = {"a": ("a.npy", npy_bytes(np.eye(2))), "b": ("b.npy", npy_bytes(np.eye(2)))}
+    r = await client.post("/matmul", files=files, data={"kernel": "numpy"})
+    _error(r, 422, "invalid_parameter", "parameters belong in the query string (POST /matmul?kernel=numpy)")
+    assert r.json()["location"] == ["kernel"]
+
+
+async def test_whatever_a_decoder_raises_is_the_clients_422_naming_it(
+    client: httpx.AsyncClient, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The one place that decides: a failure mode of a parser nobody foresaw is a 422, not a 500, and is logged."""
+
+    def unforeseen(*args: object) -> NoReturn:
+        raise RecursionError("maximum recursion depth exceeded")
+
+    monkeypatch.setattr(codecs, "decode_json", unforeseen)
+    r = await client.post("/matmul", json={"a": [[1]], "b": [[1]]})
+    _error(r, 422, "malformed_payload", "the JSON body cannot be decoded: maximum recursion depth exceeded")
+    records = [record for record in caplog.records if record.exc_info is not None]
+    assert len(records) == 1 and "RecursionError" in records[0].getMessage()
+
+
 async def test_an_unexpected_error_is_a_500_in_the_error_format_that_shows_nothing_of_it(
     cpu_settings: Settings, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     """An exception the service does not know, raised inside the engine, is answered 500 with the generic error
-    body: neither its text nor a traceback reaches the client; the server's log keeps them."""
+    body: neither its text nor a traceback reaches the client; the server's log keeps them, in one record. The app
+    does not raise it on to the server (which would log the traceback a second time)."""
 
     async def broken(*args: object, **kwargs: object) -> NoReturn:
         raise RuntimeError("secret-internal-detail /srv/app/engine/worker.py")
@@ -359,13 +447,19 @@ async def test_an_unexpected_error_is_a_500_in_the_error_format_that_shows_nothi
     monkeypatch.setattr(Engine, "matmul", broken)
     app = create_app(cpu_settings)
     async with app.router.lifespan_context(app):
-        # Starlette re-raises the exception once its handler has answered, for the server to log: not a client's concern
-        transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
+        transport = httpx.ASGITransport(app=app, raise_app_exceptions=True)
         async with httpx.AsyncClient(transport=transport, base_url="http://testserver") as client:
             await wait_ready_async(client, timeout_s=30)
             r = await client.post("/matmul", json={"a": [[1.0]], "b": [[2.0]]})
+            v2 = await client.post(
+                "/v2/models/matmul/infer",
+                json={"inputs": [{"name": n, "shape": [1, 1], "datatype": "FP32", "data": [1]} for n in "AB"]},
+            )
     assert r.status_code == 500 and r.headers["content-type"] == "application/json"
     assert r.json() == {"code": "internal_error", "message": "internal server error", "location": None}
+    assert v2.status_code == 500 and v2.json() == {"error": "internal server error"}
     for leak in ("secret-internal-detail", "worker.py", "RuntimeError", "Traceback"):
-        assert leak not in r.text
+        assert leak not in r.text + v2.text
+    logged = [record for record in caplog.records if record.exc_info is not None]
+    assert len(logged) == 2, "one record for each 500"
     assert "secret-internal-detail" in caplog.text and "Traceback" in caplog.text

@@ -226,3 +226,35 @@ async def test_only_the_versioned_routes_take_a_version(client: httpx.AsyncClien
     assert r.status_code == 404 and "no version '2'" in r.json()["error"]
     r = await client.get("/v2/models/nope/versions/1/config")
     assert r.status_code == 404 and "unknown model 'nope'" in r.json()["error"]
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "status"),
+    [("GET", "/v2/nope", 404), ("GET", "/v2/models/matmul/infer/more", 404), ("DELETE", "/v2/health/live", 405)],
+)
+async def test_unknown_routes_and_wrong_methods_answer_in_the_protocols_format(
+    client: httpx.AsyncClient, method: str, path: str, status: int
+) -> None:
+    """Routing's own 404 and 405 under /v2 were in the service's format, which the protocol's clients do not parse."""
+    r = await client.request(method, path)
+    assert r.status_code == status and set(r.json()) == {"error"}, r.text
+    if status == 405:
+        assert r.headers["allow"] == "GET"
+
+
+async def test_outside_v2_routing_answers_in_the_services_format(client: httpx.AsyncClient) -> None:
+    r = await client.get("/v1/nope")
+    assert r.status_code == 404 and r.json()["code"] == "not_found"
+
+
+@pytest.mark.parametrize("request_id", [5, 1.5, True, ["x"], {"x": [1]}])
+async def test_an_infer_id_that_is_not_a_string_is_a_400(client: httpx.AsyncClient, request_id: object) -> None:
+    """It was echoed as its Python repr ("{'x': [1]}")."""
+    r = await client.post("/v2/models/matmul/infer", json=ab(id=request_id))
+    assert r.status_code == 400, r.text
+    assert "the request's 'id' must be a string" in r.json()["error"]
+
+
+async def test_a_string_infer_id_is_echoed(client: httpx.AsyncClient) -> None:
+    r = await client.post("/v2/models/matmul/infer", json=ab(id="req-1"))
+    assert r.status_code == 200 and r.json()["id"] == "req-1"

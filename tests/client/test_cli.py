@@ -13,6 +13,7 @@ import pytest
 from app.cli import client_main
 from app.client import FORMATS
 from app.config import Settings
+from matmul_tools.raw_http import status_of_a_large_header
 from matmul_tools.service import free_port, running_server
 from tests.conftest import assert_product
 
@@ -95,9 +96,12 @@ def test_service_help_shows_every_default_as_its_variable_would_spell_it() -> No
 def test_service_starts_with_its_flags() -> None:
     port = free_port()
     command = [SCRIPTS / "matmul-service", "--backend", "cpu", "--queue-size", "7", "--host", "127.0.0.1"]
+    command += ["--max-header-bytes", "4096"]
     with running_server([*map(str, command), "--port", str(port), "--log-level", "warning"], port) as client:
         info = client.get("/v1/info").json()
         assert info["backend"] == "cpu" and info["queue"]["size"] == 7
+        assert status_of_a_large_header(port, 3000)[0] == 200
+        assert status_of_a_large_header(port, 5000)[0] == 431, "the connection protocol is installed, with its flag"
 
 
 def test_service_refuses_a_bad_setting_before_starting() -> None:

@@ -2,7 +2,10 @@
 
 Every decoder is given arbitrary bytes and valid payloads broken on purpose (cut short, bytes flipped, bytes
 inserted, headers rewritten): each must return operands or raise a `MatmulError` (a 4xx for the client),
-never any other exception (a 500). The example counts come from the Hypothesis profile in conftest.py.
+never any other exception (a 500). `.npy` headers are also written as hostile text (mutations of what NumPy
+writes, towers of unary signs, booleans, nested tuples, huge digit strings, wrong keys, non-ASCII), alone, as
+`.npz` members and as multipart parts; a header the service accepts is one NumPy reads the same way. The
+example counts come from the Hypothesis profile in conftest.py.
 """
 
 from __future__ import annotations
@@ -21,8 +24,9 @@ from hypothesis import example, given
 from hypothesis import strategies as st
 
 from app import codecs, inference_protocol
+from app.api.multipart import decode_multipart
 from app.errors import MalformedPayload, MatmulError
-from matmul_tools.bodies import npy_bytes, npz_bytes, zip_members
+from matmul_tools.bodies import multipart_body, npy_bytes, npz_bytes, zip_members
 
 LIMITS = codecs.Limits(max_dim=64, max_elements=1024, max_result_elements=4096)
 MAX_MEMBER_BYTES = 1 << 16
@@ -197,10 +201,7 @@ def test_npy_files_numpy_writes_decode_as_written(matrix: np.ndarray, version: t
     """Fortran-ordered and big-endian files, every header version: the data is what NumPy saved."""
     buffer = io.BytesIO()
     np.lib.format.write_array(buffer, matrix, version=version)
-    decoded = decodes_or_refuses(codecs.decode_npy, buffer.getvalue(), "a", LIMITS)
-    if version == (3, 0):  # utf-8 headers: refused, never misread
-        assert decoded is None
-        return
+    decoded = codecs.decode_npy(buffer.getvalue(), "a", LIMITS)
     assert decoded.dtype == matrix.dtype and decoded.flags.f_contiguous == matrix.flags.f_contiguous
     assert_same(decoded, matrix)
 
@@ -290,6 +291,139 @@ def test_infer_answer_round_trip(c: np.ndarray, binary: bool, request_id: str | 
     else:
         assert header_length is None
         assert_json_numbers(output["data"], c)
+
+
+# ------------------------------------------------------------------------------------ hostile header text
+
+NPY_DESCRS = st.sampled_from(["<f4", ">f8", "<i8", "|u1", "<u2"])
+SMALL_SHAPES = st.tuples(st.integers(0, 4), st.integers(0, 4))
+
+
+def header_text(descr: str, fortran_order: bool, shape: tuple[int, ...]) -> str:
+    """The header dict exactly as NumPy writes it."""
+    return f"{{'descr': {descr!r}, 'fortran_order': {fortran_order!r}, 'shape': {shape!r}, }}"
+
+
+valid_header_texts = st.builds(header_text, NPY_DESCRS, st.booleans(), SMALL_SHAPES)
+HEADER_PIECES = st.sampled_from(
+    [
+        *"{}():,'\"-+~[]\\ \t\r\n0129LjeE._x",
+        "True", "False", "None", "not ", "'descr'", "'shape'", "'fortran_order'", "(2, 2)", "(2,)", "()",
+        "((2, 2),)", "[2, 2]", "{}", "2L", "1e3", "0x10", "1_0", "2j", "-0", "b'<f4'", "lambda: 0", "__import__('os')",
+        "é", "\u2028", "\x00", "\ufeff", "9" * 25,
+    ]
+) | st.text(max_size=3)  # fmt: skip
+"""Text that means something to Python's parser or to NumPy's, or nothing at all."""
+
+
+@st.composite
+def mutated_header_texts(draw: st.DrawFn) -> str:
+    """A header NumPy writes with one to four pieces of text inserted, deleted or replaced."""
+    text = draw(valid_header_texts)
+    for _ in range(draw(st.integers(1, 4))):
+        at = draw(st.integers(0, len(text)))
+        edit = draw(st.sampled_from(["insert", "delete", "replace"]))
+        cut = draw(st.integers(0, 4)) if edit != "insert" else 0
+        piece = draw(HEADER_PIECES) if edit != "delete" else ""
+        text = text[:at] + piece + text[at + cut :]
+    return text
+
+
+def shape_text(body: str) -> str:
+    return "{'descr': '<f4', 'fortran_order': False, 'shape': (" + body + "), }"
+
+
+sign_towers = st.builds(
+    lambda sign, count, size: shape_text(sign * count + f"{size}, 2"),
+    st.sampled_from(["-", "+", "~", "not ", "- +", "(", "[", "*"]),
+    st.integers(1, 5000),
+    st.integers(0, 4),
+)
+"""`(-----2, 2)`: Python's literal parser recurses once per sign (RecursionError, MemoryError)."""
+odd_shapes = st.recursive(
+    st.booleans() | st.none() | st.integers(-4, 6) | st.floats(allow_nan=False, width=16) | st.text(max_size=2),
+    lambda inner: st.tuples(inner, inner) | st.lists(inner, max_size=3) | st.tuples(inner),
+    max_leaves=6,
+).map(lambda shape: f"{{'descr': '<f4', 'fortran_order': False, 'shape': {shape!r}, }}")
+huge_digits = st.builds(lambda digits: shape_text(f"{digits}, 2"), st.integers(15, 6000).map(lambda n: "9" * n))
+wrong_keys = st.dictionaries(
+    st.sampled_from(["descr", "fortran_order", "shape", "Descr", "shape ", "", "extra"]),
+    st.sampled_from(["'<f4'", "False", "True", "(2, 2)", "(2,)", "0", "None", "{}", "'<f4' '<f4'"]),
+    max_size=5,
+).map(lambda fields: "{" + "".join(f"'{key}': {value}, " for key, value in fields.items()) + "}")
+non_ascii = st.builds(
+    lambda text, at, char: text[:at] + char + text[at:],
+    valid_header_texts,
+    st.integers(0, 60),
+    st.characters(min_codepoint=128, exclude_categories=["Cs"]),
+)
+hostile_header_texts = mutated_header_texts() | sign_towers | odd_shapes | huge_digits | wrong_keys | non_ascii
+
+
+def npy_with_header(text: str, version: int, data: bytes) -> bytes:
+    """A .npy file whose header is `text` (UTF-8 whatever the version), padded as NumPy pads, then `data`."""
+    raw = text.encode("utf-8")
+    width = 2 if version == 1 else 4
+    raw += b" " * (-(len(raw) + 9 + width) % 64) + b"\n"
+    return b"\x93NUMPY" + bytes([version, 0]) + len(raw).to_bytes(width, "little") + raw + data
+
+
+hostile_npy_files = st.builds(
+    npy_with_header, hostile_header_texts, st.sampled_from([1, 2, 3]), st.binary(max_size=64) | st.just(bytes(64))
+)
+
+
+def reads_as_numpy_does(decoded: np.ndarray, data: bytes) -> None:
+    """A header the service accepted is one NumPy reads into the same matrix."""
+    assert_same(decoded, np.load(io.BytesIO(data), allow_pickle=False))
+
+
+@given(hostile_npy_files)
+@example(npy_with_header(shape_text("True, 4"), 1, bytes(64)))
+@example(npy_with_header(shape_text("-" * 5000 + "2, 2"), 1, bytes(16)))
+@example(npy_with_header(shape_text("+" * 5000 + "2, 2"), 3, bytes(16)))
+@example(npy_with_header(shape_text("9" * 5000 + ", 2"), 2, bytes(16)))
+@example(npy_with_header(header_text("<f4", False, (2, 2)).replace("'<f4'", "'<f4é'"), 1, bytes(16)))
+def test_hostile_npy_header_text_is_refused_or_read_as_numpy_reads_it(data: bytes) -> None:
+    decoded = decodes_or_refuses(codecs.decode_npy, data, "a", LIMITS)
+    if decoded is not None:
+        assert_within_limits(decoded)
+        reads_as_numpy_does(decoded, data)
+
+
+@given(hostile_npy_files, valid_npy, st.booleans())
+@example(npy_with_header(shape_text("-" * 5000 + "2, 2"), 1, bytes(16)), npy_bytes(np.eye(2)), True)
+@example(npy_with_header(shape_text("True, 4"), 1, bytes(64)), npy_bytes(np.eye(2)), False)
+def test_hostile_npy_header_text_in_an_npz_member_is_refused_or_read(hostile: bytes, valid: bytes, first: bool) -> None:
+    members = {"a": hostile, "b": valid} if first else {"a": valid, "b": hostile}
+    for compressed in (False, True):
+        assert_operands_sane(decodes_or_refuses(codecs.decode_npz, zip_members(compressed, **members), LIMITS, 1 << 16))
+
+
+BCHARS = "0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ'()+_,-./:=? "
+boundaries = st.text(BCHARS, min_size=1, max_size=300).filter(lambda b: not b.endswith(" ")) | st.text(
+    st.characters(max_codepoint=255), max_size=8
+)
+part_data = hostile_npy_files | valid_npy | st.binary(max_size=32)
+multipart_parts = st.lists(
+    st.tuples(st.sampled_from(["a", "b", "kernel", "tile", "c", ""]), part_data, st.booleans()), max_size=4
+)
+multipart_bodies = st.builds(
+    lambda parts, boundary, preamble, epilogue: (multipart_body(parts, None, boundary, preamble, epilogue), boundary),
+    multipart_parts,
+    boundaries,
+    st.sampled_from([b"", b"This is the preamble.\r\n", b"\r\n"]) | st.binary(max_size=16),
+    st.sampled_from([b"", b"This is the epilogue.\r\n"]) | st.binary(max_size=16),
+)
+
+
+@given(multipart_bodies | mutated(multipart_bodies.map(lambda pair: pair[0])).map(lambda body: (body, "xx")))
+@example((multipart_body([("a", npy_bytes(np.eye(2)))] * 2, boundary="b" * 300), "b" * 300))
+@example((multipart_body([("a", npy_bytes(np.eye(2))), ("kernel", b"numpy", False)]), "xx"))
+def test_hostile_multipart_bodies_are_refused_or_read(pair: tuple[bytes, str]) -> None:
+    body, boundary = pair
+    content_type = f'multipart/form-data; boundary="{boundary}"'
+    assert_operands_sane(decodes_or_refuses(decode_multipart, body, content_type, LIMITS))
 
 
 # --------------------------------------------------------------------------------- no bytes crash a decoder

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import re
 import tracemalloc
 from collections.abc import Callable
 
@@ -131,6 +132,48 @@ class TestNpy:
     def test_garbage_is_malformed(self, body: bytes) -> None:
         with pytest.raises(MalformedPayload, match=r"'a' is not a valid \.npy"):
             codecs.decode_npy(body, "a", LIMITS)
+
+    @pytest.mark.parametrize("version", [(1, 0), (2, 0), (3, 0)])
+    def test_every_format_version_numpy_writes_is_read(self, version: tuple[int, int]) -> None:
+        """3.0 is 2.0 with a UTF-8 header (NumPy writes it for field names that are not latin-1)."""
+        buffer = io.BytesIO()
+        np.lib.format.write_array(buffer, np.arange(6, dtype=">i2").reshape(2, 3), version=version)
+        np.testing.assert_array_equal(codecs.decode_npy(buffer.getvalue(), "a", LIMITS), np.arange(6).reshape(2, 3))
+
+    @pytest.mark.parametrize(
+        ("header", "words"),
+        [
+            ("'shape': (True, 4)", "'True' in the shape, where only non-negative integers go"),
+            ("'shape': (" + "-" * 5000 + "2, 2)", "something NumPy does not write at character 51 ('-----"),
+            ("'shape': (" + "+" * 5000 + "2, 2)", "something NumPy does not write"),
+            ("'shape': (" + "9" * 5000 + ", 2)", "something NumPy does not write"),
+            ("'shape': ((2, 2), 2)", "'(' in the shape"),
+            ("'shape': (2)", "a one-dimensional shape without its comma"),
+            ("'shape': (2, 2), 'extra': 1", "the key 'extra'"),
+            ("'shape': (2, 2), 'shape': (2, 2)", "the key 'shape'"),
+            ("'shape': [2, 2]", "'[' as its 'shape'"),
+            ("'shape': (2, 2)} + {", "text after the closing '}'"),
+            ("'shape': (2L, 2)", "something NumPy does not write"),
+        ],
+    )
+    def test_a_header_numpy_would_not_write_is_refused_before_evaluation(self, header: str, words: str) -> None:
+        text = "{'descr': '<f4', 'fortran_order': False, " + header + "}"
+        text += " " * (-(len(text) + 11) % 64) + "\n"
+        body = b"\x93NUMPY\x01\x00" + len(text).to_bytes(2, "little") + text.encode() + bytes(16)
+        with pytest.raises(MalformedPayload, match=re.escape(words)) as refused:
+            codecs.decode_npy(body, "a", LIMITS)
+        assert refused.value.location == ["a"]
+
+    def test_a_version_1_header_must_be_ascii(self) -> None:
+        body = npy_bytes(np.eye(2, dtype=np.float32)).replace(b"'<f4'", b"'\xe9f4'")
+        with pytest.raises(MalformedPayload, match=r"version 1\.0 header is not ASCII \(format 3\.0 is for UTF-8"):
+            codecs.decode_npy(body, "a", LIMITS)
+
+    @pytest.mark.parametrize("version", [b"\x04\x00", b"\x01\x01", b"\x00\x00"])
+    def test_format_versions_numpy_does_not_write_are_refused(self, version: bytes) -> None:
+        body = npy_bytes(np.eye(2))
+        with pytest.raises(MalformedPayload, match=r"NumPy writes 1\.0, 2\.0 and 3\.0"):
+            codecs.decode_npy(body[:6] + version + body[8:], "a", LIMITS)
 
     def test_a_header_claiming_a_huge_shape_is_refused_before_allocating(self) -> None:
         body = npy_bytes(np.ones((2, 2), np.float32)).replace(b"(2, 2)", b"(900, 900)")

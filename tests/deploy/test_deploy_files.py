@@ -19,12 +19,15 @@ from urllib.parse import urlsplit
 
 import dockerfile
 import pytest
+import uvicorn
 import yaml
 from packaging.requirements import Requirement
 from uvicorn.main import main as uvicorn_cli
 
+from app.api.connection import GuardedHttpProtocol
 from app.config import Settings
 from matmul_tools import loadtest
+from matmul_tools.service import HTTP_PROTOCOL
 from tests.scripts import ROOT, import_script
 
 SCRIPTS = Path(sys.executable).parent
@@ -126,7 +129,7 @@ def test_every_extra_installed_in_an_image_exists() -> None:
 
 def test_cmd_is_exec_form_uvicorn_on_the_app_factory_with_settings_from_the_environment() -> None:
     cmd = one(SERVICE, "CMD")
-    assert cmd.json and list(cmd.value) == ["uvicorn", "app.main:create_app", "--factory"]
+    assert cmd.json and list(cmd.value) == ["uvicorn", "app.main:create_app", "--factory", *HTTP_PROTOCOL]
     assert SERVICE_ENV["UVICORN_ACCESS_LOG"] == "false", "the service writes its own access log"
     assert SERVICE_ENV["UVICORN_HOST"] == "0.0.0.0" and one(SERVICE, "EXPOSE").value == (SERVICE_ENV["UVICORN_PORT"],)
     assert set(SERVICE_ENV) & SETTING_VARIABLES == {"MATMUL_BACKEND"} and SERVICE_ENV["MATMUL_BACKEND"] == "gpu"
@@ -141,6 +144,15 @@ def test_uvicorn_gives_in_flight_requests_a_graceful_shutdown_in_the_image(monke
             monkeypatch.setenv(name, value)
     command = one(SERVICE, "CMD").value
     assert uvicorn_cli.make_context(command[0], list(command[1:])).params["timeout_graceful_shutdown"] == 30
+
+
+def test_uvicorn_in_the_image_serves_with_the_connection_protocol_that_bounds_headers() -> None:
+    """The CMD's --http, as uvicorn's CLI reads it and its config loads it, is app.api.connection's protocol."""
+    command = one(SERVICE, "CMD").value
+    http = uvicorn_cli.make_context(command[0], list(command[1:])).params["http"]
+    config = uvicorn.Config("app.main:create_app", factory=True, http=http, ws="none")
+    config.load()
+    assert config.http_protocol_class is GuardedHttpProtocol
 
 
 def test_healthcheck_probes_healthz_on_the_served_port() -> None:

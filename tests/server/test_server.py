@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from matmul_tools.bodies import load_npy, npy_bytes
+from matmul_tools.raw_http import status_of_a_large_header
 from matmul_tools.service import free_port, running_server, uvicorn_command
 from tests.conftest import assert_product
 
@@ -44,6 +45,7 @@ def test_the_readme_command_starts_a_serving_process() -> None:
         ["make", "run", f"PORT={port}", "HOST=127.0.0.1"], port, env={"MATMUL_BACKEND": "cpu"}
     ) as client:
         exercise(client, "cpu")
+        assert status_of_a_large_header(port, 100 << 10)[0] == 431, "the headers' bound is installed"
 
 
 @pytest.mark.gpu

@@ -5,17 +5,10 @@ from __future__ import annotations
 import re
 import socket
 
+from matmul_tools.raw_http import read_until_closed
 from matmul_tools.service import free_port, running_server, uvicorn_command
 
 ENV = {"MATMUL_BACKEND": "cpu", "MATMUL_ACCESS_LOG": "false"}
-
-
-def read_until_closed(sock: socket.socket) -> bytes:
-    """Everything the server sends until it closes the connection (a socket timeout fails the test: a hang)."""
-    chunks = []
-    while chunk := sock.recv(65536):
-        chunks.append(chunk)
-    return b"".join(chunks)
 
 
 def test_a_content_length_shorter_than_the_body() -> None:

@@ -9,10 +9,11 @@ from fastapi import APIRouter, Query, Request, Response
 
 from app import codecs
 from app.api.deps import EngineDep, SettingsDep
-from app.api.multipart import parse_file_parts
+from app.api.multipart import decode_multipart
 from app.api.product import (
     Stopwatch,
     compute,
+    decode_client_bytes,
     describe,
     limits_of,
     off_loop_if_large,
@@ -58,11 +59,13 @@ _REQUEST_BODY_DOC: dict[str, Any] = {
 _ERRORS: dict[int | str, dict[str, Any]] = {
     status: {"model": ErrorBody, "description": text}
     for status, text in {
+        400: "The request has two different Content-Type headers.",
         406: "The Accept header names neither application/json nor application/x-npy.",
         413: "The body is larger than MATMUL_MAX_BODY_BYTES.",
-        415: "The Content-Type is not JSON, multipart/form-data or application/x-npz.",
+        415: "The Content-Type is not JSON, multipart/form-data or application/x-npz, or a Content-Encoding "
+        "other than identity is sent.",
         422: "Malformed body, not a 2-D numeric matrix, shapes that do not multiply, unknown kernel, bad tile "
-        "or dtype; `code` and `location` say which.",
+        "or dtype, a query parameter given twice; `code` and `location` say which.",
         408: "The body stopped arriving for MATMUL_BODY_TIMEOUT_S (a Content-Length larger than what is sent).",
         500: "The device raised an error the service did not expect (device_failure), or the service failed "
         "(internal_error); the message names no internals.",
@@ -114,13 +117,14 @@ async def _read_operands(request: Request, settings: Settings, limits: codecs.Li
         body = await read_body(request, settings.max_body_bytes, "body")
     read_ms = (perf_counter() - started) * 1e3
     if content_type == MULTIPART_MEDIA_TYPE:
-        parts = await off_loop_if_large(len(body), settings, parse_file_parts, body, request.headers["content-type"])
-        operands = codecs.decode_parts(parts, limits, container="multipart body")
+        operands = await decode_client_bytes(
+            "multipart body", len(body), settings, decode_multipart, body, request.headers["content-type"], limits
+        )
     elif content_type == codecs.JSON_MEDIA_TYPE:
-        operands = await off_loop_if_large(len(body), settings, codecs.decode_json, body, limits)
+        operands = await decode_client_bytes("JSON body", len(body), settings, codecs.decode_json, body, limits)
     else:
-        operands = await off_loop_if_large(
-            len(body), settings, codecs.decode_npz, body, limits, settings.max_body_bytes
+        operands = await decode_client_bytes(
+            ".npz archive", len(body), settings, codecs.decode_npz, body, limits, settings.max_body_bytes
         )
     return operands, read_ms
 

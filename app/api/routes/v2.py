@@ -24,6 +24,7 @@ from app.api.errors import PROTOCOL_PREFIX, protocol_error_response
 from app.api.product import (
     Stopwatch,
     compute,
+    decode_client_bytes,
     describe,
     limits_of,
     off_loop_if_large,
@@ -79,12 +80,13 @@ _MODEL_ERRORS: dict[int | str, dict[str, Any]] = {
 }
 _GUARDED: dict[int | str, dict[str, Any]] = {401: _error("MATMUL_API_KEYS is set and no valid key was sent.")}
 _INFER_ERRORS: dict[int | str, dict[str, Any]] = {
-    400: _ERROR,
+    400: _error("Two different Content-Type headers, an id that is not a string, a parameter out of its bounds."),
     404: _ERROR,
     422: _ERROR,
     **_GUARDED,
     408: _error("The body stopped arriving for MATMUL_BODY_TIMEOUT_S."),
     413: _error("The body is larger than MATMUL_MAX_BODY_BYTES."),
+    415: _error("A Content-Encoding other than identity."),
     500: _error("The device or the service failed unexpectedly; the message names no internals."),
     503: _error("The queue is full, the kernels are not ready, the device is out of memory or was lost."),
     504: _error("The inference was still queued when its deadline passed; it was dropped, never run."),
@@ -283,8 +285,8 @@ async def infer(model: ModelName, request: Request, engine: EngineDep, settings:
         body = await read_body(request, settings.max_body_bytes, "body")
         clock.read_ms = (perf_counter() - clock.received) * 1e3
         header_length = request.headers.get(inference_protocol.HEADER_LENGTH)
-        decoded = await off_loop_if_large(
-            len(body), settings, inference_protocol.decode_infer, body, header_length, limits
+        decoded = await decode_client_bytes(
+            "inference request", len(body), settings, inference_protocol.decode_infer, body, header_length, limits
         )
         clock.mark_decoded()
         options = decoded.operands.options
