@@ -34,6 +34,7 @@ WORKDIR /loadtest
 COPY pyproject.toml README.md ./
 COPY app app
 COPY kernels kernels
+COPY matmul_tools matmul_tools
 COPY scripts/loadtest.py scripts/loadtest.py
 # The versions are the project's own, in pyproject.toml (DL3013: no pins on the command line).
 # hadolint ignore=DL3013

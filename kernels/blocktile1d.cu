@@ -13,10 +13,7 @@
 // instance otherwise. Out-of-range elements are stored as zeros, so the inner loop needs no bounds checks;
 // every thread reaches both barriers, and only the final store is guarded.
 
-template <typename T, int W>
-struct alignas(sizeof(T) * W) Chunk {
-    T v[W];
-};
+#include "common.cuh"
 
 template <typename T, int BM, int BN, int BK, int TM, bool VEC>
 __global__ void __launch_bounds__(BM * BN / TM)

@@ -17,18 +17,12 @@
 // registry launches the scalar instance otherwise. Out-of-range elements are zeros in shared memory, every
 // thread reaches every barrier, and only the final store is guarded.
 
-template <typename T, int W>
-struct alignas(sizeof(T) * W) Chunk {
-    T v[W];
-};
+#include "common.cuh"
 
 template <typename T, int BM, int BN, int BK, int TM, int TN, bool VEC>
 __global__ void __launch_bounds__(BM * BN / (TM * TN))
     matmul_blocktile2d(const T* __restrict__ A, const T* __restrict__ B, T* __restrict__ C, int M, int N, int K) {
-    // A batched launch runs gridDim.z products of one shape, stored back to back: blockIdx.z picks one.
-    A += (size_t)blockIdx.z * M * K;
-    B += (size_t)blockIdx.z * K * N;
-    C += (size_t)blockIdx.z * M * N;
+    SELECT_BATCH_PRODUCT(A, B, C, M, N, K);
     constexpr int NT = BM * BN / (TM * TN);
     constexpr int W = VEC ? 16 / sizeof(T) : 1;
     constexpr int R = 16 / sizeof(T);  // shared-memory reads are always 16 bytes: the tiles are aligned

@@ -15,13 +15,12 @@
 // Lanes whose column lies outside C must stay to take part in the shuffles; they read column 0 of B
 // (always valid) and skip the store.
 
+#include "common.cuh"
+
 template <typename T>
 __global__ void matmul_coalesced(const T* __restrict__ A, const T* __restrict__ B, T* __restrict__ C,
                                  int M, int N, int K) {
-    // A batched launch runs gridDim.z products of one shape, stored back to back: blockIdx.z picks one.
-    A += (size_t)blockIdx.z * M * K;
-    B += (size_t)blockIdx.z * K * N;
-    C += (size_t)blockIdx.z * M * N;
+    SELECT_BATCH_PRODUCT(A, B, C, M, N, K);
     const int lane = threadIdx.x;
     const int row = blockIdx.y * blockDim.y + threadIdx.y;
     const int col = blockIdx.x * 32 + lane;

@@ -27,18 +27,14 @@
 // 4. Edges cost nothing in the inner loop: an out-of-range element is copied with source size 0, which
 //    cp.async fills with zeros, so partial tiles multiply as if padded. Every thread runs every step and
 //    reaches every barrier; only the final stores are guarded. Blocks wholly inside C copy their tiles
-//    without any guard (all but the last step of k when BK does not divide K): per step of BK = 16 that cut
-//    the instructions besides the 1024 FFMA of a warp from about 165 to 132, and took fast from 0.89 to 0.92
-//    of cuBLAS at 4096^3 (docs/kernels.md).
+//    without any guard (all but the last step of k when BK does not divide K), which cuts the instructions
+//    around the FFMA of each step (docs/kernels.md has the SASS counts and the timings).
 //
 // Registers: TM*TN accumulators plus the two fragments. __launch_bounds__ asks for two blocks per SM for
 // float (a 128-register cap at 256 threads: 16 warps per SM to hide shared-memory latency); doubles take
 // twice the registers, so they get one block per SM.
 
-template <typename T, int W>
-struct alignas(sizeof(T) * W) Chunk {
-    T v[W];
-};
+#include "common.cuh"
 
 __device__ __forceinline__ unsigned shared_address(const void* p) {
     return static_cast<unsigned>(__cvta_generic_to_shared(p));
@@ -128,7 +124,7 @@ __global__ void __launch_bounds__((BM / WM) * (BN / WN) * 32, fast_min_blocks<T>
     // (or B) reads nothing, and is given the matrix's first element as its address. Only blocks on the bottom
     // or right edge of C, and the last step when BK does not divide K, hold elements to skip; every other
     // step takes the unguarded path, whose copies are one address computation and one cp.async each. (With
-    // the guards everywhere, predicate and address selects were a tenth of the instructions of a step.)
+    // the guards everywhere, predicate and address selects took a good part of a step's instructions.)
     auto load_tile = [&](bool guarded, int stage, int k0) {
         const bool a_k_in = k0 + a_k < K;
 #pragma unroll

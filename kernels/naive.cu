@@ -4,16 +4,15 @@
 // global loads per multiply-add. Consecutive threads of a warp share `row` and take consecutive `col`,
 // so the loads of B and the store of C are coalesced and the load of A is a broadcast; still every
 // element of A is read N times and every element of B M times from global memory (L1/L2 absorb part
-// of it), which is why this runs near a tenth of cuBLAS. Bounds are checked on the output only: a
+// of it), which is why this runs far below cuBLAS (docs/kernels.md). Bounds are checked on the output only: a
 // thread that owns no element does no work, and there is no barrier for it to miss.
+
+#include "common.cuh"
 
 template <typename T>
 __global__ void matmul_naive(const T* __restrict__ A, const T* __restrict__ B, T* __restrict__ C,
                              int M, int N, int K) {
-    // A batched launch runs gridDim.z products of one shape, stored back to back: blockIdx.z picks one.
-    A += (size_t)blockIdx.z * M * K;
-    B += (size_t)blockIdx.z * K * N;
-    C += (size_t)blockIdx.z * M * N;
+    SELECT_BATCH_PRODUCT(A, B, C, M, N, K);
     const int row = blockIdx.y * blockDim.y + threadIdx.y;
     const int col = blockIdx.x * blockDim.x + threadIdx.x;
     if (row >= M || col >= N) return;  // safe: this kernel has no barrier

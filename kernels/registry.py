@@ -13,12 +13,16 @@ configuration `config_for()` picks.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
+from typing import TypedDict, Unpack
 
 KERNEL_DIR = Path(__file__).resolve().parent
+LOCAL_INCLUDE = re.compile(r'^#include "(?P<header>[\w.]+\.cuh)"$', re.MULTILINE)
+"""An include of a header of this folder (kernels/common.cuh), which `KernelSpec.read_source` puts in place."""
 CTYPES = MappingProxyType({"float32": "float", "float64": "double"})
 MAX_THREADS_PER_BLOCK = 1024
 MAX_GRID_Y = 65535
@@ -112,7 +116,18 @@ class KernelSpec:
         return KERNEL_DIR / self.source
 
     def read_source(self) -> str:
-        return self.path.read_text(encoding="utf-8")
+        """The source with each `#include "<name>.cuh"` of this folder replaced by that header's text, between
+        `#line` directives so that compiler messages still name the right file and line. NVRTC then needs no
+        include path, and the text CuPy keys its kernel cache on (a volume that outlives images) changes when a
+        header does, which an include path would hide from it."""
+        source = self.path.read_text(encoding="utf-8")
+
+        def header_text(include: re.Match[str]) -> str:
+            line = source.count("\n", 0, include.start()) + 1
+            text = (KERNEL_DIR / include["header"]).read_text(encoding="utf-8")
+            return f'#line 1 "{include["header"]}"\n{text}#line {line + 1} "{self.source}"'
+
+        return LOCAL_INCLUDE.sub(header_text, source)
 
     def name_expression(self, dtype: str, config: LaunchConfig) -> str:
         args = ", ".join([CTYPES[dtype], *(str(a) for a in config.template_args)])
@@ -304,55 +319,55 @@ def _choose_blocktile(base: str) -> Callable[[int, int, int], str]:
     return lambda m, n, k: _vector_label(base, _vector_ok(n, k))
 
 
+class _Choices(TypedDict, total=False):
+    tiles: tuple[int, ...]
+    default_tile: int
+    batched: bool
+    choose: Callable[[int, int, int], str]
+
+
+def _kernel(name: str, summary: str, configs: tuple[LaunchConfig, ...], **choices: Unpack[_Choices]) -> KernelSpec:
+    """The kernel `name`: its source is kernels/<name>.cu, its template `matmul_<name>`."""
+    return KernelSpec(name, f"{name}.cu", f"matmul_{name}", summary, configs, **choices)
+
+
 KERNELS: MappingProxyType[str, KernelSpec] = MappingProxyType(
     {
         spec.name: spec
         for spec in (
-            KernelSpec(
-                name="naive",
-                source="naive.cu",
-                symbol="matmul_naive",
+            _kernel(
+                "naive",
                 summary="One thread per output element, 16x16 blocks; every operand read from global memory.",
                 configs=(
                     LaunchConfig(label="16x16", template_args=(), threads=(16, 16), tile_m=16, tile_n=16, reuse=(1, 1)),
                 ),
             ),
-            KernelSpec(
-                name="tiled",
-                source="tiled.cu",
-                symbol="matmul_tiled",
+            _kernel(
+                "tiled",
                 summary="Classic shared-memory tiling: TILE x TILE tiles of A and B, two barriers per step.",
                 configs=_square_tiles(8, 16, 32),
                 tiles=(8, 16, 32),
                 default_tile=16,
             ),
-            KernelSpec(
-                name="coalesced",
-                source="coalesced.cu",
-                symbol="matmul_coalesced",
+            _kernel(
+                "coalesced",
                 summary="One thread per output; a warp reads A 32 elements at a time and shares them by shuffle.",
                 configs=(_coalesced_config(8),),
             ),
-            KernelSpec(
-                name="blocktile1d",
-                source="blocktile1d.cu",
-                symbol="matmul_blocktile1d",
+            _kernel(
+                "blocktile1d",
                 summary="64x64 shared-memory tiles, a column of 8 outputs per thread, 16-byte global loads.",
                 configs=tuple(_blocktile1d_config(64, 64, 8, 8, vec) for vec in VECTOR_CHOICES),
                 choose=_choose_blocktile("64x64x8"),
             ),
-            KernelSpec(
-                name="blocktile2d",
-                source="blocktile2d.cu",
-                symbol="matmul_blocktile2d",
+            _kernel(
+                "blocktile2d",
                 summary="128x128 tiles, an 8x8 block of outputs per thread (outer products), 16-byte loads.",
                 configs=tuple(_blocktile2d_config(128, 128, 8, 8, 8, vec) for vec in VECTOR_CHOICES),
                 choose=_choose_blocktile("128x128x8"),
             ),
-            KernelSpec(
-                name="fast",
-                source="fast.cu",
-                symbol="matmul_fast",
+            _kernel(
+                "fast",
                 summary="Warp tiles, 8x8 outputs per lane, a multi-stage cp.async pipeline; tiles chosen per shape.",
                 configs=_fast_configs(),
                 choose=_choose_fast,

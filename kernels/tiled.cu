@@ -16,13 +16,12 @@
 // Shared-memory banks: As[ty][i] is one word for the whole warp row (a broadcast); Bs[i][tx] is a row of
 // consecutive words (no conflict), so the tiles need no padding.
 
+#include "common.cuh"
+
 template <typename T, int TILE>
 __global__ void matmul_tiled(const T* __restrict__ A, const T* __restrict__ B, T* __restrict__ C,
                              int M, int N, int K) {
-    // A batched launch runs gridDim.z products of one shape, stored back to back: blockIdx.z picks one.
-    A += (size_t)blockIdx.z * M * K;
-    B += (size_t)blockIdx.z * K * N;
-    C += (size_t)blockIdx.z * M * N;
+    SELECT_BATCH_PRODUCT(A, B, C, M, N, K);
     __shared__ T As[TILE][TILE];
     __shared__ T Bs[TILE][TILE];
 

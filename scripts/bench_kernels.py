@@ -10,7 +10,7 @@ cuBLAS dashed) and bench_kernels_roofline.png (GFLOP/s against arithmetic intens
 global-memory requests each kernel's access pattern makes, one point per kernel and shape, under the device's
 compute and memory roofs; see docs/roofline.md) under --out.
 
-    python scripts/bench_kernels.py                       # the whole sweep, both dtypes (under 5 minutes)
+    python scripts/bench_kernels.py                       # the whole sweep, both dtypes
     python scripts/bench_kernels.py --kernels fast --sizes 4096 --dtypes float32 --no-odd
     python scripts/bench_kernels.py --kernels fast --configs all --sizes 2048,4096   # every instance
 """
@@ -22,16 +22,16 @@ import json
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 import numpy as np
 
 from kernels.cuda import KernelLibrary, device_attributes
+from kernels.reference import tolerance
 from kernels.registry import KERNELS, KernelSpec, LaunchConfig
 from kernels.roofline import DevicePeaks, gpu_peaks, roofline
 
@@ -40,9 +40,6 @@ SQUARE_SIZES = (256, 512, 1024, 2048, 4096, 8192)
 ODD_SHAPES = ((1, 1, 1), (17, 9, 33), (1000, 1000, 1), (4095, 31, 4097), (4093, 4099, 4097))
 """(m, n, k): C is m x n, the inner dimension k. Sides that are not multiples of any tile or vector width."""
 DTYPES = ("float32", "float64")
-TOLERANCE = {"float32": 3e-5, "float64": 1e-13}
-"""Relative Frobenius error allowed (as in tests/conftest.py): a float32 dot product of k terms errs about
-sqrt(k) * 2^-24 (5e-6 at k = 8192), float64 about sqrt(k) * 2^-53; a wrong element gives errors near 1."""
 HEADLINE_SHAPES = ((2048, 2048, 2048), (4096, 4096, 4096), (8192, 8192, 8192), (4093, 4099, 4097))
 """The shapes the issue sets bars at; the run ends with their rows."""
 SLOW_KERNELS = ("naive", "tiled", "coalesced")
@@ -160,7 +157,7 @@ def run_sweep(args: argparse.Namespace) -> tuple[list[Result], dict[str, Any]]:
                     continue
                 run = bench.launcher(spec, config)
                 row.rel_error = bench.error(run, sets, reference, dtype)
-                if not row.rel_error <= TOLERANCE[dtype]:
+                if not row.rel_error <= tolerance(dtype):
                     row.note = "WRONG"
                     continue
                 if args.check_only:
@@ -211,9 +208,9 @@ def print_rows(rows: list[Result]) -> None:
         print(format_row(r), flush=True)
 
 
-def write_plot(results: list[Result], meta: dict[str, Any], path: Path) -> bool:
-    """GFLOP/s against the side of the square products, one panel per dtype, one line per kernel (per instance
-    when every instance was timed), cuBLAS dashed; False when matplotlib is absent."""
+def draw_panels(path: Path, title: str, dtypes: list[str], height: float, panel: Callable[[Any, str], None]) -> bool:
+    """One panel of GFLOP/s per dtype, side by side, each drawn by `panel(axis, dtype)`, saved to `path`; False
+    when matplotlib is absent."""
     try:
         import matplotlib
     except ImportError:
@@ -221,12 +218,27 @@ def write_plot(results: list[Result], meta: dict[str, Any], path: Path) -> bool:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    figure, axes = plt.subplots(1, len(dtypes), figsize=(7 * len(dtypes), height), squeeze=False)
+    for axis, dtype in zip(axes[0], dtypes, strict=True):
+        panel(axis, dtype)
+        axis.set_ylabel("GFLOP/s")
+        axis.set_title(dtype)
+        axis.legend(fontsize=8)
+    figure.suptitle(title)
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+    return True
+
+
+def write_plot(results: list[Result], meta: dict[str, Any], path: Path) -> bool:
+    """GFLOP/s against the side of the square products, one panel per dtype, one line per kernel (per instance
+    when every instance was timed), cuBLAS dashed; False when matplotlib is absent."""
+
     def line(r: Result) -> str:
         return f"{r.kernel}/{r.config}" if meta["configs"] == "all" and r.config else r.kernel
 
-    dtypes = sorted({r.dtype for r in results}, key=DTYPES.index)
-    figure, axes = plt.subplots(1, len(dtypes), figsize=(7 * len(dtypes), 5), squeeze=False)
-    for axis, dtype in zip(axes[0], dtypes, strict=True):
+    def panel(axis: Any, dtype: str) -> None:
         square = [
             r
             for r in results
@@ -238,15 +250,11 @@ def write_plot(results: list[Result], meta: dict[str, Any], path: Path) -> bool:
             axis.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=name, **style)
         axis.set_xscale("log", base=2)
         axis.set_xlabel("m = n = k")
-        axis.set_ylabel("GFLOP/s")
-        axis.set_title(dtype)
         axis.grid(True, alpha=0.3)
-        axis.legend(fontsize=8)
-    figure.suptitle(f"matmul kernels vs cuBLAS: {meta['device']}, {meta['date']}")
-    figure.tight_layout()
-    figure.savefig(path, dpi=120)
-    plt.close(figure)
-    return True
+
+    dtypes = sorted({r.dtype for r in results}, key=DTYPES.index)
+    title = f"matmul kernels vs cuBLAS: {meta['device']}, {meta['date']}"
+    return draw_panels(path, title, dtypes, 5, panel)
 
 
 def intensity(r: Result) -> float:
@@ -260,17 +268,9 @@ def write_roofline_plot(results: list[Result], meta: dict[str, Any], path: Path)
     """Achieved GFLOP/s against arithmetic intensity on log-log axes, one panel per dtype, one point per kernel and
     shape, under the compute roof (the FMA lanes' peak) and the memory roof (DRAM bandwidth x intensity) where the
     JSON has them; False when matplotlib is absent."""
-    try:
-        import matplotlib
-    except ImportError:
-        return False
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     timed = [r for r in results if r.gflops is not None]
-    dtypes = sorted({r.dtype for r in timed}, key=DTYPES.index)
-    figure, axes = plt.subplots(1, len(dtypes), figsize=(7 * len(dtypes), 5.5), squeeze=False)
-    for axis, dtype in zip(axes[0], dtypes, strict=True):
+
+    def panel(axis: Any, dtype: str) -> None:
         points = [(r.kernel, intensity(r), r.gflops) for r in timed if r.dtype == dtype]
         for name in dict.fromkeys(kernel for kernel, _, _ in points):
             mine = [(x, y) for kernel, x, y in points if kernel == name]
@@ -287,15 +287,10 @@ def write_roofline_plot(results: list[Result], meta: dict[str, Any], path: Path)
         axis.set_xscale("log")
         axis.set_yscale("log")
         axis.set_xlabel("arithmetic intensity, FLOP per byte requested from global memory")
-        axis.set_ylabel("GFLOP/s")
-        axis.set_title(dtype)
         axis.grid(True, which="both", alpha=0.3)
-        axis.legend(fontsize=8)
-    figure.suptitle(f"roofline: {meta['device']}, {meta['date']}")
-    figure.tight_layout()
-    figure.savefig(path, dpi=120)
-    plt.close(figure)
-    return True
+
+    dtypes = sorted({r.dtype for r in timed}, key=DTYPES.index)
+    return draw_panels(path, f"roofline: {meta['device']}, {meta['date']}", dtypes, 5.5, panel)
 
 
 def roofline_path(path: Path) -> Path:
@@ -375,11 +370,10 @@ def main(argv: list[str] | None = None) -> int:
     print(summary)
     print(HEADER)
     print_rows([r for r in results if (r.m, r.n, r.k) in HEADLINE_SHAPES])
-    wrong = [r for r in results if r.note == "WRONG"]
+    wrong = sum(r.note == "WRONG" for r in results)
     if wrong:
-        print(f"{len(wrong)} kernel run(s) gave wrong results", file=sys.stderr)
-        return 1
-    return 0
+        print(f"{wrong} kernel run(s) gave wrong results", file=sys.stderr)
+    return 1 if wrong else 0
 
 
 if __name__ == "__main__":

@@ -24,8 +24,6 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 import numpy as np
 from rich.console import Console
 from rich.table import Table
@@ -35,7 +33,7 @@ from app.engine.gpu import GpuBackend
 
 DEPTHS = (1, 2)
 READY_POLLS = 1200
-"""Every 50 ms for a minute: compiling, self-testing and timing every kernel takes 2-6 s on an H100/H200."""
+"""Every 50 ms for a minute: long enough for the worker to compile, self-test and time every kernel."""
 WARMUP = 3
 """Products of each shape run first and left out: pinned and device pools fill, cuBLAS loads its kernels."""
 

@@ -1,8 +1,9 @@
 """Two checkouts of matmul-service served side by side and measured in alternation: body throughput and small-request
 rate, to tell whether a change to how the service serves HTTP costs anything.
 
-Each checkout is started the way it starts itself (its own scripts/local_service.py, uvicorn with that tree's
-flags, from that tree's directory) with MATMUL_ECHO_ROUTE=true, on this Python. Then, for `--rounds` rounds, every
+Each checkout is started the way it starts itself (its own matmul_tools/service.py, or scripts/local_service.py in
+a tree from before that package: uvicorn with that tree's flags, from that tree's directory) with
+MATMUL_ECHO_ROUTE=true, on this Python. Then, for `--rounds` rounds, every
 workload runs `--duration` seconds on one server and then on the other, the order swapped each round, so that
 drift of the host (clocks, caches, neighbours) falls on both alike. The load comes from raw keep-alive sockets
 in `--client-processes` processes (one connection each, or several threads each for small requests):
@@ -22,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import io
 import json
 import socket
 import statistics
@@ -33,10 +33,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from multiprocessing import Pool
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import numpy as np
+
+from matmul_tools.bodies import MULTIPART_CONTENT_TYPE, multipart_body, npy_bytes
 
 ROOT = Path(__file__).resolve().parents[1]
 SERVERS = ("baseline", "candidate")
@@ -66,25 +67,15 @@ _requests: dict[str, bytes] = {}
 """The requests, built once in each client process (a 128 MiB body is not sent to it for every cell)."""
 
 
-def _npy(array: np.ndarray) -> bytes:
-    buffer = io.BytesIO()
-    np.save(buffer, array, allow_pickle=False)
-    return buffer.getvalue()
-
-
 def requests_for(echo_bytes: int) -> dict[str, bytes]:
     echo_head = b"POST /v1/echo HTTP/1.1\r\nHost: bench\r\nContent-Type: application/octet-stream\r\n"
-    parts = b"".join(
-        b'--bb\r\nContent-Disposition: form-data; name="%s"; filename="%s.npy"\r\n\r\n%s\r\n'
-        % (name, name, _npy(np.ones((16, 16), np.float32)))
-        for name in (b"a", b"b")
-    )
-    body = parts + b"--bb--\r\n"
+    operand = npy_bytes(np.ones((16, 16), np.float32))
+    body = multipart_body([("a", operand), ("b", operand)])
     return {
         "echo": echo_head + b"Content-Length: %d\r\n\r\n" % echo_bytes + bytes(echo_bytes),
         "healthz": b"GET /healthz HTTP/1.1\r\nHost: bench\r\n\r\n",
         "matmul": b"POST /matmul HTTP/1.1\r\nHost: bench\r\nAccept: application/x-npy\r\n"
-        b"Content-Type: multipart/form-data; boundary=bb\r\nContent-Length: %d\r\n\r\n" % len(body) + body,
+        b"Content-Type: %s\r\nContent-Length: %d\r\n\r\n" % (MULTIPART_CONTENT_TYPE.encode(), len(body)) + body,
     }
 
 
@@ -160,14 +151,17 @@ def workloads(args: argparse.Namespace) -> list[Workload]:
     return found
 
 
-def local_service_of(checkout: Path, name: str) -> ModuleType:
-    """A checkout's own scripts/local_service.py, which starts that tree's server from that tree."""
-    spec = importlib.util.spec_from_file_location(f"local_service_{name}", checkout / "scripts" / "local_service.py")
-    if spec is None or spec.loader is None:
-        raise SystemExit(f"{checkout} has no scripts/local_service.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+def start_checkout(checkout: Path, name: str, env: dict[str, str], log: Path, workers: int) -> Any:
+    """A checkout's server, started by its own code for that (matmul_tools/service.py, or the scripts/local_service.py
+    of older trees), which starts that tree's server from that tree: its LocalService."""
+    for path in (checkout / "matmul_tools" / "service.py", checkout / "scripts" / "local_service.py"):
+        spec = importlib.util.spec_from_file_location(f"local_service_{name}", path)
+        if path.is_file() and spec is not None and spec.loader is not None:
+            module = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(module)
+            start = module.LocalService.uvicorn if hasattr(module.LocalService, "uvicorn") else module.LocalService
+            return start(module.free_port(), env, log, workers)
+    raise SystemExit(f"{checkout} has neither matmul_tools/service.py nor scripts/local_service.py")
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -202,9 +196,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     servers: dict[str, Any] = {}
     try:
         for name, checkout in checkouts.items():
-            module = local_service_of(checkout, name)
             log = (args.out / f"server-{name}.log").resolve()
-            servers[name] = module.LocalService(module.free_port(), env, log, workers=args.workers)
+            servers[name] = start_checkout(checkout, name, env, log, args.workers)
         for server in servers.values():
             server.wait_ready(args.ready_timeout)
         figures: dict[str, dict[str, list[float]]] = {}

@@ -5,8 +5,8 @@ Each configuration (batching off/on, 1 or N HTTP workers) is a fresh server star
 `--duration` seconds at most (and `--max-requests`), after `--warmup` requests from each client process that
 are left out (the first products of a shape; more would cost minutes at 4096 x 4096 and concurrency 64).
 The load comes from `--client-processes` processes sharing the cell's connections and starting together: httpx
-slows down with many connections in one process (64 connections to one CPU-backend server: 104 req/s
-from one process, 531 from eight), and the client must not be what limits small requests.
+slows down with many connections in one process (docs/throughput.md), and the client must not be what limits
+small requests.
 
 For each cell: req/s, latency p50/p99, payload GB/s (request + response bytes of the 200 answers per second),
 errors, the mean of each phase the server reports in Server-Timing (read, decode, queue, h2d, kernel, d2h,
@@ -43,16 +43,14 @@ from multiprocessing.synchronize import Event
 from pathlib import Path
 from typing import Any, Literal
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
 import httpx
-import loadtest
-from local_service import LocalService, free_port
 from rich.console import Console
 from rich.table import Table
 
 from app.client import AsyncMatmulClient, RequestFormat
 from app.config import Settings
+from matmul_tools import loadtest
+from matmul_tools.service import LocalService, free_port
 
 Route = Literal["matmul", "echo"]
 PHASES = ("read", "decode", "queue", "h2d", "kernel", "d2h", "encode", "total", loadtest.CLIENT_SIDE)
@@ -351,8 +349,8 @@ def run_server(
     clients: ClientPool, args: argparse.Namespace, config: Config, cells: list[Cell], devices: str | None, log: Console
 ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """Start a fresh server for `config`, run every cell against it, stop it: its /v1/info and the cells' figures."""
-    service = LocalService(free_port(), server_env(args, config, devices), args.out / f"server-{config.token}.log",
-                           config.workers)  # fmt: skip
+    log_path = args.out / f"server-{config.token}.log"
+    service = LocalService.uvicorn(free_port(), server_env(args, config, devices), log_path, config.workers)
     results = []
     try:
         service.wait_ready(args.ready_timeout)

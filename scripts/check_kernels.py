@@ -4,7 +4,7 @@ For each kernel the source is compiled through NVRTC for compute_90 (what the se
 When `nvcc` is on PATH, a translation unit that includes the .cu and explicitly instantiates every name
 expression is built for sm_90 with `-Xptxas -v`, and a table of registers, shared memory, spills and stack
 per instance is printed. Exit status 1 when any instance spills registers to local memory (or does not
-compile); tests/test_kernel_resources.py runs the same check.
+compile); tests/kernels/test_kernel_resources.py runs the same check.
 
     python scripts/check_kernels.py [--kernels fast,blocktile2d] [--arch sm_90]
 """
@@ -21,8 +21,6 @@ from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kernels.cuda import COMPILE_OPTIONS, compile_ptx
 from kernels.registry import CTYPES, KERNELS, KernelSpec

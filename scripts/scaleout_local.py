@@ -13,28 +13,25 @@ Everything it started is stopped at the end; OUT.json gets the report and the sp
 from __future__ import annotations
 
 import argparse
-import asyncio
-import json
 import os
 import shutil
 import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Sequence
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
 import httpx
-import loadtest
-from local_service import ROOT, LocalService, free_port, stop_group
-from prometheus_client.parser import text_string_to_metric_families
 from rich.console import Console
 from rich.table import Table
 
+from matmul_tools import loadtest
+from matmul_tools.prometheus import sample_sums
+from matmul_tools.service import LocalService, free_port, stop_group, wait_ready
+
+ROOT = Path(__file__).resolve().parents[1]
 TEMPLATE = ROOT / "deploy" / "nginx.conf"
 PROBE_REQUEST_ID = "scaleout-probe"
 MAIN_CONFIG = """\
@@ -91,31 +88,7 @@ def nginx_command(nginx: str, prefix: Path, *flags: str) -> list[str]:
 def matmul_requests(url: str) -> int:
     """Requests to /matmul the server at `url` has answered, whatever their status (its Prometheus counter)."""
     text = httpx.get(f"{url}/metrics", timeout=30).text
-    return round(
-        sum(
-            sample.value
-            for family in text_string_to_metric_families(text)
-            if family.name == "matmul_requests"
-            for sample in family.samples
-            if sample.name == "matmul_requests_total" and sample.labels.get("route") == "/matmul"
-        )
-    )
-
-
-def wait_through(url: str, nginx: subprocess.Popen[bytes], log: Path, timeout_s: float = 30) -> None:
-    """Until /readyz answers 200 through nginx; raise with its log if it exits or does not."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        if nginx.poll() is not None:
-            raise RuntimeError(f"nginx exited with {nginx.returncode}:\n{log.read_text()}")
-        try:
-            if httpx.get(f"{url}/readyz", timeout=5).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"nginx at {url} did not answer within {timeout_s:g} s:\n{log.read_text()}")
-        time.sleep(0.1)
+    return round(sample_sums(text, ["matmul_requests_total"], {"route": "/matmul"}).get("matmul_requests_total", 0.0))
 
 
 def print_spread(replicas: list[dict[str, Any]], console: Console) -> None:
@@ -154,14 +127,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     if nginx is None:
         raise SystemExit("scaleout_local: no nginx on PATH (Debian/Ubuntu: apt-get install nginx)")
     console = Console(width=None if sys.stdout.isatty() else 110)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
     env = {"MATMUL_BACKEND": args.backend, "MATMUL_ACCESS_LOG": os.environ.get("MATMUL_ACCESS_LOG", "false")}
     with ExitStack() as stack:
         prefix = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="matmul-nginx-")))
         replicas = []
         for index in range(args.replicas):
-            replica = LocalService(free_port(), env, prefix / f"replica-{index}.log", args.workers)
+            replica = LocalService.uvicorn(free_port(), env, prefix / f"replica-{index}.log", args.workers)
             stack.callback(replica.stop)
             replicas.append(replica)
         for replica in replicas:
@@ -175,7 +146,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             )
         stack.callback(stop_group, balancer)
         url = f"http://127.0.0.1:{port}"
-        wait_through(url, balancer, log)
+        wait_ready(url, 30, process=balancer, log=log, interval_s=0.1)
         before = [matmul_requests(replica.url) for replica in replicas]
         load = loadtest.parse_args(
             [
@@ -184,14 +155,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                 *("--formats", args.formats, "--out", args.out, "--no-progress"),
             ]
         )
-        traffic = loadtest.Traffic(load.sizes, load.formats, load.kernels, load.dtype, load.seed)
-        samples, elapsed_s, server = asyncio.run(loadtest.measure(load, traffic, Console(stderr=True)))
+        report = loadtest.load_test(load, Console(stderr=True))
         probe = httpx.get(f"{url}/healthz", headers={"X-Request-ID": PROBE_REQUEST_ID}, timeout=30)
         spread = [
             {"url": replica.url, "matmul_requests": matmul_requests(replica.url) - served}
             for replica, served in zip(replicas, before, strict=True)
         ]
-    report = loadtest.build_report(load, samples, elapsed_s, server)
     passed_through = probe.headers.get("x-request-id") == PROBE_REQUEST_ID
     report["scaleout"] = {
         "replicas": spread,
@@ -206,9 +175,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     loadtest.print_report(report, console)
     print_spread(spread, console)
-    out.with_suffix(".json").write_text(json.dumps(report, indent=1))
-    loadtest.plot_report(report, out.with_suffix(".png"))
-    console.print(f"wrote {out.with_suffix('.json')} and {out.with_suffix('.png')}")
+    loadtest.write_report(report, Path(args.out), console)
     return 0
 
 

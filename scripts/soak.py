@@ -52,7 +52,6 @@ import multiprocessing
 import random
 import sys
 import time
-import zipfile
 from collections import Counter
 from collections.abc import Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor
@@ -63,22 +62,18 @@ from typing import Any, Literal
 
 import httpx
 import numpy as np
-from prometheus_client.parser import text_string_to_metric_families
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from loadtest import open_loop, parse_mix, summarize, wait_ready
 
 from app.client import FORMATS, AsyncMatmulClient, RequestFormat, encode_payload
 from app.codecs import JSON_MEDIA_TYPE, NPY_MEDIA_TYPE, NPZ_MEDIA_TYPE
+from kernels.reference import relative_error, tolerance
+from matmul_tools.bodies import load_npy, npy_bytes, zip_members
+from matmul_tools.loadtest import open_loop, parse_mix, server_arguments, summarize, wait_ready
+from matmul_tools.prometheus import sample_sums
 
 Kind = Literal["valid", "invalid", "oversized"]
 KINDS: tuple[Kind, ...] = ("valid", "invalid", "oversized")
 TOLERATED_5XX = (503, 504)
 """Overload (queue full, not ready) and deadlines: what a service above its capacity answers, by design."""
-REL_TOLERANCE = {np.dtype(np.float32): 1e-4, np.dtype(np.float64): 1e-12}
-"""Relative Frobenius error allowed against NumPy in float64: a correct product errs about sqrt(k) * eps (k <= 256)."""
 RSS_METRIC = "process_resident_memory_bytes"
 DEVICE_METRIC = "matmul_device_memory_bytes"
 QUEUE_METRIC = "matmul_queue_depth"
@@ -87,6 +82,27 @@ VALID_SHAPES = ((8, 8, 8), (64, 64, 64), (128, 32, 96), (256, 256, 256))
 MIB = 1 << 20
 TIGHT_DEADLINE_S = 0.001
 """The deadline of the hurried valid probes: under load some wait longer in the queue, and get 504."""
+MEMORY_BOUNDS = (
+    (
+        "--max-rss-growth-mib",
+        640.0,
+        "bound on the server's RSS growth over the run: room for the allocator to keep what --concurrency requests "
+        "in flight at once held (64 of the largest valid ones, 256^2 float64 as JSON, hold about 9 MiB each: body, "
+        "parsed lists, arrays, answer)",
+    ),
+    (
+        "--max-rss-load-growth-mib",
+        64.0,
+        "bound on the RSS growth from the first reading under load to the last, once that high-water mark is "
+        "reached: a leak grows with the requests",
+    ),
+    (
+        "--max-device-growth-mib",
+        512.0,
+        "bound on the device pool's growth: room for the blocks it caches for the largest products",
+    ),
+)
+"""The memory checks' options (MiB): option, default and what it bounds."""
 NOT_SENT = "not sent"
 """The status of a request due while every connection of its process was busy."""
 
@@ -108,21 +124,6 @@ class Probe:
     operands: tuple[np.ndarray, np.ndarray] | None = field(default=None, repr=False)
     deadline_s: float | None = None
     """Sent as X-Request-Timeout: the longest the product may wait in the server's queue."""
-
-
-def _npy(array: np.ndarray) -> bytes:
-    buffer = io.BytesIO()
-    np.save(buffer, array, allow_pickle=False)
-    return buffer.getvalue()
-
-
-def _npz(a: bytes, b: bytes) -> bytes:
-    """An .npz archive of two member files given as they are (whole, cut short, or only a header)."""
-    buffer = io.BytesIO()
-    with zipfile.ZipFile(buffer, "w") as archive:
-        archive.writestr("a.npy", a)
-        archive.writestr("b.npy", b)
-    return buffer.getvalue()
 
 
 def _header_claiming(shape: tuple[int, int]) -> bytes:
@@ -179,10 +180,12 @@ def invalid_probes(rng: np.random.Generator) -> list[Probe]:
         _product("invalid", "tile out of range", a, b, tile="100000"),
         _product("invalid", "huge query number", a, b, tile="9" * 400),
         _product("invalid", "unsupported dtype", a, b, dtype="float16"),
-        Probe("invalid", "truncated npy", _npz(_npy(a)[:100], _npy(b)), NPZ_MEDIA_TYPE),
+        Probe("invalid", "truncated npy", zip_members(a=npy_bytes(a)[:100], b=npy_bytes(b)), NPZ_MEDIA_TYPE),
         Probe("invalid", "garbage npz", rng.bytes(512), NPZ_MEDIA_TYPE),
         Probe("invalid", "wrong media type", b"a,b\n1,2\n", "text/csv"),
-        Probe("invalid", "not acceptable", _npz(_npy(a), _npy(b)), NPZ_MEDIA_TYPE, accept="text/html"),
+        Probe(
+            "invalid", "not acceptable", zip_members(a=npy_bytes(a), b=npy_bytes(b)), NPZ_MEDIA_TYPE, accept="text/html"
+        ),
         Probe("invalid", "infer malformed", b'{"inputs": [', json, path=infer, accept=json),
         Probe("invalid", "infer data short of its shape", lying_infer, json, path=infer, accept=json),
         Probe("invalid", "infer unknown model", b"{}", json, path="/v2/models/no-such-model/infer", accept=json),
@@ -193,7 +196,7 @@ def oversized_probes(max_body_bytes: int) -> list[Probe]:
     claims = _header_claiming((1 << 31, 1 << 31))
     column, row = np.ones((65_536, 1), np.float32), np.ones((1, 65_536), np.float32)
     probes = [
-        Probe("oversized", "npy headers claim 2^31 x 2^31", _npz(claims, claims), NPZ_MEDIA_TYPE),
+        Probe("oversized", "npy headers claim 2^31 x 2^31", zip_members(a=claims, b=claims), NPZ_MEDIA_TYPE),
         _product("oversized", "result of 2^32 elements", column, row),
     ]
     if max_body_bytes + 1 <= OVERSIZED_BODY_CAP:
@@ -372,7 +375,7 @@ def shares(args: argparse.Namespace) -> list[ClientShare]:
 def wrong_result(response: httpx.Response, a: np.ndarray, b: np.ndarray) -> str | None:
     """What is wrong with the product in `response` (a .npy or JSON answer), or None when it is a @ b."""
     if response.headers.get("content-type", "").startswith(NPY_MEDIA_TYPE):
-        c = np.load(io.BytesIO(response.content), allow_pickle=False)
+        c = load_npy(response.content)
     else:
         c = np.array(response.json()["result"], dtype=np.float64)  # JSON null (NaN, Inf) reads as NaN
     reference = a.astype(np.float64) @ b.astype(np.float64)
@@ -380,8 +383,8 @@ def wrong_result(response: httpx.Response, a: np.ndarray, b: np.ndarray) -> str 
         return f"shape {list(c.shape)}, expected {list(reference.shape)}"
     if not np.isfinite(c).all():
         return "the product holds NaN or Inf; the operands are finite"
-    error = float(np.linalg.norm(c.astype(np.float64) - reference) / np.linalg.norm(reference))
-    bound = REL_TOLERANCE[np.result_type(a.dtype, b.dtype)]
+    error = relative_error(c, reference)
+    bound = tolerance(np.result_type(a.dtype, b.dtype))
     return f"relative error {error:.3g} over {bound:g}" if error > bound else None
 
 
@@ -389,13 +392,7 @@ async def read_metrics(http: httpx.AsyncClient) -> dict[str, float]:
     """The server's resident memory, device pool and queue depth from GET /metrics (summed over label sets)."""
     response = await http.get("/metrics")
     response.raise_for_status()
-    wanted = (RSS_METRIC, DEVICE_METRIC, QUEUE_METRIC)
-    values: dict[str, float] = {}
-    for family in text_string_to_metric_families(response.text):
-        for sample in family.samples:
-            if sample.name in wanted:
-                values[sample.name] = values.get(sample.name, 0.0) + sample.value
-    return values
+    return sample_sums(response.text, (RSS_METRIC, DEVICE_METRIC, QUEUE_METRIC))
 
 
 async def watch_memory(
@@ -572,7 +569,7 @@ async def soak(args: argparse.Namespace) -> dict[str, Any]:
     async with httpx.AsyncClient(base_url=args.url, timeout=args.timeout) as http:
         client = AsyncMatmulClient(http=http)
         if args.wait_ready:
-            await wait_ready(client, args.wait_ready)
+            await wait_ready(http, args.wait_ready)
         server = await client.info()
         probes = build_probes(args.seed, args.max_body_bytes)
         for probe in (probe for kind in KINDS for probe in probes[kind]):
@@ -598,8 +595,7 @@ def parse_kind(text: str) -> Kind:
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
-    parser.add_argument("--url", default="http://localhost:8000", help="the server (default: %(default)s)")
+    parser = server_arguments(__doc__.split("\n\n")[0] if __doc__ else "")
     parser.add_argument("--minutes", type=float, default=1.0, help="how long to send (default: %(default)s)")
     parser.add_argument(
         "--rate",
@@ -633,30 +629,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--max-body-bytes", type=int, default=1 << 30, help="the server's MATMUL_MAX_BODY_BYTES (default: %(default)s)"
     )
-    parser.add_argument(
-        "--max-rss-growth-mib",
-        type=float,
-        default=640.0,
-        help="bound on the server's RSS growth over the run: room for the allocator to keep what --concurrency "
-        "requests in flight at once held (64 of the largest valid ones, 256^2 float64 as JSON, hold about 9 MiB "
-        "each: body, parsed lists, arrays, answer) (default: %(default)s)",
-    )
-    parser.add_argument(
-        "--max-rss-load-growth-mib",
-        type=float,
-        default=64.0,
-        help="bound on the RSS growth from the first reading under load to the last, once that high-water mark "
-        "is reached: a leak grows with the requests (default: %(default)s)",
-    )
+    for option, default, meaning in MEMORY_BOUNDS:
+        parser.add_argument(option, type=float, default=default, help=f"{meaning} (default: %(default)s)")
     parser.add_argument(
         "--memory-every", type=float, default=15.0, help="seconds between RSS readings under load (default: 15)"
-    )
-    parser.add_argument(
-        "--max-device-growth-mib",
-        type=float,
-        default=512.0,
-        help="bound on the device pool's growth: room for the blocks it caches for the largest products "
-        "(default: %(default)s)",
     )
     parser.add_argument(
         "--timeout", type=float, default=30.0, help="seconds one request may take (default: %(default)s)"
@@ -667,7 +643,6 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         default=30.0,
         help="seconds to wait for answers after the last start (default: %(default)s)",
     )
-    parser.add_argument("--wait-ready", type=float, default=0, help="first wait up to this many seconds for /readyz")
     parser.add_argument("--seed", type=int, default=0, help="seed of the operands and the draws (default: %(default)s)")
     parser.add_argument("--out", default="out/soak.json", help="the JSON report (default: %(default)s)")
     args = parser.parse_args(argv)

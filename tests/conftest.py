@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import io
 import os
 from collections.abc import AsyncIterator, Iterator
 
@@ -15,13 +14,14 @@ from hypothesis import settings
 from app.config import Settings
 from app.engine.gpu import gpu_unavailable
 from app.main import create_app
-from tests.server import free_port, running_server, uvicorn_command
-
-# Relative Frobenius error allowed against a float64 reference. A correct float32 product of k terms errs
-# about sqrt(k) * 2^-24 (4e-6 at k = 4097); float64 about sqrt(k) * 2^-53. Each bound has headroom of ~5x.
-REL_TOLERANCE = {np.dtype(np.float32): 3e-5, np.dtype(np.float64): 1e-13}
+from kernels.reference import relative_error, tolerance
+from matmul_tools.service import free_port, running_server, uvicorn_command, wait_ready_async
 
 GPU_MISSING = gpu_unavailable(0)
+
+EDGE_SHAPES = [(1, 1, 1), (1, 64, 1), (1, 5, 300), (300, 5, 1), (17, 33, 9), (1000, 1, 1000)]
+"""(m, k, n) that every kernel is checked on: 1x1, 1xN and Nx1 products, k = 1, sides that are not multiples of any
+tile or vector width."""
 
 # Hypothesis (the codec properties, and schemathesis's fuzzing): few examples, no per-example deadline, so
 # the suite stays quick and steady on CI's two cores; HYPOTHESIS_PROFILE=thorough searches far longer.
@@ -58,33 +58,12 @@ def served_url() -> Iterator[str]:
         yield f"http://127.0.0.1:{port}"
 
 
-def relative_error(c: np.ndarray, reference: np.ndarray) -> float:
-    scale = float(np.linalg.norm(reference))
-    return float(np.linalg.norm(c.astype(np.float64) - reference)) / (scale if scale else 1.0)
-
-
 def assert_product(c: np.ndarray, a: np.ndarray, b: np.ndarray, dtype: np.dtype) -> None:
     """c equals a @ b computed in float64, within the tolerance of `dtype`, and has no unwritten element."""
     reference = a.astype(np.float64) @ b.astype(np.float64)
     assert c.shape == reference.shape
     assert np.isfinite(c).all(), "result has NaN/Inf: an element was not written"
-    assert relative_error(c, reference) <= REL_TOLERANCE[np.dtype(dtype)]
-
-
-def npy_bytes(array: np.ndarray) -> bytes:
-    buffer = io.BytesIO()
-    np.save(buffer, array, allow_pickle=False)
-    return buffer.getvalue()
-
-
-def npz_bytes(**arrays: np.ndarray) -> bytes:
-    buffer = io.BytesIO()
-    np.savez(buffer, **arrays)  # type: ignore[arg-type]
-    return buffer.getvalue()
-
-
-def load_npy(content: bytes) -> np.ndarray:
-    return np.load(io.BytesIO(content), allow_pickle=False)
+    assert relative_error(c, reference) <= tolerance(dtype)
 
 
 @pytest.fixture
@@ -96,18 +75,8 @@ async def _client_for(app: FastAPI) -> AsyncIterator[httpx.AsyncClient]:
     async with app.router.lifespan_context(app):
         transport = httpx.ASGITransport(app=app)
         async with httpx.AsyncClient(transport=transport, base_url="http://testserver") as client:
-            await wait_ready(client)
+            await wait_ready_async(client, timeout_s=30)
             yield client
-
-
-async def wait_ready(client: httpx.AsyncClient, attempts: int = 600) -> None:
-    import anyio
-
-    for _ in range(attempts):
-        if (await client.get("/readyz")).status_code == 200:
-            return
-        await anyio.sleep(0.05)
-    raise AssertionError(f"never ready: {(await client.get('/v1/info')).json()}")
 
 
 @pytest.fixture

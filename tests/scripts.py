@@ -1,4 +1,5 @@
-"""The tools in scripts/ (a folder, not a package), imported as modules so that tests can call into them."""
+"""The command-line tools in scripts/ (a folder, not a package), imported as modules so that tests can call their
+argument parsing and the little logic they keep; what they share lives in matmul_tools, imported as a package."""
 
 from __future__ import annotations
 

@@ -31,6 +31,7 @@ from app.engine.base import AUTO, CUBLAS, DTYPE_NAMES, DeviceTiming, Finished, K
 from app.engine.staging import cast_into_parallel
 from app.errors import DeviceLost, DeviceOutOfMemory, InvalidParameter, ShapeMismatch, UnknownKernel
 from kernels.cuda import KernelLibrary, device_attributes
+from kernels.reference import relative_error, tolerance
 from kernels.registry import KERNELS, KernelSpec, LaunchConfig, cdiv
 from kernels.roofline import DevicePeaks, gpu_peaks
 
@@ -43,8 +44,6 @@ CUDA_ERROR_INSUFFICIENT_DRIVER = 35
 CUDA_ERROR_NO_DEVICE = 100
 STAGING_THREADS = 4
 """Threads that copy large operands into pinned memory, each a band of rows."""
-# Relative Frobenius error allowed against a float64 reference; float32 sums of k terms err ~sqrt(k)*2^-24.
-SELF_TEST_TOLERANCE = {"float32": 1e-5, "float64": 1e-12}
 
 
 def device_count() -> int:
@@ -285,8 +284,8 @@ class GpuBackend:
                     products, _ = self.submit(launch, np.dtype(dtype), plan, on_done=_nothing).result()
                     for (a, b), c in zip(launch, products, strict=True):
                         reference = a @ b
-                        error = np.linalg.norm(c - reference) / np.linalg.norm(reference)
-                        if not error <= SELF_TEST_TOLERANCE[dtype]:
+                        error = relative_error(c, reference)
+                        if not error <= tolerance(dtype):
                             label = plan.config.label if plan.config else ""
                             raise RuntimeError(
                                 f"self-test failed: {plan.kernel}/{label}/{dtype}, batch of {len(launch)}: "

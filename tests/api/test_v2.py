@@ -1,0 +1,260 @@
+"""The Open Inference Protocol v2 through the ASGI app: every route, JSON and binary tensors, every error."""
+
+from __future__ import annotations
+
+import httpx
+import numpy as np
+import orjson
+import pytest
+
+from tests.conftest import assert_product
+
+pytestmark = pytest.mark.anyio
+
+
+def tensor(name: str, array: np.ndarray, binary: bool = False) -> dict[str, object]:
+    datatype = {"float32": "FP32", "float64": "FP64"}[array.dtype.name]
+    t: dict[str, object] = {"name": name, "shape": list(array.shape), "datatype": datatype}
+    if binary:
+        t["parameters"] = {"binary_data_size": array.nbytes}
+    else:
+        t["data"] = array.reshape(-1).tolist()
+    return t
+
+
+def binary_request(a: np.ndarray, b: np.ndarray, **doc: object) -> tuple[bytes, dict[str, str]]:
+    header = orjson.dumps({"inputs": [tensor("A", a, True), tensor("B", b, True)], **doc})
+    body = header + a.astype(a.dtype.newbyteorder("<")).tobytes() + b.tobytes()
+    return body, {"inference-header-content-length": str(len(header)), "content-type": "application/octet-stream"}
+
+
+def split_binary(r: httpx.Response) -> tuple[dict[str, object], bytes]:
+    size = int(r.headers["inference-header-content-length"])
+    return orjson.loads(r.content[:size]), r.content[size:]
+
+
+async def test_server_and_model_metadata(client: httpx.AsyncClient) -> None:
+    server = (await client.get("/v2")).json()
+    assert server["name"] == "matmul-service"
+    assert {"binary_tensor_data", "statistics", "model_configuration"} <= set(server["extensions"])
+    assert (await client.get("/v2/health/live")).status_code == 200
+    assert (await client.get("/v2/health/ready")).status_code == 200
+    meta = (await client.get("/v2/models/matmul")).json()
+    assert meta["versions"] == ["1"]
+    assert [(t["name"], t["shape"]) for t in meta["inputs"]] == [("A", [-1, -1]), ("B", [-1, -1])]
+    assert meta["outputs"][0]["name"] == "C"
+    assert (await client.get("/v2/models/matmul_numpy/versions/1")).json()["name"] == "matmul_numpy"
+    assert (await client.get("/v2/models/matmul/ready")).status_code == 200
+    config = (await client.get("/v2/models/matmul/config")).json()
+    assert config["max_batch_size"] == 0
+    assert [t["name"] for t in config["input"]] == ["A", "B"]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize("nested", [False, True])
+async def test_infer_with_json_tensors(client: httpx.AsyncClient, dtype: str, nested: bool) -> None:
+    rng = np.random.default_rng(0)
+    a, b = rng.standard_normal((5, 3)).astype(dtype), rng.standard_normal((3, 4)).astype(dtype)
+    inputs = [tensor("A", a), tensor("B", b)]
+    if nested:
+        inputs[0]["data"], inputs[1]["data"] = a.tolist(), b.tolist()
+    r = await client.post("/v2/models/matmul/infer", json={"id": "r1", "inputs": inputs})
+    assert r.status_code == 200, r.text
+    doc = r.json()
+    assert doc["model_name"] == "matmul" and doc["id"] == "r1"
+    (output,) = doc["outputs"]
+    assert output["name"] == "C" and output["shape"] == [5, 4]
+    assert output["datatype"] == {"float32": "FP32", "float64": "FP64"}[dtype]
+    assert_product(np.array(output["data"]).reshape(5, 4), a, b, np.dtype(dtype))
+    assert "kernel;dur=" in r.headers["server-timing"]
+
+
+@pytest.mark.parametrize("ask", ["request_parameter", "output_parameter"])
+async def test_infer_with_binary_tensors_both_ways(client: httpx.AsyncClient, ask: str) -> None:
+    rng = np.random.default_rng(1)
+    a, b = rng.standard_normal((7, 9)).astype(np.float32), rng.standard_normal((9, 2)).astype(np.float32)
+    doc: dict[str, object] = (
+        {"parameters": {"binary_data_output": True}}
+        if ask == "request_parameter"
+        else {"outputs": [{"name": "C", "parameters": {"binary_data": True}}]}
+    )
+    body, headers = binary_request(a, b, **doc)
+    r = await client.post("/v2/models/matmul_numpy/versions/1/infer", content=body, headers=headers)
+    assert r.status_code == 200, r.text
+    assert r.headers["content-type"] == "application/octet-stream"
+    header, data = split_binary(r)
+    output = header["outputs"][0]  # type: ignore[index]
+    assert output["parameters"] == {"binary_data_size": 7 * 2 * 4}
+    assert_product(np.frombuffer(data, "<f4").reshape(7, 2), a, b, np.dtype(np.float32))
+
+
+async def test_mixed_binary_and_json_inputs(client: httpx.AsyncClient) -> None:
+    a, b = np.eye(3, dtype=np.float64), np.arange(6, dtype=np.float64).reshape(3, 2)
+    header = orjson.dumps({"inputs": [tensor("A", a), tensor("B", b, True)]})
+    headers = {"inference-header-content-length": str(len(header))}
+    r = await client.post("/v2/models/matmul/infer", content=header + b.tobytes(), headers=headers)
+    assert r.status_code == 200, r.text
+    assert r.json()["outputs"][0]["data"] == b.reshape(-1).tolist()
+
+
+def raw(name: str, shape: list[int], datatype: str, data: list[object]) -> dict[str, object]:
+    """A tensor written out field by field, for what `tensor` would not write (a lying shape, a bad datatype)."""
+    return {"name": name, "shape": shape, "datatype": datatype, "data": data}
+
+
+def ab(**override: object) -> dict[str, object]:
+    return {"inputs": [tensor("A", np.ones((2, 3), np.float32)), tensor("B", np.ones((3, 2), np.float32))], **override}
+
+
+@pytest.mark.parametrize("kernel", ["naive", "tiled"])
+async def test_the_emulated_kernels_are_models_of_their_own(client: httpx.AsyncClient, kernel: str) -> None:
+    assert (await client.get(f"/v2/models/matmul_{kernel}/ready")).status_code == 200
+    r = await client.post(f"/v2/models/matmul_{kernel}/infer", json=ab())
+    assert r.status_code == 200, r.text
+    assert r.json()["parameters"]["kernel"] == kernel and r.json()["outputs"][0]["data"] == [3.0] * 4
+    r = await client.post("/v2/models/matmul/infer", json=ab(parameters={"kernel": kernel, "tile": 8}))
+    assert r.status_code == (200 if kernel == "tiled" else 422), r.text
+
+
+@pytest.mark.parametrize(
+    ("path", "kwargs", "status", "words"),
+    [
+        ("/v2/models/nope/infer", {"json": ab()}, 404, "unknown model 'nope'"),
+        ("/v2/models/matmul/versions/2/infer", {"json": ab()}, 404, "no version '2'"),
+        (
+            "/v2/models/matmul/infer",
+            {"content": b"{", "headers": {"content-type": "application/json"}},
+            422,
+            "not valid JSON",
+        ),
+        ("/v2/models/matmul/infer", {"json": {"inputs": "x"}}, 422, "needs a list 'inputs'"),
+        (
+            "/v2/models/matmul/infer",
+            {"json": {"inputs": [tensor("A", np.ones((1, 1), np.float32))]}},
+            422,
+            "exactly ['A', 'B']",
+        ),
+        (
+            "/v2/models/matmul/infer",
+            {"json": {"inputs": [tensor("A", np.ones((2, 3), np.float32)), tensor("B", np.ones((2, 3), np.float32))]}},
+            422,
+            "inner dimensions differ",
+        ),
+        (
+            "/v2/models/matmul/infer",
+            {"json": {"inputs": [raw("A", [1, 1], "INT8", [1]), tensor("B", np.ones((1, 1)))]}},
+            422,
+            "datatype 'INT8'",
+        ),
+        (
+            "/v2/models/matmul/infer",
+            {"json": {"inputs": [raw("A", [2, 2], "FP32", [1]), tensor("B", np.ones((2, 1)))]}},
+            422,
+            "has 1 values but its shape [2, 2] needs 4",
+        ),
+        (
+            "/v2/models/matmul/infer",
+            {"json": {"inputs": [raw("A", [1, 2], "FP32", [1, True]), tensor("B", np.ones((2, 1)))]}},
+            422,
+            "booleans",
+        ),
+        (
+            "/v2/models/matmul/infer",
+            {"json": {"inputs": [raw("A", [1], "FP32", [1]), tensor("B", np.ones((1, 1)))]}},
+            422,
+            "shape of two non-negative integers",
+        ),
+        ("/v2/models/matmul/infer", {"json": ab(parameters={"kernel": "fast"})}, 422, "needs the GPU"),
+        ("/v2/models/matmul_numpy/infer", {"json": ab(parameters={"kernel": "auto"})}, 422, "runs kernel 'numpy'"),
+        ("/v2/models/matmul/infer", {"json": ab(outputs=[{"name": "D"}])}, 422, "exactly ['C']"),
+    ],
+)
+async def test_errors_use_the_protocol_format(
+    client: httpx.AsyncClient, path: str, kwargs: dict[str, object], status: int, words: str
+) -> None:
+    r = await client.post(path, **kwargs)  # type: ignore[arg-type]
+    assert r.status_code == status, r.text
+    assert set(r.json()) == {"error"}
+    assert words in r.json()["error"]
+
+
+@pytest.mark.parametrize(
+    ("lie", "words"),
+    [
+        ("header_length", "Inference-Header-Content-Length is '9999'"),
+        ("size", "binary_data_size is 4"),
+        ("extra", "belong to none"),
+    ],
+)
+async def test_binary_framing_that_does_not_add_up(client: httpx.AsyncClient, lie: str, words: str) -> None:
+    a, b = np.ones((2, 2), np.float32), np.ones((2, 2), np.float32)
+    body, headers = binary_request(a, b)
+    if lie == "header_length":
+        headers["inference-header-content-length"] = "9999"
+    elif lie == "size":
+        body = body.replace(b'"binary_data_size":16', b'"binary_data_size":4', 1)
+        headers["inference-header-content-length"] = str(int(headers["inference-header-content-length"]) - 1)
+    else:
+        body += b"\0" * 8
+    r = await client.post("/v2/models/matmul/infer", content=body, headers=headers)
+    assert r.status_code == 422, r.text
+    assert words in r.json()["error"]
+
+
+async def test_statistics_count_successes_failures_and_stages(client: httpx.AsyncClient) -> None:
+    for _ in range(3):
+        assert (await client.post("/v2/models/matmul_numpy/infer", json=ab())).status_code == 200
+    assert (await client.post("/v2/models/matmul_numpy/infer", json={"inputs": []})).status_code == 422
+    (stats,) = (await client.get("/v2/models/matmul_numpy/stats")).json()["model_stats"]
+    assert stats["name"] == "matmul_numpy" and stats["version"] == "1"
+    assert stats["inference_count"] == 3 and stats["execution_count"] == 3
+    parts = stats["inference_stats"]
+    assert parts["success"]["count"] == 3 and parts["fail"]["count"] == 1
+    for stage in ("queue", "compute_input", "compute_infer", "compute_output"):
+        assert parts[stage]["count"] == 3 and parts[stage]["ns"] > 0
+    every = (await client.get("/v2/models/stats")).json()["model_stats"]
+    assert {s["name"] for s in every} == {"matmul", "matmul_naive", "matmul_tiled", "matmul_numpy"}
+
+
+async def test_only_the_versioned_routes_take_a_version(client: httpx.AsyncClient) -> None:
+    spec = (await client.get("/openapi.json")).json()
+    for path, item in spec["paths"].items():
+        if path.startswith("/v2/models/{model}"):
+            names = {p["name"] for op in item.values() for p in op.get("parameters", [])}
+            assert ("version" in names) == ("{version}" in path), path
+    r = await client.get("/v2/models/matmul/versions/2/ready")
+    assert r.status_code == 404 and "no version '2'" in r.json()["error"]
+    r = await client.get("/v2/models/nope/versions/1/config")
+    assert r.status_code == 404 and "unknown model 'nope'" in r.json()["error"]
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "status"),
+    [("GET", "/v2/nope", 404), ("GET", "/v2/models/matmul/infer/more", 404), ("DELETE", "/v2/health/live", 405)],
+)
+async def test_unknown_routes_and_wrong_methods_answer_in_the_protocols_format(
+    client: httpx.AsyncClient, method: str, path: str, status: int
+) -> None:
+    """Routing's own 404 and 405 under /v2 were in the service's format, which the protocol's clients do not parse."""
+    r = await client.request(method, path)
+    assert r.status_code == status and set(r.json()) == {"error"}, r.text
+    if status == 405:
+        assert r.headers["allow"] == "GET"
+
+
+async def test_outside_v2_routing_answers_in_the_services_format(client: httpx.AsyncClient) -> None:
+    r = await client.get("/v1/nope")
+    assert r.status_code == 404 and r.json()["code"] == "not_found"
+
+
+@pytest.mark.parametrize("request_id", [5, 1.5, True, ["x"], {"x": [1]}])
+async def test_an_infer_id_that_is_not_a_string_is_a_400(client: httpx.AsyncClient, request_id: object) -> None:
+    """It was echoed as its Python repr ("{'x': [1]}")."""
+    r = await client.post("/v2/models/matmul/infer", json=ab(id=request_id))
+    assert r.status_code == 400, r.text
+    assert "the request's 'id' must be a string" in r.json()["error"]
+
+
+async def test_a_string_infer_id_is_echoed(client: httpx.AsyncClient) -> None:
+    r = await client.post("/v2/models/matmul/infer", json=ab(id="req-1"))
+    assert r.status_code == 200 and r.json()["id"] == "req-1"

@@ -1,0 +1,110 @@
+"""The console scripts: matmul-client against a real CPU-backend server, matmul-service started by its flags."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from app.cli import client_main
+from app.client import FORMATS
+from app.config import Settings
+from matmul_tools.raw_http import status_of_a_large_header
+from matmul_tools.service import free_port, running_server
+from tests.conftest import assert_product
+
+SCRIPTS = Path(sys.executable).parent
+
+
+def save_operands(folder: Path, a: np.ndarray, b: np.ndarray) -> list[str]:
+    np.save(folder / "a.npy", a)
+    np.save(folder / "b.npy", b)
+    return [str(folder / "a.npy"), str(folder / "b.npy")]
+
+
+@pytest.mark.parametrize("format", FORMATS)
+def test_client_writes_the_product_and_says_where_the_time_went(
+    served_url: str, tmp_path: Path, format: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    rng = np.random.default_rng(1)
+    a, b = rng.standard_normal((12, 7)), rng.standard_normal((7, 5))
+    output = tmp_path / "c.npy"
+    argv = [*save_operands(tmp_path, a, b), "-o", str(output), "--url", served_url, "--format", format]
+    assert client_main([*argv, "--kernel", "numpy", "--dtype", "float64"]) == 0
+    assert_product(np.load(output), a, b, np.dtype(np.float64))
+    said = capsys.readouterr().err
+    assert f"{output}: 12x5 float64 by kernel numpy on cpu" in said
+    assert "server ms: total" in said and "queue" in said and "kernel" in said
+
+
+def test_client_reports_the_servers_error(served_url: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    argv = [*save_operands(tmp_path, np.ones((2, 3)), np.ones((2, 3))), "-o", str(tmp_path / "c.npy")]
+    assert client_main([*argv, "--url", served_url]) == 1
+    said = capsys.readouterr().err
+    assert "422 shape_mismatch: inner dimensions differ: 'a' is 2x3 and 'b' is 2x3" in said
+    assert "(at ['b', 0])" in said
+    assert not (tmp_path / "c.npy").exists()
+
+
+def test_client_without_a_server(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    url = f"http://127.0.0.1:{free_port()}"
+    argv = [*save_operands(tmp_path, np.ones((1, 1)), np.ones((1, 1))), "-o", str(tmp_path / "c.npy"), "--url", url]
+    assert client_main(argv) == 1
+    assert f"cannot reach {url}" in capsys.readouterr().err
+
+
+def test_client_refuses_a_file_that_is_not_npy(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "a.npy").write_text("not a matrix")
+    with pytest.raises(SystemExit) as stopped:
+        client_main([str(tmp_path / "a.npy"), str(tmp_path / "a.npy"), "-o", str(tmp_path / "c.npy")])
+    assert stopped.value.code == 2
+    assert "cannot read" in capsys.readouterr().err
+
+
+def test_the_console_script_is_installed(served_url: str, tmp_path: Path) -> None:
+    argv = [*save_operands(tmp_path, np.eye(3), np.arange(9.0).reshape(3, 3)), "-o", str(tmp_path / "c.npy")]
+    done = subprocess.run([SCRIPTS / "matmul-client", *argv, "--url", served_url, "-q"], capture_output=True)
+    assert done.returncode == 0, done.stderr
+    assert done.stderr == b""
+    assert np.load(tmp_path / "c.npy").tolist() == np.arange(9.0).reshape(3, 3).tolist()
+
+
+def test_service_flags_mirror_every_setting() -> None:
+    done = subprocess.run([SCRIPTS / "matmul-service", "--help"], capture_output=True, text=True, check=True)
+    for name in Settings.model_fields:
+        assert f"--{name.replace('_', '-')}" in done.stdout and f"$MATMUL_{name.upper()}" in done.stdout
+
+
+def test_service_help_shows_every_default_as_its_variable_would_spell_it() -> None:
+    done = subprocess.run([SCRIPTS / "matmul-service", "--help"], capture_output=True, text=True, check=True)
+    said = " ".join(done.stdout.split())
+    assert "Undefined" not in said
+    shown = dict(re.findall(r"Overrides \$(MATMUL_\w+) \(default ([^)]*)\)", said))
+    assert set(shown) == {f"MATMUL_{name.upper()}" for name in Settings.model_fields}
+    assert shown["MATMUL_DEVICES"] == "none" and "(none: every visible device)" in said
+    assert shown["MATMUL_API_KEYS"] == "none" and shown["MATMUL_BACKEND"] == "auto"
+    assert shown["MATMUL_BATCHING"] == "false" and shown["MATMUL_QUEUE_SIZE"] == "64"
+    for variable, default in shown.items():  # each one, set as shown ("none": set empty), is the default itself
+        value = "" if default == "none" else default
+        assert Settings(**{variable.removeprefix("MATMUL_").lower(): value}) == Settings(), variable
+
+
+def test_service_starts_with_its_flags() -> None:
+    port = free_port()
+    command = [SCRIPTS / "matmul-service", "--backend", "cpu", "--queue-size", "7", "--host", "127.0.0.1"]
+    command += ["--max-header-bytes", "4096"]
+    with running_server([*map(str, command), "--port", str(port), "--log-level", "warning"], port) as client:
+        info = client.get("/v1/info").json()
+        assert info["backend"] == "cpu" and info["queue"]["size"] == 7
+        assert status_of_a_large_header(port, 3000)[0] == 200
+        assert status_of_a_large_header(port, 5000)[0] == 431, "the connection protocol is installed, with its flag"
+
+
+def test_service_refuses_a_bad_setting_before_starting() -> None:
+    done = subprocess.run([SCRIPTS / "matmul-service", "--queue-size", "0"], capture_output=True, text=True)
+    assert done.returncode == 2
+    assert "--queue-size '0': Input should be greater than or equal to 1" in done.stderr

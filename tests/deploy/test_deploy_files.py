@@ -1,0 +1,353 @@
+"""Dockerfile, docker-compose.yml and .dockerignore, checked without a Docker engine (there is none here or in CI).
+
+The compose file is validated against the compose-spec JSON schema (check-jsonschema's vendored copy), the
+Dockerfile is linted by hadolint and parsed by BuildKit's own parser (the `dockerfile` package); then both are
+checked against what they deploy: the settings, the load-test script's flags, the files COPY needs.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+import subprocess
+import sys
+import tomllib
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+import dockerfile
+import pytest
+import uvicorn
+import yaml
+from packaging.requirements import Requirement
+from uvicorn.main import main as uvicorn_cli
+
+from app.api.connection import GuardedHttpProtocol
+from app.config import Settings
+from matmul_tools import loadtest
+from matmul_tools.service import HTTP_PROTOCOL
+from tests.scripts import ROOT, import_script
+
+SCRIPTS = Path(sys.executable).parent
+scaleout = import_script("scaleout_local")
+COMPOSE_PATH = ROOT / "docker-compose.yml"
+COMPOSE: dict[str, Any] = yaml.safe_load(COMPOSE_PATH.read_text())
+INSTRUCTIONS = dockerfile.parse_file(str(ROOT / "Dockerfile"))
+PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
+SETTING_VARIABLES = {f"MATMUL_{name.upper()}" for name in Settings.model_fields}
+
+
+def stages() -> dict[str, list[dockerfile.Command]]:
+    """The instructions of each build stage, by stage name."""
+    named: dict[str, list[dockerfile.Command]] = {}
+    current: list[dockerfile.Command] = []
+    for instruction in INSTRUCTIONS:
+        if instruction.cmd == "FROM":
+            current = named.setdefault(instruction.value[-1], [])
+        current.append(instruction)
+    return named
+
+
+def one(stage: list[dockerfile.Command], cmd: str) -> dockerfile.Command:
+    found = [instruction for instruction in stage if instruction.cmd == cmd]
+    assert len(found) == 1, f"expected one {cmd} in the stage, found {len(found)}"
+    return found[0]
+
+
+def environment(stage: list[dockerfile.Command]) -> dict[str, str]:
+    pairs: dict[str, str] = {}
+    for instruction in stage:
+        if instruction.cmd == "ENV":
+            pairs.update(zip(instruction.value[::2], instruction.value[1::2], strict=True))
+    return pairs
+
+
+def image_of(stage: list[dockerfile.Command]) -> str:
+    """The stage's base image, ARG defaults substituted."""
+    defaults = dict(arg.value[0].split("=", 1) for arg in INSTRUCTIONS if arg.cmd == "ARG" and "=" in arg.value[0])
+    return re.sub(r"\$\{(\w+)\}", lambda m: defaults[m.group(1)], stage[0].value[0])
+
+
+SERVICE, LOADTEST = stages()["service"], stages()["loadtest"]
+SERVICE_ENV = environment(SERVICE)
+
+
+def run_tool(name: str, *args: str) -> subprocess.CompletedProcess[str]:
+    """A checker installed by the `test` extra into this interpreter's environment."""
+    return subprocess.run([str(SCRIPTS / name), *args], capture_output=True, text=True, cwd=ROOT, timeout=120)
+
+
+# -------------------------------------------------------------------------------------------- linters
+
+
+def test_compose_file_follows_the_compose_spec() -> None:
+    done = run_tool("check-jsonschema", "--builtin-schema", "vendor.compose-spec", str(COMPOSE_PATH))
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_the_compose_spec_check_catches_a_misspelt_key(tmp_path: Path) -> None:
+    broken = tmp_path / "docker-compose.yml"
+    broken.write_text(COMPOSE_PATH.read_text().replace("capabilities:", "capability:"))
+    done = run_tool("check-jsonschema", "--builtin-schema", "vendor.compose-spec", str(broken))
+    assert done.returncode == 1 and "'capabilities' is a required property" in done.stdout
+
+
+def test_hadolint_finds_nothing() -> None:
+    done = run_tool("hadolint", "--no-color", "Dockerfile")
+    assert done.returncode == 0 and done.stdout == "", done.stdout + done.stderr
+
+
+# ------------------------------------------------------------------------------------------ Dockerfile
+
+
+def test_the_service_runs_on_an_official_cuda_12_image_as_a_user() -> None:
+    assert re.fullmatch(r"nvidia/cuda:12\.\d+\.\d+-\w+-ubuntu\d+\.\d+", image_of(SERVICE))
+    assert image_of(stages()["build"]) == image_of(SERVICE), "the venv is built on the image it runs on"
+    user = [instruction for instruction in SERVICE if instruction.cmd == "USER"][-1].value[0]
+    assert user.split(":")[0] not in ("root", "0")
+    assert [instruction.cmd for instruction in LOADTEST if instruction.cmd == "USER"], "the load test too"
+
+
+def test_cupy_14_2_or_later_is_installed_with_the_cuda_components_it_needs() -> None:
+    install = " ".join(i.value[0] for i in stages()["build"] if i.cmd == "RUN" and "pip install" in i.value[0])
+    extras = PYPROJECT["project"]["optional-dependencies"]
+    from_extras = [line for extra in re.findall(r'"\.\[(\w+)\]"', install) for line in extras[extra]]
+    named = [word.strip('"') for word in install.split() if word.startswith('"cupy')]
+    cupy = [r for r in map(Requirement, from_extras + named) if r.name.startswith("cupy")]
+    assert {r.name for r in cupy} == {"cupy-cuda12x"} and len(cupy) == 2
+    assert all("14.2" in r.specifier and "14.1" not in r.specifier for r in cupy)
+    assert {"ctk"} in [r.extras for r in cupy]
+
+
+def test_every_extra_installed_in_an_image_exists() -> None:
+    runs = " ".join(i.value[0] for i in INSTRUCTIONS if i.cmd == "RUN")
+    named = set(re.findall(r'"\.\[(\w+)\]"', runs))
+    assert named == {"gpu", "loadtest"} and named <= set(PYPROJECT["project"]["optional-dependencies"])
+
+
+def test_cmd_is_exec_form_uvicorn_on_the_app_factory_with_settings_from_the_environment() -> None:
+    cmd = one(SERVICE, "CMD")
+    assert cmd.json and list(cmd.value) == ["uvicorn", "app.main:create_app", "--factory", *HTTP_PROTOCOL]
+    assert SERVICE_ENV["UVICORN_ACCESS_LOG"] == "false", "the service writes its own access log"
+    assert SERVICE_ENV["UVICORN_HOST"] == "0.0.0.0" and one(SERVICE, "EXPOSE").value == (SERVICE_ENV["UVICORN_PORT"],)
+    assert set(SERVICE_ENV) & SETTING_VARIABLES == {"MATMUL_BACKEND"} and SERVICE_ENV["MATMUL_BACKEND"] == "gpu"
+    assert SERVICE_ENV["PATH"].startswith("/opt/venv/bin:")
+
+
+def test_uvicorn_gives_in_flight_requests_a_graceful_shutdown_in_the_image(monkeypatch: pytest.MonkeyPatch) -> None:
+    """uvicorn's own CLI, run on the image's CMD and UVICORN_* variables, has a graceful-shutdown timeout: on
+    SIGTERM it waits that long for in-flight requests (README: UVICORN_TIMEOUT_GRACEFUL_SHUTDOWN in the container)."""
+    for name, value in SERVICE_ENV.items():
+        if name.startswith("UVICORN_"):
+            monkeypatch.setenv(name, value)
+    command = one(SERVICE, "CMD").value
+    assert uvicorn_cli.make_context(command[0], list(command[1:])).params["timeout_graceful_shutdown"] == 30
+
+
+def test_uvicorn_in_the_image_serves_with_the_connection_protocol_that_bounds_headers() -> None:
+    """The CMD's --http, as uvicorn's CLI reads it and its config loads it, is app.api.connection's protocol."""
+    command = one(SERVICE, "CMD").value
+    http = uvicorn_cli.make_context(command[0], list(command[1:])).params["http"]
+    config = uvicorn.Config("app.main:create_app", factory=True, http=http, ws="none")
+    config.load()
+    assert config.http_protocol_class is GuardedHttpProtocol
+
+
+def test_healthcheck_probes_healthz_on_the_served_port() -> None:
+    check = one(SERVICE, "HEALTHCHECK")
+    assert check.json and check.value[0] == "CMD"
+    assert f"http://127.0.0.1:{SERVICE_ENV['UVICORN_PORT']}/healthz" in " ".join(check.value)
+
+
+def test_the_cupy_cache_is_a_volume() -> None:
+    assert one(SERVICE, "VOLUME").value == (SERVICE_ENV["CUPY_CACHE_DIR"],)
+
+
+# ------------------------------------------------------------------------------------------ .dockerignore
+
+
+def dockerignore_rules() -> list[tuple[bool, re.Pattern[str]]]:
+    """.dockerignore as Docker reads it: (is an exception `!`, pattern); `*` stays within one path segment."""
+    rules = []
+    for line in (ROOT / ".dockerignore").read_text().splitlines():
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        negate, pattern = line.startswith("!"), line.lstrip("!").strip("/")
+        parts = re.split(r"(\*\*/|\*\*|\*|\?)", pattern)
+        wild = {"**/": "(?:.*/)?", "**": ".*", "*": "[^/]*", "?": "[^/]"}
+        rules.append((negate, re.compile("".join(wild.get(part, re.escape(part)) for part in parts))))
+    return rules
+
+
+def ignored(path: str) -> bool:
+    """Whether Docker leaves `path` out of the build context: the last rule matching it or a parent decides."""
+    prefixes = ["/".join(path.split("/")[: i + 1]) for i in range(path.count("/") + 1)]
+    verdict = False
+    for negate, pattern in dockerignore_rules():
+        if any(pattern.fullmatch(prefix) for prefix in prefixes):
+            verdict = not negate
+    return verdict
+
+
+def copied_files() -> Iterator[str]:
+    for instruction in INSTRUCTIONS:
+        if instruction.cmd == "COPY" and not any(flag.startswith("--from") for flag in instruction.flags):
+            for source in instruction.value[:-1]:
+                path = ROOT / source
+                assert path.exists(), f"COPY {source}: no such file"
+                files = sorted(path.rglob("*")) if path.is_dir() else [path]
+                yield from (str(f.relative_to(ROOT)) for f in files if f.is_file() and "__pycache__" not in f.parts)
+
+
+def test_the_build_context_holds_what_copy_needs_and_not_the_rest() -> None:
+    needed = list(copied_files())
+    assert "kernels/registry.py" in needed and "scripts/loadtest.py" in needed
+    assert [path for path in needed if ignored(path)] == []
+    for path in (
+        ".venv/bin/python",
+        ".git/HEAD",
+        "tests/client/test_client.py",
+        "app/__pycache__/main.cpython-312.pyc",
+    ):
+        assert ignored(path), path
+
+
+# -------------------------------------------------------------------------------------------- compose
+
+
+def test_the_service_reserves_a_gpu_and_is_health_checked() -> None:
+    service = COMPOSE["services"]["matmul"]
+    assert service["build"]["target"] == "service"
+    devices = service["deploy"]["resources"]["reservations"]["devices"]
+    assert devices == [{"driver": "nvidia", "count": 1, "capabilities": ["gpu"]}]
+    assert service["healthcheck"]["start_period"] and "test" not in service["healthcheck"], "the image's probe"
+    container_ports = {mapping.rsplit(":", 1)[1] for mapping in service["ports"]}
+    assert container_ports == {SERVICE_ENV["UVICORN_PORT"]}
+
+
+def compose_seconds(duration: str) -> float:
+    """A compose duration (`40s`, `1m30s`, `2.5s`) in seconds."""
+    parts = re.findall(r"(\d+(?:\.\d+)?)(h|ms|us|m|s)", duration)
+    assert "".join(number + unit for number, unit in parts) == duration, f"not a duration: {duration!r}"
+    return sum(float(number) * {"h": 3600, "m": 60, "s": 1, "ms": 1e-3, "us": 1e-6}[unit] for number, unit in parts)
+
+
+@pytest.mark.parametrize("name", ["matmul", "replica"])
+def test_the_service_is_restarted_when_it_exits_and_stopped_only_after_its_graceful_shutdown(name: str) -> None:
+    """A lost GPU ends the process with exit code 75 for the restart policy to start a fresh one; `docker stop`
+    waits longer than uvicorn's graceful shutdown before it kills (Docker's default wait is 10 s)."""
+    service = COMPOSE["services"][name]
+    assert service["restart"] in ("always", "unless-stopped") or service["restart"].startswith("on-failure")
+    graceful_s = int(SERVICE_ENV["UVICORN_TIMEOUT_GRACEFUL_SHUTDOWN"])
+    assert compose_seconds(service.get("stop_grace_period", "10s")) > graceful_s
+
+
+def test_the_service_settings_are_real_settings() -> None:
+    variables = set(COMPOSE["services"]["matmul"]["environment"])
+    assert variables <= SETTING_VARIABLES and {"MATMUL_BACKEND", "MATMUL_QUEUE_SIZE"} <= variables
+
+
+def first_party_imports(path: Path, seen: set[Path] | None = None) -> set[str]:
+    """The project's packages that `path` imports, and those its imports of them import in turn."""
+    seen = seen if seen is not None else set()
+    seen.add(path)
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        names = [alias.name for alias in node.names] if isinstance(node, ast.Import) else []
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names = [node.module, *(f"{node.module}.{alias.name}" for alias in node.names)]
+        for name in names:
+            if name.split(".")[0] not in PYPROJECT["tool"]["hatch"]["build"]["targets"]["wheel"]["packages"]:
+                continue
+            found.add(name.split(".")[0])
+            module = ROOT / (name.replace(".", "/") + ".py")
+            if module.is_file() and module not in seen:
+                found |= first_party_imports(module, seen)
+    return found
+
+
+def test_the_loadtest_stage_copies_every_package_the_script_imports() -> None:
+    copied = {instruction.value[0] for instruction in LOADTEST if instruction.cmd == "COPY"}
+    imported = first_party_imports(ROOT / "scripts" / "loadtest.py")
+    assert "matmul_tools" in imported
+    assert imported <= copied, f"the loadtest image lacks {imported - copied}"
+
+
+def test_the_kernel_cache_is_a_named_volume_at_cupy_cache_dir() -> None:
+    volumes = [mount.split(":") for mount in COMPOSE["services"]["matmul"]["volumes"]]
+    assert [SERVICE_ENV["CUPY_CACHE_DIR"]] == [target for name, target in volumes if name in COMPOSE["volumes"]]
+
+
+def test_the_loadtest_service_runs_the_script_against_the_service() -> None:
+    service = COMPOSE["services"]["loadtest"]
+    assert service["profiles"] == ["loadtest"] and service["build"]["target"] == "loadtest"
+    assert service["depends_on"] == {"matmul": {"condition": "service_healthy"}}
+    assert list(one(LOADTEST, "ENTRYPOINT").value) == ["python", "scripts/loadtest.py"]
+    args = loadtest.parse_args(service["command"])
+    url = urlsplit(args.url)
+    assert url.hostname == "matmul" and str(url.port) == SERVICE_ENV["UVICORN_PORT"]
+    assert args.wait_ready > 0, (
+        "the service is healthy before its kernels are compiled; the load test waits for /readyz"
+    )
+    mounts = {mount.split(":")[1] for mount in service["volumes"]}
+    assert str(Path(args.out).parent) in mounts
+
+
+@pytest.mark.parametrize("name", ["matmul", "loadtest", "replica"])
+def test_each_build_target_is_a_stage(name: str) -> None:
+    assert COMPOSE["services"][name]["build"]["target"] in stages()
+
+
+# ------------------------------------------------------------------------------- scale-out (nginx)
+
+
+def nginx_directives(text: str) -> dict[str, list[str]]:
+    """Every one-line simple directive of an nginx config (`name args;`), by name: the argument strings in order."""
+    directives: dict[str, list[str]] = {}
+    for name, arguments in re.findall(r"^[ \t]*(\w+)(?:[ \t]+([^;#\n]*))?;", text, re.MULTILINE):
+        directives.setdefault(name, []).append(arguments.strip())
+    return directives
+
+
+NGINX_TEMPLATE = (ROOT / "deploy" / "nginx.conf").read_text()
+NGINX = nginx_directives(NGINX_TEMPLATE)
+
+
+def test_the_scale_profile_puts_replicas_of_the_service_behind_the_official_nginx() -> None:
+    services = COMPOSE["services"]
+    replica, balancer = services["replica"], services["balancer"]
+    assert replica["profiles"] == balancer["profiles"] == ["scale"]
+    assert replica["image"] == services["matmul"]["image"] and replica["build"] == services["matmul"]["build"]
+    assert replica["environment"] == services["matmul"]["environment"]
+    assert replica["healthcheck"] == services["matmul"]["healthcheck"]
+    assert re.fullmatch(r"nginx:\d+\.\d+", balancer["image"]), "the official image, a pinned minor version"
+    mounts = {source: target for source, target, *_ in (mount.split(":") for mount in balancer["volumes"])}
+    assert mounts == {"./deploy/nginx.conf": "/etc/nginx/templates/default.conf.template"}
+    assert balancer["depends_on"] == {"replica": {"condition": "service_healthy"}}
+    placeholders = set(re.findall(r"\$\{(\w+)\}", NGINX_TEMPLATE))
+    assert placeholders == set(balancer["environment"]) == {"NGINX_LISTEN", "NGINX_UPSTREAM"}
+    host, port = balancer["environment"]["NGINX_UPSTREAM"].split(":")
+    assert host == "replica" and port == SERVICE_ENV["UVICORN_PORT"]
+    assert balancer["ports"] == ["${MATMUL_LB_PORT:-8080}:" + balancer["environment"]["NGINX_LISTEN"]]
+
+
+def test_nginx_balances_by_least_connections_and_streams_bodies_up_to_the_service_limit() -> None:
+    assert NGINX["least_conn"] == [""] and int(NGINX["keepalive"][0]) > 0
+    assert NGINX_TEMPLATE.index("least_conn") < NGINX_TEMPLATE.index("keepalive"), "the method comes first"
+    assert NGINX["proxy_request_buffering"] == NGINX["proxy_buffering"] == ["off"]
+    assert NGINX["proxy_http_version"] == ["1.1"] and 'Connection ""' in NGINX["proxy_set_header"]
+    size = NGINX["client_max_body_size"][0]
+    assert int(size[:-1]) << {"k": 10, "m": 20, "g": 30}[size[-1]] == Settings.model_fields["max_body_bytes"].default
+    assert "X-Request-ID $matmul_request_id" in NGINX["proxy_set_header"]
+    assert "max_fails=" in NGINX["server"][0] and "fail_timeout=" in NGINX["server"][0]
+
+
+@pytest.mark.skipif(scaleout.find_nginx() is None, reason="nginx is not installed (apt-get install nginx)")
+def test_nginx_accepts_the_template_as_the_local_script_renders_it(tmp_path: Path) -> None:
+    scaleout.write_prefix(tmp_path, 8080, ["127.0.0.1:8001", "127.0.0.1:8002"])
+    nginx = scaleout.find_nginx()
+    done = subprocess.run(scaleout.nginx_command(nginx, tmp_path, "-t"), capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and "test is successful" in done.stderr, done.stderr

@@ -1,0 +1,174 @@
+"""The README's examples run as pasted against a real CPU-backend server, and its lists match what answers carry.
+
+Every fenced block is an example (```sh, ```python) or output (```json, ``` alone). An example that cannot run
+here (Docker, nginx, minutes of load) carries `<!-- example: skip: why -->` on the line before its fence, and is
+skipped saying why; one that needs a GPU-backend server carries `<!-- example: gpu -->` and runs only when the test's
+server is one (MATMUL_README_BACKEND=gpu, on a GPU machine). The examples talk to `localhost:8000`, as after
+`make run`; the test points that at its own server, and runs each block in a fresh folder where `.venv` is the
+test's own virtual environment.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+
+from matmul_tools.bodies import npy_bytes
+from matmul_tools.service import free_port, running_server, uvicorn_command
+from tests.scripts import ROOT
+
+README = ROOT / "README.md"
+EXAMPLE_LANGUAGES = {"sh", "python"}
+OUTPUT_LANGUAGES = {"", "json"}
+SKIP_MARK = re.compile(r"<!-- example: skip: (?P<why>[^>]*?) -->")
+GPU_MARK = "<!-- example: gpu -->"
+BACKEND = os.environ.get("MATMUL_README_BACKEND", "cpu")
+"""The backend of the examples' server: cpu, as `make run` serves without a GPU, or gpu on a GPU machine."""
+README_URL = "localhost:8000"
+VENV = Path(sys.executable).parent.parent
+EXAMPLE_TIMEOUT_S = 60
+
+
+@dataclass(frozen=True)
+class Block:
+    line: int
+    language: str
+    code: str
+    skip_reason: str | None
+    mark: str
+    """The line before the fence (where a skip mark would be)."""
+
+
+def readme_blocks() -> list[Block]:
+    """Every fenced block of the README, with its language and the skip mark before it, if any."""
+    lines = README.read_text().splitlines()
+    blocks: list[Block] = []
+    start: int | None = None
+    for number, line in enumerate(lines, start=1):
+        if not line.startswith("```"):
+            continue
+        if start is None:
+            start = number
+            continue
+        mark = lines[start - 2] if start > 1 else ""
+        found = SKIP_MARK.fullmatch(mark)
+        language = lines[start - 1].removeprefix("```").strip()
+        code = "\n".join(lines[start : number - 1]) + "\n"
+        if found:
+            skip_reason: str | None = found["why"]
+        elif mark == GPU_MARK and BACKEND != "gpu":
+            skip_reason = "needs a GPU-backend server (MATMUL_README_BACKEND=gpu on a GPU machine)"
+        else:
+            skip_reason = None
+        blocks.append(Block(start, language, code, skip_reason, mark))
+        start = None
+    assert start is None, f"README.md:{start}: a fence that is never closed"
+    return blocks
+
+
+EXAMPLES = [block for block in readme_blocks() if block.language in EXAMPLE_LANGUAGES]
+
+
+def test_every_block_is_an_example_or_output() -> None:
+    blocks = readme_blocks()
+    for block in blocks:
+        where = f"README.md:{block.line}"
+        assert block.language in EXAMPLE_LANGUAGES | OUTPUT_LANGUAGES, f"{where}: ```{block.language} is neither"
+        if "<!-- example" in block.mark:
+            assert SKIP_MARK.fullmatch(block.mark) or block.mark == GPU_MARK, (
+                f"{where}: the mark before it should read <!-- example: skip: why --> or {GPU_MARK}"
+            )
+            assert block.language in EXAMPLE_LANGUAGES, f"{where}: only examples are marked; output never runs"
+    marks = re.findall(r"^<!-- example", README.read_text(), re.MULTILINE)
+    assert len(marks) == sum("<!-- example" in b.mark for b in blocks), "a mark that is not right before a fence"
+    assert sum(b.skip_reason is None for b in EXAMPLES) >= 6, "the examples that run went missing"
+
+
+@pytest.fixture(scope="module")
+def readme_server() -> Iterator[str]:
+    """What `make run` serves on a machine without a GPU: the CPU backend, default settings, a free port."""
+    port = free_port()
+    with running_server(uvicorn_command(port), port, env={"MATMUL_BACKEND": BACKEND}):
+        yield f"127.0.0.1:{port}"
+
+
+def _environment(url: str) -> dict[str, str]:
+    """This process's environment without the virtual environment on PATH (the examples name .venv/bin)."""
+    path = [part for part in os.environ["PATH"].split(os.pathsep) if Path(part) != VENV / "bin"]
+    env = {key: value for key, value in os.environ.items() if key != "VIRTUAL_ENV"}
+    return {**env, "PATH": os.pathsep.join(path), "MATMUL_URL": f"http://{url}"}
+
+
+def _uses_curl_without_failing(code: str) -> list[str]:
+    """curl lines that would exit 0 on an error answer (no -f, --fail or --fail-with-body)."""
+    lines = code.replace("\\\n", " ").splitlines()
+    calls = [line for line in lines if re.search(r"(^|[;&|]\s*)curl\s", line)]
+    return [line for line in calls if not re.search(r"\s(--fail(-with-body)?|-[a-zA-Z]*f[a-zA-Z]*)(\s|$)", line)]
+
+
+@pytest.mark.parametrize("example", EXAMPLES, ids=[f"README.md:{e.line}:{e.language}" for e in EXAMPLES])
+def test_readme_example_runs_as_pasted(example: Block, readme_server: str, tmp_path: Path) -> None:
+    if example.skip_reason is not None:
+        pytest.skip(f"README.md:{example.line}: {example.skip_reason}")
+    assert not re.search(r":8000\b", example.code.replace(README_URL, "")), "an example names port 8000 elsewhere"
+    code = example.code.replace(README_URL, readme_server)
+    if example.language == "sh":
+        assert _uses_curl_without_failing(code) == [], "curl should fail on an error answer (--fail-with-body)"
+        if "curl " in code and shutil.which("curl") is None:
+            pytest.skip("curl is not installed")
+        command = ["bash", "-e", "-o", "pipefail", "-c", code]
+    else:
+        (tmp_path / "example.py").write_text(code)
+        command = [str(VENV / "bin" / "python"), "example.py"]
+    (tmp_path / ".venv").symlink_to(VENV, target_is_directory=True)
+    done = subprocess.run(
+        command, cwd=tmp_path, env=_environment(readme_server), capture_output=True, timeout=EXAMPLE_TIMEOUT_S
+    )
+    said = f"stdout:\n{done.stdout.decode(errors='replace')}\nstderr:\n{done.stderr.decode(errors='replace')}"
+    assert done.returncode == 0, f"README.md:{example.line} exited with {done.returncode}\n{said}"
+
+
+def _answer_section() -> str:
+    text = README.read_text()
+    return text[text.index("### The answer") : text.index("### Errors")]
+
+
+def test_the_readme_lists_every_field_and_header_an_answer_carries(readme_server: str) -> None:
+    section = " ".join(_answer_section().split())
+    fields_sentence = section[section.index("JSON answers hold") : section.index("`.npy` answers carry")]
+    documented_fields = set(re.findall(r"`(\w+)`", re.sub(r"\([^)]*\)", "", fields_sentence)))
+    headers_sentence = section[section.index("`.npy` answers carry") : section.index("Both carry")]
+    always, sometimes = (
+        {name.lower() for name in re.findall(r"`(X-Matmul-[\w-]+)`", part)}
+        for part in headers_sentence.split("when they have a value")
+    )
+    documented_timing = set(re.findall(r"^\| `(\w+_ms)` \|", _answer_section(), re.MULTILINE))
+
+    a, b = np.array([[1.0, 2.0], [3.0, 4.0]]), np.array([[5.0], [6.0]])
+    with httpx.Client(base_url=f"http://{readme_server}") as client:
+        as_json = client.post("/matmul", json={"a": a.tolist(), "b": b.tolist()})
+        files = {"a": ("a.npy", npy_bytes(a)), "b": ("b.npy", npy_bytes(b))}
+        as_npy = client.post("/matmul", files=files, headers={"accept": "application/x-npy"})
+    assert as_json.status_code == 200 and as_npy.status_code == 200
+    answer = as_json.json()
+    assert set(answer) == documented_fields
+    assert set(answer["timing"]) == documented_timing
+    # each fact but the product and its timing (Server-Timing) has its header, the roofline's one per field; a
+    # null one is left out
+    flat = {name: value for name, value in answer.items() if name not in ("result", "timing", "roofline")}
+    flat.update({f"roofline_{name}": value for name, value in answer["roofline"].items()})
+    facts = {f"x-matmul-{name.replace('_', '-')}": value for name, value in flat.items()}
+    sent = {name for name in as_npy.headers if name.startswith("x-matmul-")}
+    assert always | sometimes == set(facts)
+    assert sent == {name for name, value in facts.items() if value is not None}
+    assert always <= sent and set(facts) - sent <= sometimes

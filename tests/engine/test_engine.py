@@ -1,0 +1,505 @@
+"""The worker: readiness, the bounded queue, abandoned jobs and backend failures, with a backend we control."""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import threading
+import weakref
+from collections.abc import AsyncIterator, Callable, Sequence
+from typing import Any, Final
+
+import httpx
+import numpy as np
+import pytest
+
+from app.api.deps import get_engine
+from app.config import Settings
+from app.engine import BatchPolicy, DeviceTiming, Engine, EngineState, KernelInfo, Outcome, Plan, Worker
+from app.engine.autotune import AutoChoice
+from app.engine.base import Finished
+from app.errors import DeviceOutOfMemory, NotReady
+from app.main import create_app
+from kernels.roofline import DevicePeaks
+from matmul_tools.service import wait_ready_async
+
+pytestmark = pytest.mark.anyio
+
+
+class GatedBackend:
+    """Multiplies with NumPy, but only as far as the test lets it: each gate is opened by the test."""
+
+    name: Final = "cpu"
+
+    def __init__(self, prepare_error: Exception | None = None, device_name: str = "test device") -> None:
+        self.device_name = device_name
+        self.prepared = threading.Event()
+        self.step = threading.Semaphore(0)
+        self.started = threading.Semaphore(0)
+        self.prepare_error = prepare_error
+        self.multiplied: list[tuple[int, ...]] = []
+        self.batches: list[int] = []
+        self.fail_next: Exception | None = None
+
+    def kernels(self) -> list[KernelInfo]:
+        return [KernelInfo(name="numpy", kind="library", summary="test")]
+
+    def plan(self, kernel: str, tile: int | None, m: int, n: int, k: int) -> Plan:
+        return Plan(kernel="numpy")
+
+    def prepare(self) -> None:
+        self.prepared.wait(timeout=10)
+        if self.prepare_error is not None:
+            raise self.prepare_error
+
+    def batchable(self, plan: Plan) -> bool:
+        return True
+
+    @property
+    def max_in_flight(self) -> int:
+        return 1
+
+    def submit(
+        self, pairs: Sequence[tuple[np.ndarray, np.ndarray]], dtype: np.dtype, plan: Plan, on_done: Callable[[], None]
+    ) -> Finished:
+        self.started.release()
+        self.step.acquire(timeout=10)
+        if self.fail_next is not None:
+            error, self.fail_next = self.fail_next, None
+            raise error
+        self.multiplied.extend(a.shape for a, _ in pairs)
+        self.batches.append(len(pairs))
+        return Finished([a @ b for a, b in pairs], DeviceTiming(h2d_ms=0.0, kernel_ms=1.0, d2h_ms=0.0))
+
+    def describe(self) -> dict[str, Any]:
+        return {"name": self.device_name}
+
+    def memory_held(self) -> int:
+        return 0
+
+    def auto_choices(self) -> list[AutoChoice]:
+        return []
+
+    @property
+    def peaks(self) -> DevicePeaks:
+        return DevicePeaks()
+
+    def compiled_instances(self) -> int:
+        return 1 if self.prepared.is_set() else 0
+
+    def close(self) -> None:
+        return None
+
+
+async def _wait(predicate: Any) -> None:
+    for _ in range(200):
+        if predicate():
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError("condition never held")
+
+
+@pytest.fixture
+async def gated() -> AsyncIterator[tuple[GatedBackend, Engine, httpx.AsyncClient]]:
+    backend = GatedBackend()
+    engine = Engine([Worker(backend, queue_size=1)])
+    app = create_app(Settings(backend="cpu", retry_after_s=7))
+    app.dependency_overrides[get_engine] = lambda: engine
+    async with app.router.lifespan_context(app):
+        engine.start()
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
+            yield backend, engine, client
+            backend.prepared.set()
+            for _ in range(8):
+                backend.step.release()
+        await engine.stop()
+
+
+BODY = {"a": [[1.0, 2.0]], "b": [[3.0], [4.0]]}
+
+
+async def _one_product_running(
+    backend: GatedBackend, engine: Engine, client: httpx.AsyncClient
+) -> asyncio.Task[httpx.Response]:
+    """Let the engine get ready, then start one request and wait until the backend is inside it."""
+    backend.prepared.set()
+    await _wait(lambda: engine.state is EngineState.READY)
+    running = asyncio.create_task(client.post("/matmul", json=BODY))
+    await asyncio.to_thread(backend.started.acquire, True, 5)
+    return running
+
+
+async def test_not_ready_until_the_kernels_are_prepared(gated: tuple[GatedBackend, Engine, httpx.AsyncClient]) -> None:
+    backend, engine, client = gated
+    r = await client.get("/readyz")
+    assert r.status_code == 503 and r.headers["retry-after"] == "7"
+    assert r.json()["code"] == "not_ready" and "compiled" in r.json()["message"]
+    assert (await client.post("/matmul", json=BODY)).status_code == 503
+    assert (await client.get("/healthz")).status_code == 200
+    backend.prepared.set()
+    await _wait(lambda: engine.state is EngineState.READY)
+    assert (await client.get("/readyz")).status_code == 200
+
+
+async def test_a_full_queue_answers_503_at_once(gated: tuple[GatedBackend, Engine, httpx.AsyncClient]) -> None:
+    backend, engine, client = gated
+    running = await _one_product_running(backend, engine, client)
+    queued = asyncio.create_task(client.post("/matmul", json=BODY))
+    await _wait(lambda: engine.queue_depth == 1)
+    refused = await client.post("/matmul", json=BODY)
+    assert refused.status_code == 503 and refused.headers["retry-after"] == "7"
+    assert refused.json()["code"] == "overloaded" and "queue is full (1 waiting)" in refused.json()["message"]
+    backend.step.release()
+    backend.step.release()
+    assert (await running).json()["result"] == [[11.0]]
+    assert (await queued).status_code == 200
+
+
+async def test_a_full_queue_answers_503_before_reading_the_body(
+    gated: tuple[GatedBackend, Engine, httpx.AsyncClient],
+) -> None:
+    """A body that never comes: the 503 cannot wait for it."""
+    backend, engine, client = gated
+    running = await _one_product_running(backend, engine, client)
+    queued = asyncio.create_task(client.post("/matmul", json=BODY))
+    await _wait(lambda: engine.queue_depth == 1)
+    never = asyncio.Event()
+
+    async def body() -> AsyncIterator[bytes]:
+        await never.wait()
+        yield b"{}"
+
+    headers = {"content-type": "application/json", "content-length": "1000000"}
+    refused = await asyncio.wait_for(client.post("/matmul", content=body(), headers=headers), 5)
+    assert refused.status_code == 503 and refused.json()["code"] == "overloaded"
+    backend.step.release()
+    backend.step.release()
+    assert (await running).status_code == 200 and (await queued).status_code == 200
+
+
+async def test_an_abandoned_job_is_not_run(gated: tuple[GatedBackend, Engine, httpx.AsyncClient]) -> None:
+    backend, engine, _ = gated
+    backend.prepared.set()
+    await _wait(lambda: engine.state is EngineState.READY)
+    f64 = np.dtype(np.float64)
+    first = asyncio.create_task(engine.matmul(np.ones((1, 1)), np.ones((1, 1)), f64, "numpy", None, None))
+    await asyncio.to_thread(backend.started.acquire, True, 5)
+    a = np.ones((2, 1))
+    operand = weakref.ref(a)
+    abandoned = asyncio.create_task(engine.matmul(a, np.ones((1, 1)), f64, "numpy", None, None))
+    await _wait(lambda: engine.queue_depth == 1)
+    abandoned.cancel()
+    await asyncio.wait([abandoned])  # not awaited itself: its CancelledError's frames would hold `a` here
+    assert abandoned.cancelled()
+    # its entry still waits behind the running product, but it no longer counts and holds no operands
+    del a, abandoned
+    gc.collect()
+    assert engine.queue_depth == 0 and operand() is None
+    backend.step.release()
+    await first
+    await _wait(lambda: engine.queue_depth == 0)
+    backend.step.release()
+    await engine.matmul(np.ones((3, 1)), np.ones((1, 1)), f64, "numpy", None, None)
+    assert backend.multiplied == [(1, 1), (3, 1)]
+
+
+async def test_an_unexpected_backend_error_is_a_device_failure_and_the_worker_goes_on(
+    gated: tuple[GatedBackend, Engine, httpx.AsyncClient],
+) -> None:
+    backend, engine, client = gated
+    backend.prepared.set()
+    await _wait(lambda: engine.state is EngineState.READY)
+    backend.fail_next = RuntimeError("cudaErrorLaunchFailure")
+    backend.step.release()
+    r = await client.post("/matmul", json=BODY)
+    assert r.status_code == 500 and r.json()["code"] == "device_failure"
+    assert "cudaErrorLaunchFailure" in r.json()["message"]
+    backend.step.release()
+    assert (await client.post("/matmul", json=BODY)).status_code == 200
+
+
+async def test_a_backend_that_cannot_prepare_is_reported_not_ready() -> None:
+    backend = GatedBackend(prepare_error=RuntimeError("nvrtc: error in tiled.cu"))
+    backend.prepared.set()
+    engine = Worker(backend, queue_size=4)
+    engine.start()
+    await _wait(lambda: engine.state is EngineState.FAILED)
+    with pytest.raises(NotReady, match=r"nvrtc: error in tiled\.cu"):
+        engine.check_ready()
+    await engine.stop()
+
+
+async def test_a_product_still_queued_past_its_deadline_gets_504_and_is_never_run(
+    gated: tuple[GatedBackend, Engine, httpx.AsyncClient],
+) -> None:
+    backend, engine, client = gated
+    running = await _one_product_running(backend, engine, client)
+    late = await client.post("/matmul", json={"a": [[9.0]], "b": [[9.0]]}, headers={"x-request-timeout": "0.05"})
+    assert late.status_code == 504 and late.json()["code"] == "deadline_exceeded"
+    # its place in the queue (of one) is free at once, while the product before it still runs
+    assert engine.queue_depth == 0
+    next_one = asyncio.create_task(client.post("/matmul", json={"a": [[3.0]], "b": [[3.0]]}))
+    await _wait(lambda: engine.queue_depth == 1)
+    backend.step.release()
+    backend.step.release()
+    assert (await running).status_code == 200
+    assert (await next_one).json()["result"] == [[9.0]]
+    assert backend.multiplied == [(1, 2), (1, 1)]
+
+
+@pytest.mark.parametrize("sent", ["0", "-1", "soon", "nan", "1e9"])
+async def test_a_bad_request_timeout_is_refused(client: httpx.AsyncClient, sent: str) -> None:
+    r = await client.post("/matmul", json=BODY, headers={"x-request-timeout": sent})
+    assert r.status_code == 422 and r.json()["location"] == ["X-Request-Timeout"]
+
+
+async def test_a_client_that_disconnects_while_queued_takes_its_product_out_of_the_queue(
+    gated: tuple[GatedBackend, Engine, httpx.AsyncClient],
+) -> None:
+    backend, engine, client = gated
+    running = await _one_product_running(backend, engine, client)
+
+    gone = asyncio.Event()
+    body = [{"type": "http.request", "body": b'{"a": [[5.0]], "b": [[5.0]]}', "more_body": False}]
+
+    async def receive() -> dict[str, object]:
+        if body:
+            return body.pop()
+        await gone.wait()
+        return {"type": "http.disconnect"}
+
+    async def send(message: dict[str, object]) -> None:
+        return None
+
+    scope = {
+        "type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST", "scheme": "http",
+        "path": "/matmul", "raw_path": b"/matmul", "query_string": b"", "root_path": "", "state": {},
+        "headers": [(b"content-type", b"application/json")], "client": ("127.0.0.1", 1), "server": ("t", 80),
+    }  # fmt: skip
+    call = asyncio.create_task(client._transport.app(scope, receive, send))  # type: ignore[attr-defined]
+    await _wait(lambda: engine.queue_depth == 1)
+    gone.set()
+    await asyncio.wait_for(call, 5)
+    assert engine.queue_depth == 0
+    backend.step.release()
+    assert (await running).status_code == 200
+    await _wait(lambda: engine.queue_depth == 0)
+    assert backend.multiplied == [(1, 2)]
+
+
+async def test_a_lost_device_fails_the_engine_answers_the_queue_with_503_and_asks_for_a_restart() -> None:
+    from app.errors import DeviceLost
+
+    backend = GatedBackend()
+    backend.prepared.set()
+    lost = asyncio.Event()
+    engine = Worker(backend, queue_size=4, on_device_lost=lost.set)
+    engine.start()
+    await _wait(lambda: engine.state is EngineState.READY)
+    plan = Plan(kernel="numpy")
+    backend.fail_next = DeviceLost("cudaErrorIllegalInstruction; the CUDA context is unusable")
+    first = asyncio.create_task(engine.matmul(np.ones((1, 1)), np.ones((1, 1)), np.dtype(np.float64), plan))
+    await asyncio.to_thread(backend.started.acquire, True, 5)
+    queued = asyncio.create_task(engine.matmul(np.ones((2, 1)), np.ones((1, 1)), np.dtype(np.float64), plan))
+    await _wait(lambda: engine.queue_depth == 1)
+    backend.step.release()
+    with pytest.raises(DeviceLost):
+        await first
+    with pytest.raises(NotReady, match="the device was lost"):
+        await queued
+    await asyncio.wait_for(lost.wait(), 5)
+    assert engine.state is EngineState.FAILED and engine.device_lost
+    with pytest.raises(NotReady, match="the device was lost"):
+        engine.check_ready()
+    assert backend.multiplied == []
+    await engine.stop()
+
+
+async def test_each_product_goes_to_the_least_loaded_device() -> None:
+    first, second = GatedBackend(device_name="gpu0"), GatedBackend(device_name="gpu1")
+    engine = Engine([Worker(first, queue_size=4), Worker(second, queue_size=4)])
+    for backend in (first, second):
+        backend.prepared.set()
+    engine.start()
+    await _wait(lambda: engine.state is EngineState.READY)
+    f64 = np.dtype(np.float64)
+    busy = asyncio.create_task(engine.matmul(np.ones((1, 1)), np.ones((1, 1)), f64, "numpy", None, None))
+    await asyncio.to_thread(first.started.acquire, True, 5)
+    second.step.release()
+    outcome = await engine.matmul(np.ones((2, 1)), np.ones((1, 1)), f64, "numpy", None, None)
+    assert outcome.device_name == "gpu1" and second.multiplied == [(2, 1)]
+    assert [d["name"] for d in engine.describe()] == ["gpu0", "gpu1"]
+    first.step.release()
+    assert (await busy).device_name == "gpu0"
+    await engine.stop()
+
+
+@pytest.mark.parametrize("policy", [None, BatchPolicy(max_size=8, max_delay_s=0.5)])
+async def test_queued_products_of_one_shape_run_as_one_batch(policy: BatchPolicy | None) -> None:
+    backend = GatedBackend()
+    backend.prepared.set()
+    engine = Engine([Worker(backend, queue_size=16, batching=policy)])
+    engine.start()
+    await _wait(lambda: engine.state is EngineState.READY)
+    f64 = np.dtype(np.float64)
+    first = asyncio.create_task(engine.matmul(np.ones((1, 1)), np.ones((1, 1)), f64, "numpy", None, None))
+    await asyncio.to_thread(backend.started.acquire, True, 5)
+    shapes = [(2, 3), (2, 3), (5, 3), (2, 3), (2, 3)]
+    rest = [
+        asyncio.create_task(engine.matmul(np.full(shape, i + 1.0), np.ones((3, 1)), f64, "numpy", None, None))
+        for i, shape in enumerate(shapes)
+    ]
+    await _wait(lambda: engine.queue_depth == len(shapes))
+    for _ in range(8):
+        backend.step.release()
+    outcomes = [await first, *[await task for task in rest]]
+    if policy is None:
+        assert backend.batches == [1] * 6
+    else:
+        # the first ran alone (nothing else was queued), then the four (2, 3) in one launch, then (5, 3)
+        assert backend.batches == [1, 4, 1]
+        assert [o.batch_size for o in outcomes] == [1, 4, 4, 1, 4, 4]
+    for i, outcome in enumerate(outcomes[1:]):
+        np.testing.assert_array_equal(outcome.c, np.full((shapes[i][0], 1), 3.0 * (i + 1)))
+    await engine.stop()
+
+
+class PipelinedBackend(GatedBackend):
+    """Keeps two launches in flight; each one finishes only when the test sets its event, and what the worker
+    does (submit or collect, with the first operand's value) is logged in order."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.prepared.set()
+        self.log: list[str] = []
+        self.launches: list[HeldLaunch] = []
+
+    @property
+    def max_in_flight(self) -> int:
+        return 2
+
+    def submit(
+        self, pairs: Sequence[tuple[np.ndarray, np.ndarray]], dtype: np.dtype, plan: Plan, on_done: Callable[[], None]
+    ) -> HeldLaunch:
+        label = f"{pairs[0][0][0, 0]:g}"
+        self.log.append(f"submit {label}")
+        launch = HeldLaunch(self, label, [a @ b for a, b in pairs], on_done)
+        self.launches.append(launch)
+        return launch
+
+
+class HeldLaunch:
+    def __init__(
+        self, backend: PipelinedBackend, label: str, products: list[np.ndarray], on_done: Callable[[], None]
+    ) -> None:
+        self.backend, self.label, self.products, self.on_done = backend, label, products, on_done
+        self.finished = threading.Event()
+        self.error: Exception | None = None
+
+    def finish(self, error: Exception | None = None) -> None:
+        """What the device does: the launch ends (with `error`, if given) and calls back."""
+        self.error = error
+        self.finished.set()
+        self.on_done()
+
+    def done(self) -> bool:
+        return self.finished.is_set()
+
+    def result(self) -> tuple[list[np.ndarray], DeviceTiming]:
+        assert self.finished.wait(timeout=10)
+        self.backend.log.append(f"collect {self.label}")
+        if self.error is not None:
+            raise self.error
+        return self.products, DeviceTiming(h2d_ms=1.0, kernel_ms=1.0, d2h_ms=1.0)
+
+
+async def _pipelined(backend: PipelinedBackend) -> Engine:
+    engine = Engine([Worker(backend, queue_size=8)])
+    engine.start()
+    await _wait(lambda: engine.state is EngineState.READY)
+    return engine
+
+
+def _product(engine: Engine, value: float) -> asyncio.Task[Outcome]:
+    f64 = np.dtype(np.float64)
+    return asyncio.create_task(engine.matmul(np.full((1, 1), value), np.ones((1, 1)), f64, "numpy", None, None))
+
+
+async def _submitted(engine: Engine, backend: PipelinedBackend, value: float) -> asyncio.Task[Outcome]:
+    """A product of `value`, once the backend holds its launch (the launch before it already submitted)."""
+    launches = len(backend.launches)
+    product = _product(engine, value)
+    await _wait(lambda: len(backend.launches) == launches + 1)
+    return product
+
+
+async def test_the_next_launch_is_submitted_while_the_previous_one_runs() -> None:
+    backend = PipelinedBackend()
+    engine = await _pipelined(backend)
+    first = await _submitted(engine, backend, 1)
+    rest = [_product(engine, 2), _product(engine, 3)]
+    await _wait(lambda: len(backend.launches) == 2)
+    await asyncio.sleep(0.05)
+    # two in flight, none collected: the third waits for the first to be answered
+    assert backend.log == ["submit 1", "submit 2"] and engine.queue_depth == 1 and engine.workers[0].load == 3
+    assert not first.done()
+    backend.launches[0].finish()
+    assert (await first).c[0, 0] == 1.0
+    await _wait(lambda: len(backend.launches) == 3)
+    for launch in backend.launches[1:]:
+        launch.finish()
+    assert [(await task).c[0, 0] for task in rest] == [2.0, 3.0]
+    assert backend.log == ["submit 1", "submit 2", "collect 1", "submit 3", "collect 2", "collect 3"]
+    await engine.stop()
+
+
+async def test_a_finished_launch_is_collected_before_the_next_is_submitted() -> None:
+    backend = PipelinedBackend()
+    engine = await _pipelined(backend)
+    first = await _submitted(engine, backend, 1)
+    backend.launches[0].finish()
+    await first
+    second = await _submitted(engine, backend, 2)
+    backend.launches[1].finish()
+    await second
+    assert backend.log == ["submit 1", "collect 1", "submit 2", "collect 2"]
+    await engine.stop()
+
+
+async def test_a_launch_that_fails_on_the_device_fails_only_its_own_requests() -> None:
+    backend = PipelinedBackend()
+    engine = await _pipelined(backend)
+    first = await _submitted(engine, backend, 1)
+    second = await _submitted(engine, backend, 2)
+    backend.launches[0].finish(DeviceOutOfMemory("the product does not fit in device memory now"))
+    backend.launches[1].finish()
+    with pytest.raises(DeviceOutOfMemory):
+        await first
+    assert (await second).c[0, 0] == 2.0
+    assert engine.state is EngineState.READY
+    await engine.stop()
+
+
+async def test_a_bad_operand_in_a_batch_fails_only_its_own_request() -> None:
+    settings = Settings(backend="cpu", batching=True, max_queue_delay_us=200_000, access_log=False)
+    app = create_app(settings)
+    async with app.router.lifespan_context(app):
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
+            await wait_ready_async(client, timeout_s=30)
+            backend = app.state.engine.workers[0].backend
+            launches: list[int] = []
+            submit = backend.submit
+
+            def counting_submit(pairs: Sequence[tuple[np.ndarray, np.ndarray]], *args: Any) -> Any:
+                launches.append(len(pairs))
+                return submit(pairs, *args)
+
+            backend.submit = counting_submit
+            bodies = [{"a": [[1.0, 2.0]], "b": [[3.0], [4.0]]}] * 3 + [{"a": [[1.0, 1e39]], "b": [[3.0], [4.0]]}]
+            answers = await asyncio.gather(*(client.post("/matmul", json=body) for body in bodies))
+    assert launches == [4, 1, 1, 1, 1]  # the batch, refused by the bad operand, then each alone
+    assert [r.status_code for r in answers] == [200, 200, 200, 422]
+    assert all(r.json()["result"] == [[11.0]] for r in answers[:3])
+    assert "out of range for float32" in answers[3].json()["message"]

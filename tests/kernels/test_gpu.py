@@ -1,0 +1,311 @@
+"""On the device: every kernel x dtype x shape against a float64 reference, and the service on the GPU backend."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import httpx
+import numpy as np
+import pytest
+
+from app.engine.base import CUBLAS, Plan
+from kernels.emulation import EMULATIONS
+from kernels.registry import KERNELS, KernelSpec, LaunchConfig, cdiv
+from kernels.roofline import FMA_LANES
+from matmul_tools.bodies import load_npy, npy_bytes
+from tests.conftest import EDGE_SHAPES, assert_product
+
+pytestmark = pytest.mark.gpu
+
+# (m, k, n): the edge shapes, a long k whose sides are not multiples of any tile, and a big square.
+SHAPES = [
+    *EDGE_SHAPES,
+    (4095, 4097, 31),
+    (2048, 2048, 2048),
+]
+INSTANCES = [(spec, config) for spec in KERNELS.values() for config in spec.configs]
+DTYPES = [np.dtype(np.float32), np.dtype(np.float64)]
+
+
+@pytest.fixture(scope="module")
+def library() -> Any:
+    from kernels.cuda import KernelLibrary
+
+    return KernelLibrary()
+
+
+def fitted(config: LaunchConfig, m: int, k: int, n: int) -> tuple[int, int, int]:
+    """The shape, with k and n rounded up to what a vector instance accepts (the rest stay odd)."""
+    return m, cdiv(k, config.k_multiple) * config.k_multiple, cdiv(n, config.n_multiple) * config.n_multiple
+
+
+def _nothing() -> None:
+    """on_done for launches whose result the test waits for at once."""
+
+
+def operands(m: int, k: int, n: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return rng.standard_normal((m, k)), rng.standard_normal((k, n))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize(("m", "k", "n"), SHAPES, ids=lambda v: str(v))
+@pytest.mark.parametrize(("spec", "config"), INSTANCES, ids=[f"{s.name}-{c.label}" for s, c in INSTANCES])
+def test_kernel_writes_every_element_correctly(
+    library: Any, spec: KernelSpec, config: LaunchConfig, m: int, k: int, n: int, dtype: np.dtype
+) -> None:
+    import cupy as cp
+
+    m, k, n = fitted(config, m, k, n)
+    a, b = operands(m, k, n, seed=m * 31 + n)
+    a_dev, b_dev = cp.asarray(a, dtype=dtype), cp.asarray(b, dtype=dtype)
+    c_dev = cp.full((m, n), cp.nan, dtype=dtype)  # poison: an element the kernel skips stays NaN
+    library.launch(spec, config, a_dev, b_dev, c_dev)
+    cp.cuda.get_current_stream().synchronize()
+    assert_product(cp.asnumpy(c_dev), a.astype(dtype), b.astype(dtype), dtype)
+
+
+EMULATED = [(spec, config) for spec, config in INSTANCES if spec.name in EMULATIONS]
+
+
+@pytest.mark.parametrize(("m", "k", "n"), [(67, 45, 39), (1, 300, 1), (130, 1000, 70)], ids=str)
+@pytest.mark.parametrize(("spec", "config"), EMULATED, ids=[f"{s.name}-{c.label}" for s, c in EMULATED])
+def test_the_cpu_emulation_gives_the_kernels_float32_bits(
+    library: Any, spec: KernelSpec, config: LaunchConfig, m: int, k: int, n: int
+) -> None:
+    """float32: the emulation's single rounding per step is the kernel's FFMA, so the bits agree; float64 rounds
+    once more per step than DFMA (kernels/emulation.py), so only the bound of the dtype is asserted."""
+    import cupy as cp
+
+    a, b = operands(m, k, n, seed=k)
+    for dtype in DTYPES:
+        a_typed, b_typed = a.astype(dtype), b.astype(dtype)
+        c_dev = cp.full((m, n), cp.nan, dtype=dtype)
+        library.launch(spec, config, cp.asarray(a_typed), cp.asarray(b_typed), c_dev)
+        on_gpu, emulated = cp.asnumpy(c_dev), EMULATIONS[spec.name](a_typed, b_typed, config)
+        if dtype == np.float32:
+            np.testing.assert_array_equal(emulated, on_gpu)
+        assert_product(emulated, a_typed, b_typed, dtype)
+
+
+BATCHED = [(spec, config) for spec, config in INSTANCES if spec.batched]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize(("spec", "config"), BATCHED, ids=[f"{s.name}-{c.label}" for s, c in BATCHED])
+def test_a_batched_launch_computes_every_product_of_the_batch(
+    library: Any, spec: KernelSpec, config: LaunchConfig, dtype: np.dtype
+) -> None:
+    import cupy as cp
+
+    m, k, n = fitted(config, 67, 45, 39)
+    rng = np.random.default_rng(11)
+    a, b = rng.standard_normal((5, m, k)), rng.standard_normal((5, k, n))
+    c_dev = cp.full((5, m, n), cp.nan, dtype=dtype)
+    library.launch(spec, config, cp.asarray(a, dtype=dtype), cp.asarray(b, dtype=dtype), c_dev)
+    c = cp.asnumpy(c_dev)
+    for i in range(5):
+        assert_product(c[i], a[i].astype(dtype), b[i].astype(dtype), dtype)
+
+
+def test_a_kernel_that_does_not_batch_refuses_a_batch(library: Any) -> None:
+    import cupy as cp
+
+    spec = KERNELS["fast"]
+    config = spec.config_for(64, 64, 64, None)
+    x = cp.ones((2, 64, 64), dtype=cp.float32)
+    with pytest.raises(ValueError, match="not a batch of 2"):
+        library.launch(spec, config, x, x, x)
+
+
+@pytest.mark.parametrize("kernel", [CUBLAS, "tiled"])
+def test_the_engine_path_batches(backend: Any, kernel: str) -> None:
+    rng = np.random.default_rng(12)
+    pairs = [(rng.standard_normal((33, 17)), rng.standard_normal((17, 9))) for _ in range(4)]
+    plan = backend.plan(kernel, None, 33, 9, 17)
+    products, timing = backend.submit(pairs, np.dtype(np.float32), plan, on_done=_nothing).result()
+    for (a, b), c in zip(pairs, products, strict=True):
+        assert_product(c, a, b, np.dtype(np.float32))
+    assert timing.kernel_ms > 0
+
+
+@pytest.fixture(scope="module")
+def backend() -> Any:
+    from app.engine.gpu import GpuBackend
+
+    gpu = GpuBackend(0)
+    gpu.prepare()
+    return gpu
+
+
+PLANS = [Plan(kernel=CUBLAS)] + [
+    Plan(kernel=spec.name, tile=int(c.label) if spec.tiles else None, config=c) for spec, c in INSTANCES
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("plan", PLANS, ids=lambda p: f"{p.kernel}-{p.config.label if p.config else ''}")
+def test_the_engine_path_converts_stages_and_times(backend: Any, plan: Plan, dtype: np.dtype) -> None:
+    m, k, n = fitted(plan.config, 129, 77, 65) if plan.config else (129, 77, 65)
+    a = np.asfortranarray(np.random.default_rng(5).integers(-50, 50, (m, k)).astype(">i4"))
+    b = np.random.default_rng(6).standard_normal((k, n)).astype(">f8")
+    (c,), timing = backend.submit([(a, b)], dtype, plan, on_done=_nothing).result()
+    assert c.dtype == dtype and c.flags.c_contiguous
+    assert_product(c, a.astype(np.float64), b.astype(dtype), dtype)
+    assert timing.kernel_ms > 0 and timing.h2d_ms > 0 and timing.d2h_ms > 0
+
+
+def test_launches_in_flight_each_get_their_own_product(backend: Any) -> None:
+    """Four launches queued on the streams before any is collected: no launch's buffers are handed to
+    another while it still uses them."""
+    rng = np.random.default_rng(14)
+    f32 = np.dtype(np.float32)
+    cases = [(CUBLAS, (256, 128, 64)), ("tiled", (100, 37, 3)), ("fast", (512, 512, 512)), ("naive", (1, 1, 1))]
+    submitted = []
+    for kernel, (m, k, n) in cases:
+        a, b = rng.standard_normal((m, k)), rng.standard_normal((k, n))
+        launch = backend.submit([(a, b)], f32, backend.plan(kernel, None, m, n, k), on_done=_nothing)
+        submitted.append((a, b, launch))
+    for a, b, launch in submitted:
+        (c,), _ = launch.result()
+        assert_product(c, a, b, f32)
+
+
+def test_the_next_launch_copies_while_the_previous_one_computes(backend: Any) -> None:
+    """The copy-in, compute and copy-out streams overlap: read from the launches' own events, not a clock."""
+    import cupy
+
+    f64 = np.dtype(np.float64)
+    rng = np.random.default_rng(15)
+
+    def operands(kernel: str, m: int, k: int, n: int) -> tuple[str, np.ndarray, np.ndarray]:
+        return kernel, rng.standard_normal((m, k)), rng.standard_normal((k, n))
+
+    def submit(kernel: str, a: np.ndarray, b: np.ndarray) -> Any:
+        (m, k), n = a.shape, b.shape[1]
+        return backend.submit([(a, b)], f64, backend.plan(kernel, None, m, n, k), on_done=_nothing)
+
+    def ms(origin: Any, event: Any) -> float:
+        return float(cupy.cuda.get_elapsed_time(origin, event))
+
+    def warm(*jobs: tuple[str, np.ndarray, np.ndarray]) -> None:
+        """Run the launches once, keeping nothing, so that the measured ones find their pinned buffers pooled
+        (a fresh cudaHostAlloc of 32 MB takes milliseconds and would delay the next submit)."""
+        for launch in [submit(*job) for job in jobs]:
+            launch.result()
+
+    # operands drawn before the launches: drawing 2 x 64K normals between two submits takes a millisecond or two,
+    # as long as the copy out the second kernel must start under
+    slow_job, quick_job = operands("naive", 2048, 2048, 2048), operands(CUBLAS, 8, 8, 8)
+    warm(slow_job, quick_job)
+    slow, quick = submit(*slow_job), submit(*quick_job)
+    for launch in (slow, quick):
+        launch.result()
+    # the small product's copy in finished while the long kernel before it still ran
+    assert ms(slow.events.copy_in, quick.events.copied_in) < ms(slow.events.copy_in, slow.events.launched)
+    del slow, quick, launch
+    first_job, second_job = operands("naive", 4096, 16, 4096), operands("naive", 4096, 16, 4096)
+    warm(first_job, second_job)
+    first, second = submit(*first_job), submit(*second_job)
+    for launch in (first, second):
+        launch.result()
+    # 128 MB of the first product were still being copied out when the second kernel began
+    assert ms(first.events.copy_in, second.events.launch) < ms(first.events.copy_in, first.events.copied_out)
+
+
+def _two_launches_in_flight(backend: Any, plan: Plan, a: np.ndarray, b: np.ndarray) -> None:
+    launches = [backend.submit([(a, b)], np.dtype(np.float32), plan, on_done=_nothing) for _ in range(2)]
+    for launch in launches:
+        (c,), _ = launch.result()
+        assert_product(c, a, b, np.dtype(np.float32))
+
+
+def test_after_the_first_launches_pinned_buffers_are_reused(backend: Any) -> None:
+    import cupy
+
+    allocated: list[int] = []
+
+    def counting_allocator(size: int) -> Any:
+        allocated.append(size)
+        return cupy.cuda.PinnedMemoryPointer(cupy.cuda.PinnedMemory(size), 0)
+
+    pool = cupy.cuda.PinnedMemoryPool(counting_allocator)
+    cupy.cuda.set_pinned_memory_allocator(pool.malloc)
+    try:
+        rng = np.random.default_rng(16)
+        a, b = rng.standard_normal((512, 384)), rng.standard_normal((384, 256))
+        plan = backend.plan(CUBLAS, None, 512, 256, 384)
+        _two_launches_in_flight(backend, plan, a, b)
+        assert len(allocated) == 6  # A, B and C of each launch in flight
+        for _ in range(10):
+            _two_launches_in_flight(backend, plan, a, b)
+        assert len(allocated) == 6
+    finally:
+        cupy.cuda.set_pinned_memory_allocator(cupy.get_default_pinned_memory_pool().malloc)
+        pool.free_all_blocks()
+
+
+@pytest.mark.parametrize("shape", [(0, 3, 4), (3, 4, 0), (3, 0, 4)])
+def test_empty_products(backend: Any, shape: tuple[int, int, int]) -> None:
+    m, k, n = shape
+    (c,), _ = backend.submit(
+        [(np.ones((m, k)), np.ones((k, n)))], np.dtype(np.float32), Plan(kernel=CUBLAS), on_done=_nothing
+    ).result()
+    np.testing.assert_array_equal(c, np.zeros((m, n), np.float32))
+
+
+def test_the_device_attributes_give_the_roofs(backend: Any) -> None:
+    """Clocks, bus width and SM count are read with cudaDeviceGetAttribute (CUDA 13's cudaDeviceProp lacks the
+    clocks); an H100 SXM gives 66.9 TFLOP/s float32, 33.5 float64 and about 3.35 TB/s."""
+    import cupy
+
+    properties = cupy.cuda.runtime.getDeviceProperties(0)
+    described = backend.describe()
+    assert described["clock_khz"] > 0 and described["memory_clock_khz"] > 0 and described["memory_bus_width_bits"] > 0
+    assert backend.peaks.dram_bytes_per_s > 1e11 and described["dram_gbps"] > 100
+    if (properties["major"], properties["minor"]) in FMA_LANES:
+        assert backend.peaks.flops_per_s["float32"] > 1e12 and backend.peaks.flops_per_s["float64"] > 0
+        assert described["peak_gflops"]["float32"] > 1000
+
+
+@pytest.mark.anyio
+async def test_the_service_on_the_gpu_backend(gpu_client: httpx.AsyncClient) -> None:
+    info = (await gpu_client.get("/v1/info")).json()
+    assert info["backend"] == "gpu" and info["state"] == "ready"
+    device = info["devices"][0]
+    assert device["compute_capability"] and device["memory_total_bytes"] > 0 and device["state"] == "ready"
+    listing = (await gpu_client.get("/v1/kernels")).json()
+    names = [k["name"] for k in listing["kernels"]]
+    assert {"auto", "naive", "tiled", "cublas", *KERNELS} == set(names)
+    assert [choice["shape_class"] for choice in listing["auto"]] == ["small", "medium", "large", "huge"]
+    for choice in listing["auto"]:
+        assert set(choice["probe_ms"]) == set(names) - {"auto"}
+        assert choice["probe_ms"][choice["kernel"]] == min(choice["probe_ms"].values())
+
+    rng = np.random.default_rng(9)
+    a, b = rng.standard_normal((333, 257)).astype(np.float32), rng.standard_normal((257, 129)).astype(np.float32)
+    files = {"a": ("a.npy", npy_bytes(a)), "b": ("b.npy", npy_bytes(b))}
+    for kernel in names:
+        r = await gpu_client.post(
+            "/matmul", params={"kernel": kernel}, files=files, headers={"accept": "application/x-npy"}
+        )
+        assert r.status_code == 200, r.text
+        assert_product(load_npy(r.content), a, b, np.dtype(np.float32))
+        assert r.headers["x-matmul-backend"] == "gpu" and r.headers["x-matmul-device"] in {
+            d["name"] for d in info["devices"]
+        }
+        assert float(r.headers["x-matmul-roofline-peak-fraction"]) > 0
+        assert float(r.headers["x-matmul-roofline-dram-gbps"]) == pytest.approx(device["dram_gbps"], rel=1e-5)
+    for tile in (8, 16, 32):
+        r = await gpu_client.post(
+            "/matmul", params={"kernel": "tiled", "tile": tile}, json={"a": a.tolist(), "b": b.tolist()}
+        )
+        assert r.json()["tile"] == tile and r.json()["kernel"] == "tiled"
+        assert_product(np.array(r.json()["result"]), a, b, np.dtype(np.float32))
+        assert r.json()["timing"]["kernel_ms"] > 0 and r.json()["gflops"] > 0
+        line, config = r.json()["roofline"], KERNELS["tiled"].config_for(333, 129, 257, tile)
+        assert line["global_bytes"] == 4 * config.global_elements(333, 129, 257)
+        assert line["peak_gflops"] == pytest.approx(device["peak_gflops"]["float32"])
+        assert 0 < line["peak_fraction"] < 1
+    r = await gpu_client.post("/matmul", params={"kernel": "tiled", "tile": 12}, json={"a": [[1]], "b": [[1]]})
+    assert r.status_code == 422 and r.json()["code"] == "invalid_parameter"

@@ -1,0 +1,107 @@
+"""SIGTERM: the server stops accepting, finishes what is in flight, and exits cleanly."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import threading
+import time
+from collections.abc import Iterator
+
+import httpx
+import numpy as np
+
+from matmul_tools.bodies import load_npy, npy_bytes
+from matmul_tools.prometheus import sample_sums
+from matmul_tools.service import free_port, serving, uvicorn_command, wait_ready
+from tests.scripts import ROOT
+
+
+def requests_in_flight(url: str) -> float:
+    """The server's matmul_requests_in_flight gauge, which counts the scrape that reads it."""
+    gauge = "matmul_requests_in_flight"
+    return sample_sums(httpx.get(f"{url}/metrics").text, [gauge])[gauge]
+
+
+def accepts_connections(port: int) -> bool:
+    """Whether a new connection to the port is accepted (one caught in the backlog as the listener closes is reset)."""
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=1).close()
+    except (ConnectionRefusedError, ConnectionResetError):
+        return False
+    return True
+
+
+def test_sigterm_lets_an_in_flight_product_finish() -> None:
+    port = free_port()
+    env = {**os.environ, "MATMUL_BACKEND": "cpu", "MATMUL_ACCESS_LOG": "false"}
+    command = [*uvicorn_command(port), "--timeout-graceful-shutdown", "60"]
+    process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        wait_ready(url, 60, process=process)
+        a = np.random.default_rng(0).standard_normal((1500, 1500))
+        files = {"a": ("a.npy", npy_bytes(a)), "b": ("b.npy", npy_bytes(a))}
+        answers: list[httpx.Response] = []
+        sender = threading.Thread(
+            target=lambda: answers.append(httpx.post(f"{url}/matmul?dtype=float64", files=files,
+                                                     headers={"accept": "application/x-npy"}, timeout=60))
+        )  # fmt: skip
+        sender.start()
+        while requests_in_flight(url) < 2:  # our product and this scrape
+            pass
+        process.send_signal(signal.SIGTERM)
+        sender.join(60)
+        # uvicorn ends by re-raising the signal it handled, so "killed by SIGTERM" is its clean exit
+        assert process.wait(60) in (0, -signal.SIGTERM)
+        log = process.stderr.read().decode() if process.stderr else ""
+        assert "Application shutdown complete" in log
+        assert answers and answers[0].status_code == 200
+        np.testing.assert_allclose(load_npy(answers[0].content), a @ a, rtol=1e-10)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+        if process.stderr:
+            process.stderr.close()
+
+
+def test_after_sigterm_new_connections_are_refused_while_the_in_flight_request_is_answered() -> None:
+    """A request whose body is still arriving when SIGTERM comes: the port refuses new connections while that
+    request is open, and the rest of its body, sent after uvicorn's own 0.1 s pause, is still answered 200."""
+    port = free_port()
+    command = [*uvicorn_command(port), "--timeout-graceful-shutdown", "30"]
+    rest_of_body = threading.Event()
+
+    def body() -> Iterator[bytes]:
+        yield b'{"a": [[1.0, 2.0]], '
+        rest_of_body.wait(30)
+        yield b'"b": [[3.0], [4.0]]}'
+
+    answers: list[httpx.Response] = []
+    with serving(command, port, env={"MATMUL_BACKEND": "cpu", "MATMUL_ACCESS_LOG": "false"}) as server:
+        url = str(server.client.base_url)
+        sender = threading.Thread(
+            target=lambda: answers.append(httpx.post(f"{url}/matmul", content=body(), timeout=30,
+                                                     headers={"content-type": "application/json"}))
+        )  # fmt: skip
+        sender.start()
+        try:
+            deadline = time.monotonic() + 10
+            while requests_in_flight(url) < 2:  # our request and this scrape
+                assert time.monotonic() < deadline, "the request never reached the app"
+            assert accepts_connections(port)
+            server.process.send_signal(signal.SIGTERM)
+            while accepts_connections(port):  # until uvicorn's main loop, which ticks every 0.1 s, sees the signal
+                assert time.monotonic() < deadline, "still accepting connections after SIGTERM"
+                time.sleep(0.01)
+            assert sender.is_alive() and not answers, "refused while the request was in flight"
+            time.sleep(0.5)  # past the 0.1 s uvicorn gives every connection: from here only the grace period waits
+        finally:
+            rest_of_body.set()
+            sender.join(30)
+        assert server.process.wait(30) in (0, -signal.SIGTERM)
+    assert answers and answers[0].status_code == 200, answers
+    assert answers[0].json()["result"] == [[11.0]]

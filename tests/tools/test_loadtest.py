@@ -1,0 +1,89 @@
+"""scripts/loadtest.py end to end against a real CPU-backend server: its JSON report read back and checked."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from matmul_tools import loadtest
+from tests.scripts import ROOT
+
+SCRIPT = ROOT / "scripts" / "loadtest.py"
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def run_loadtest(url: str, out: Path, *args: str) -> tuple[dict[str, Any], str]:
+    """Run the script as a user does; its JSON report and what it printed."""
+    command = [sys.executable, str(SCRIPT), "--url", url, "--out", str(out / "run"), "--no-progress", *args]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert (out / "run.png").read_bytes().startswith(PNG_MAGIC)
+    report: dict[str, Any] = json.loads((out / "run.json").read_text())
+    return report, done.stdout
+
+
+def assert_ordered(summary: dict[str, float]) -> None:
+    assert 0 <= summary["p50"] <= summary["p90"] <= summary["p99"] <= summary["max"]
+
+
+def test_closed_loop_over_every_format(served_url: str, tmp_path: Path) -> None:
+    report, printed = run_loadtest(
+        served_url,
+        tmp_path,
+        *("--requests", "60", "--concurrency", "4", "--warmup", "5"),
+        *("--sizes", "16:2,32x8x4", "--formats", "npy,json,npz", "--kernels", "numpy,auto"),
+    )
+    assert report["requests"] == report["ok"] == 60 and report["errors"] == {}
+    assert report["latency_ms"]["count"] == 60
+    assert_ordered(report["latency_ms"])
+    assert report["throughput_rps"] > 0 and report["server"]["backend"] == "cpu"
+    for phase in ("queue", "h2d", "kernel", "d2h", "total", loadtest.CLIENT_SIDE):
+        assert report["server_ms"][phase]["count"] == 60
+        assert_ordered(report["server_ms"][phase])
+    samples = report["samples"]
+    assert {s["format"] for s in samples} == {"npy", "json", "npz"}
+    assert {s["size"] for s in samples} == {"16x16x16", "32x8x4"} and {s["kernel"] for s in samples} == {
+        "numpy",
+        "auto",
+    }
+    assert sum(group["latency_ms"]["count"] for group in report["by_request"]) == 60
+    assert all(s["latency_ms"] >= s["server_ms"]["total"] for s in samples)
+    assert "client latency" in printed and "server queue" in printed and "errors: none" in printed
+    assert f"(cpu backend, {platform.machine()})" in printed, "the devices /v1/info lists"
+
+
+def test_open_loop_starts_requests_at_the_rate(served_url: str, tmp_path: Path) -> None:
+    report, _ = run_loadtest(served_url, tmp_path, "--mode", "open", "--rate", "40", "--duration", "1", "--warmup", "0")
+    assert report["requests"] == report["ok"] == 40 and report["errors"] == {}
+    assert sorted(s["start_s"] for s in report["samples"]) == pytest.approx([i / 40 for i in range(40)])
+    assert_ordered(report["latency_ms"])
+
+
+def test_errors_are_counted_by_status(served_url: str, tmp_path: Path) -> None:
+    report, printed = run_loadtest(served_url, tmp_path, "--requests", "12", "--kernels", "numpy:1,no-such-kernel:1")
+    assert report["requests"] == 12
+    assert report["ok"] + report["errors"]["422"] == 12 and report["errors"]["422"] > 0
+    assert report["latency_ms"]["count"] == report["ok"]
+    assert f"422: {report['errors']['422']}" in printed
+
+
+def test_summarize() -> None:
+    summary = loadtest.summarize([float(v) for v in range(1, 101)])
+    assert (summary["count"], summary["mean"], summary["max"]) == (100, 50.5, 100)
+    assert (summary["p50"], summary["p90"], summary["p99"]) == pytest.approx((50.5, 90.1, 99.01))
+    assert loadtest.summarize([]) == {"count": 0}
+
+
+def test_mixes_and_shapes() -> None:
+    assert loadtest.parse_mix("256:3,64x8x16", loadtest.parse_shape) == [((256, 256, 256), 3.0), ((64, 8, 16), 1.0)]
+    assert loadtest.parse_mix("npy,json:0.5", loadtest.parse_format) == [("npy", 1.0), ("json", 0.5)]
+    for bad in ("0", "2x3", "64:-1", "npz"):
+        with pytest.raises(argparse.ArgumentTypeError, match=bad):
+            loadtest.parse_mix(bad, loadtest.parse_shape)

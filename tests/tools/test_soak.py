@@ -1,0 +1,95 @@
+"""scripts/soak.py: five seconds against a real CPU-backend server, its JSON report read back; and its verdicts."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+
+from matmul_tools.bodies import npy_bytes
+from matmul_tools.service import free_port, running_server, uvicorn_command
+from tests.scripts import ROOT, import_script
+
+soak = import_script("soak")
+MAX_BODY_BYTES = 1 << 20
+
+
+def test_five_seconds_of_mixed_requests_over_capacity(tmp_path: Path) -> None:
+    port = free_port()
+    env = {"MATMUL_BACKEND": "cpu", "MATMUL_QUEUE_SIZE": "2", "MATMUL_MAX_BODY_BYTES": str(MAX_BODY_BYTES)}
+    command = [
+        *(sys.executable, str(ROOT / "scripts" / "soak.py"), "--url", f"http://127.0.0.1:{port}"),
+        *("--minutes", "0.08", "--rate", "150", "--max-body-bytes", str(MAX_BODY_BYTES)),
+        *("--check-fraction", "0.5", "--memory-every", "1", "--out", str(tmp_path / "soak.json")),
+    ]
+    with running_server(uvicorn_command(port), port, env=env):
+        done = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    report = json.loads((tmp_path / "soak.json").read_text())
+    assert report["passed"] and "PASSED" in done.stdout
+    assert report["requests"] == sum(report["by_status"].values()) == 720, "150/s for 4.8 s"
+    assert report["server"]["backend"] == "cpu"
+    assert report["requests_by_client"] == [180] * 4, "four client processes, a quarter of the load each"
+    valid, invalid, oversized = (report["by_kind"][kind] for kind in soak.KINDS)
+    assert set(valid) <= {"200", "503", "504"} and valid["200"] > 0, "504: the probes with a 1 ms deadline"
+    assert invalid and all(400 <= int(status) < 500 or status == "503" for status in invalid), invalid
+    assert "413" in oversized and "422" in oversized, "over the body limit, and headers claiming too much"
+    checks = report["checks"]
+    assert checks["no_5xx_but_503_504"] == {"count": 0, "passed": True}
+    assert checks["no_wrong_results"]["checked"] > 0 and checks["no_wrong_results"]["wrong"] == 0
+    rss, device = checks["rss"], checks["device_pool"]
+    assert len(report["rss_timeline"]) >= 4 and checks["rss_under_load"]["passed"]
+    assert rss["start_mib"] > 10 and rss["passed"] and rss["growth_mib"] == rss["end_mib"] - rss["start_mib"]
+    assert device["start_mib"] == device["end_mib"] == 0, "the CPU backend has no device pool"
+
+
+def test_each_valid_shape_is_also_sent_with_a_deadline_it_may_miss() -> None:
+    probes = soak.valid_probes(np.random.default_rng(0), MAX_BODY_BYTES)
+    hurried = [probe for probe in probes if probe.deadline_s is not None]
+    assert [probe.name.split()[1] for probe in hurried] == [f"{m}x{k}x{n}" for m, k, n in soak.VALID_SHAPES]
+    assert all(probe.deadline_s == soak.TIGHT_DEADLINE_S and probe.params == {"dtype": "float32"} for probe in hurried)
+    assert all(probe.operands is not None and probe.operands[0].dtype == np.float32 for probe in hurried)
+
+
+@pytest.mark.anyio
+async def test_a_500_a_wrong_product_or_memory_growth_fail_the_soak() -> None:
+    """A server that answers 500 to what it cannot read and a wrong product to the rest; 503s are fine."""
+    answers = iter([503, 200, 500] * 10)
+
+    def server(request: httpx.Request) -> httpx.Response:
+        status = next(answers)
+        if status == 200:
+            return httpx.Response(
+                200, content=npy_bytes(np.zeros((8, 8))), headers={"content-type": "application/x-npy"}
+            )
+        return httpx.Response(status, json={"code": "internal_error", "message": "boom"})
+
+    rng = np.random.default_rng(0)
+    probes = {"valid": soak.valid_probes(rng, MAX_BODY_BYTES)[:1], "invalid": [], "oversized": []}
+    async with httpx.AsyncClient(transport=httpx.MockTransport(server), base_url="http://soak") as http:
+        run = soak.Soak(http, probes, [("valid", 1.0)], check_fraction=1.0, seed=0, limit=8)
+        await soak.open_loop(run, 1000.0, 3, float("inf"), lambda: None)
+    args = soak.parse_args(["--max-rss-growth-mib", "10"])
+    rss = {soak.RSS_METRIC: 100 * soak.MIB, soak.DEVICE_METRIC: 0.0}
+    seen = soak.ClientResult(run.issued, run.samples, run.server_errors, run.wrong_results)
+    timeline: list[dict[str, float | None]] = [{"s": 15.0, "rss_mib": 105.0}, {"s": 30.0, "rss_mib": None}]
+    report = soak.build_report(args, [seen], 1.0, {}, (rss, {**rss, soak.RSS_METRIC: 111 * soak.MIB}), timeline)
+    assert report["rss_timeline"] == timeline
+    assert report["by_status"] == {"503": 1, "200": 1, "500": 1}
+    checks = report["checks"]
+    assert checks["no_5xx_but_503_504"] == {"count": 1, "passed": False}
+    assert report["server_errors"][0]["status"] == "500" and "boom" in report["server_errors"][0]["body"]
+    assert checks["no_wrong_results"] == {"checked": 1, "wrong": 1, "passed": False}
+    assert "relative error" in report["wrong_results"][0]["error"]
+    assert not checks["rss"]["passed"] and checks["device_pool"]["passed"] and not report["passed"]
+    assert checks["rss_under_load"] == {"readings": 1, "passed": False, "error": "fewer than two readings under load"}
+    growing = [{"s": 15.0, "rss_mib": 300.0}, {"s": 30.0, "rss_mib": None}, {"s": 45.0, "rss_mib": 400.0}]
+    steady = soak.build_report(args, [seen], 1.0, {}, (rss, rss), growing)["checks"]["rss_under_load"]
+    assert steady["growth_mib"] == 100.0 and steady["bound_mib"] == 64.0 and not steady["passed"]
+    missing = soak.build_report(args, [seen], 1.0, {}, ({}, {}), [])["checks"]["rss"]
+    assert not missing["passed"] and soak.RSS_METRIC in missing["error"]
