@@ -10,10 +10,11 @@ import pytest
 
 from app.engine.base import CUBLAS, Plan
 from kernels.emulation import EMULATIONS
+from kernels.reference import assert_close_to_reference
 from kernels.registry import KERNELS, KernelSpec, LaunchConfig, cdiv
 from kernels.roofline import FMA_LANES
 from matmul_tools.bodies import load_npy, npy_bytes
-from tests.conftest import EDGE_SHAPES, assert_product
+from tests.conftest import EDGE_SHAPES
 
 pytestmark = pytest.mark.gpu
 
@@ -62,7 +63,7 @@ def test_kernel_writes_every_element_correctly(
     c_dev = cp.full((m, n), cp.nan, dtype=dtype)  # poison: an element the kernel skips stays NaN
     library.launch(spec, config, a_dev, b_dev, c_dev)
     cp.cuda.get_current_stream().synchronize()
-    assert_product(cp.asnumpy(c_dev), a.astype(dtype), b.astype(dtype), dtype)
+    assert_close_to_reference(cp.asnumpy(c_dev), a.astype(dtype), b.astype(dtype), dtype)
 
 
 EMULATED = [(spec, config) for spec, config in INSTANCES if spec.name in EMULATIONS]
@@ -85,7 +86,7 @@ def test_the_cpu_emulation_gives_the_kernels_float32_bits(
         on_gpu, emulated = cp.asnumpy(c_dev), EMULATIONS[spec.name](a_typed, b_typed, config)
         if dtype == np.float32:
             np.testing.assert_array_equal(emulated, on_gpu)
-        assert_product(emulated, a_typed, b_typed, dtype)
+        assert_close_to_reference(emulated, a_typed, b_typed, dtype)
 
 
 BATCHED = [(spec, config) for spec, config in INSTANCES if spec.batched]
@@ -105,7 +106,7 @@ def test_a_batched_launch_computes_every_product_of_the_batch(
     library.launch(spec, config, cp.asarray(a, dtype=dtype), cp.asarray(b, dtype=dtype), c_dev)
     c = cp.asnumpy(c_dev)
     for i in range(5):
-        assert_product(c[i], a[i].astype(dtype), b[i].astype(dtype), dtype)
+        assert_close_to_reference(c[i], a[i].astype(dtype), b[i].astype(dtype), dtype)
 
 
 def test_a_kernel_that_does_not_batch_refuses_a_batch(library: Any) -> None:
@@ -125,7 +126,7 @@ def test_the_engine_path_batches(backend: Any, kernel: str) -> None:
     plan = backend.plan(kernel, None, 33, 9, 17)
     products, timing = backend.submit(pairs, np.dtype(np.float32), plan, on_done=_nothing).result()
     for (a, b), c in zip(pairs, products, strict=True):
-        assert_product(c, a, b, np.dtype(np.float32))
+        assert_close_to_reference(c, a, b, np.dtype(np.float32))
     assert timing.kernel_ms > 0
 
 
@@ -151,7 +152,7 @@ def test_the_engine_path_converts_stages_and_times(backend: Any, plan: Plan, dty
     b = np.random.default_rng(6).standard_normal((k, n)).astype(">f8")
     (c,), timing = backend.submit([(a, b)], dtype, plan, on_done=_nothing).result()
     assert c.dtype == dtype and c.flags.c_contiguous
-    assert_product(c, a.astype(np.float64), b.astype(dtype), dtype)
+    assert_close_to_reference(c, a.astype(np.float64), b.astype(dtype), dtype)
     assert timing.kernel_ms > 0 and timing.h2d_ms > 0 and timing.d2h_ms > 0
 
 
@@ -168,7 +169,7 @@ def test_launches_in_flight_each_get_their_own_product(backend: Any) -> None:
         submitted.append((a, b, launch))
     for a, b, launch in submitted:
         (c,), _ = launch.result()
-        assert_product(c, a, b, f32)
+        assert_close_to_reference(c, a, b, f32)
 
 
 def test_the_next_launch_copies_while_the_previous_one_computes(backend: Any) -> None:
@@ -217,7 +218,7 @@ def _two_launches_in_flight(backend: Any, plan: Plan, a: np.ndarray, b: np.ndarr
     launches = [backend.submit([(a, b)], np.dtype(np.float32), plan, on_done=_nothing) for _ in range(2)]
     for launch in launches:
         (c,), _ = launch.result()
-        assert_product(c, a, b, np.dtype(np.float32))
+        assert_close_to_reference(c, a, b, np.dtype(np.float32))
 
 
 def test_after_the_first_launches_pinned_buffers_are_reused(backend: Any) -> None:
@@ -290,7 +291,7 @@ async def test_the_service_on_the_gpu_backend(gpu_client: httpx.AsyncClient) -> 
             "/matmul", params={"kernel": kernel}, files=files, headers={"accept": "application/x-npy"}
         )
         assert r.status_code == 200, r.text
-        assert_product(load_npy(r.content), a, b, np.dtype(np.float32))
+        assert_close_to_reference(load_npy(r.content), a, b, np.dtype(np.float32))
         assert r.headers["x-matmul-backend"] == "gpu" and r.headers["x-matmul-device"] in {
             d["name"] for d in info["devices"]
         }
@@ -301,7 +302,7 @@ async def test_the_service_on_the_gpu_backend(gpu_client: httpx.AsyncClient) -> 
             "/matmul", params={"kernel": "tiled", "tile": tile}, json={"a": a.tolist(), "b": b.tolist()}
         )
         assert r.json()["tile"] == tile and r.json()["kernel"] == "tiled"
-        assert_product(np.array(r.json()["result"]), a, b, np.dtype(np.float32))
+        assert_close_to_reference(np.array(r.json()["result"]), a, b, np.dtype(np.float32))
         assert r.json()["timing"]["kernel_ms"] > 0 and r.json()["gflops"] > 0
         line, config = r.json()["roofline"], KERNELS["tiled"].config_for(333, 129, 257, tile)
         assert line["global_bytes"] == 4 * config.global_elements(333, 129, 257)
