@@ -1,6 +1,7 @@
 """What the engine asks of its backend, seen from a backend that records it: the plan of an m x k @ k x n product
 is asked for (m, n, k), and queued products share a launch only when their shapes, dtype, kernel and tile are all
-the same (a product batched with another of a different dtype would be computed in the other's dtype)."""
+the same (a product batched with another of a different dtype would be computed in the other's dtype); and an empty
+inner dimension (k = 0) gives exact zeros on every kernel of the CPU engine."""
 
 from __future__ import annotations
 
@@ -93,3 +94,17 @@ async def test_queued_products_share_a_launch_only_with_the_same_dtype_kernel_an
     for (a, b), (kernel, tile, dtype), outcome in zip(operands, requests, outcomes, strict=True):
         assert (outcome.plan.kernel, outcome.plan.tile, outcome.c.dtype) == (kernel, tile, dtype)
         assert_close_to_reference(outcome.c, a, b, dtype)
+
+
+CPU_KERNELS = [("numpy", None), ("naive", None), *(("tiled", tile) for tile in (8, 16, 32))]
+
+
+@pytest.mark.parametrize("dtype", [F32, F64], ids=str)
+@pytest.mark.parametrize(("kernel", "tile"), CPU_KERNELS, ids=str)
+async def test_k_zero_gives_exact_zeros_through_the_cpu_engine(kernel: str, tile: int | None, dtype: np.dtype) -> None:
+    backend = SteeredBackend()
+    a, b = np.ones((6, 0)), np.ones((0, 5))
+    async with _engine(backend) as engine:
+        outcome = await engine.matmul(a, b, dtype, kernel, tile, None)
+    assert outcome.c.dtype == dtype and outcome.c.shape == (6, 5)
+    assert_close_to_reference(outcome.c, a, b, dtype)
