@@ -1,4 +1,4 @@
-"""Shared fixtures: apps on the CPU backend (and the GPU one where a device exists), clients, references."""
+"""Shared fixtures: apps on the CPU backend (and the GPU one where a device exists), clients, the edge shapes."""
 
 from __future__ import annotations
 
@@ -6,7 +6,6 @@ import os
 from collections.abc import AsyncIterator, Iterator
 
 import httpx
-import numpy as np
 import pytest
 from fastapi import FastAPI
 from hypothesis import settings
@@ -14,7 +13,6 @@ from hypothesis import settings
 from app.config import Settings
 from app.engine.gpu import gpu_unavailable
 from app.main import create_app
-from kernels.reference import relative_error, tolerance
 from matmul_tools.service import free_port, running_server, uvicorn_command, wait_ready_async
 
 GPU_MISSING = gpu_unavailable(0)
@@ -56,14 +54,6 @@ def served_url() -> Iterator[str]:
     env = {"MATMUL_BACKEND": "cpu", "MATMUL_MAX_BODY_BYTES": str(SERVED_MAX_BODY_BYTES)}
     with running_server(uvicorn_command(port), port, env=env):
         yield f"http://127.0.0.1:{port}"
-
-
-def assert_product(c: np.ndarray, a: np.ndarray, b: np.ndarray, dtype: np.dtype) -> None:
-    """c equals a @ b computed in float64, within the tolerance of `dtype`, and has no unwritten element."""
-    reference = a.astype(np.float64) @ b.astype(np.float64)
-    assert c.shape == reference.shape
-    assert np.isfinite(c).all(), "result has NaN/Inf: an element was not written"
-    assert relative_error(c, reference) <= tolerance(dtype)
 
 
 @pytest.fixture

@@ -7,8 +7,8 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 
+from kernels.reference import assert_close_to_reference
 from matmul_tools.service import free_port, running_server, uvicorn_command
-from tests.conftest import assert_product
 
 httpclient = pytest.importorskip("tritonclient.http", reason="tritonclient[http] is in the test extra")
 from tritonclient.utils import InferenceServerException  # noqa: E402
@@ -49,7 +49,7 @@ def test_infer(triton: httpclient.InferenceServerClient, dtype: type, binary: bo
     result = triton.infer("matmul", inputs(a, b, binary), outputs=outputs, parameters={"kernel": "numpy"})
     c = result.as_numpy("C")
     assert c.dtype == dtype
-    assert_product(c, a, b, np.dtype(dtype))
+    assert_close_to_reference(c, a, b, np.dtype(dtype))
 
 
 def test_infer_with_the_clients_defaults(triton: httpclient.InferenceServerClient) -> None:

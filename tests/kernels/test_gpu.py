@@ -1,4 +1,5 @@
-"""On the device: every kernel x dtype x shape against a float64 reference, and the service on the GPU backend."""
+"""On the device: every kernel x dtype x shape against a float64 reference (k = 0 included), the engine path with
+its outputs NaN-poisoned and different operands for every kernel, and the service on the GPU backend."""
 
 from __future__ import annotations
 
@@ -10,10 +11,11 @@ import pytest
 
 from app.engine.base import CUBLAS, Plan
 from kernels.emulation import EMULATIONS
+from kernels.reference import assert_close_to_reference
 from kernels.registry import KERNELS, KernelSpec, LaunchConfig, cdiv
 from kernels.roofline import FMA_LANES
 from matmul_tools.bodies import load_npy, npy_bytes
-from tests.conftest import EDGE_SHAPES, assert_product
+from tests.conftest import EDGE_SHAPES
 
 pytestmark = pytest.mark.gpu
 
@@ -62,7 +64,23 @@ def test_kernel_writes_every_element_correctly(
     c_dev = cp.full((m, n), cp.nan, dtype=dtype)  # poison: an element the kernel skips stays NaN
     library.launch(spec, config, a_dev, b_dev, c_dev)
     cp.cuda.get_current_stream().synchronize()
-    assert_product(cp.asnumpy(c_dev), a.astype(dtype), b.astype(dtype), dtype)
+    assert_close_to_reference(cp.asnumpy(c_dev), a.astype(dtype), b.astype(dtype), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize(("spec", "config"), INSTANCES, ids=[f"{s.name}-{c.label}" for s, c in INSTANCES])
+def test_k_zero_gives_zeros_on_every_instance(
+    library: Any, spec: KernelSpec, config: LaunchConfig, dtype: np.dtype
+) -> None:
+    """An empty inner dimension: no term to sum, every element an exact 0 (the output is NaN before)."""
+    import cupy as cp
+
+    m, k, n = fitted(config, 67, 0, 39)
+    a, b = np.empty((m, k), dtype), np.empty((k, n), dtype)
+    c_dev = cp.full((m, n), cp.nan, dtype=dtype)
+    library.launch(spec, config, cp.asarray(a), cp.asarray(b), c_dev)
+    cp.cuda.get_current_stream().synchronize()
+    assert_close_to_reference(cp.asnumpy(c_dev), a, b, dtype)
 
 
 EMULATED = [(spec, config) for spec, config in INSTANCES if spec.name in EMULATIONS]
@@ -85,7 +103,7 @@ def test_the_cpu_emulation_gives_the_kernels_float32_bits(
         on_gpu, emulated = cp.asnumpy(c_dev), EMULATIONS[spec.name](a_typed, b_typed, config)
         if dtype == np.float32:
             np.testing.assert_array_equal(emulated, on_gpu)
-        assert_product(emulated, a_typed, b_typed, dtype)
+        assert_close_to_reference(emulated, a_typed, b_typed, dtype)
 
 
 BATCHED = [(spec, config) for spec, config in INSTANCES if spec.batched]
@@ -105,7 +123,7 @@ def test_a_batched_launch_computes_every_product_of_the_batch(
     library.launch(spec, config, cp.asarray(a, dtype=dtype), cp.asarray(b, dtype=dtype), c_dev)
     c = cp.asnumpy(c_dev)
     for i in range(5):
-        assert_product(c[i], a[i].astype(dtype), b[i].astype(dtype), dtype)
+        assert_close_to_reference(c[i], a[i].astype(dtype), b[i].astype(dtype), dtype)
 
 
 def test_a_kernel_that_does_not_batch_refuses_a_batch(library: Any) -> None:
@@ -118,22 +136,24 @@ def test_a_kernel_that_does_not_batch_refuses_a_batch(library: Any) -> None:
         library.launch(spec, config, x, x, x)
 
 
-@pytest.mark.parametrize("kernel", [CUBLAS, "tiled"])
-def test_the_engine_path_batches(backend: Any, kernel: str) -> None:
-    rng = np.random.default_rng(12)
+@pytest.mark.parametrize(("seed", "kernel"), [(12, CUBLAS), (13, "tiled")])
+def test_the_engine_path_batches(backend: Any, seed: int, kernel: str) -> None:
+    rng = np.random.default_rng(seed)
     pairs = [(rng.standard_normal((33, 17)), rng.standard_normal((17, 9))) for _ in range(4)]
     plan = backend.plan(kernel, None, 33, 9, 17)
     products, timing = backend.submit(pairs, np.dtype(np.float32), plan, on_done=_nothing).result()
     for (a, b), c in zip(pairs, products, strict=True):
-        assert_product(c, a, b, np.dtype(np.float32))
+        assert_close_to_reference(c, a, b, np.dtype(np.float32))
     assert timing.kernel_ms > 0
 
 
 @pytest.fixture(scope="module")
 def backend() -> Any:
+    """The engine's GPU backend with its outputs NaN-poisoned before every launch: the pools hand the same blocks
+    from launch to launch, so without it a kernel that wrote nothing would return what the block last held."""
     from app.engine.gpu import GpuBackend
 
-    gpu = GpuBackend(0)
+    gpu = GpuBackend(0, poison_outputs=True)
     gpu.prepare()
     return gpu
 
@@ -141,18 +161,52 @@ def backend() -> Any:
 PLANS = [Plan(kernel=CUBLAS)] + [
     Plan(kernel=spec.name, tile=int(c.label) if spec.tiles else None, config=c) for spec, c in INSTANCES
 ]
+PLAN_IDS = [f"{p.kernel}-{p.config.label if p.config else ''}" for p in PLANS]
+
+
+def engine_shape(plan: Plan, m: int, k: int, n: int) -> tuple[int, int, int]:
+    return fitted(plan.config, m, k, n) if plan.config else (m, k, n)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("plan", PLANS, ids=lambda p: f"{p.kernel}-{p.config.label if p.config else ''}")
-def test_the_engine_path_converts_stages_and_times(backend: Any, plan: Plan, dtype: np.dtype) -> None:
-    m, k, n = fitted(plan.config, 129, 77, 65) if plan.config else (129, 77, 65)
-    a = np.asfortranarray(np.random.default_rng(5).integers(-50, 50, (m, k)).astype(">i4"))
-    b = np.random.default_rng(6).standard_normal((k, n)).astype(">f8")
+@pytest.mark.parametrize(("seed", "plan"), list(enumerate(PLANS)), ids=PLAN_IDS)
+def test_the_engine_path_converts_stages_and_times(backend: Any, seed: int, plan: Plan, dtype: np.dtype) -> None:
+    """Each plan multiplies operands of its own (all of one shape): a kernel that left a reused block as the
+    previous plan's product wrote would fail even without the poison."""
+    m, k, n = engine_shape(plan, 129, 77, 65)
+    rng = np.random.default_rng(seed)
+    a = np.asfortranarray(rng.integers(-50, 50, (m, k)).astype(">i4"))
+    b = rng.standard_normal((k, n)).astype(">f8")
     (c,), timing = backend.submit([(a, b)], dtype, plan, on_done=_nothing).result()
     assert c.dtype == dtype and c.flags.c_contiguous
-    assert_product(c, a.astype(np.float64), b.astype(dtype), dtype)
+    assert_close_to_reference(c, a, b, dtype)
     assert timing.kernel_ms > 0 and timing.h2d_ms > 0 and timing.d2h_ms > 0
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("plan", PLANS, ids=PLAN_IDS)
+def test_the_engine_path_gives_zeros_for_k_zero(backend: Any, plan: Plan, dtype: np.dtype) -> None:
+    m, k, n = engine_shape(plan, 129, 0, 65)
+    a, b = np.ones((m, k)), np.ones((k, n))
+    (c,), _ = backend.submit([(a, b)], dtype, plan, on_done=_nothing).result()
+    assert c.dtype == dtype and c.shape == (m, n)
+    assert_close_to_reference(c, a, b, dtype)
+
+
+def test_a_launch_that_writes_nothing_reads_as_nan_not_as_the_last_product(
+    backend: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What the poison is for: the second launch gets the blocks the first one's product was in, and its kernel
+    (replaced by nothing) writes no element."""
+    f32 = np.dtype(np.float32)
+    rng = np.random.default_rng(17)
+    a, b = rng.standard_normal((96, 64)), rng.standard_normal((64, 80))
+    (c,), _ = backend.submit([(a, b)], f32, Plan(kernel=CUBLAS), on_done=_nothing).result()
+    assert_close_to_reference(c, a, b, f32)
+    del c
+    monkeypatch.setattr(backend, "_launch", lambda *launched: None)
+    (unwritten,), _ = backend.submit([(a, b)], f32, Plan(kernel=CUBLAS), on_done=_nothing).result()
+    assert np.isnan(unwritten).all()
 
 
 def test_launches_in_flight_each_get_their_own_product(backend: Any) -> None:
@@ -168,7 +222,7 @@ def test_launches_in_flight_each_get_their_own_product(backend: Any) -> None:
         submitted.append((a, b, launch))
     for a, b, launch in submitted:
         (c,), _ = launch.result()
-        assert_product(c, a, b, f32)
+        assert_close_to_reference(c, a, b, f32)
 
 
 def test_the_next_launch_copies_while_the_previous_one_computes(backend: Any) -> None:
@@ -217,7 +271,7 @@ def _two_launches_in_flight(backend: Any, plan: Plan, a: np.ndarray, b: np.ndarr
     launches = [backend.submit([(a, b)], np.dtype(np.float32), plan, on_done=_nothing) for _ in range(2)]
     for launch in launches:
         (c,), _ = launch.result()
-        assert_product(c, a, b, np.dtype(np.float32))
+        assert_close_to_reference(c, a, b, np.dtype(np.float32))
 
 
 def test_after_the_first_launches_pinned_buffers_are_reused(backend: Any) -> None:
@@ -283,25 +337,31 @@ async def test_the_service_on_the_gpu_backend(gpu_client: httpx.AsyncClient) -> 
         assert choice["probe_ms"][choice["kernel"]] == min(choice["probe_ms"].values())
 
     rng = np.random.default_rng(9)
-    a, b = rng.standard_normal((333, 257)).astype(np.float32), rng.standard_normal((257, 129)).astype(np.float32)
-    files = {"a": ("a.npy", npy_bytes(a)), "b": ("b.npy", npy_bytes(b))}
+
+    def operands() -> tuple[np.ndarray, np.ndarray]:
+        """Different for every request, so that no kernel can pass with a product an earlier one left behind."""
+        return rng.standard_normal((333, 257)).astype(np.float32), rng.standard_normal((257, 129)).astype(np.float32)
+
     for kernel in names:
+        a, b = operands()
+        files = {"a": ("a.npy", npy_bytes(a)), "b": ("b.npy", npy_bytes(b))}
         r = await gpu_client.post(
             "/matmul", params={"kernel": kernel}, files=files, headers={"accept": "application/x-npy"}
         )
         assert r.status_code == 200, r.text
-        assert_product(load_npy(r.content), a, b, np.dtype(np.float32))
+        assert_close_to_reference(load_npy(r.content), a, b, np.dtype(np.float32))
         assert r.headers["x-matmul-backend"] == "gpu" and r.headers["x-matmul-device"] in {
             d["name"] for d in info["devices"]
         }
         assert float(r.headers["x-matmul-roofline-peak-fraction"]) > 0
         assert float(r.headers["x-matmul-roofline-dram-gbps"]) == pytest.approx(device["dram_gbps"], rel=1e-5)
     for tile in (8, 16, 32):
+        a, b = operands()
         r = await gpu_client.post(
             "/matmul", params={"kernel": "tiled", "tile": tile}, json={"a": a.tolist(), "b": b.tolist()}
         )
         assert r.json()["tile"] == tile and r.json()["kernel"] == "tiled"
-        assert_product(np.array(r.json()["result"]), a, b, np.dtype(np.float32))
+        assert_close_to_reference(np.array(r.json()["result"]), a, b, np.dtype(np.float32))
         assert r.json()["timing"]["kernel_ms"] > 0 and r.json()["gflops"] > 0
         line, config = r.json()["roofline"], KERNELS["tiled"].config_for(333, 129, 257, tile)
         assert line["global_bytes"] == 4 * config.global_elements(333, 129, 257)

@@ -13,6 +13,7 @@ from collections.abc import Iterator
 import httpx
 import numpy as np
 
+from kernels.reference import assert_close_to_reference
 from matmul_tools.bodies import load_npy, npy_bytes
 from matmul_tools.prometheus import sample_sums
 from matmul_tools.service import free_port, serving, uvicorn_command, wait_ready
@@ -59,7 +60,7 @@ def test_sigterm_lets_an_in_flight_product_finish() -> None:
         log = process.stderr.read().decode() if process.stderr else ""
         assert "Application shutdown complete" in log
         assert answers and answers[0].status_code == 200
-        np.testing.assert_allclose(load_npy(answers[0].content), a @ a, rtol=1e-10)
+        assert_close_to_reference(load_npy(answers[0].content), a, a, np.dtype(np.float64))
     finally:
         if process.poll() is None:
             process.kill()

@@ -1,0 +1,77 @@
+"""A device that runs out of memory or is lost, through the real app with a backend that raises what the GPU
+backend raises: 503 with Retry-After and the error's code, on every surface, in CI (the `gpu` tests see the real
+ones)."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import httpx
+import pytest
+
+from app.api.deps import get_engine
+from app.config import Settings
+from app.engine import Engine, Worker
+from app.errors import DeviceLost, DeviceOutOfMemory
+from app.main import create_app
+from matmul_tools.service import wait_ready_async
+from tests.fakes import SteeredBackend
+
+pytestmark = pytest.mark.anyio
+
+BODY = {"a": [[1.0, 2.0]], "b": [[3.0], [4.0]]}
+INFER = {"inputs": [
+    {"name": "A", "shape": [1, 2], "datatype": "FP64", "data": [1.0, 2.0]},
+    {"name": "B", "shape": [2, 1], "datatype": "FP64", "data": [3.0, 4.0]},
+]}  # fmt: skip
+OUT_OF_MEMORY = "the product does not fit in device memory now: out of memory allocating 144 MB"
+LOST = "cudaErrorIllegalInstruction; the CUDA context is unusable"
+
+
+@pytest.fixture
+async def steered() -> AsyncIterator[tuple[SteeredBackend, httpx.AsyncClient]]:
+    """The app, its engine one worker over a SteeredBackend (no restart is asked for when the device is lost)."""
+    backend = SteeredBackend()
+    engine = Engine([Worker(backend, queue_size=4)])
+    app = create_app(Settings(backend="cpu", retry_after_s=7, access_log=False))
+    app.dependency_overrides[get_engine] = lambda: engine
+    async with app.router.lifespan_context(app):
+        engine.start()
+        try:
+            transport = httpx.ASGITransport(app=app)
+            async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
+                await wait_ready_async(client, timeout_s=30)
+                yield backend, client
+        finally:
+            await engine.stop()
+
+
+async def test_out_of_device_memory_is_a_503_with_retry_after_and_the_next_product_runs(
+    steered: tuple[SteeredBackend, httpx.AsyncClient],
+) -> None:
+    backend, client = steered
+    backend.fail_next = DeviceOutOfMemory(OUT_OF_MEMORY)
+    r = await client.post("/matmul", json=BODY)
+    assert r.status_code == 503 and r.headers["retry-after"] == "7"
+    assert r.json() == {"code": "device_out_of_memory", "message": OUT_OF_MEMORY, "location": None}
+    backend.fail_next = DeviceOutOfMemory(OUT_OF_MEMORY)
+    r = await client.post("/v2/models/matmul/infer", json=INFER)
+    assert r.status_code == 503 and r.headers["retry-after"] == "7"
+    assert r.json() == {"error": OUT_OF_MEMORY}
+    r = await client.post("/matmul", json=BODY)
+    assert r.status_code == 200 and r.json()["result"] == [[11.0]]
+
+
+async def test_a_lost_device_is_a_503_with_retry_after_and_the_engine_is_not_ready_after_it(
+    steered: tuple[SteeredBackend, httpx.AsyncClient],
+) -> None:
+    backend, client = steered
+    backend.fail_next = DeviceLost(LOST)
+    r = await client.post("/matmul", json=BODY)
+    assert r.status_code == 503 and r.headers["retry-after"] == "7"
+    assert r.json() == {"code": "device_lost", "message": LOST, "location": None}
+    for answer in (await client.post("/matmul", json=BODY), await client.get("/readyz")):
+        assert answer.status_code == 503 and answer.headers["retry-after"] == "7"
+        assert answer.json()["code"] == "not_ready" and "the device was lost" in answer.json()["message"]
+    r = await client.post("/v2/models/matmul/infer", json=INFER)
+    assert r.status_code == 503 and r.headers["retry-after"] == "7" and "the device was lost" in r.json()["error"]

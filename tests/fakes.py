@@ -1,0 +1,62 @@
+"""A CPU backend the tests steer, for what CI must catch without a GPU: it records what the engine plans and each
+launch it submits, can hold a launch until the test opens its gate, and can fail the next launch with the error a
+GPU backend raises (DeviceOutOfMemory, DeviceLost). It computes with the real CPU backend, and offers one more
+library kernel, `blas`, which computes as `numpy` does: two kernels whose plans differ only in their name."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from app.engine import KernelInfo, Plan
+from app.engine.base import Finished, Pairs
+from app.engine.cpu import CpuBackend
+
+BLAS = "blas"
+GATE_TIMEOUT_S = 10
+"""A hang guard: the longest a held launch waits for its gate."""
+
+
+@dataclass(frozen=True)
+class Submitted:
+    """One launch as the worker submitted it: the plan it ran and the products in it."""
+
+    kernel: str
+    label: str | None
+    dtype: np.dtype
+    products: int
+
+
+class SteeredBackend(CpuBackend):
+    def __init__(self) -> None:
+        super().__init__(reason="a test steers it")
+        self.planned: list[tuple[int, int, int]] = []
+        """(m, n, k) of every plan the engine asked for."""
+        self.submitted: list[Submitted] = []
+        self.gate = threading.Event()
+        """Open (set) unless the test closes it; a launch waits here before it computes."""
+        self.gate.set()
+        self.entered = threading.Semaphore(0)
+        """Released once per launch, as it reaches the gate."""
+        self.fail_next: Exception | None = None
+
+    def kernels(self) -> list[KernelInfo]:
+        return [*super().kernels(), KernelInfo(name=BLAS, kind="library", summary="numpy.matmul under another name")]
+
+    def plan(self, kernel: str, tile: int | None, m: int, n: int, k: int) -> Plan:
+        self.planned.append((m, n, k))
+        return Plan(kernel=BLAS) if kernel == BLAS and tile is None else super().plan(kernel, tile, m, n, k)
+
+    def submit(self, pairs: Pairs, dtype: np.dtype, plan: Plan, on_done: Callable[[], None]) -> Finished:
+        label = plan.config.label if plan.config is not None else None
+        self.submitted.append(Submitted(plan.kernel, label, dtype, len(pairs)))
+        self.entered.release()
+        if not self.gate.wait(GATE_TIMEOUT_S):
+            raise TimeoutError("the test never opened the gate")
+        if self.fail_next is not None:
+            error, self.fail_next = self.fail_next, None
+            raise error
+        return super().submit(pairs, dtype, Plan(kernel="numpy") if plan.kernel == BLAS else plan, on_done)
