@@ -1,6 +1,7 @@
 # The two commands of the README:
 #   make run    install the service into .venv and start it on :8000 (GPU backend if CuPy sees a device)
 #   make test   install the test tools into .venv and run ruff, mypy, the import contracts and pytest
+#   make mutation   mutation testing of the core modules with mutmut (hours on two cores: docs/testing.md)
 PYTHON ?= python3
 VENV ?= .venv
 HOST ?= 0.0.0.0
@@ -9,7 +10,7 @@ BIN := $(VENV)/bin
 # On a machine with an NVIDIA driver the service also gets CuPy, so `make run` serves from the GPU.
 RUN_EXTRAS := $(if $(shell command -v nvidia-smi 2>/dev/null),[gpu],)
 
-.PHONY: run test install-run install-test clean
+.PHONY: run test mutation install-run install-test install-mutation clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -20,6 +21,9 @@ install-run: $(BIN)/python
 
 install-test: $(BIN)/python
 	$(BIN)/python -m pip install --quiet -e ".[test]"
+
+install-mutation: $(BIN)/python
+	$(BIN)/python -m pip install --quiet -e ".[test,mutation]"
 
 run: install-run
 	$(BIN)/python -m uvicorn app.main:create_app --factory --http app.api.connection:GuardedHttpProtocol \
@@ -32,5 +36,10 @@ test: install-test
 	$(BIN)/lint-imports
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
+# MUTANTS narrows the run to mutants whose names match (globs), e.g. MUTANTS='app.codecs.*'
+mutation: install-mutation
+	$(BIN)/mutmut run --max-children $(shell nproc) $(MUTANTS)
+	$(BIN)/mutmut results
+
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache mutants

@@ -52,6 +52,20 @@ def test_headers_under_the_limit_are_served(port: int) -> None:
     assert status_of_a_large_header(port, MAX_HEADER_BYTES - 200)[0] == 200
 
 
+def head_of(size: int) -> bytes:
+    """A GET /healthz whose request line and headers, up to and with the blank line, are `size` bytes."""
+    start, end = b"GET /healthz HTTP/1.1\r\nHost: t\r\nConnection: close\r\nX-Big: ", b"\r\n\r\n"
+    return start + b"x" * (size - len(start) - len(end)) + end
+
+
+@pytest.mark.parametrize(("size", "status"), [(MAX_HEADER_BYTES, 200), (MAX_HEADER_BYTES + 1, 431)])
+def test_a_head_of_exactly_the_limit_is_served_and_one_byte_more_is_431(port: int, size: int, status: int) -> None:
+    with connect(port) as sock:
+        sock.sendall(head_of(size))
+        ((answered, _),) = answers(read_until_closed(sock))
+    assert answered == status
+
+
 def test_headers_over_the_limit_are_a_431_in_the_error_format(port: int) -> None:
     status, body = status_of_a_large_header(port, MAX_HEADER_BYTES)
     assert status == 431

@@ -3,17 +3,21 @@
 from __future__ import annotations
 
 import asyncio
+import io
+import math
+import zipfile
 from collections.abc import AsyncIterator
 
 import httpx
+import numpy as np
 import orjson
 import pytest
 from fastapi import FastAPI
 
 from app.config import Settings
 from app.main import create_app
-from matmul_tools.bodies import npy_bytes
-from tests.conftest import _client_for
+from matmul_tools.bodies import MULTIPART_BOUNDARY, multipart_body, npy_bytes, npz_bytes
+from tests.conftest import _client_for, assert_product
 
 pytestmark = pytest.mark.anyio
 
@@ -29,47 +33,159 @@ async def small() -> AsyncIterator[tuple[FastAPI, httpx.AsyncClient]]:
         yield app, client
 
 
-def _refused(r: httpx.Response, status: int, code: str, words: str) -> None:
-    assert r.status_code == status, r.text
-    assert r.json()["code"] == code and words in r.json()["message"], r.json()
+SHAPED = Settings(
+    backend="cpu", max_dim=100, max_elements=1000, max_result_elements=399, max_json_bytes=1 << 16, access_log=False
+)
+"""Shape limits that a shape can meet exactly and pass by one: 100 = 100x1, 1000 = 10x100 (1001 = 11x91), 399 = 19x21
+(400 = 20x20)."""
+SHAPE_BOUNDS = [
+    # (a's shape, b's shape, the refusal's words when one past the bound)
+    pytest.param((100, 1), (1, 1), None, id="rows at max_dim"),
+    pytest.param((101, 1), (1, 1), "dimension 0 of 'a' is 101, over the limit of 100", id="rows past max_dim"),
+    pytest.param((1, 1), (1, 100), None, id="columns at max_dim"),
+    pytest.param((1, 1), (1, 101), "dimension 1 of 'b' is 101, over the limit of 100", id="columns past max_dim"),
+    pytest.param((10, 100), (100, 1), None, id="at max_elements"),
+    pytest.param((11, 91), (91, 1), "matrix 'a' has 1001 elements, over the limit of 1000", id="past max_elements"),
+    pytest.param((19, 1), (1, 21), None, id="at max_result_elements"),
+    pytest.param((20, 1), (1, 20), "matrix 'result' has 400 elements, over the limit of 399", id="past the result's"),
+]
+DECODERS = ["json", "multipart", "npz", "v2 json", "v2 binary"]
 
 
-async def test_json_bodies_have_their_own_smaller_limit(small: tuple[FastAPI, httpx.AsyncClient]) -> None:
-    _, client = small
-    body = orjson.dumps({"a": [[1.0] * 20] * 20, "b": [[1.0] * 20] * 20})
-    assert 2048 < len(body) < 8192
-    _refused(await client.post("/matmul", content=body, headers={"content-type": "application/json"}), 413,
-             "payload_too_large", "JSON body is")  # fmt: skip
-
-    async def chunked() -> AsyncIterator[bytes]:
-        yield body
-
-    _refused(await client.post("/matmul", content=chunked(), headers={"content-type": "application/json"}), 413,
-             "payload_too_large", "JSON body passed the limit of 2048")  # fmt: skip
+@pytest.fixture(scope="module")
+def anyio_backend() -> str:
+    return "asyncio"
 
 
-async def test_every_body_has_the_general_limit(small: tuple[FastAPI, httpx.AsyncClient]) -> None:
-    _, client = small
-    r = await client.post("/v2/models/matmul/infer", content=b"x" * 9000)
-    assert r.status_code == 413 and "9000 bytes" in r.json()["error"]  # the protocol's own error format
+@pytest.fixture(scope="module")
+async def shaped() -> AsyncIterator[httpx.AsyncClient]:
+    async for client in _client_for(create_app(SHAPED)):
+        yield client
 
 
+def _v2_tensor(name: str, array: np.ndarray, binary: bool) -> dict[str, object]:
+    tensor: dict[str, object] = {"name": name, "shape": list(array.shape), "datatype": "FP32"}
+    if binary:
+        tensor["parameters"] = {"binary_data_size": array.nbytes}
+    else:
+        tensor["data"] = array.reshape(-1).tolist()
+    return tensor
+
+
+async def _post(client: httpx.AsyncClient, decoder: str, a: np.ndarray, b: np.ndarray) -> httpx.Response:
+    """a @ b requested through `decoder`; the answer's product (JSON) is `result` or, on /v2, output C's data."""
+    if decoder == "json":
+        return await client.post("/matmul", json={"a": a.tolist(), "b": b.tolist()})
+    if decoder == "multipart":
+        return await client.post("/matmul", files={"a": ("a.npy", npy_bytes(a)), "b": ("b.npy", npy_bytes(b))})
+    if decoder == "npz":
+        return await client.post("/matmul", content=npz_bytes(a=a, b=b), headers={"content-type": "application/x-npz"})
+    binary = decoder == "v2 binary"
+    header = orjson.dumps({"inputs": [_v2_tensor("A", a, binary), _v2_tensor("B", b, binary)]})
+    if not binary:
+        return await client.post("/v2/models/matmul/infer", content=header)
+    headers = {"inference-header-content-length": str(len(header)), "content-type": "application/octet-stream"}
+    return await client.post("/v2/models/matmul/infer", content=header + a.tobytes() + b.tobytes(), headers=headers)
+
+
+@pytest.mark.parametrize("decoder", DECODERS)
+@pytest.mark.parametrize(("a_shape", "b_shape", "refused"), SHAPE_BOUNDS)
+async def test_each_shape_limit_admits_its_bound_and_refuses_one_past_it(
+    shaped: httpx.AsyncClient, decoder: str, a_shape: tuple[int, int], b_shape: tuple[int, int], refused: str | None
+) -> None:
+    a = np.arange(math.prod(a_shape), dtype=np.float32).reshape(a_shape) % 7
+    b = np.arange(math.prod(b_shape), dtype=np.float32).reshape(b_shape) % 5
+    r = await _post(shaped, decoder, a, b)
+    v2 = decoder.startswith("v2")
+    if refused is None:
+        assert r.status_code == 200, r.text
+        if decoder == "v2 json":
+            (output,) = r.json()["outputs"]
+            assert output["shape"] == [a_shape[0], b_shape[1]]
+            assert_product(np.array(output["data"]).reshape(output["shape"]), a, b, np.dtype(np.float32))
+        elif not v2:
+            assert_product(np.array(r.json()["result"]), a, b, np.dtype(np.float32))
+    else:
+        assert r.status_code == 422, r.text
+        if v2:  # the protocol's inputs are A and B
+            assert refused.replace("'a'", "'A'").replace("'b'", "'B'") in r.json()["error"]
+        else:
+            assert refused in r.json()["message"] and r.json()["code"] == "shape_mismatch"
+
+
+def _body_of_size(kind: str, size: int) -> tuple[bytes, str]:
+    """A valid product request of exactly `size` bytes (JSON whitespace, a multipart epilogue or a zip comment as
+    padding), and its Content-Type."""
+    a, b = np.full((2, 3), 2.0, np.float32), np.full((3, 1), 3.0, np.float32)
+    if kind in ("json", "v2"):
+        inputs = [_v2_tensor("A", a, False), _v2_tensor("B", b, False)]
+        doc = {"a": a.tolist(), "b": b.tolist()} if kind == "json" else {"inputs": inputs}
+        body, content_type = orjson.dumps(doc), "application/json"
+        body += b" " * (size - len(body))
+    elif kind == "multipart":
+        parts = [("a", npy_bytes(a)), ("b", npy_bytes(b))]
+        body = multipart_body(parts, epilogue=b" " * (size - len(multipart_body(parts))))
+        content_type = f"multipart/form-data; boundary={MULTIPART_BOUNDARY}"
+    else:
+        archive = io.BytesIO(npz_bytes(a=a, b=b))
+        with zipfile.ZipFile(archive, "a") as padded:
+            padded.comment = b" " * (size - len(archive.getvalue()))
+        body, content_type = archive.getvalue(), "application/x-npz"
+    assert len(body) == size
+    return body, content_type
+
+
+async def _pieces(body: bytes) -> AsyncIterator[bytes]:
+    """The body sent chunked, in two pieces, with no Content-Length: only the bytes received count."""
+    yield body[: len(body) // 2]
+    yield body[len(body) // 2 :]
+
+
+@pytest.mark.parametrize("streamed", [False, True], ids=["declared", "streamed"])
 @pytest.mark.parametrize(
-    ("a_shape", "b_shape", "words"),
-    [((101, 1), (1, 1), "dimension 0 of 'a' is 101, over the limit of 100"),
-     ((40, 30), (30, 1), "'a' has 1200 elements, over the limit of 1000"),
-     ((30, 1), (1, 30), "'result' has 900 elements, over the limit of 400")],
+    ("kind", "limit", "declared_words", "streamed_words"),
+    [("json", 2048, "the JSON body is 2049 bytes, over the limit of 2048", "the JSON body passed the limit of 2048"),
+     ("multipart", 8192, "the body is 8193 bytes, over the limit of 8192", "the body passed the limit of 8192"),
+     ("npz", 8192, "the body is 8193 bytes, over the limit of 8192", "the body passed the limit of 8192"),
+     ("v2", 8192, "the body is 8193 bytes, over the limit of 8192", "the body passed the limit of 8192")],
 )  # fmt: skip
-async def test_shape_limits(small: tuple[FastAPI, httpx.AsyncClient], a_shape: tuple[int, int],
-                            b_shape: tuple[int, int], words: str) -> None:  # fmt: skip
-    import numpy as np
-
+async def test_each_body_limit_admits_its_bound_and_refuses_one_byte_more(
+    small: tuple[FastAPI, httpx.AsyncClient],
+    kind: str,
+    limit: int,
+    declared_words: str,
+    streamed_words: str,
+    streamed: bool,
+) -> None:
+    """MATMUL_MAX_JSON_BYTES for JSON bodies, MATMUL_MAX_BODY_BYTES for the others: exactly `limit` bytes are
+    multiplied, `limit` + 1 are 413, whether the size was declared up front or only counted as the body came."""
     _, client = small
-    files = {
-        "a": ("a.npy", npy_bytes(np.ones(a_shape, np.float32))),
-        "b": ("b.npy", npy_bytes(np.ones(b_shape, np.float32))),
-    }
-    _refused(await client.post("/matmul", files=files), 422, "shape_mismatch", words)
+    path = "/v2/models/matmul/infer" if kind == "v2" else "/matmul"
+    for size in (limit, limit + 1):
+        body, content_type = _body_of_size(kind, size)
+        r = await client.post(path, content=_pieces(body) if streamed else body, headers={"content-type": content_type})
+        if size == limit:
+            assert r.status_code == 200, r.text
+            product = r.json()["outputs"][0]["data"] if kind == "v2" else r.json()["result"]
+            assert product in ([18.0, 18.0], [[18.0], [18.0]])
+        else:
+            assert r.status_code == 413, r.text
+            said = r.json()["error" if kind == "v2" else "message"]
+            assert (streamed_words if streamed else declared_words) in said
+
+
+@pytest.mark.parametrize(("sent", "accepted"), [("86400", True), ("86400.001", False), ("1e-300", True), ("0", False)])
+async def test_the_request_timeout_header_takes_seconds_in_0_to_86400(
+    shaped: httpx.AsyncClient, sent: str, accepted: bool
+) -> None:
+    """(0, 86400]: a day is the longest a request may ask to wait (the settings cap it lower), and any positive
+    time is a deadline, though one too short to reach the device is a 504."""
+    r = await shaped.post("/matmul", json={"a": [[2.0]], "b": [[3.0]]}, headers={"x-request-timeout": sent})
+    if accepted:
+        assert r.status_code in (200, 504), r.text
+    else:
+        assert r.status_code == 422 and r.json()["location"] == ["X-Request-Timeout"], r.text
+        assert f"X-Request-Timeout must be a number of seconds in (0, 86400], not '{sent}'" in r.json()["message"]
 
 
 async def test_a_body_that_stops_arriving_gets_408_not_a_hang(small: tuple[FastAPI, httpx.AsyncClient]) -> None:

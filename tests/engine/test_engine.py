@@ -92,10 +92,11 @@ class GatedBackend:
 
 
 async def _wait(predicate: Any) -> None:
-    for _ in range(200):
+    """Until `predicate()` holds, looked at every millisecond or so (for 30 s at most: a hang guard, not a figure)."""
+    for _ in range(30_000):
         if predicate():
             return
-        await asyncio.sleep(0.01)
+        await asyncio.sleep(0.001)
     raise AssertionError("condition never held")
 
 
@@ -395,6 +396,8 @@ class HeldLaunch:
     ) -> None:
         self.backend, self.label, self.products, self.on_done = backend, label, products, on_done
         self.finished = threading.Event()
+        self.collecting = threading.Event()
+        """Set when the worker starts waiting for this launch's result."""
         self.error: Exception | None = None
 
     def finish(self, error: Exception | None = None) -> None:
@@ -407,6 +410,7 @@ class HeldLaunch:
         return self.finished.is_set()
 
     def result(self) -> tuple[list[np.ndarray], DeviceTiming]:
+        self.collecting.set()
         assert self.finished.wait(timeout=10)
         self.backend.log.append(f"collect {self.label}")
         if self.error is not None:
@@ -440,8 +444,8 @@ async def test_the_next_launch_is_submitted_while_the_previous_one_runs() -> Non
     first = await _submitted(engine, backend, 1)
     rest = [_product(engine, 2), _product(engine, 3)]
     await _wait(lambda: len(backend.launches) == 2)
-    await asyncio.sleep(0.05)
-    # two in flight, none collected: the third waits for the first to be answered
+    # two in flight and the worker waiting on the first: the third waits for the first to be answered
+    assert await asyncio.to_thread(backend.launches[0].collecting.wait, 10)
     assert backend.log == ["submit 1", "submit 2"] and engine.queue_depth == 1 and engine.workers[0].load == 3
     assert not first.done()
     backend.launches[0].finish()

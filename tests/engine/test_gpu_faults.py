@@ -3,7 +3,6 @@ process with exit code 75 after answering 503, and a fresh process serves again.
 
 from __future__ import annotations
 
-import time
 from collections.abc import AsyncIterator
 
 import httpx
@@ -53,7 +52,5 @@ def test_a_sticky_cuda_error_is_answered_then_the_process_exits_to_be_restarted(
     # what a restart policy does next: a fresh process with a fresh context serves again
     port = free_port()
     with running_server(uvicorn_command(port), port, env={"MATMUL_BACKEND": "gpu"}) as client:
-        started = time.monotonic()
         r = client.post("/matmul", json={"a": [[1, 2], [3, 4]], "b": [[5, 6], [7, 8]]})
         assert r.status_code == 200 and r.json()["result"] == [[19, 22], [43, 50]]
-        assert time.monotonic() - started < 30

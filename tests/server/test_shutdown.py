@@ -51,8 +51,9 @@ def test_sigterm_lets_an_in_flight_product_finish() -> None:
                                                      headers={"accept": "application/x-npy"}, timeout=60))
         )  # fmt: skip
         sender.start()
+        deadline = time.monotonic() + 30  # a hang guard: the product is in flight long before
         while requests_in_flight(url) < 2:  # our product and this scrape
-            pass
+            assert time.monotonic() < deadline and sender.is_alive(), "the product never reached the app"
         process.send_signal(signal.SIGTERM)
         sender.join(60)
         # uvicorn ends by re-raising the signal it handled, so "killed by SIGTERM" is its clean exit

@@ -7,7 +7,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests.scripts import ROOT
+
+# a server and a script in subprocesses, each with its own 120 s limit: the per-test limit allows for both
+pytestmark = pytest.mark.timeout(300)
 
 
 def test_two_checkouts_measured_in_alternation(tmp_path: Path) -> None:

@@ -7,7 +7,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests.scripts import ROOT, import_script
+
+# a server and a script in subprocesses, each with its own 120 s limit: the per-test limit allows for both
+pytestmark = pytest.mark.timeout(300)
+
 
 bench = import_script("bench_service")
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"

@@ -15,6 +15,9 @@ import pytest
 from matmul_tools import loadtest
 from tests.scripts import ROOT
 
+# a server and a script in subprocesses, each with its own 120 s limit: the per-test limit allows for both
+pytestmark = pytest.mark.timeout(300)
+
 SCRIPT = ROOT / "scripts" / "loadtest.py"
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

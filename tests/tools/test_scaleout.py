@@ -13,9 +13,12 @@ import pytest
 from tests.scripts import ROOT, import_script
 
 scaleout = import_script("scaleout_local")
-pytestmark = pytest.mark.skipif(
-    scaleout.find_nginx() is None, reason="nginx is not installed (apt-get install nginx): the test runs it"
-)
+pytestmark = [
+    pytest.mark.skipif(
+        scaleout.find_nginx() is None, reason="nginx is not installed (apt-get install nginx): the test runs it"
+    ),
+    pytest.mark.timeout(300),  # its script runs 180 s at most, after starting nginx and two replicas
+]
 
 
 def test_two_replicas_behind_nginx_share_the_load_without_errors(tmp_path: Path) -> None:

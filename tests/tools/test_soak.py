@@ -15,6 +15,9 @@ from matmul_tools.bodies import npy_bytes
 from matmul_tools.service import free_port, running_server, uvicorn_command
 from tests.scripts import ROOT, import_script
 
+# a server and a script in subprocesses, each with its own 120 s limit: the per-test limit allows for both
+pytestmark = pytest.mark.timeout(300)
+
 soak = import_script("soak")
 MAX_BODY_BYTES = 1 << 20
 
