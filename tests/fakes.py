@@ -5,6 +5,7 @@ library kernel, `blas`, which computes as `numpy` does: two kernels whose plans 
 
 from __future__ import annotations
 
+import asyncio
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -18,6 +19,15 @@ from app.engine.cpu import CpuBackend
 BLAS = "blas"
 GATE_TIMEOUT_S = 10
 """A hang guard: the longest a held launch waits for its gate."""
+
+
+async def until(condition: Callable[[], bool], guard_s: float = GATE_TIMEOUT_S) -> None:
+    """Return once `condition()` holds, looked at every millisecond or so; a hang guard fails after `guard_s`."""
+    for _ in range(int(guard_s * 1000)):
+        if condition():
+            return
+        await asyncio.sleep(0.001)
+    raise AssertionError("the condition never held")
 
 
 @dataclass(frozen=True)

@@ -46,17 +46,23 @@ async def steered() -> AsyncIterator[tuple[SteeredBackend, httpx.AsyncClient]]:
             await engine.stop()
 
 
+async def _retry_later(
+    backend: SteeredBackend, client: httpx.AsyncClient, error: Exception, path: str, body: object
+) -> httpx.Response:
+    """The answer to a product whose launch raises `error`: a 503 with the settings' Retry-After."""
+    backend.fail_next = error
+    r = await client.post(path, json=body)
+    assert r.status_code == 503 and r.headers["retry-after"] == "7"
+    return r
+
+
 async def test_out_of_device_memory_is_a_503_with_retry_after_and_the_next_product_runs(
     steered: tuple[SteeredBackend, httpx.AsyncClient],
 ) -> None:
     backend, client = steered
-    backend.fail_next = DeviceOutOfMemory(OUT_OF_MEMORY)
-    r = await client.post("/matmul", json=BODY)
-    assert r.status_code == 503 and r.headers["retry-after"] == "7"
+    r = await _retry_later(backend, client, DeviceOutOfMemory(OUT_OF_MEMORY), "/matmul", BODY)
     assert r.json() == {"code": "device_out_of_memory", "message": OUT_OF_MEMORY, "location": None}
-    backend.fail_next = DeviceOutOfMemory(OUT_OF_MEMORY)
-    r = await client.post("/v2/models/matmul/infer", json=INFER)
-    assert r.status_code == 503 and r.headers["retry-after"] == "7"
+    r = await _retry_later(backend, client, DeviceOutOfMemory(OUT_OF_MEMORY), "/v2/models/matmul/infer", INFER)
     assert r.json() == {"error": OUT_OF_MEMORY}
     r = await client.post("/matmul", json=BODY)
     assert r.status_code == 200 and r.json()["result"] == [[11.0]]
@@ -66,9 +72,7 @@ async def test_a_lost_device_is_a_503_with_retry_after_and_the_engine_is_not_rea
     steered: tuple[SteeredBackend, httpx.AsyncClient],
 ) -> None:
     backend, client = steered
-    backend.fail_next = DeviceLost(LOST)
-    r = await client.post("/matmul", json=BODY)
-    assert r.status_code == 503 and r.headers["retry-after"] == "7"
+    r = await _retry_later(backend, client, DeviceLost(LOST), "/matmul", BODY)
     assert r.json() == {"code": "device_lost", "message": LOST, "location": None}
     for answer in (await client.post("/matmul", json=BODY), await client.get("/readyz")):
         assert answer.status_code == 503 and answer.headers["retry-after"] == "7"

@@ -26,6 +26,7 @@ from kernels.reference import assert_close_to_reference
 from kernels.roofline import DevicePeaks
 from matmul_tools.bodies import load_npy, npy_bytes
 from matmul_tools.service import wait_ready_async
+from tests.fakes import until
 
 pytestmark = pytest.mark.anyio
 
@@ -71,15 +72,6 @@ class RecordingEngine(Engine):
     ) -> Outcome:
         self.deadlines.append(timeout_s)
         return await super().matmul(a, b, dtype, kernel, tile, timeout_s)
-
-
-async def _until(condition: Callable[[], bool]) -> None:
-    """Until `condition()` holds, looked at every millisecond or so (GUARD_S at most)."""
-    for _ in range(GUARD_S * 1000):
-        if condition():
-            return
-        await asyncio.sleep(0.001)
-    raise AssertionError("condition never held")
 
 
 async def _serving(app: FastAPI, engine: Engine) -> AsyncIterator[httpx.AsyncClient]:
@@ -210,7 +202,7 @@ async def test_the_queue_holds_exactly_queue_size_products() -> None:
         for waiting, value in enumerate((2.0, 3.0), start=1):
             engine.check_room()  # room for one more
             products.append(asyncio.create_task(client.post("/matmul", json={"a": [[value]], "b": [[1.0]]})))
-            await _until(lambda depth=waiting: engine.queue_depth == depth)
+            await until(lambda depth=waiting: engine.queue_depth == depth, GUARD_S)
         with pytest.raises(Overloaded):
             engine.check_room()
         refused = await asyncio.wait_for(client.post("/matmul", json={"a": [[4.0]], "b": [[1.0]]}), GUARD_S)

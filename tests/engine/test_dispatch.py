@@ -6,7 +6,7 @@ inner dimension (k = 0) gives exact zeros on every kernel of the CPU engine."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 import numpy as np
@@ -14,20 +14,11 @@ import pytest
 
 from app.engine import BatchPolicy, Engine, EngineState, Worker
 from kernels.reference import assert_close_to_reference
-from tests.fakes import BLAS, GATE_TIMEOUT_S, SteeredBackend
+from tests.fakes import BLAS, GATE_TIMEOUT_S, SteeredBackend, until
 
 pytestmark = pytest.mark.anyio
 
 F32, F64 = np.dtype(np.float32), np.dtype(np.float64)
-
-
-async def _until(condition: Callable[[], bool]) -> None:
-    """Wait for `condition`, looking every 10 ms; a hang guard fails the test after GATE_TIMEOUT_S."""
-    for _ in range(GATE_TIMEOUT_S * 100):
-        if condition():
-            return
-        await asyncio.sleep(0.01)
-    raise AssertionError("the condition never held")
 
 
 @asynccontextmanager
@@ -35,7 +26,7 @@ async def _engine(backend: SteeredBackend, batching: BatchPolicy | None = None) 
     engine = Engine([Worker(backend, queue_size=8, batching=batching)])
     engine.start()
     try:
-        await _until(lambda: engine.state is EngineState.READY)
+        await until(lambda: engine.state is EngineState.READY)
         yield engine
     finally:
         backend.gate.set()
@@ -81,7 +72,7 @@ async def test_queued_products_share_a_launch_only_with_the_same_dtype_kernel_an
             asyncio.create_task(engine.matmul(a, b, dtype, kernel, tile, None))
             for (a, b), (kernel, tile, dtype) in zip(operands, requests, strict=True)
         ]
-        await _until(lambda: engine.queue_depth == len(products))
+        await until(lambda: engine.queue_depth == len(products))
         backend.gate.set()
         await first
         outcomes = [await product for product in products]
