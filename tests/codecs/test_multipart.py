@@ -1,14 +1,17 @@
 """The in-memory multipart parser: parts are views of the body, not copies, and stay exact where the parser
-had to hold bytes back (data that begins like the boundary)."""
+had to hold bytes back (data that begins like the boundary); its refusals by their whole message and location."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from app.codecs.multipart import parse_file_parts
+from app.codecs.multipart import decode_multipart, parse_file_parts
+from app.codecs.operands import Limits, RequestOptions, check_dtype
 from app.errors import InvalidMatrix, InvalidParameter, MalformedPayload
 from matmul_tools.bodies import MULTIPART_CONTENT_TYPE, multipart_body, npy_bytes
+
+LIMITS = Limits(max_dim=8, max_elements=40, max_result_elements=64)
 
 
 def test_parts_are_views_of_the_body() -> None:
@@ -150,3 +153,39 @@ def test_a_text_field_is_named_with_its_value_in_the_query_string_it_belongs_in(
         "part 'b' is a text field; send each matrix as a .npy file (curl -F b=@b.npy)",
         ["b"],
     )
+
+
+def test_a_part_may_have_other_headers_before_its_content_disposition() -> None:
+    body = (
+        b"--xx\r\nContent-Type: application/octet-stream\r\n"
+        b'Content-Disposition: form-data; name="a"; filename="a.npy"\r\n\r\nA\r\n--xx--\r\n'
+    )
+    assert bytes(parse_file_parts(body, MULTIPART_CONTENT_TYPE)["a"]) == b"A"
+
+
+def test_a_line_break_before_the_first_delimiter_is_an_empty_preamble() -> None:
+    parts = parse_file_parts(b"\r\n" + multipart_body([("a", b"A")]), MULTIPART_CONTENT_TYPE)
+    assert bytes(parts["a"]) == b"A"
+
+
+def test_missing_matrices_are_named_as_parts_of_the_multipart_body() -> None:
+    with pytest.raises(InvalidMatrix) as caught:
+        decode_multipart(multipart_body([("a", npy_bytes(np.eye(2)))]), MULTIPART_CONTENT_TYPE, LIMITS)
+    assert caught.value.message == "the multipart body must hold exactly 'a' and 'b': missing ['b']"
+    assert caught.value.location == ["b"]
+
+
+def test_the_pickled_objects_dtype_is_named_as_such() -> None:
+    with pytest.raises(InvalidMatrix) as caught:
+        check_dtype(np.dtype(object), "a")
+    assert caught.value.message == (
+        "matrix 'a' has dtype pickled Python objects; supported are float32, float64 and integers "
+        "(converted to the requested float dtype)"
+    )
+
+
+def test_options_given_twice_name_the_option() -> None:
+    with pytest.raises(InvalidParameter) as caught:
+        RequestOptions(dtype="float32").merged_with(RequestOptions(dtype="float64"))
+    assert caught.value.message == "'dtype' is given twice with different values: 'float32' and 'float64'"
+    assert caught.value.location == ["dtype"]
