@@ -278,3 +278,8 @@ def test_encode_binary() -> None:
 def test_encode_binary_of_an_empty_product() -> None:
     body, header_length = encode_infer(np.zeros((0, 3), np.float32), "m", None, True, {})
     assert header_length == len(body)
+
+
+def test_a_header_of_one_byte_is_read_as_one() -> None:
+    """The smallest header length is 1: that byte is read as the JSON header (and is not an object)."""
+    assert refusal(b"1" + doc(), "1") == ("malformed_payload", "the inference request must be a JSON object", None)
