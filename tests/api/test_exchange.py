@@ -70,7 +70,7 @@ async def test_a_body_of_exactly_the_limit_is_read_whole() -> None:
 
 async def test_a_declared_size_over_the_limit_is_refused_before_reading() -> None:
     with pytest.raises(PayloadTooLarge) as caught:
-        await exchange.read_body(request(receiving(), {"content-length": "6"}), 5, "JSON body")
+        await exchange.read_body(request(receiving(chunk(b"ab", False)), {"content-length": "6"}), 5, "JSON body")
     assert caught.value.message == "the JSON body is 6 bytes, over the limit of 5"
     assert await exchange.read_body(request(receiving(chunk(b"ab", False)), {"content-length": "5"}), 5, "x") == b"ab"
 
