@@ -283,3 +283,12 @@ def test_encode_binary_of_an_empty_product() -> None:
 def test_a_header_of_one_byte_is_read_as_one() -> None:
     """The smallest header length is 1: that byte is read as the JSON header (and is not an object)."""
     assert refusal(b"1" + doc(), "1") == ("malformed_payload", "the inference request must be a JSON object", None)
+
+
+def test_false_is_a_boolean_too() -> None:
+    """A header holding 'false' and no 'true' still gets the exact check: np.array would read false as 0."""
+    assert refusal(doc({**A, "data": [1, 2, 3, 4, 5, False]}, B)) == (
+        "invalid_matrix",
+        "input 'A' data holds booleans, expected numbers",
+        ["A"],
+    )

@@ -11,6 +11,7 @@ import pytest
 
 from app import codecs
 from app.codecs.json import decode_json, encode_json_envelope, encode_json_matrix
+from app.codecs.npy import NPY_MAX_HEADER
 from app.codecs.npz import decode_npz
 from app.codecs.operands import Limits
 from app.errors import MatmulError
@@ -274,3 +275,13 @@ def test_an_unforeseen_failure_without_a_message_is_named_by_its_type(monkeypatc
         "the inference request cannot be decoded: ValueError",
         None,
     )
+
+
+def test_an_npz_member_with_a_header_of_the_largest_size_numpy_reads() -> None:
+    """The member's first NPY_MAX_HEADER + 16 bytes are read for its header: a version 2.0 header of exactly
+    NPY_MAX_HEADER bytes is whole in them."""
+    text = "{'descr': '<f4', 'fortran_order': False, 'shape': (2, 3)}"
+    text += " " * (NPY_MAX_HEADER - len(text))
+    a = b"\x93NUMPY\x02\x00" + len(text).to_bytes(4, "little") + text.encode() + np.arange(6, dtype="<f4").tobytes()
+    ops = decode_npz(zip_members(compressed=True, a=a, b=npy_bytes(np.ones((3, 2), np.float32))), LIMITS, 1 << 20)
+    np.testing.assert_array_equal(ops.a, np.arange(6).reshape(2, 3))
