@@ -3,7 +3,9 @@ which matrix, which key, which type, which limit) and location; and the JSON env
 
 from __future__ import annotations
 
+import io
 import logging
+import zipfile
 
 import numpy as np
 import orjson
@@ -285,3 +287,18 @@ def test_an_npz_member_with_a_header_of_the_largest_size_numpy_reads() -> None:
     a = b"\x93NUMPY\x02\x00" + len(text).to_bytes(4, "little") + text.encode() + np.arange(6, dtype="<f4").tobytes()
     ops = decode_npz(zip_members(compressed=True, a=a, b=npy_bytes(np.ones((3, 2), np.float32))), LIMITS, 1 << 20)
     np.testing.assert_array_equal(ops.a, np.arange(6).reshape(2, 3))
+
+
+def test_an_npz_member_shorter_than_its_declared_size_names_the_bytes_that_came() -> None:
+    """The directory says 4 bytes more than the member holds (and than its header needs): the data read is short."""
+    a = npy_bytes(np.ones((2, 3), np.float32))[:-4]
+    buffer = io.BytesIO()
+    with zipfile.ZipFile(buffer, "w") as archive:
+        archive.writestr("a.npy", a)
+        archive.writestr("b.npy", npy_bytes(np.ones((3, 2), np.float32)))
+        archive.filelist[0].file_size = len(a) + 4
+    assert refusal(decode_npz, buffer.getvalue(), LIMITS, 1 << 20) == (
+        "malformed_payload",
+        "'a' is a 2x3 float32 .npy whose data should be 24 bytes, but 20 bytes follow the header (truncated)",
+        ["a"],
+    )

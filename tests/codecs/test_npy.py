@@ -60,6 +60,10 @@ def test_fortran_order_is_read() -> None:
     ("text", "expected"),
     [
         ("[", header_refusal("no '{'", 0, "[")),
+        (
+            "{'descr': '<f4', 'fortran_order': False, 'shape': (2)}",
+            header_refusal("a one-dimensional shape without its comma", 52, ")}"),
+        ),
         ("{'descr': '<f4' 'shape': (2, 3)}", header_refusal("no ',' or '}' after a value", 17, "shape': (2, 3)}")),
         (
             "{'descr': '<f4', 'fortran_order': False}",
