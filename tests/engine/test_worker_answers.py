@@ -5,6 +5,7 @@ worker."""
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Callable
 
 import numpy as np
@@ -65,7 +66,10 @@ async def test_an_outcome_says_how_its_product_was_made() -> None:
         await worker.stop()
 
 
-async def test_an_unexpected_error_is_a_device_failure_naming_backend_kernel_and_error() -> None:
+async def test_an_unexpected_error_is_a_device_failure_naming_backend_kernel_and_error(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.INFO, logger="app.engine.worker")
     backend = SteeredBackend()
     worker = await _ready(backend)
     try:
@@ -75,6 +79,8 @@ async def test_an_unexpected_error_is_a_device_failure_naming_backend_kernel_and
             await worker.matmul(np.ones((1, 1)), np.ones((1, 1)), F64, NUMPY)
         assert caught.value.message == "the cpu backend failed running 'numpy': cudaErrorLaunchFailure"
         assert caught.value.__cause__ is cause
+        [logged] = [r for r in caplog.records if r.levelno == logging.ERROR]
+        assert logged.getMessage() == "numpy failed on the cpu backend" and logged.exc_info is not None
         assert worker.state is EngineState.READY and worker.failure is None and not worker.device_lost
         assert (await worker.matmul(np.ones((1, 1)), np.ones((1, 1)), F64, NUMPY)).c.tolist() == [[1.0]]
     finally:
@@ -122,7 +128,8 @@ async def test_a_full_queue_says_how_many_wait() -> None:
         await worker.stop()
 
 
-async def test_a_lost_device_fails_the_worker_with_its_message() -> None:
+async def test_a_lost_device_fails_the_worker_with_its_message(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="app.engine.worker")
     backend = SteeredBackend()
     lost = asyncio.Event()
     worker = await _ready(backend, on_device_lost=lost.set)
@@ -140,6 +147,8 @@ async def test_a_lost_device_fails_the_worker_with_its_message() -> None:
             await asyncio.wait_for(queued, GATE_TIMEOUT_S)
         assert queued_error.value.message == "the device was lost: cudaErrorIllegalInstruction"
         await asyncio.wait_for(lost.wait(), GATE_TIMEOUT_S)
+        [logged] = [r for r in caplog.records if r.levelno == logging.CRITICAL]
+        assert logged.getMessage() == "device lost running 'numpy': cudaErrorIllegalInstruction"
         assert worker.state is EngineState.FAILED and worker.device_lost
         assert worker.failure == "the device was lost: cudaErrorIllegalInstruction"
         with pytest.raises(NotReady) as later:
