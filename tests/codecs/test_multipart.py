@@ -182,6 +182,7 @@ def test_the_pickled_objects_dtype_is_named_as_such() -> None:
         "matrix 'a' has dtype pickled Python objects; supported are float32, float64 and integers "
         "(converted to the requested float dtype)"
     )
+    assert caught.value.location == ["a"]
 
 
 def test_options_given_twice_name_the_option() -> None:

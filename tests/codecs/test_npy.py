@@ -91,6 +91,14 @@ def test_fortran_order_is_read() -> None:
         ),
         ("{'descr' '<f4'}", header_refusal("no ':'", 10, "<f4'}")),
         (
+            "{'descr': '<f4', 'fortran_order': False, 'shape': (2, 3)}\x0c",
+            header_refusal("text after the closing '}'", 57, "\x0c"),
+        ),
+        (
+            "{'descr': '<f4', 'fortran_order': False, 'shape': (2, 3)} X",
+            header_refusal("text after the closing '}'", 57, " X"),
+        ),
+        (
             "{'descr': '<f4', 'fortran_order': False, 'shape': (-2, 3)}",
             header_refusal("something NumPy does not write", 51, "-2, 3)}"),
         ),
@@ -133,6 +141,7 @@ def test_a_shape_that_is_not_2d(shape: str, dims: str) -> None:
     [
         (b"", "it does not begin with the .npy magic \\x93NUMPY"),
         (b"\x93NUMPY\x01", "it does not begin with the .npy magic \\x93NUMPY"),
+        (b"\x93NUMPY\x01\x00", "it ends inside its 0-byte header (truncated)"),
         (b"\x93NUMPX\x01\x00\x00\x00", "it does not begin with the .npy magic \\x93NUMPY"),
         (b"\x93NUMPY\x02\x01\x00\x00", "format version 2.1; NumPy writes 1.0, 2.0 and 3.0"),
         (b"\x93NUMPY\x01\x00\x0a\x00{'descr'", "it ends inside its 10-byte header (truncated)"),

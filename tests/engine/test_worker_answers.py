@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable
+from time import perf_counter
 
 import numpy as np
 import pytest
@@ -53,7 +54,9 @@ async def test_an_outcome_says_how_its_product_was_made() -> None:
     worker = await _ready(backend)
     try:
         a, b = np.arange(6.0).reshape(2, 3), np.arange(12.0).reshape(3, 4)
+        before = perf_counter()
         outcome = await worker.matmul(a, b, F64, NUMPY)
+        waited_ms = (perf_counter() - before) * 1e3
         np.testing.assert_array_equal(outcome.c, a @ b)
         assert (outcome.plan, outcome.device_name, outcome.peaks, outcome.batch_size) == (
             NUMPY,
@@ -61,7 +64,8 @@ async def test_an_outcome_says_how_its_product_was_made() -> None:
             backend.peaks,
             1,
         )
-        assert outcome.queue_ms >= 0 and outcome.device.kernel_ms >= 0
+        # not a speed claim: the time it says it queued lies within the time the call took
+        assert 0 <= outcome.queue_ms <= waited_ms and outcome.device.kernel_ms >= 0
     finally:
         await worker.stop()
 
