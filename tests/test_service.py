@@ -1,12 +1,21 @@
-"""The service's figures: each stage of the stopwatch in milliseconds, GFLOP/s as the launch's 2*m*n*k / kernel time."""
+"""The service: its checks (inner dimensions, the result's limits, the working dtype) and their messages, what it
+hands the engine (the options, the deadline capped at the request timeout), and its figures: each stage of the
+stopwatch in milliseconds, GFLOP/s as the launch's 2*m*n*k / kernel time."""
 
 from __future__ import annotations
+
+from time import perf_counter
 
 import numpy as np
 import pytest
 
 from app import service
-from app.engine import DeviceTiming, Outcome, Plan
+from app.codecs import Limits, Operands, RequestOptions
+from app.config import Settings
+from app.engine import DeviceTiming, Engine, Outcome, Plan
+from app.engine.cpu import CpuBackend
+from app.engine.worker import Worker
+from app.errors import InvalidParameter, ShapeMismatch
 from app.product import RooflineModel
 from kernels.roofline import DevicePeaks
 
@@ -53,3 +62,139 @@ def test_gflops_is_the_launchs_work_over_its_kernel_time(
     described = _product(m, k, n, kernel_ms, batch_size).describe()
     assert described.gflops == (None if gflops is None else pytest.approx(gflops, rel=1e-12))
     assert described.batch_size == batch_size and described.shape == (m, n)
+
+
+# ------------------------------------------------------------------------------------------------ the checks
+
+LIMITS = Limits(max_dim=8, max_elements=40, max_result_elements=12)
+
+
+def test_inner_dimensions_that_differ_name_both_shapes() -> None:
+    with pytest.raises(ShapeMismatch) as caught:
+        service.check_product(np.ones((2, 3)), np.ones((4, 5)), LIMITS)
+    assert caught.value.message == (
+        "inner dimensions differ: 'a' is 2x3 and 'b' is 4x5; a's columns (3) must equal b's rows (4)"
+    )
+    assert caught.value.location == ["b", 0]
+
+
+def test_the_result_is_held_to_its_own_limit() -> None:
+    service.check_product(np.ones((3, 2)), np.ones((2, 4)), LIMITS)
+    with pytest.raises(ShapeMismatch) as caught:
+        service.check_product(np.ones((3, 2)), np.ones((2, 5)), LIMITS)
+    assert caught.value.message == "matrix 'result' has 15 elements, over the limit of 12"
+    with pytest.raises(ShapeMismatch, match=r"^dimension 1 of 'result' is 9, over the limit of 8$"):
+        service.check_product(np.ones((1, 2)), np.ones((2, 9)), LIMITS)
+
+
+@pytest.mark.parametrize(
+    ("requested", "a", "b", "typed", "expected"),
+    [
+        ("float64", "float32", "float32", True, "float64"),
+        ("float32", "float64", "float64", True, "float32"),
+        (None, "float32", ">f8", True, "float64"),
+        (None, "<f8", "int64", True, "float64"),
+        (None, "float32", "int64", True, "float32"),
+        (None, "float64", "float64", False, "float32"),
+    ],
+)
+def test_working_dtype(requested: str | None, a: str, b: str, typed: bool, expected: str) -> None:
+    operands = Operands(a=np.ones((1, 1), a), b=np.ones((1, 1), b), typed=typed)
+    assert service.working_dtype(requested, operands) == np.dtype(expected)
+
+
+def test_an_unsupported_dtype_names_the_choices() -> None:
+    with pytest.raises(InvalidParameter) as caught:
+        service.working_dtype("float16", Operands(a=np.ones((1, 1)), b=np.ones((1, 1))))
+    assert caught.value.message == "dtype 'float16' is not supported; choose one of ['float32', 'float64']"
+    assert caught.value.location == ["dtype"]
+
+
+def test_the_stopwatch_counts_milliseconds_since_the_request_arrived(monkeypatch: pytest.MonkeyPatch) -> None:
+    clock = service.Stopwatch(received=7.0)
+    assert (clock.read, clock.decoded, clock.computed) == (0.0, 0.0, 0.0)
+    monkeypatch.setattr(service, "perf_counter", lambda: 7.25)
+    clock.mark_read()
+    monkeypatch.setattr(service, "perf_counter", lambda: 7.5)
+    clock.mark_decoded()
+    monkeypatch.setattr(service, "perf_counter", lambda: 9.0)
+    assert (clock.read, clock.decoded, clock.elapsed_ms()) == (7.25, 7.5, 2000.0)
+
+
+# ------------------------------------------------------------------------------------------------ the run
+
+
+class RecordingEngine(Engine):
+    """An engine that remembers what each product was handed to it with."""
+
+    def __init__(self) -> None:
+        super().__init__([Worker(CpuBackend("tests"), queue_size=2)])
+        self.calls: list[tuple[np.dtype, str, int | None, float | None]] = []
+
+    async def matmul(
+        self, a: np.ndarray, b: np.ndarray, dtype: np.dtype, kernel: str, tile: int | None, timeout_s: float | None
+    ) -> Outcome:
+        self.calls.append((dtype, kernel, tile, timeout_s))
+        return Outcome(
+            c=np.asarray(a, dtype) @ np.asarray(b, dtype),
+            plan=Plan(kernel=kernel, tile=tile),
+            queue_ms=0.0,
+            device=DeviceTiming(h2d_ms=0.0, kernel_ms=2.0, d2h_ms=0.0),
+            device_name="recorded",
+            peaks=DevicePeaks(),
+            batch_size=3,
+        )
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize(("deadline_s", "queue_s"), [(None, 5.0), (2.0, 2.0), (5.0, 5.0), (9.0, 5.0)])
+async def test_run_hands_the_engine_its_options_and_the_capped_deadline(
+    monkeypatch: pytest.MonkeyPatch, deadline_s: float | None, queue_s: float
+) -> None:
+    engine = RecordingEngine()
+    settings = Settings(backend="cpu", max_dim=8, max_elements=40, max_result_elements=12, request_timeout_s=5.0)
+    matmul = service.MatmulService(engine, settings)
+    assert matmul.limits == LIMITS and matmul.max_queue_s == 5.0
+    a, b = np.arange(6.0).reshape(2, 3), np.ones((3, 4))
+    clock = service.Stopwatch(received=1.0, read=1.0, decoded=1.0)
+    monkeypatch.setattr(service, "perf_counter", lambda: 4.0)
+    product = await matmul.run(Operands(a=a, b=b), RequestOptions(kernel="k", tile=4), deadline_s, clock)
+    assert engine.calls == [(np.dtype(np.float64), "k", 4, queue_s)]
+    assert (product.m, product.k, product.n, product.dtype, product.backend) == (2, 3, 4, np.dtype(np.float64), "cpu")
+    assert clock.computed == 4.0 and product.clock is clock
+    np.testing.assert_array_equal(product.c, a @ b)
+    # one product's work and traffic (float64), moved by a launch of 3 products in 2 ms
+    assert (product.roofline.flops, product.roofline.global_bytes) == (2 * 2 * 3 * 4, (6 + 12 + 8) * 8)
+    assert product.roofline.global_gbps == pytest.approx(208 * 3 / 2e-3 / 1e9, rel=1e-12)
+
+
+@pytest.mark.anyio
+async def test_run_asks_for_auto_when_no_kernel_is_named_and_checks_first() -> None:
+    engine = RecordingEngine()
+    matmul = service.MatmulService(engine, Settings(backend="cpu", max_result_elements=12))
+    operands = Operands(a=np.ones((2, 3), np.float32), b=np.ones((3, 4), np.float32))
+    await matmul.run(operands, RequestOptions(), None, service.Stopwatch())
+    assert engine.calls[0][:3] == (np.dtype(np.float32), "auto", None)
+    with pytest.raises(ShapeMismatch):
+        await matmul.run(Operands(a=np.ones((2, 3)), b=np.ones((3, 7))), RequestOptions(), None, service.Stopwatch())
+    with pytest.raises(InvalidParameter):
+        await matmul.run(operands, RequestOptions(dtype="int8"), None, service.Stopwatch())
+    assert len(engine.calls) == 1
+
+
+def test_a_new_stopwatch_starts_at_the_perf_counters_now() -> None:
+    before = perf_counter()
+    clock = service.Stopwatch()
+    assert before <= clock.received <= perf_counter()
+
+
+def test_describe_names_how_the_product_was_made() -> None:
+    described = _product(2, 3, 4, kernel_ms=1.0).describe()
+    assert (described.dtype, described.kernel, described.tile, described.backend, described.device) == (
+        "float32",
+        "numpy",
+        None,
+        "cpu",
+        "test",
+    )
+    assert described.roofline == ROOFLINE

@@ -1,14 +1,17 @@
 """The in-memory multipart parser: parts are views of the body, not copies, and stay exact where the parser
-had to hold bytes back (data that begins like the boundary)."""
+had to hold bytes back (data that begins like the boundary); its refusals by their whole message and location."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from app.codecs.multipart import parse_file_parts
+from app.codecs.multipart import decode_multipart, parse_file_parts
+from app.codecs.operands import Limits, RequestOptions, check_dtype
 from app.errors import InvalidMatrix, InvalidParameter, MalformedPayload
 from matmul_tools.bodies import MULTIPART_CONTENT_TYPE, multipart_body, npy_bytes
+
+LIMITS = Limits(max_dim=8, max_elements=40, max_result_elements=64)
 
 
 def test_parts_are_views_of_the_body() -> None:
@@ -68,3 +71,122 @@ def test_a_parameter_sent_as_a_text_field_is_pointed_to_the_query_string() -> No
 def test_a_matrix_sent_as_a_text_field_is_pointed_to_a_file_part() -> None:
     with pytest.raises(InvalidMatrix, match=r"send each matrix as a \.npy file \(curl -F a=@a\.npy\)"):
         parse_file_parts(multipart_body([("a", b"1,2", False)]), MULTIPART_CONTENT_TYPE)
+
+
+def _refusal(body: bytes, content_type: str = MULTIPART_CONTENT_TYPE) -> tuple[str, str, list[str | int] | None]:
+    """What parse_file_parts refuses `body` with: the error's code, its whole message, and its location."""
+    with pytest.raises((MalformedPayload, InvalidMatrix, InvalidParameter)) as caught:
+        parse_file_parts(body, content_type)
+    return caught.value.code, caught.value.message, caught.value.location
+
+
+def test_eight_parts_are_read_and_a_ninth_is_refused() -> None:
+    """MAX_PARTS is 8: a body of exactly 8 parts parses; one of 9 is refused before its ninth part is kept."""
+    eight = [(f"p{i}", bytes([i])) for i in range(8)]
+    parts = parse_file_parts(multipart_body(eight), MULTIPART_CONTENT_TYPE)
+    assert {name: bytes(data) for name, data in parts.items()} == dict(eight)
+    assert _refusal(multipart_body([*eight, ("p8", b"9")])) == (
+        "malformed_payload",
+        "the multipart body has more than 8 parts",
+        None,
+    )
+
+
+@pytest.mark.parametrize("content_type", ["multipart/form-data", "multipart/form-data; boundary="])
+def test_a_content_type_without_a_boundary_says_so(content_type: str) -> None:
+    assert _refusal(multipart_body([("a", b"A")]), content_type) == (
+        "malformed_payload",
+        "the multipart body cannot be parsed: its Content-Type has no boundary",
+        None,
+    )
+
+
+def test_an_empty_body_asks_for_the_two_file_parts() -> None:
+    assert _refusal(b"") == (
+        "malformed_payload",
+        "the multipart body is empty; send the .npy file parts 'a' and 'b'",
+        None,
+    )
+
+
+def test_a_body_without_a_delimiter_names_the_delimiter_it_looked_for() -> None:
+    assert _refusal(b"-xx\r\n-xx--") == (
+        "malformed_payload",
+        "the multipart body has no delimiter '--xx' (its Content-Type's boundary)",
+        None,
+    )
+
+
+def test_a_body_that_does_not_parse_says_why() -> None:
+    code, message, location = _refusal(b"--xx\r\nno colon in this header line\r\n\r\nA\r\n--xx--\r\n")
+    assert (code, location) == ("malformed_payload", None)
+    assert message.startswith("the multipart body cannot be parsed: ")
+
+
+def test_a_part_must_be_form_data_with_a_name() -> None:
+    for head in (b'Content-Disposition: attachment; name="a"', b"Content-Disposition: form-data", b"X: y"):
+        body = b"--xx\r\n" + head + b"\r\n\r\nA\r\n--xx--\r\n"
+        assert _refusal(body) == (
+            "malformed_payload",
+            "a multipart part has no Content-Disposition: form-data; name=...",
+            None,
+        )
+
+
+def test_a_part_sent_twice_is_named() -> None:
+    assert _refusal(multipart_body([("a", b"A"), ("b", b"B"), ("a", b"C")])) == (
+        "invalid_matrix",
+        "part 'a' is sent twice",
+        ["a"],
+    )
+
+
+def test_a_text_field_is_named_with_its_value_in_the_query_string_it_belongs_in() -> None:
+    assert _refusal(multipart_body([("tile", b"1" * 70, False)])) == (
+        "invalid_parameter",
+        f"part 'tile' is a text field; parameters belong in the query string (POST /matmul?tile={'1' * 64}) "
+        "and the body holds only the .npy file parts 'a' and 'b'",
+        ["tile"],
+    )
+    assert _refusal(multipart_body([("b", b"1,2", False)])) == (
+        "invalid_matrix",
+        "part 'b' is a text field; send each matrix as a .npy file (curl -F b=@b.npy)",
+        ["b"],
+    )
+
+
+def test_a_part_may_have_other_headers_before_its_content_disposition() -> None:
+    body = (
+        b"--xx\r\nContent-Type: application/octet-stream\r\n"
+        b'Content-Disposition: form-data; name="a"; filename="a.npy"\r\n\r\nA\r\n--xx--\r\n'
+    )
+    assert bytes(parse_file_parts(body, MULTIPART_CONTENT_TYPE)["a"]) == b"A"
+
+
+def test_a_line_break_before_the_first_delimiter_is_an_empty_preamble() -> None:
+    parts = parse_file_parts(b"\r\n" + multipart_body([("a", b"A")]), MULTIPART_CONTENT_TYPE)
+    assert bytes(parts["a"]) == b"A"
+
+
+def test_missing_matrices_are_named_as_parts_of_the_multipart_body() -> None:
+    with pytest.raises(InvalidMatrix) as caught:
+        decode_multipart(multipart_body([("a", npy_bytes(np.eye(2)))]), MULTIPART_CONTENT_TYPE, LIMITS)
+    assert caught.value.message == "the multipart body must hold exactly 'a' and 'b': missing ['b']"
+    assert caught.value.location == ["b"]
+
+
+def test_the_pickled_objects_dtype_is_named_as_such() -> None:
+    with pytest.raises(InvalidMatrix) as caught:
+        check_dtype(np.dtype(object), "a")
+    assert caught.value.message == (
+        "matrix 'a' has dtype pickled Python objects; supported are float32, float64 and integers "
+        "(converted to the requested float dtype)"
+    )
+    assert caught.value.location == ["a"]
+
+
+def test_options_given_twice_name_the_option() -> None:
+    with pytest.raises(InvalidParameter) as caught:
+        RequestOptions(dtype="float32").merged_with(RequestOptions(dtype="float64"))
+    assert caught.value.message == "'dtype' is given twice with different values: 'float32' and 'float64'"
+    assert caught.value.location == ["dtype"]

@@ -1,0 +1,155 @@
+"""What a product route does with HTTP around the service, each piece on a real Starlette request: the body read
+under its limit, the deadline header read, a codec run on or off the event loop, and a product taken back when its
+client leaves."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+from starlette.requests import Request
+
+from app.api import exchange
+from app.config import Settings
+from app.errors import ClientGone, InvalidParameter, PayloadTooLarge
+
+pytestmark = pytest.mark.anyio
+
+GUARD_S = 10
+"""A hang guard only: how long a test waits for something that happens at once when the code is right."""
+
+Message = dict[str, object]
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+def request(receive: Receiving, headers: dict[str, str] | None = None) -> Request:
+    scope = {
+        "type": "http", "method": "POST", "path": "/matmul", "query_string": b"",
+        "headers": [(k.lower().encode(), v.encode()) for k, v in (headers or {}).items()],
+    }  # fmt: skip
+    return Request(scope, receive)  # type: ignore[arg-type]
+
+
+class Receiving:
+    """A receive() that hands out `messages` in order, then waits for ever (a client that sends nothing more);
+    `drained` is set once it has handed them all out."""
+
+    def __init__(self, *messages: Message) -> None:
+        self.queue = list(messages)
+        self.drained = asyncio.Event()
+
+    async def __call__(self) -> Message:
+        await asyncio.sleep(0)
+        if self.queue:
+            return self.queue.pop(0)
+        self.drained.set()
+        await asyncio.Event().wait()
+        raise AssertionError("unreachable")
+
+
+def receiving(*messages: Message) -> Receiving:
+    return Receiving(*messages)
+
+
+def chunk(body: bytes, more: bool = True) -> Message:
+    return {"type": "http.request", "body": body, "more_body": more}
+
+
+# ------------------------------------------------------------------------------------------------ read_body
+
+
+async def test_a_body_of_exactly_the_limit_is_read_whole() -> None:
+    got = await exchange.read_body(request(receiving(chunk(b"abc"), chunk(b"de", more=False))), 5, "JSON body")
+    assert got == b"abcde"
+
+
+async def test_a_declared_size_over_the_limit_is_refused_before_reading() -> None:
+    with pytest.raises(PayloadTooLarge) as caught:
+        await exchange.read_body(request(receiving(chunk(b"ab", False)), {"content-length": "6"}), 5, "JSON body")
+    assert caught.value.message == "the JSON body is 6 bytes, over the limit of 5"
+    assert await exchange.read_body(request(receiving(chunk(b"ab", False)), {"content-length": "5"}), 5, "x") == b"ab"
+
+
+async def test_a_streamed_body_is_refused_once_it_passes_the_limit() -> None:
+    with pytest.raises(PayloadTooLarge) as caught:
+        await exchange.read_body(request(receiving(chunk(b"abc"), chunk(b"def", more=False))), 5, "body")
+    assert caught.value.message == "the body passed the limit of 5 bytes"
+
+
+async def test_a_client_that_leaves_during_the_body_is_gone() -> None:
+    with pytest.raises(ClientGone) as caught:
+        await exchange.read_body(request(receiving(chunk(b"abc"), {"type": "http.disconnect"})), 5, "npz body")
+    assert caught.value.message == "the client disconnected after sending 3 bytes of the npz body"
+
+
+# ---------------------------------------------------------------------------------------- X-Request-Timeout
+
+
+@pytest.mark.parametrize(("sent", "seconds"), [(None, None), ("2.5", 2.5), ("86400", 86400.0), (" 7 ", 7.0)])
+async def test_the_deadline_header(sent: str | None, seconds: float | None) -> None:
+    headers = {} if sent is None else {exchange.TIMEOUT_HEADER: sent}
+    assert exchange.requested_deadline_s(request(receiving(), headers)) == seconds
+
+
+@pytest.mark.parametrize("sent", ["0", "-1", "86400.5", "nan", "inf", "soon", ""])
+async def test_a_deadline_header_out_of_range_is_refused(sent: str) -> None:
+    with pytest.raises(InvalidParameter) as caught:
+        exchange.requested_deadline_s(request(receiving(), {exchange.TIMEOUT_HEADER: sent}))
+    assert caught.value.message == f"X-Request-Timeout must be a number of seconds in (0, 86400], not {sent!r}"
+    assert caught.value.location == ["X-Request-Timeout"]
+
+
+# ------------------------------------------------------------------------------------------ off the loop
+
+
+async def test_a_codec_runs_on_the_loop_up_to_the_threshold_and_in_a_thread_past_it() -> None:
+    settings = Settings(backend="cpu", inline_codec_bytes=100)
+
+    def where(x: int, y: int) -> tuple[int, int]:
+        return threading.get_ident(), x + y
+
+    loop_thread = threading.get_ident()
+    assert await exchange.off_loop_if_large(100, settings, where, 1, 2) == (loop_thread, 3)
+    thread, total = await exchange.off_loop_if_large(101, settings, where, 3, 4)
+    assert thread != loop_thread and total == 7
+
+
+# ----------------------------------------------------------------------------------- a client that leaves
+
+
+async def test_work_finishes_while_the_client_stays() -> None:
+    """A client still connected sends messages that are not a disconnect: the work's result is returned."""
+    finish = asyncio.Event()
+
+    async def work() -> str:
+        await finish.wait()
+        return "product"
+
+    receive = receiving({"type": "http.request", "body": b"", "more_body": False})
+    waiting = asyncio.ensure_future(exchange.unless_disconnected(request(receive), work()))
+    await asyncio.wait_for(receive.drained.wait(), GUARD_S)
+    finish.set()
+    assert await asyncio.wait_for(waiting, GUARD_S) == "product"
+
+
+async def test_a_client_that_leaves_cancels_the_work() -> None:
+    cancelled = asyncio.Event()
+
+    async def work() -> str:
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            cancelled.set()
+            raise
+        return "never"
+
+    leaves = request(receiving({"type": "http.request", "body": b"", "more_body": False}, {"type": "http.disconnect"}))
+    with pytest.raises(ClientGone) as caught:
+        await asyncio.wait_for(exchange.unless_disconnected(leaves, work()), GUARD_S)
+    assert caught.value.message == "the client disconnected before its product was computed"
+    await asyncio.wait_for(cancelled.wait(), GUARD_S)

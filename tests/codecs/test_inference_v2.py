@@ -1,0 +1,294 @@
+"""The v2 infer request's decoder, refusal by refusal: each error's class, its whole message (what a client reads:
+which input, which value, which limit) and its location; and the response's encoding, field by field."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import orjson
+import pytest
+
+from app.codecs.inference_v2 import decode_infer, encode_infer
+from app.codecs.operands import Limits, RequestOptions
+from app.errors import MatmulError
+
+LIMITS = Limits(max_dim=8, max_elements=40, max_result_elements=64)
+A = {"name": "A", "datatype": "FP32", "shape": [2, 3], "data": [1, 2, 3, 4, 5, 6]}
+B = {"name": "B", "datatype": "FP32", "shape": [3, 1], "data": [1, 2, 3]}
+
+
+def doc(*inputs: dict[str, Any], **fields: Any) -> bytes:
+    return orjson.dumps({"inputs": list(inputs or (A, B)), **fields})
+
+
+def refusal(body: bytes, header_length: str | None = None) -> tuple[str, str, list[str | int] | None]:
+    with pytest.raises(MatmulError) as caught:
+        decode_infer(body, header_length, LIMITS)
+    return caught.value.code, caught.value.message, caught.value.location
+
+
+def test_json_tensors_and_defaults() -> None:
+    request = decode_infer(doc(), None, LIMITS)
+    assert request.id is None and request.binary_output is False
+    np.testing.assert_array_equal(request.operands.a, [[1, 2, 3], [4, 5, 6]])
+    np.testing.assert_array_equal(request.operands.b, [[1], [2], [3]])
+    assert request.operands.options == RequestOptions(kernel=None, tile=None, dtype="float32")
+
+
+def test_options_from_the_parameters_and_the_datatypes() -> None:
+    b64 = {**B, "datatype": "FP64"}
+    request = decode_infer(doc(A, b64, parameters={"kernel": "numpy", "tile": 16}, id="r1"), None, LIMITS)
+    assert request.operands.options == RequestOptions(kernel="numpy", tile=16, dtype="float64")
+    assert request.id == "r1"
+
+
+@pytest.mark.parametrize(
+    ("parameters", "outputs", "binary"),
+    [
+        ({}, None, False),
+        ({"binary_data_output": True}, None, True),
+        ({"binary_data_output": True}, [{"name": "C"}], True),
+        ({"binary_data_output": True}, [{"name": "C", "parameters": {"binary_data": False}}], False),
+        ({}, [{"name": "C", "parameters": {"binary_data": True}}], True),
+        ({}, [{"name": "C"}], False),
+    ],
+)
+def test_binary_output_is_asked_for_in_the_parameters_or_the_output(
+    parameters: dict[str, Any], outputs: list[dict[str, Any]] | None, binary: bool
+) -> None:
+    fields: dict[str, Any] = {"parameters": parameters} | ({"outputs": outputs} if outputs is not None else {})
+    assert decode_infer(doc(**fields), None, LIMITS).binary_output is binary
+
+
+@pytest.mark.parametrize(
+    ("parameters", "expected"),
+    [
+        ({"kernel": 3}, ("invalid_parameter", "parameters.kernel must be a string", ["parameters", "kernel"])),
+        ({"tile": "16"}, ("invalid_parameter", "parameters.tile must be an integer", ["parameters", "tile"])),
+        ({"tile": True}, ("invalid_parameter", "parameters.tile must be an integer", ["parameters", "tile"])),
+        ({"tile": 1.5}, ("invalid_parameter", "parameters.tile must be an integer", ["parameters", "tile"])),
+    ],
+)
+def test_option_types(parameters: dict[str, Any], expected: tuple[str, str, list[str]]) -> None:
+    assert refusal(doc(parameters=parameters)) == expected
+
+
+@pytest.mark.parametrize("shape", [[2, -3], [True, 3], [2, 3.0], [2], [2, 3, 1], "2x3", None, [2, False]])
+def test_a_shape_must_be_two_non_negative_integers(shape: Any) -> None:
+    assert refusal(doc({**A, "shape": shape}, B)) == (
+        "invalid_matrix",
+        f"input 'A' must have a shape of two non-negative integers, got {shape!r}",
+        ["A"],
+    )
+
+
+def test_zero_rows_are_a_shape() -> None:
+    request = decode_infer(doc({**A, "shape": [0, 3], "data": []}, B), None, LIMITS)
+    assert request.operands.a.shape == (0, 3)
+
+
+def test_a_shape_over_the_limits_names_the_limit() -> None:
+    assert refusal(doc({**A, "shape": [9, 3]}, B)) == (
+        "shape_mismatch",
+        "dimension 0 of 'A' is 9, over the limit of 8",
+        ["A"],
+    )
+    assert refusal(doc(A, {**B, "shape": [8, 6]})) == (
+        "shape_mismatch",
+        "matrix 'B' has 48 elements, over the limit of 40",
+        ["B"],
+    )
+
+
+@pytest.mark.parametrize(
+    ("data", "message"),
+    [
+        ([[1, 2, 3], [4, 5]], "input 'A' data is ragged"),
+        (["1", "2", "3", "4", "5", "6"], "input 'A' data must be numbers, found 'U' values"),
+        ([1, 2, 3, 4, 5, True], "input 'A' data holds booleans, expected numbers"),
+        ([1, 2, 3, 4, 5], "input 'A' has 5 values but its shape [2, 3] needs 6"),
+        ([[1, 2, 3], [4, 5, 6], [7, 8, 9]], "input 'A' has 9 values but its shape [2, 3] needs 6"),
+    ],
+)
+def test_json_data_refusals(data: Any, message: str) -> None:
+    assert refusal(doc({**A, "data": data}, B)) == ("invalid_matrix", message, ["A"])
+
+
+def test_nested_json_data_is_read_row_major() -> None:
+    request = decode_infer(doc({**A, "data": [[1, 2, 3], [4, 5, 6]]}, B), None, LIMITS)
+    np.testing.assert_array_equal(request.operands.a, [[1, 2, 3], [4, 5, 6]])
+
+
+def test_true_in_a_string_does_not_refuse_numbers() -> None:
+    """The boolean check runs only where the header has 'true' or 'false'; numbers are numbers wherever it runs."""
+    request = decode_infer(doc(id="true"), None, LIMITS)
+    np.testing.assert_array_equal(request.operands.b, [[1], [2], [3]])
+
+
+@pytest.mark.parametrize(
+    ("body", "expected"),
+    [
+        (b"[1]", ("malformed_payload", "the inference request must be a JSON object", None)),
+        (
+            orjson.dumps({"inputs": {"A": 1}}),
+            ("malformed_payload", "the inference request needs a list 'inputs' with tensors A and B", ["inputs"]),
+        ),
+        (orjson.dumps({"inputs": [A, 1]}), ("malformed_payload", "each input must be a JSON object", None)),
+        (doc(A), ("invalid_matrix", "inputs must be exactly ['A', 'B'], got ['A']", ["inputs"])),
+        (
+            doc(A, {**B, "name": "C"}),
+            ("invalid_matrix", "inputs must be exactly ['A', 'B'], got ['A', 'C']", ["inputs"]),
+        ),
+        (
+            doc(A, {**B, "datatype": "INT32"}),
+            ("invalid_matrix", "input 'B' has datatype 'INT32'; this model takes ['FP32', 'FP64']", ["B"]),
+        ),
+        (
+            doc(A, {k: v for k, v in B.items() if k != "data"}),
+            ("invalid_matrix", "input 'B' has neither data nor parameters.binary_data_size", ["B"]),
+        ),
+        (doc(A, {**B, "parameters": 1}), ("malformed_payload", "input 'B' parameters must be a JSON object", None)),
+        (doc(parameters=[1]), ("malformed_payload", "parameters must be a JSON object", None)),
+        (doc(outputs=[{"name": "D"}]), ("invalid_matrix", "outputs, when given, must be exactly ['C']", ["outputs"])),
+        (doc(outputs={"name": "C"}), ("invalid_matrix", "outputs, when given, must be exactly ['C']", ["outputs"])),
+        (
+            doc(outputs=[{"name": "C"}, {"name": "C"}]),
+            ("invalid_matrix", "outputs, when given, must be exactly ['C']", ["outputs"]),
+        ),
+        (doc(outputs=[1]), ("malformed_payload", "each output must be a JSON object", None)),
+        (
+            doc(outputs=[{"name": "C", "parameters": 2}]),
+            ("malformed_payload", "output parameters must be a JSON object", None),
+        ),
+        (doc(id=7), ("bad_request", "the request's 'id' must be a string, got a number", ["id"])),
+    ],
+)
+def test_request_refusals(body: bytes, expected: tuple[str, str, list[str] | None]) -> None:
+    assert refusal(body) == expected
+
+
+def test_invalid_json_says_so() -> None:
+    code, message, location = refusal(b"{")
+    assert (code, location) == ("malformed_payload", None)
+    assert message.startswith("the inference request is not valid JSON: ")
+
+
+def binary_request(a: np.ndarray, b: np.ndarray, sizes: tuple[Any, Any] | None = None) -> tuple[bytes, str]:
+    """A request with both inputs as binary data; `sizes` replaces their binary_data_size."""
+    declared = sizes or (a.nbytes, b.nbytes)
+    inputs = [
+        {"name": name, "datatype": "FP32", "shape": list(x.shape), "parameters": {"binary_data_size": size}}
+        for name, x, size in zip("AB", (a, b), declared, strict=True)
+    ]
+    header = orjson.dumps({"inputs": inputs})
+    return header + a.astype("<f4").tobytes() + b.astype("<f4").tobytes(), str(len(header))
+
+
+def test_binary_inputs_are_read_in_order() -> None:
+    a, b = np.arange(6, dtype=np.float32).reshape(2, 3), np.arange(3, dtype=np.float32).reshape(3, 1) + 10
+    request = decode_infer(*binary_request(a, b), LIMITS)
+    np.testing.assert_array_equal(request.operands.a, a)
+    np.testing.assert_array_equal(request.operands.b, b)
+
+
+def test_binary_framing_refusals() -> None:
+    a, b = np.ones((2, 3), np.float32), np.ones((3, 1), np.float32)
+    assert refusal(*binary_request(a, b, (24, 13))) == (
+        "malformed_payload",
+        "input 'B' is 3x1 FP32 (12 bytes), but its binary_data_size is 13",
+        ["B"],
+    )
+    body, length = binary_request(a, b)
+    assert refusal(body[:-1], length) == (
+        "malformed_payload",
+        "input 'B' needs 12 bytes of binary data, only 11 follow",
+        ["B"],
+    )
+    assert refusal(body + b"xyz", length) == (
+        "malformed_payload",
+        "3 bytes of binary data follow the inputs and belong to none",
+        None,
+    )
+
+
+@pytest.mark.parametrize("value", ["0", "", "-5", "+5", "5.0", "²", "1e3", "0x10"])
+def test_a_header_length_that_is_not_a_positive_count_is_refused(value: str) -> None:
+    body = doc()
+    assert refusal(body, value) == (
+        "malformed_payload",
+        f"Inference-Header-Content-Length is {value!r}, but the body has {len(body)} bytes",
+        ["Inference-Header-Content-Length"],
+    )
+
+
+def test_the_header_length_is_at_most_the_body() -> None:
+    body = doc()
+    size = len(body)
+    assert decode_infer(body, str(size), LIMITS).operands.a.shape == (2, 3)
+    assert decode_infer(body, f"000{size}", LIMITS).operands.a.shape == (2, 3)
+    for value in (str(size + 1), "1" + "0" * len(str(size)), "9" * (len(str(size)) + 1)):
+        assert refusal(body, value)[1] == f"Inference-Header-Content-Length is {value!r}, but the body has {size} bytes"
+
+
+def test_the_header_length_splits_header_from_binary_data() -> None:
+    a = np.ones((2, 3), np.float32)
+    inputs = [{"name": "A", "datatype": "FP32", "shape": [2, 3], "parameters": {"binary_data_size": 24}}, B]
+    header = orjson.dumps({"inputs": inputs})
+    request = decode_infer(header + a.tobytes(), str(len(header)), LIMITS)
+    np.testing.assert_array_equal(request.operands.a, a)
+    assert refusal(header + a.tobytes(), str(len(header) - 1))[0] == "malformed_payload"
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_encode_json(dtype: str) -> None:
+    c = np.arange(6, dtype=dtype).reshape(2, 3)
+    body, header_length = encode_infer(c, "matmul", "r1", False, {"kernel": "numpy"})
+    assert header_length is None
+    assert orjson.loads(body) == {
+        "model_name": "matmul",
+        "model_version": "1",
+        "id": "r1",
+        "outputs": [
+            {
+                "name": "C",
+                "datatype": {"float32": "FP32", "float64": "FP64"}[dtype],
+                "shape": [2, 3],
+                "data": [0, 1, 2, 3, 4, 5],
+            }
+        ],
+        "parameters": {"kernel": "numpy"},
+    }
+
+
+def test_encode_binary() -> None:
+    c = np.asfortranarray(np.arange(6, dtype=np.float32).reshape(2, 3))
+    body, header_length = encode_infer(c, "m", None, True, {})
+    assert header_length is not None
+    header = orjson.loads(body[:header_length])
+    assert header == {
+        "model_name": "m",
+        "model_version": "1",
+        "outputs": [{"name": "C", "datatype": "FP32", "shape": [2, 3], "parameters": {"binary_data_size": 24}}],
+        "parameters": {},
+    }
+    np.testing.assert_array_equal(np.frombuffer(body[header_length:], "<f4").reshape(2, 3), c)
+
+
+def test_encode_binary_of_an_empty_product() -> None:
+    body, header_length = encode_infer(np.zeros((0, 3), np.float32), "m", None, True, {})
+    assert header_length == len(body)
+
+
+def test_a_header_of_one_byte_is_read_as_one() -> None:
+    """The smallest header length is 1: that byte is read as the JSON header (and is not an object)."""
+    assert refusal(b"1" + doc(), "1") == ("malformed_payload", "the inference request must be a JSON object", None)
+
+
+def test_false_is_a_boolean_too() -> None:
+    """A header holding 'false' and no 'true' still gets the exact check: np.array would read false as 0."""
+    assert refusal(doc({**A, "data": [1, 2, 3, 4, 5, False]}, B)) == (
+        "invalid_matrix",
+        "input 'A' data holds booleans, expected numbers",
+        ["A"],
+    )

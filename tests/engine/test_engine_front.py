@@ -1,0 +1,118 @@
+"""The engine the routes see, over workers of the steered CPU backend: its readiness, room, queue and devices
+summed or taken from its workers, and its refusals by their whole message."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+
+import numpy as np
+import pytest
+
+from app.engine import Engine, EngineState, Worker
+from app.errors import NotReady, Overloaded
+from tests.fakes import GATE_TIMEOUT_S, SteeredBackend
+
+pytestmark = pytest.mark.anyio
+
+F32 = np.dtype(np.float32)
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+async def _until(condition: Callable[[], bool]) -> None:
+    """Wait for `condition`, looking every 10 ms; a hang guard fails the test after GATE_TIMEOUT_S."""
+    for _ in range(GATE_TIMEOUT_S * 100):
+        if condition():
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError("the condition never held")
+
+
+def test_an_engine_needs_a_worker() -> None:
+    with pytest.raises(ValueError, match=r"^an engine needs at least one worker$"):
+        Engine([])
+
+
+async def test_before_it_starts_the_engine_is_starting_and_says_so() -> None:
+    engine = Engine([Worker(SteeredBackend(), queue_size=3)])
+    assert engine.state is EngineState.STARTING and engine.failure is None and not engine.device_lost
+    with pytest.raises(NotReady, match=r"^the kernels are still being compiled and warmed; retry shortly$"):
+        engine.check_ready()
+    with pytest.raises(NotReady):
+        await engine.matmul(np.ones((1, 1)), np.ones((1, 1)), F32, "numpy", None, None)
+    engine.check_room()  # no ready worker: readiness, not room, is what is refused
+    assert (engine.backend_name, engine.queue_size, engine.queue_depth) == ("cpu", 3, 0)
+
+
+async def test_what_the_engine_sums_and_takes_from_its_workers() -> None:
+    first, second = SteeredBackend(), SteeredBackend()
+    engine = Engine([Worker(first, queue_size=1), Worker(second, queue_size=1)])
+    engine.start()
+    try:
+        await _until(lambda: engine.state is EngineState.READY)
+        engine.check_ready()
+        assert [k.name for k in engine.kernels()] == [k.name for k in first.kernels()]
+        assert engine.auto_choices() == [] and engine.memory_held() == 0 and engine.compiled_instances() == 0
+        assert [(d["name"], d["state"], d["queue_depth"]) for d in engine.describe()] == [
+            (first.device_name, "ready", 0),
+            (second.device_name, "ready", 0),
+        ]
+        # both devices busy, one product queued behind each: no ready worker has room
+        first.gate.clear()
+        second.gate.clear()
+        running = [asyncio.ensure_future(engine.matmul(np.ones((1, 1)), np.ones((1, 1)), F32, "numpy", None, None))]
+        assert await asyncio.to_thread(first.entered.acquire, timeout=GATE_TIMEOUT_S)
+        running.append(asyncio.ensure_future(engine.matmul(np.ones((1, 1)), np.ones((1, 1)), F32, "numpy", None, None)))
+        assert await asyncio.to_thread(second.entered.acquire, timeout=GATE_TIMEOUT_S)
+        engine.check_room()
+        running += [
+            asyncio.ensure_future(engine.matmul(np.ones((1, 1)), np.ones((1, 1)), F32, "numpy", None, None))
+            for _ in range(2)
+        ]
+        await _until(lambda: engine.queue_depth == 2)
+        with pytest.raises(Overloaded, match=r"^the cpu worker's queue is full \(1 waiting\); retry later$"):
+            engine.check_room()
+        first.gate.set()
+        second.gate.set()
+        for outcome in await asyncio.wait_for(asyncio.gather(*running), GATE_TIMEOUT_S):
+            assert outcome.c.tolist() == [[1.0]]
+    finally:
+        first.gate.set()
+        second.gate.set()
+        await engine.stop()
+    assert engine.state is EngineState.STOPPED
+
+
+async def test_a_failed_worker_makes_the_engine_failed_with_its_reason() -> None:
+    class CannotPrepare(SteeredBackend):
+        def prepare(self) -> None:
+            raise RuntimeError("no kernels today")
+
+    engine = Engine([Worker(SteeredBackend(), queue_size=1), Worker(CannotPrepare(), queue_size=1)])
+    engine.start()
+    try:
+        await _until(lambda: engine.state is EngineState.FAILED)
+        assert engine.failure == "preparing the kernels failed: no kernels today"
+        with pytest.raises(NotReady, match=r"^the cpu backend is failed: preparing the kernels failed: no kernels"):
+            engine.check_ready()
+    finally:
+        await engine.stop()
+
+
+async def test_with_no_ready_worker_a_product_is_refused_as_not_ready() -> None:
+    class CannotPrepare(SteeredBackend):
+        def prepare(self) -> None:
+            raise RuntimeError("broken")
+
+    engine = Engine([Worker(CannotPrepare(), queue_size=1)])
+    engine.start()
+    try:
+        await _until(lambda: engine.state is EngineState.FAILED)
+        with pytest.raises(NotReady, match=r"^the cpu backend is failed: preparing the kernels failed: broken$"):
+            await engine.matmul(np.ones((1, 1)), np.ones((1, 1)), F32, "numpy", None, None)
+    finally:
+        await engine.stop()

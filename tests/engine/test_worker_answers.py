@@ -1,0 +1,174 @@
+"""What a worker answers, by its whole message and fields: a product's outcome, a launch that fails unexpectedly,
+a deadline passed in the queue, a lost device (for the launch, the queue and every later request) and a stopped
+worker."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from time import perf_counter
+
+import numpy as np
+import pytest
+
+from app.engine import EngineState, Plan, Worker
+from app.errors import DeadlineExceeded, DeviceFailure, DeviceLost, NotReady, Overloaded
+from tests.fakes import GATE_TIMEOUT_S, SteeredBackend
+
+pytestmark = pytest.mark.anyio
+
+F64 = np.dtype(np.float64)
+NUMPY = Plan(kernel="numpy")
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+async def _until(condition: Callable[[], bool]) -> None:
+    """Wait for `condition`, looking every 10 ms; a hang guard fails the test after GATE_TIMEOUT_S."""
+    for _ in range(GATE_TIMEOUT_S * 100):
+        if condition():
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError("the condition never held")
+
+
+async def _ready(
+    backend: SteeredBackend, queue_size: int = 4, on_device_lost: Callable[[], None] | None = None
+) -> Worker:
+    worker = Worker(backend, queue_size=queue_size, on_device_lost=on_device_lost)
+    worker.start()
+    await _until(lambda: worker.state is EngineState.READY)
+    return worker
+
+
+async def _entered(backend: SteeredBackend) -> None:
+    assert await asyncio.to_thread(backend.entered.acquire, timeout=GATE_TIMEOUT_S)
+
+
+async def test_an_outcome_says_how_its_product_was_made() -> None:
+    backend = SteeredBackend()
+    worker = await _ready(backend)
+    try:
+        a, b = np.arange(6.0).reshape(2, 3), np.arange(12.0).reshape(3, 4)
+        before = perf_counter()
+        outcome = await worker.matmul(a, b, F64, NUMPY)
+        waited_ms = (perf_counter() - before) * 1e3
+        np.testing.assert_array_equal(outcome.c, a @ b)
+        assert (outcome.plan, outcome.device_name, outcome.peaks, outcome.batch_size) == (
+            NUMPY,
+            backend.device_name,
+            backend.peaks,
+            1,
+        )
+        # not a speed claim: the time it says it queued lies within the time the call took
+        assert 0 <= outcome.queue_ms <= waited_ms and outcome.device.kernel_ms >= 0
+    finally:
+        await worker.stop()
+
+
+async def test_an_unexpected_error_is_a_device_failure_naming_backend_kernel_and_error(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.INFO, logger="app.engine.worker")
+    backend = SteeredBackend()
+    worker = await _ready(backend)
+    try:
+        cause = RuntimeError("cudaErrorLaunchFailure")
+        backend.fail_next = cause
+        with pytest.raises(DeviceFailure) as caught:
+            await worker.matmul(np.ones((1, 1)), np.ones((1, 1)), F64, NUMPY)
+        assert caught.value.message == "the cpu backend failed running 'numpy': cudaErrorLaunchFailure"
+        assert caught.value.__cause__ is cause
+        [logged] = [r for r in caplog.records if r.levelno == logging.ERROR]
+        assert logged.getMessage() == "numpy failed on the cpu backend" and logged.exc_info is not None
+        assert worker.state is EngineState.READY and worker.failure is None and not worker.device_lost
+        assert (await worker.matmul(np.ones((1, 1)), np.ones((1, 1)), F64, NUMPY)).c.tolist() == [[1.0]]
+    finally:
+        await worker.stop()
+
+
+async def test_a_product_past_its_deadline_in_the_queue_is_dropped_and_says_after_how_long() -> None:
+    backend = SteeredBackend()
+    worker = await _ready(backend, queue_size=1)
+    try:
+        backend.gate.clear()
+        running = asyncio.ensure_future(worker.matmul(np.ones((1, 1)), np.ones((1, 1)), F64, NUMPY))
+        await _entered(backend)
+        with pytest.raises(DeadlineExceeded) as caught:
+            await worker.matmul(np.ones((2, 1)), np.ones((1, 1)), F64, NUMPY, timeout_s=0.05)
+        assert caught.value.message == "the product was still queued after its deadline of 0.05 s and was dropped"
+        assert worker.queue_depth == 0 and worker.has_room
+        backend.gate.set()
+        assert (await asyncio.wait_for(running, GATE_TIMEOUT_S)).c.tolist() == [[1.0]]
+    finally:
+        backend.gate.set()
+        await worker.stop()
+    assert [s.products for s in backend.submitted] == [1]
+
+
+async def test_a_full_queue_says_how_many_wait() -> None:
+    backend = SteeredBackend()
+    worker = await _ready(backend, queue_size=1)
+    try:
+        backend.gate.clear()
+        running = asyncio.ensure_future(worker.matmul(np.ones((1, 1)), np.ones((1, 1)), F64, NUMPY))
+        await _entered(backend)
+        assert worker.load == 1 and worker.queue_depth == 0 and worker.has_room
+        queued = asyncio.ensure_future(worker.matmul(np.ones((1, 1)), np.ones((1, 1)), F64, NUMPY))
+        await _until(lambda: worker.queue_depth == 1)
+        assert worker.load == 2 and not worker.has_room
+        with pytest.raises(Overloaded) as caught:
+            await worker.matmul(np.ones((1, 1)), np.ones((1, 1)), F64, NUMPY)
+        assert caught.value.message == "the cpu worker's queue is full (1 waiting); retry later"
+        backend.gate.set()
+        await asyncio.wait_for(asyncio.gather(running, queued), GATE_TIMEOUT_S)
+        await _until(lambda: worker.load == 0)
+    finally:
+        backend.gate.set()
+        await worker.stop()
+
+
+async def test_a_lost_device_fails_the_worker_with_its_message(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="app.engine.worker")
+    backend = SteeredBackend()
+    lost = asyncio.Event()
+    worker = await _ready(backend, on_device_lost=lost.set)
+    try:
+        backend.gate.clear()
+        backend.fail_next = DeviceLost("cudaErrorIllegalInstruction")
+        first = asyncio.ensure_future(worker.matmul(np.ones((1, 1)), np.ones((1, 1)), F64, NUMPY))
+        await _entered(backend)
+        queued = asyncio.ensure_future(worker.matmul(np.ones((2, 1)), np.ones((1, 1)), F64, NUMPY))
+        await _until(lambda: worker.queue_depth == 1)
+        backend.gate.set()
+        with pytest.raises(DeviceLost, match=r"^cudaErrorIllegalInstruction$"):
+            await asyncio.wait_for(first, GATE_TIMEOUT_S)
+        with pytest.raises(NotReady) as queued_error:
+            await asyncio.wait_for(queued, GATE_TIMEOUT_S)
+        assert queued_error.value.message == "the device was lost: cudaErrorIllegalInstruction"
+        await asyncio.wait_for(lost.wait(), GATE_TIMEOUT_S)
+        [logged] = [r for r in caplog.records if r.levelno == logging.CRITICAL]
+        assert logged.getMessage() == "device lost running 'numpy': cudaErrorIllegalInstruction"
+        assert worker.state is EngineState.FAILED and worker.device_lost
+        assert worker.failure == "the device was lost: cudaErrorIllegalInstruction"
+        with pytest.raises(NotReady) as later:
+            worker.check_ready()
+        assert later.value.message == "the cpu backend is failed: the device was lost: cudaErrorIllegalInstruction"
+        assert worker.queue_depth == 0 and worker.load == 0
+    finally:
+        backend.gate.set()
+        await worker.stop()
+    assert [s.products for s in backend.submitted] == [1]
+
+
+async def test_a_stopped_worker_says_it_is_shut_down() -> None:
+    worker = await _ready(SteeredBackend())
+    await worker.stop()
+    assert worker.state is EngineState.STOPPED
+    with pytest.raises(NotReady) as caught:
+        worker.check_ready()
+    assert caught.value.message == "the cpu backend is stopped: shut down"
