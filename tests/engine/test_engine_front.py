@@ -4,32 +4,17 @@ summed or taken from its workers, and its refusals by their whole message."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
 
 import numpy as np
 import pytest
 
 from app.engine import Engine, EngineState, Worker
 from app.errors import NotReady, Overloaded
-from tests.fakes import GATE_TIMEOUT_S, SteeredBackend
+from tests.fakes import GATE_TIMEOUT_S, SteeredBackend, until
 
 pytestmark = pytest.mark.anyio
 
 F32 = np.dtype(np.float32)
-
-
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
-
-async def _until(condition: Callable[[], bool]) -> None:
-    """Wait for `condition`, looking every 10 ms; a hang guard fails the test after GATE_TIMEOUT_S."""
-    for _ in range(GATE_TIMEOUT_S * 100):
-        if condition():
-            return
-        await asyncio.sleep(0.01)
-    raise AssertionError("the condition never held")
 
 
 def test_an_engine_needs_a_worker() -> None:
@@ -53,7 +38,7 @@ async def test_what_the_engine_sums_and_takes_from_its_workers() -> None:
     engine = Engine([Worker(first, queue_size=1), Worker(second, queue_size=1)])
     engine.start()
     try:
-        await _until(lambda: engine.state is EngineState.READY)
+        await until(lambda: engine.state is EngineState.READY)
         engine.check_ready()
         assert [k.name for k in engine.kernels()] == [k.name for k in first.kernels()]
         assert engine.auto_choices() == [] and engine.memory_held() == 0 and engine.compiled_instances() == 0
@@ -73,7 +58,7 @@ async def test_what_the_engine_sums_and_takes_from_its_workers() -> None:
             asyncio.ensure_future(engine.matmul(np.ones((1, 1)), np.ones((1, 1)), F32, "numpy", None, None))
             for _ in range(2)
         ]
-        await _until(lambda: engine.queue_depth == 2)
+        await until(lambda: engine.queue_depth == 2)
         with pytest.raises(Overloaded, match=r"^the cpu worker's queue is full \(1 waiting\); retry later$"):
             engine.check_room()
         first.gate.set()
@@ -95,7 +80,7 @@ async def test_a_failed_worker_makes_the_engine_failed_with_its_reason() -> None
     engine = Engine([Worker(SteeredBackend(), queue_size=1), Worker(CannotPrepare(), queue_size=1)])
     engine.start()
     try:
-        await _until(lambda: engine.state is EngineState.FAILED)
+        await until(lambda: engine.state is EngineState.FAILED)
         assert engine.failure == "preparing the kernels failed: no kernels today"
         with pytest.raises(NotReady, match=r"^the cpu backend is failed: preparing the kernels failed: no kernels"):
             engine.check_ready()
@@ -111,7 +96,7 @@ async def test_with_no_ready_worker_a_product_is_refused_as_not_ready() -> None:
     engine = Engine([Worker(CannotPrepare(), queue_size=1)])
     engine.start()
     try:
-        await _until(lambda: engine.state is EngineState.FAILED)
+        await until(lambda: engine.state is EngineState.FAILED)
         with pytest.raises(NotReady, match=r"^the cpu backend is failed: preparing the kernels failed: broken$"):
             await engine.matmul(np.ones((1, 1)), np.ones((1, 1)), F32, "numpy", None, None)
     finally:

@@ -12,9 +12,9 @@ from time import perf_counter
 import numpy as np
 import pytest
 
-from app.engine import EngineState, Plan, Worker
+from app.engine import EngineState, Outcome, Plan, Worker
 from app.errors import DeadlineExceeded, DeviceFailure, DeviceLost, NotReady, Overloaded
-from tests.fakes import GATE_TIMEOUT_S, SteeredBackend
+from tests.fakes import GATE_TIMEOUT_S, SteeredBackend, until
 
 pytestmark = pytest.mark.anyio
 
@@ -22,31 +22,25 @@ F64 = np.dtype(np.float64)
 NUMPY = Plan(kernel="numpy")
 
 
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
-
-async def _until(condition: Callable[[], bool]) -> None:
-    """Wait for `condition`, looking every 10 ms; a hang guard fails the test after GATE_TIMEOUT_S."""
-    for _ in range(GATE_TIMEOUT_S * 100):
-        if condition():
-            return
-        await asyncio.sleep(0.01)
-    raise AssertionError("the condition never held")
-
-
 async def _ready(
     backend: SteeredBackend, queue_size: int = 4, on_device_lost: Callable[[], None] | None = None
 ) -> Worker:
     worker = Worker(backend, queue_size=queue_size, on_device_lost=on_device_lost)
     worker.start()
-    await _until(lambda: worker.state is EngineState.READY)
+    await until(lambda: worker.state is EngineState.READY)
     return worker
 
 
 async def _entered(backend: SteeredBackend) -> None:
     assert await asyncio.to_thread(backend.entered.acquire, timeout=GATE_TIMEOUT_S)
+
+
+async def _held(backend: SteeredBackend, worker: Worker) -> asyncio.Future[Outcome]:
+    """A 1x1 product the worker has taken and that waits at the backend's closed gate."""
+    backend.gate.clear()
+    running = asyncio.ensure_future(worker.matmul(np.ones((1, 1)), np.ones((1, 1)), F64, NUMPY))
+    await _entered(backend)
+    return running
 
 
 async def test_an_outcome_says_how_its_product_was_made() -> None:
@@ -95,9 +89,7 @@ async def test_a_product_past_its_deadline_in_the_queue_is_dropped_and_says_afte
     backend = SteeredBackend()
     worker = await _ready(backend, queue_size=1)
     try:
-        backend.gate.clear()
-        running = asyncio.ensure_future(worker.matmul(np.ones((1, 1)), np.ones((1, 1)), F64, NUMPY))
-        await _entered(backend)
+        running = await _held(backend, worker)
         with pytest.raises(DeadlineExceeded) as caught:
             await worker.matmul(np.ones((2, 1)), np.ones((1, 1)), F64, NUMPY, timeout_s=0.05)
         assert caught.value.message == "the product was still queued after its deadline of 0.05 s and was dropped"
@@ -114,19 +106,17 @@ async def test_a_full_queue_says_how_many_wait() -> None:
     backend = SteeredBackend()
     worker = await _ready(backend, queue_size=1)
     try:
-        backend.gate.clear()
-        running = asyncio.ensure_future(worker.matmul(np.ones((1, 1)), np.ones((1, 1)), F64, NUMPY))
-        await _entered(backend)
+        running = await _held(backend, worker)
         assert worker.load == 1 and worker.queue_depth == 0 and worker.has_room
         queued = asyncio.ensure_future(worker.matmul(np.ones((1, 1)), np.ones((1, 1)), F64, NUMPY))
-        await _until(lambda: worker.queue_depth == 1)
+        await until(lambda: worker.queue_depth == 1)
         assert worker.load == 2 and not worker.has_room
         with pytest.raises(Overloaded) as caught:
             await worker.matmul(np.ones((1, 1)), np.ones((1, 1)), F64, NUMPY)
         assert caught.value.message == "the cpu worker's queue is full (1 waiting); retry later"
         backend.gate.set()
         await asyncio.wait_for(asyncio.gather(running, queued), GATE_TIMEOUT_S)
-        await _until(lambda: worker.load == 0)
+        await until(lambda: worker.load == 0)
     finally:
         backend.gate.set()
         await worker.stop()
@@ -143,7 +133,7 @@ async def test_a_lost_device_fails_the_worker_with_its_message(caplog: pytest.Lo
         first = asyncio.ensure_future(worker.matmul(np.ones((1, 1)), np.ones((1, 1)), F64, NUMPY))
         await _entered(backend)
         queued = asyncio.ensure_future(worker.matmul(np.ones((2, 1)), np.ones((1, 1)), F64, NUMPY))
-        await _until(lambda: worker.queue_depth == 1)
+        await until(lambda: worker.queue_depth == 1)
         backend.gate.set()
         with pytest.raises(DeviceLost, match=r"^cudaErrorIllegalInstruction$"):
             await asyncio.wait_for(first, GATE_TIMEOUT_S)
