@@ -5,6 +5,7 @@ ones)."""
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 
 import httpx
 import pytest
@@ -28,8 +29,23 @@ OUT_OF_MEMORY = "the product does not fit in device memory now: out of memory al
 LOST = "cudaErrorIllegalInstruction; the CUDA context is unusable"
 
 
+@dataclass(frozen=True)
+class Steered:
+    """The app's client, and the backend under its engine that a test makes fail."""
+
+    backend: SteeredBackend
+    client: httpx.AsyncClient
+
+    async def retry_later(self, error: Exception, path: str, body: object) -> httpx.Response:
+        """The answer to a product whose launch raises `error`: a 503 with the settings' Retry-After."""
+        self.backend.fail_next = error
+        r = await self.client.post(path, json=body)
+        assert r.status_code == 503 and r.headers["retry-after"] == "7"
+        return r
+
+
 @pytest.fixture
-async def steered() -> AsyncIterator[tuple[SteeredBackend, httpx.AsyncClient]]:
+async def steered() -> AsyncIterator[Steered]:
     """The app, its engine one worker over a SteeredBackend (no restart is asked for when the device is lost)."""
     backend = SteeredBackend()
     engine = Engine([Worker(backend, queue_size=4)])
@@ -41,38 +57,23 @@ async def steered() -> AsyncIterator[tuple[SteeredBackend, httpx.AsyncClient]]:
             transport = httpx.ASGITransport(app=app)
             async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
                 await wait_ready_async(client, timeout_s=30)
-                yield backend, client
+                yield Steered(backend, client)
         finally:
             await engine.stop()
 
 
-async def _retry_later(
-    backend: SteeredBackend, client: httpx.AsyncClient, error: Exception, path: str, body: object
-) -> httpx.Response:
-    """The answer to a product whose launch raises `error`: a 503 with the settings' Retry-After."""
-    backend.fail_next = error
-    r = await client.post(path, json=body)
-    assert r.status_code == 503 and r.headers["retry-after"] == "7"
-    return r
-
-
-async def test_out_of_device_memory_is_a_503_with_retry_after_and_the_next_product_runs(
-    steered: tuple[SteeredBackend, httpx.AsyncClient],
-) -> None:
-    backend, client = steered
-    r = await _retry_later(backend, client, DeviceOutOfMemory(OUT_OF_MEMORY), "/matmul", BODY)
+async def test_out_of_device_memory_is_a_503_with_retry_after_and_the_next_product_runs(steered: Steered) -> None:
+    r = await steered.retry_later(DeviceOutOfMemory(OUT_OF_MEMORY), "/matmul", BODY)
     assert r.json() == {"code": "device_out_of_memory", "message": OUT_OF_MEMORY, "location": None}
-    r = await _retry_later(backend, client, DeviceOutOfMemory(OUT_OF_MEMORY), "/v2/models/matmul/infer", INFER)
+    r = await steered.retry_later(DeviceOutOfMemory(OUT_OF_MEMORY), "/v2/models/matmul/infer", INFER)
     assert r.json() == {"error": OUT_OF_MEMORY}
-    r = await client.post("/matmul", json=BODY)
+    r = await steered.client.post("/matmul", json=BODY)
     assert r.status_code == 200 and r.json()["result"] == [[11.0]]
 
 
-async def test_a_lost_device_is_a_503_with_retry_after_and_the_engine_is_not_ready_after_it(
-    steered: tuple[SteeredBackend, httpx.AsyncClient],
-) -> None:
-    backend, client = steered
-    r = await _retry_later(backend, client, DeviceLost(LOST), "/matmul", BODY)
+async def test_a_lost_device_is_a_503_with_retry_after_and_the_engine_is_not_ready_after_it(steered: Steered) -> None:
+    client = steered.client
+    r = await steered.retry_later(DeviceLost(LOST), "/matmul", BODY)
     assert r.json() == {"code": "device_lost", "message": LOST, "location": None}
     for answer in (await client.post("/matmul", json=BODY), await client.get("/readyz")):
         assert answer.status_code == 503 and answer.headers["retry-after"] == "7"
