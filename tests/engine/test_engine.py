@@ -17,7 +17,7 @@ from app.api.deps import get_engine
 from app.config import Settings
 from app.engine import BatchPolicy, DeviceTiming, Engine, EngineState, KernelInfo, Outcome, Plan, Worker
 from app.engine.autotune import AutoChoice
-from app.engine.base import Finished
+from app.engine.base import Finished, Outputs
 from app.errors import DeviceOutOfMemory, NotReady
 from app.main import create_app
 from kernels.roofline import DevicePeaks
@@ -60,7 +60,12 @@ class GatedBackend:
         return 1
 
     def submit(
-        self, pairs: Sequence[tuple[np.ndarray, np.ndarray]], dtype: np.dtype, plan: Plan, on_done: Callable[[], None]
+        self,
+        pairs: Sequence[tuple[np.ndarray, np.ndarray]],
+        dtype: np.dtype,
+        plan: Plan,
+        on_done: Callable[[], None],
+        outputs: Outputs = None,
     ) -> Finished:
         self.started.release()
         self.step.acquire(timeout=10)
@@ -381,7 +386,12 @@ class PipelinedBackend(GatedBackend):
         return 2
 
     def submit(
-        self, pairs: Sequence[tuple[np.ndarray, np.ndarray]], dtype: np.dtype, plan: Plan, on_done: Callable[[], None]
+        self,
+        pairs: Sequence[tuple[np.ndarray, np.ndarray]],
+        dtype: np.dtype,
+        plan: Plan,
+        on_done: Callable[[], None],
+        outputs: Outputs = None,
     ) -> HeldLaunch:
         label = f"{pairs[0][0][0, 0]:g}"
         self.log.append(f"submit {label}")
