@@ -237,7 +237,12 @@ class GpuBackend:
         self._compiled_instances = 0
         self._spare_events: list[_LaunchEvents] = []
         self._stagers = ThreadPoolExecutor(STAGING_THREADS, thread_name_prefix=f"staging-{device}")
-        self._watcher = ThreadPoolExecutor(1, thread_name_prefix=f"launch-watcher-{device}")
+        # The watcher waits on events with CUDA runtime calls, which start a context on the thread's device.
+        self._watcher = ThreadPoolExecutor(
+            1,
+            thread_name_prefix=f"launch-watcher-{device}",
+            initializer=self._use_device,
+        )
         self._auto: list[AutoChoice] = []
         self._pinned_ranges: dict[int, int] = {}
         """Host memory given to `pin`: start address -> end address."""
@@ -412,10 +417,17 @@ class GpuBackend:
         with self._cuda_errors():
             return self._enqueue(pairs, dtype, plan, on_done, outputs)
 
+    def _use_device(self) -> None:
+        """Make this backend's device the calling thread's, for good: since CUDA 12 setting a device starts its
+        context, so switching back to another one (as `with cupy.cuda.Device(...)` does on exit) would start a
+        context on that other GPU too. An engine process owns one device; its threads all use it."""
+        self._cp.cuda.runtime.setDevice(self._device_id)
+
     def pin(self, memory: np.ndarray) -> None:
         cp = self._cp
         address = memory.ctypes.data
-        with self._cuda_errors(), cp.cuda.Device(self._device_id):
+        self._use_device()
+        with self._cuda_errors():
             cp.cuda.runtime.hostRegister(address, memory.nbytes, 0)
         # replaced, not changed in place: the worker thread reads it while another thread pins
         self._pinned_ranges = {**self._pinned_ranges, address: address + memory.nbytes}
@@ -426,7 +438,8 @@ class GpuBackend:
         if address not in self._pinned_ranges:
             return
         self._pinned_ranges = {low: high for low, high in self._pinned_ranges.items() if low != address}
-        with self._cuda_errors(), cp.cuda.Device(self._device_id):
+        self._use_device()
+        with self._cuda_errors():
             cp.cuda.runtime.hostUnregister(address)
 
     def _is_pinned(self, array: np.ndarray, dtype: np.dtype) -> bool:
@@ -518,8 +531,8 @@ class GpuBackend:
 
     def describe(self) -> dict[str, Any]:
         cp = self._cp
-        with cp.cuda.Device(self._device_id):
-            free, total = cp.cuda.runtime.memGetInfo()
+        self._use_device()
+        free, total = cp.cuda.runtime.memGetInfo()
         p = self._properties
         return {
             "name": self.device_name,
@@ -539,8 +552,8 @@ class GpuBackend:
         }
 
     def memory_held(self) -> int:
-        with self._cp.cuda.Device(self._device_id):
-            return int(self._cp.get_default_memory_pool().total_bytes())
+        self._use_device()
+        return int(self._cp.get_default_memory_pool().total_bytes())
 
     def compiled_instances(self) -> int:
         return self._compiled_instances
