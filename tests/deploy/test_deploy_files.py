@@ -143,7 +143,10 @@ def test_cmd_is_exec_form_matmul_service_with_settings_from_the_environment() ->
 
 
 def in_the_image_environment(monkeypatch: pytest.MonkeyPatch, **extra: str) -> None:
-    """This process's environment as the image's CMD sees it: its MATMUL_* and UVICORN_* variables, no others."""
+    """This process's environment as the image's CMD sees it: its MATMUL_* and UVICORN_* variables, no others. A
+    copy of it, so that what service_main adds for its HTTP workers leaves with the test (the servers of later
+    tests would look for the engines it named)."""
+    monkeypatch.setattr(os, "environ", dict(os.environ))
     for name in [*SETTING_VARIABLES, ENGINE_SOCKETS_VARIABLE, cli.METRICS_DIR_VARIABLE, cli.GRACEFUL_SHUTDOWN_VARIABLE]:
         monkeypatch.delenv(name, raising=False)
     for name, value in {**SERVICE_ENV, **extra}.items():
