@@ -91,6 +91,7 @@ class _Peer:
         self.memory = np.frombuffer(self.map, np.uint8)
         self.writer = writer
         self.tasks: dict[int, asyncio.Task[None]] = {}
+        self.pinning: asyncio.Task[None] | None = None
 
     def start(self, key: int, product: Coroutine[Any, Any, None]) -> None:
         """Run a product request as a task of this peer's, until it has replied."""
@@ -181,13 +182,9 @@ class EngineServer:
             connection.close()
             return
         peer = _Peer(int(hello["pid"]), fd, int(hello["arena_bytes"]), writer)
-        try:
-            await asyncio.to_thread(self.backend.pin, peer.memory)
-        except MatmulError as exc:
-            log.error("cannot pin HTTP worker %d's %d bytes of shared memory: %s", peer.pid, peer.map.size(), exc)
-            writer.close()
-            peer.close()
-            return
+        # Pinned in the background, so that neither this worker's start nor readiness waits for it (about 0.3 s a
+        # GiB); until then the backend stages operands through pinned buffers of its own, as for any memory.
+        peer.pinning = asyncio.create_task(self._pin(peer))
         self._peers.add(peer)
         log.info("HTTP worker %d connected (%d bytes of shared memory)", peer.pid, peer.map.size())
         try:
@@ -204,11 +201,19 @@ class EngineServer:
         finally:
             await self._hang_up(peer)
 
+    async def _pin(self, peer: _Peer) -> None:
+        try:
+            await asyncio.to_thread(self.backend.pin, peer.memory)
+        except MatmulError as exc:
+            log.error("HTTP worker %d's shared memory stays unpinned (copies are staged): %s", peer.pid, exc)
+
     async def _hang_up(self, peer: _Peer) -> None:
         """The HTTP worker went: drop its queued products, let those on the device finish, free its arena."""
         for task in peer.tasks.values():
             task.cancel()
         await asyncio.gather(*peer.tasks.values(), return_exceptions=True)
+        if peer.pinning is not None:
+            await peer.pinning
         with contextlib.suppress(MatmulError):
             await asyncio.to_thread(self.backend.unpin, peer.memory)
         peer.writer.close()

@@ -417,13 +417,15 @@ class GpuBackend:
         address = memory.ctypes.data
         with self._cuda_errors(), cp.cuda.Device(self._device_id):
             cp.cuda.runtime.hostRegister(address, memory.nbytes, 0)
-        self._pinned_ranges[address] = address + memory.nbytes
+        # replaced, not changed in place: the worker thread reads it while another thread pins
+        self._pinned_ranges = {**self._pinned_ranges, address: address + memory.nbytes}
 
     def unpin(self, memory: np.ndarray) -> None:
         cp = self._cp
         address = memory.ctypes.data
-        if self._pinned_ranges.pop(address, None) is None:
+        if address not in self._pinned_ranges:
             return
+        self._pinned_ranges = {low: high for low, high in self._pinned_ranges.items() if low != address}
         with self._cuda_errors(), cp.cuda.Device(self._device_id):
             cp.cuda.runtime.hostUnregister(address)
 
