@@ -31,6 +31,7 @@ FLAG_ALIASES = {"http_workers": ("--workers",)}
 """Shorter flags for settings, as uvicorn and gunicorn spell them."""
 ENV_PREFIX = Settings.model_config.get("env_prefix", "")
 METRICS_DIR_VARIABLE = "PROMETHEUS_MULTIPROC_DIR"
+GRACEFUL_SHUTDOWN_VARIABLE = "UVICORN_TIMEOUT_GRACEFUL_SHUTDOWN"
 
 
 def _load_operand(path: str, parser: argparse.ArgumentParser) -> np.ndarray:
@@ -128,10 +129,8 @@ def _add_setting_flags(parser: argparse.ArgumentParser) -> None:
             parser.add_argument(*flags, dest=name, metavar=metavar, help=text)
 
 
-def service_main(argv: Sequence[str] | None = None) -> int:
-    """matmul-service: one engine process per device and the HTTP workers in front of them (under uvicorn),
-    settings from flags or MATMUL_* variables. SIGTERM or Ctrl-C stops the HTTP workers (each finishes its
-    answers), then the engines."""
+def service_parser() -> argparse.ArgumentParser:
+    """matmul-service's flags: uvicorn's few that it passes on, then one per setting."""
     parser = argparse.ArgumentParser(
         prog="matmul-service",
         description="Serve POST /matmul. Each flag sets the MATMUL_* variable of the same name; "
@@ -140,8 +139,25 @@ def service_main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--host", default="0.0.0.0", help="interface to listen on (default: 0.0.0.0)")
     parser.add_argument("--port", type=int, default=8000, help="port to listen on (default: 8000)")
     parser.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    # uvicorn.run reads no UVICORN_* variable (only uvicorn's own command line does), so this one is read here.
+    parser.add_argument(
+        "--timeout-graceful-shutdown",
+        type=int,
+        default=os.environ.get(GRACEFUL_SHUTDOWN_VARIABLE),
+        metavar="SECONDS",
+        help="on SIGTERM, how long each HTTP worker waits for the requests in flight before it closes them "
+        f"(default: ${GRACEFUL_SHUTDOWN_VARIABLE}, else uvicorn's: no limit)",
+    )
     parser.add_argument("--version", action="version", version=f"matmul-service {__version__}")
     _add_setting_flags(parser)
+    return parser
+
+
+def service_main(argv: Sequence[str] | None = None) -> int:
+    """matmul-service: one engine process per device and the HTTP workers in front of them (under uvicorn),
+    settings from flags or MATMUL_* variables. SIGTERM or Ctrl-C stops the HTTP workers (each finishes its
+    answers), then the engines."""
+    parser = service_parser()
     args = parser.parse_args(argv)
 
     given = {name: getattr(args, name) for name in Settings.model_fields if getattr(args, name) is not None}
@@ -176,6 +192,7 @@ def service_main(argv: Sequence[str] | None = None) -> int:
             log_level=args.log_level,
             access_log=False,
             http=GuardedHttpProtocol,
+            timeout_graceful_shutdown=args.timeout_graceful_shutdown,
             workers=settings.http_workers,
         )
     finally:
