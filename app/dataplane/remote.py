@@ -78,6 +78,11 @@ class EngineLink:
         return None if self.status is None else cast(str | None, self.status["failure"])
 
     @property
+    def in_flight(self) -> int:
+        """Products this worker sent to the engine that it has not answered yet."""
+        return len(self._pending)
+
+    @property
     def load(self) -> int:
         """Products queued or running on the engine, as it last said, plus those sent to it since."""
         return self._load

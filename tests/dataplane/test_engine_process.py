@@ -89,7 +89,7 @@ async def test_the_engine_checks_the_kernel_and_its_refusal_reaches_the_worker(w
 async def test_a_cancelled_product_keeps_its_slab_until_the_engine_lets_go(workers: list[RemoteEngine]) -> None:
     worker = workers[0]
     waiting = asyncio.create_task(_product(worker, 3))
-    await until(lambda: worker.links[0].load == 1)
+    await until(lambda: worker.links[0].in_flight == 1)
     waiting.cancel()
     with pytest.raises(asyncio.CancelledError):
         await waiting
@@ -103,7 +103,7 @@ async def test_a_killed_engine_fails_what_it_held_at_once_and_a_fresh_one_serves
     worker = workers[0]
     first_pid = worker.links[0].welcome["engine_pid"]
     held = asyncio.create_task(_product(worker, 4))  # waits out the batching window in the engine
-    await until(lambda: worker.links[0].load == 1)
+    await until(lambda: worker.links[0].in_flight == 1)
     os.kill(first_pid, signal.SIGKILL)
     with pytest.raises(DeviceLost, match=f"engine process {first_pid} exited"):
         await asyncio.wait_for(held, timeout=5)  # far less than the window: failed when the socket closed
@@ -123,7 +123,7 @@ async def test_a_worker_that_hangs_up_loses_its_queued_product_and_its_arena_is_
     await until(lambda: staying.describe()[0]["engine_http_workers"] == 2)
     assert staying.describe()[0]["engine_shared_memory_bytes"] == 2 * settings.slab_bytes
     queued = asyncio.create_task(_product(leaving, 7))
-    await until(lambda: leaving.links[0].load == 1)
+    await until(lambda: leaving.links[0].in_flight == 1)
     await leaving.stop()  # its connection closes, as when its process dies
     with pytest.raises(DeviceLost):
         await queued
