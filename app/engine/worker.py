@@ -85,7 +85,7 @@ class _Job:
     """Called once, when the job stops waiting (started or dropped)."""
     batch_key: tuple[object, ...]
     """Jobs with equal keys can run as one batched launch."""
-    enqueued_at: float = field(default_factory=perf_counter)
+    enqueued_at: float
     state: _JobState = _JobState.QUEUED
     lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -232,6 +232,7 @@ class Worker:
             future=loop.create_future(),
             left_queue=self._left_queue,
             batch_key=(a.shape, b.shape, dtype, plan.kernel, label),
+            enqueued_at=perf_counter(),
         )
         self._queue.put(job)
         self._wake.set()

@@ -1,6 +1,6 @@
-"""What a worker answers, by its whole message and fields: a product's outcome, a launch that fails unexpectedly,
-a deadline passed in the queue, a lost device (for the launch, the queue and every later request) and a stopped
-worker."""
+"""What a worker answers, by its whole message and fields: a product's outcome and its time in the queue, a launch
+that fails unexpectedly, a deadline passed in the queue, a lost device (for the launch, the queue and every later
+request) and a stopped worker."""
 
 from __future__ import annotations
 
@@ -61,6 +61,34 @@ async def test_an_outcome_says_how_its_product_was_made() -> None:
         # not a speed claim: the time it says it queued lies within the time the call took
         assert 0 <= outcome.queue_ms <= waited_ms and outcome.device.kernel_ms >= 0
     finally:
+        await worker.stop()
+
+
+class _Clock:
+    """The worker's `perf_counter`, moved only by the test."""
+
+    def __init__(self, now: float) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
+async def test_the_queue_time_runs_from_queueing_to_submitting_in_milliseconds(monkeypatch: pytest.MonkeyPatch) -> None:
+    clock = _Clock(100.0)
+    monkeypatch.setattr("app.engine.worker.perf_counter", clock)
+    backend = SteeredBackend()
+    worker = await _ready(backend)
+    try:
+        running = await _held(backend, worker)
+        queued = asyncio.ensure_future(worker.matmul(np.ones((2, 1)), np.ones((1, 1)), F64, NUMPY))
+        await until(lambda: worker.queue_depth == 1)
+        clock.now = 100.25
+        backend.gate.set()
+        assert (await asyncio.wait_for(running, GATE_TIMEOUT_S)).queue_ms == 0.0
+        assert (await asyncio.wait_for(queued, GATE_TIMEOUT_S)).queue_ms == 250.0
+    finally:
+        backend.gate.set()
         await worker.stop()
 
 
