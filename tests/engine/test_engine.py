@@ -18,7 +18,7 @@ from app.config import Settings
 from app.engine import BatchPolicy, DeviceTiming, Engine, EngineState, KernelInfo, Outcome, Plan, Worker
 from app.engine.autotune import AutoChoice
 from app.engine.base import Finished
-from app.errors import DeviceOutOfMemory, NotReady
+from app.errors import DeviceFailure, DeviceOutOfMemory, NotReady
 from app.main import create_app
 from kernels.roofline import DevicePeaks
 from matmul_tools.service import wait_ready_async
@@ -418,8 +418,8 @@ class HeldLaunch:
         return self.products, DeviceTiming(h2d_ms=1.0, kernel_ms=1.0, d2h_ms=1.0)
 
 
-async def _pipelined(backend: PipelinedBackend) -> Engine:
-    engine = Engine([Worker(backend, queue_size=8)])
+async def _pipelined(backend: PipelinedBackend, batching: BatchPolicy | None = None) -> Engine:
+    engine = Engine([Worker(backend, queue_size=8, batching=batching)])
     engine.start()
     await _wait(lambda: engine.state is EngineState.READY)
     return engine
@@ -482,6 +482,34 @@ async def test_a_launch_that_fails_on_the_device_fails_only_its_own_requests() -
         await first
     assert (await second).c[0, 0] == 2.0
     assert engine.state is EngineState.READY
+    await engine.stop()
+
+
+async def test_a_batched_launch_that_fails_on_the_device_fails_each_of_its_products_naming_the_kernel() -> None:
+    backend = PipelinedBackend()
+    engine = await _pipelined(backend, BatchPolicy(max_size=2, max_delay_s=3600))
+    products = [_product(engine, 1), _product(engine, 2)]
+    await _wait(lambda: len(backend.launches) == 1)
+    backend.launches[0].finish(RuntimeError("cudaErrorLaunchFailure"))
+    for product in products:
+        with pytest.raises(DeviceFailure) as caught:
+            await asyncio.wait_for(product, 10)
+        assert caught.value.message == "the cpu backend failed running 'numpy': cudaErrorLaunchFailure"
+    assert [len(launch.products) for launch in backend.launches] == [2] and engine.state is EngineState.READY
+    await engine.stop()
+
+
+async def test_while_the_device_is_busy_a_product_is_submitted_without_waiting_for_the_batching_window() -> None:
+    backend = PipelinedBackend()
+    # a window far longer than the test: a product that waited for it would never be submitted
+    engine = await _pipelined(backend, BatchPolicy(max_size=2, max_delay_s=3600))
+    batch = [_product(engine, 1), _product(engine, 1)]
+    await _wait(lambda: len(backend.launches) == 1)
+    alone = await _submitted(engine, backend, 3)
+    assert [len(launch.products) for launch in backend.launches] == [2, 1]
+    for launch in backend.launches:
+        launch.finish()
+    assert [(await product).batch_size for product in [*batch, alone]] == [2, 2, 1]
     await engine.stop()
 
 
