@@ -55,6 +55,8 @@ class SteeredBackend(CpuBackend):
         self.fail_next: Exception | None = None
         self.unbatchable: set[str] = set()
         """Kernels whose launches take one product each."""
+        self.asked_to_batch: list[str] = []
+        """The kernel of every product the worker began a batch with, as it asked whether it batches."""
 
     def kernels(self) -> list[KernelInfo]:
         return [*super().kernels(), KernelInfo(name=BLAS, kind="library", summary="numpy.matmul under another name")]
@@ -64,6 +66,7 @@ class SteeredBackend(CpuBackend):
         return Plan(kernel=BLAS) if kernel == BLAS and tile is None else super().plan(kernel, tile, m, n, k)
 
     def batchable(self, plan: Plan) -> bool:
+        self.asked_to_batch.append(plan.kernel)
         return plan.kernel not in self.unbatchable
 
     def submit(self, pairs: Pairs, dtype: np.dtype, plan: Plan, on_done: Callable[[], None]) -> Finished:

@@ -124,6 +124,18 @@ async def test_a_batch_takes_no_more_than_its_size_and_only_a_batchable_kernel(
         np.testing.assert_array_equal(outcome.c, np.full((2, 1), 3.0 * (i + 1)))
 
 
+async def test_with_the_device_idle_a_batch_waits_its_window_for_products_to_join() -> None:
+    backend = SteeredBackend()
+    # a window far longer than the test: the batch is launched because it is full, not because the window ended
+    async with _engine(backend, BatchPolicy(max_size=2, max_delay_s=3600)) as engine:
+        first = asyncio.create_task(engine.matmul(np.ones((2, 1)), np.ones((1, 1)), F64, "numpy", None, None))
+        await until(lambda: backend.asked_to_batch == ["numpy"])  # the worker has begun a batch with it
+        second = asyncio.create_task(engine.matmul(np.full((2, 1), 2.0), np.ones((1, 1)), F64, "numpy", None, None))
+        outcomes = await asyncio.wait_for(asyncio.gather(first, second), GATE_TIMEOUT_S)
+    assert [s.products for s in backend.submitted] == [2]
+    assert [(o.c.tolist(), o.batch_size) for o in outcomes] == [([[1.0], [1.0]], 2), ([[2.0], [2.0]], 2)]
+
+
 async def test_a_batch_of_two_spoiled_by_one_operand_fails_only_that_product() -> None:
     backend = SteeredBackend()
     products = [(np.ones((2, 3)), np.ones((3, 1))), (np.full((2, 3), 1e39), np.ones((3, 1)))]
