@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 from collections.abc import Callable
 from time import perf_counter
 
@@ -65,13 +66,33 @@ async def test_an_outcome_says_how_its_product_was_made() -> None:
 
 
 class _Clock:
-    """The worker's `perf_counter`, moved only by the test."""
+    """The worker's `perf_counter`, moved only by the test, or `step` seconds on after each reading."""
 
-    def __init__(self, now: float) -> None:
-        self.now = now
+    def __init__(self, now: float, step: float = 0.0) -> None:
+        self.now, self.step = now, step
 
     def __call__(self) -> float:
-        return self.now
+        now = self.now
+        self.now += self.step
+        return now
+
+
+async def test_a_ready_worker_says_where_and_how_soon_from_a_daemon_thread_named_for_its_device(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="app.engine.worker")
+    monkeypatch.setattr("app.engine.worker.perf_counter", _Clock(100.0, step=1.25))
+    backend = SteeredBackend()
+    worker = await _ready(backend)
+    try:
+        await until(lambda: any(r.levelno == logging.INFO for r in caplog.records))  # logged once it is ready
+        [logged] = [r for r in caplog.records if r.levelno == logging.INFO]
+        assert logged.getMessage() == f"cpu backend ready on {backend.device_name} in 1.25 s"
+        # the one thread that owns the device, told apart in logs; it never keeps a process that exits alive
+        [thread] = [t for t in threading.enumerate() if t.ident == logged.thread]
+        assert thread.name == f"cpu-worker-{backend.device_name}" and thread.daemon
+    finally:
+        await worker.stop()
 
 
 async def test_the_queue_time_runs_from_queueing_to_submitting_in_milliseconds(monkeypatch: pytest.MonkeyPatch) -> None:
