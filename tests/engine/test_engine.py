@@ -400,11 +400,13 @@ class HeldLaunch:
         """Set when the worker starts waiting for this launch's result."""
         self.error: Exception | None = None
 
-    def finish(self, error: Exception | None = None) -> None:
-        """What the device does: the launch ends (with `error`, if given) and calls back."""
+    def finish(self, error: Exception | None = None, call_back: bool = True) -> None:
+        """What the device does: the launch ends (with `error`, if given) and calls back, unless a lost device
+        never does."""
         self.error = error
         self.finished.set()
-        self.on_done()
+        if call_back:
+            self.on_done()
 
     def done(self) -> bool:
         return self.finished.is_set()
@@ -482,6 +484,51 @@ async def test_a_launch_that_fails_on_the_device_fails_only_its_own_requests() -
         await first
     assert (await second).c[0, 0] == 2.0
     assert engine.state is EngineState.READY
+    await engine.stop()
+
+
+async def test_a_launch_that_ends_without_calling_back_is_still_collected() -> None:
+    backend = PipelinedBackend()
+    engine = await _pipelined(backend)
+    product = await _submitted(engine, backend, 1)
+    backend.launches[0].finish(call_back=False)
+    assert (await asyncio.wait_for(product, 10)).c[0, 0] == 1.0
+    await engine.stop()
+
+
+async def test_stopping_answers_the_launch_in_flight_first() -> None:
+    backend = PipelinedBackend()
+    engine = await _pipelined(backend)
+    product = await _submitted(engine, backend, 1)
+    stopping = asyncio.create_task(engine.stop())
+    # one launch in flight of the two allowed: the worker waits for its result only once it has been told to stop
+    assert await asyncio.to_thread(backend.launches[0].collecting.wait, 10)
+    backend.launches[0].finish()
+    assert (await asyncio.wait_for(product, 10)).c[0, 0] == 1.0
+    await asyncio.wait_for(stopping, 10)
+    assert engine.state is EngineState.STOPPED
+
+
+async def test_a_product_held_back_from_a_batch_is_submitted_while_the_launch_before_it_runs() -> None:
+    backend = PipelinedBackend()
+    engine = await _pipelined(backend, BatchPolicy(max_size=2, max_delay_s=0.01))
+    first = await _submitted(engine, backend, 1)
+    second = await _submitted(engine, backend, 2)
+    # two launches in flight: the worker waits on the first while a 1 x 1 and a 2 x 1 product queue
+    assert await asyncio.to_thread(backend.launches[0].collecting.wait, 10)
+    f64 = np.dtype(np.float64)
+    alike = _product(engine, 3)
+    other = asyncio.create_task(engine.matmul(np.full((2, 1), 4.0), np.ones((1, 1)), f64, "numpy", None, None))
+    await _wait(lambda: engine.queue_depth == 2)
+    backend.launches[0].finish()
+    # the 1 x 1 one is launched, the 2 x 1 one it pulled is held back for the next launch
+    await _wait(lambda: len(backend.launches) == 3)
+    backend.launches[1].finish()
+    await _wait(lambda: len(backend.launches) == 4)
+    assert backend.log == ["submit 1", "submit 2", "collect 1", "submit 3", "collect 2", "submit 4"]
+    for launch in backend.launches[2:]:
+        launch.finish()
+    assert [(await p).c[0, 0] for p in (first, second, alike, other)] == [1.0, 2.0, 3.0, 4.0]
     await engine.stop()
 
 
