@@ -58,15 +58,13 @@ RUN apt-get update \
  && mkdir -p /var/cache/cupy && chown 10001:10001 /var/cache/cupy
 COPY --from=build /opt/venv /opt/venv
 # Kernels are compiled (and this cache filled) at start-up, before /readyz says ready; the volume keeps
-# them compiled across restarts. On SIGTERM (docker stop) uvicorn stops accepting and gives in-flight requests
-# UVICORN_TIMEOUT_GRACEFUL_SHUTDOWN seconds; compose's stop_grace_period is longer, so no SIGKILL comes first.
+# them compiled across restarts. On SIGTERM (docker stop) the HTTP workers stop accepting and give in-flight
+# requests UVICORN_TIMEOUT_GRACEFUL_SHUTDOWN seconds (matmul-service reads it for --timeout-graceful-shutdown),
+# then the engine processes drain; compose's stop_grace_period is longer, so no SIGKILL comes first.
 ENV PATH=/opt/venv/bin:$PATH \
     PYTHONUNBUFFERED=1 \
     CUPY_CACHE_DIR=/var/cache/cupy \
     MATMUL_BACKEND=gpu \
-    UVICORN_HOST=0.0.0.0 \
-    UVICORN_PORT=8000 \
-    UVICORN_ACCESS_LOG=false \
     UVICORN_TIMEOUT_GRACEFUL_SHUTDOWN=30
 VOLUME ["/var/cache/cupy"]
 USER 10001:10001
@@ -74,7 +72,10 @@ WORKDIR /home/matmul
 EXPOSE 8000
 HEALTHCHECK --interval=10s --timeout=3s --start-period=20s --retries=3 \
     CMD ["python3", "-c", "import urllib.request; urllib.request.urlopen('http://127.0.0.1:8000/healthz', timeout=2)"]
-# Settings come from the environment: MATMUL_* for the service, UVICORN_* (host, port, log level) for uvicorn,
-# whose plain access log is off because the service writes its own, in JSON (MATMUL_ACCESS_LOG). --http installs
-# the connection protocol that bounds request headers (MATMUL_MAX_HEADER_BYTES, MATMUL_HEADER_TIMEOUT_S).
-CMD ["uvicorn", "app.main:create_app", "--factory", "--http", "app.api.connection:GuardedHttpProtocol"]
+# matmul-service starts one engine process per GPU and MATMUL_HTTP_WORKERS uvicorn workers in front of them, on
+# 0.0.0.0:8000, with the connection protocol that bounds request headers (MATMUL_MAX_HEADER_BYTES,
+# MATMUL_HEADER_TIMEOUT_S) and without uvicorn's plain access log (the service writes its own, in JSON:
+# MATMUL_ACCESS_LOG). Settings come from the environment (MATMUL_*). The workers share memory with the engines
+# through memfd arenas (MATMUL_SLAB_BYTES each), not /dev/shm, so the container needs no --shm-size. In exec form
+# matmul-service is PID 1 and gets docker stop's SIGTERM itself.
+CMD ["matmul-service"]

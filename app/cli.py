@@ -1,12 +1,13 @@
 """The console scripts: `matmul-client` (multiply two .npy files on a server) and `matmul-service` (serve).
 
 matmul-client a.npy b.npy -o c.npy --kernel tiled --url http://gpu-box:8000
-matmul-service --backend gpu --queue-size 128 --port 8000
+matmul-service --backend gpu --workers 8 --port 8000
 """
 
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
 from collections.abc import Sequence
@@ -23,9 +24,14 @@ from app import __version__
 from app.api.connection import GuardedHttpProtocol
 from app.client import DEFAULT_TIMEOUT_S, DEFAULT_URL, FORMATS, MatmulClient, MatmulServiceError, Options, Product
 from app.config import Settings
+from app.dataplane.supervisor import ENGINE_SOCKETS_VARIABLE, EngineSupervisor
 
 URL_VARIABLE = "MATMUL_URL"
+FLAG_ALIASES = {"http_workers": ("--workers",)}
+"""Shorter flags for settings, as uvicorn and gunicorn spell them."""
 ENV_PREFIX = Settings.model_config.get("env_prefix", "")
+METRICS_DIR_VARIABLE = "PROMETHEUS_MULTIPROC_DIR"
+GRACEFUL_SHUTDOWN_VARIABLE = "UVICORN_TIMEOUT_GRACEFUL_SHUTDOWN"
 
 
 def _load_operand(path: str, parser: argparse.ArgumentParser) -> np.ndarray:
@@ -113,18 +119,18 @@ def _add_setting_flags(parser: argparse.ArgumentParser) -> None:
     """
     for name, field in Settings.model_fields.items():
         variable = f"{ENV_PREFIX}{name}".upper()
-        flag = f"--{name.replace('_', '-')}"
+        flags = [f"--{name.replace('_', '-')}", *FLAG_ALIASES.get(name, ())]
         text = f"{field.description} Overrides ${variable} (default {_default_text(field)})."
         if isinstance(field.annotation, type) and issubclass(field.annotation, Enum):
             choices = [member.value for member in field.annotation]
-            parser.add_argument(flag, dest=name, choices=choices, help=text)
+            parser.add_argument(*flags, dest=name, choices=choices, help=text)
         else:
             metavar = getattr(field.annotation, "__name__", "value").upper()
-            parser.add_argument(flag, dest=name, metavar=metavar, help=text)
+            parser.add_argument(*flags, dest=name, metavar=metavar, help=text)
 
 
-def service_main(argv: Sequence[str] | None = None) -> int:
-    """matmul-service: start the HTTP service under uvicorn, settings from flags or MATMUL_* variables."""
+def service_parser() -> argparse.ArgumentParser:
+    """matmul-service's flags: uvicorn's few that it passes on, then one per setting."""
     parser = argparse.ArgumentParser(
         prog="matmul-service",
         description="Serve POST /matmul. Each flag sets the MATMUL_* variable of the same name; "
@@ -133,28 +139,62 @@ def service_main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--host", default="0.0.0.0", help="interface to listen on (default: 0.0.0.0)")
     parser.add_argument("--port", type=int, default=8000, help="port to listen on (default: 8000)")
     parser.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    # uvicorn.run reads no UVICORN_* variable (only uvicorn's own command line does), so this one is read here.
+    parser.add_argument(
+        "--timeout-graceful-shutdown",
+        type=int,
+        default=os.environ.get(GRACEFUL_SHUTDOWN_VARIABLE),
+        metavar="SECONDS",
+        help="on SIGTERM, how long each HTTP worker waits for the requests in flight before it closes them "
+        f"(default: ${GRACEFUL_SHUTDOWN_VARIABLE}, else uvicorn's: no limit)",
+    )
     parser.add_argument("--version", action="version", version=f"matmul-service {__version__}")
     _add_setting_flags(parser)
+    return parser
+
+
+def service_main(argv: Sequence[str] | None = None) -> int:
+    """matmul-service: one engine process per device and the HTTP workers in front of them (under uvicorn),
+    settings from flags or MATMUL_* variables. SIGTERM or Ctrl-C stops the HTTP workers (each finishes its
+    answers), then the engines."""
+    parser = service_parser()
     args = parser.parse_args(argv)
 
     given = {name: getattr(args, name) for name in Settings.model_fields if getattr(args, name) is not None}
-    # The app reads its settings from the environment in its lifespan; flags become variables so that it does.
+    # The HTTP workers read their settings from the environment; flags become variables so that they do.
     os.environ.update({f"{ENV_PREFIX}{name}".upper(): str(value) for name, value in given.items()})
     try:
-        Settings()
+        settings = Settings()
     except ValidationError as exc:
         problem = exc.errors()[0]
         flag = "--" + str(problem["loc"][0]).replace("_", "-")
         parser.error(f"{flag} {problem['input']!r}: {problem['msg']}")
 
-    # No uvicorn access log: the service writes its own, in JSON (MATMUL_ACCESS_LOG).
-    uvicorn.run(
-        "app.main:create_app",
-        factory=True,
-        host=args.host,
-        port=args.port,
-        log_level=args.log_level,
-        access_log=False,
-        http=GuardedHttpProtocol,
-    )
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s supervisor %(levelname)s %(message)s")
+    supervisor = EngineSupervisor(settings)
+    try:
+        supervisor.start()
+    except RuntimeError as exc:
+        supervisor.stop()
+        parser.exit(1, f"matmul-service: {exc}\n")
+    os.environ[ENGINE_SOCKETS_VARIABLE] = ",".join(supervisor.sockets)
+    if settings.http_workers > 1:
+        # every worker's /metrics merges the values all of them keep in this folder (app.metrics)
+        os.environ.setdefault(METRICS_DIR_VARIABLE, supervisor.make_directory("metrics"))
+    try:
+        # No uvicorn access log: the service writes its own, in JSON (MATMUL_ACCESS_LOG). With several workers
+        # uvicorn replaces any that dies; the engine processes are the supervisor's.
+        uvicorn.run(
+            "app.main:create_app",
+            factory=True,
+            host=args.host,
+            port=args.port,
+            log_level=args.log_level,
+            access_log=False,
+            http=GuardedHttpProtocol,
+            timeout_graceful_shutdown=args.timeout_graceful_shutdown,
+            workers=settings.http_workers,
+        )
+    finally:
+        supervisor.stop()
     return 0

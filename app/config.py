@@ -27,7 +27,24 @@ class Settings(BaseSettings):
         default_factory=list,
         description="Comma-separated CUDA device ordinals, one GPU worker each (none: every visible device).",
     )
-    queue_size: int = Field(64, ge=1, le=100_000, description="Requests waiting for the worker before 503.")
+    http_workers: int = Field(
+        1,
+        ge=1,
+        le=256,
+        description="HTTP worker processes `matmul-service` starts (--workers); they share one engine process per "
+        "device.",
+    )
+    slab_bytes: int = Field(
+        1 << 30,
+        ge=1 << 20,
+        le=1 << 40,
+        description="Shared memory of each HTTP worker for the operands and products of its requests in flight "
+        "(pinned once by every engine process); a request needing more gets 413, one that finds it full waits "
+        "within its deadline, then 503.",
+    )
+    queue_size: int = Field(
+        64, ge=1, le=100_000, description="Requests waiting in each engine process's queue before 503."
+    )
     retry_after_s: int = Field(1, ge=1, le=3600, description="Retry-After sent with 503 answers.")
     max_body_bytes: int = Field(
         1 << 30, ge=1024, description="Largest request body accepted; larger bodies get 413 before being read."

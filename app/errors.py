@@ -147,3 +147,16 @@ class ClientGone(MatmulError):
 
 class DeviceFailure(MatmulError):
     code = "device_failure"
+
+
+def _classes_by_code(root: type[MatmulError]) -> dict[str, type[MatmulError]]:
+    found = {root.code: root}
+    for subclass in root.__subclasses__():
+        found.update(_classes_by_code(subclass))
+    return found
+
+
+def error_of(code: str, message: str, location: Location | None = None) -> MatmulError:
+    """The error named by `code` (as another process reported it), as the class that raised it there; an
+    unknown code is an internal error."""
+    return _classes_by_code(MatmulError).get(code, MatmulError)(message, location=location)

@@ -1,12 +1,17 @@
-"""create_app(): settings and engine built in the lifespan, routers, middleware, error handlers."""
+"""create_app(): settings and the link to the engine processes built in the lifespan, routers, middleware, error
+handlers.
+
+An HTTP worker started by `matmul-service` finds the engine processes' sockets in MATMUL_ENGINE_SOCKETS. One
+started any other way (`uvicorn app.main:create_app --factory`, a test) starts engine processes of its own in its
+lifespan and stops them at its end: the same data plane either way.
+"""
 
 from __future__ import annotations
 
-import logging
+import asyncio
 import os
-import signal
 from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from contextlib import AsyncExitStack, asynccontextmanager
 from typing import Any
 
 from fastapi import FastAPI
@@ -22,17 +27,20 @@ from app.api.observe import RequestObserver, configure_access_log
 from app.api.routes import api_router, docs
 from app.api.v2.statistics import InferenceStatistics
 from app.config import Settings
-from app.engine import build_engine
+from app.dataplane.remote import RemoteEngine
+from app.dataplane.supervisor import ENGINE_SOCKETS_VARIABLE, EngineSupervisor
 from app.metrics import ServiceMetrics
 
-DEVICE_LOST_EXIT_CODE = 75
-"""EX_TEMPFAIL: the process exits after its CUDA context was poisoned, to be restarted with a fresh one."""
 
-
-def _shut_down_for_restart() -> None:
-    """Graceful shutdown (uvicorn's SIGTERM path: stop accepting, finish in-flight answers, run the lifespan's
-    end), after which the lifespan exits with DEVICE_LOST_EXIT_CODE for the supervisor to restart us."""
-    signal.raise_signal(signal.SIGTERM)
+async def _engine_sockets(settings: Settings, stack: AsyncExitStack) -> list[str]:
+    """The sockets of the engine processes: those `matmul-service` started, else ones started here."""
+    given = os.environ.get(ENGINE_SOCKETS_VARIABLE)
+    if given:
+        return given.split(",")
+    supervisor = EngineSupervisor(settings)
+    stack.callback(supervisor.stop)
+    await asyncio.to_thread(supervisor.start)
+    return supervisor.sockets
 
 
 def create_app(settings: Settings | None = None) -> FastAPI:
@@ -40,22 +48,19 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[dict[str, Any]]:
-        cap_malloc_arenas()  # before the engine and the codec thread pool start their threads
+        cap_malloc_arenas()  # before the codec thread pool starts its threads
         resolved = settings if settings is not None else Settings()
-        engine = build_engine(resolved, on_device_lost=_shut_down_for_restart)
-        app.state.settings = resolved
-        app.state.engine = engine
-        app.state.metrics = ServiceMetrics()
-        app.state.inference_stats = InferenceStatistics()
-        configure_access_log(resolved.access_log)
-        engine.start()
-        try:
+        async with AsyncExitStack() as stack:
+            engine = RemoteEngine(await _engine_sockets(resolved, stack), resolved)
+            stack.callback(engine.arena.close)
+            await engine.start()
+            stack.push_async_callback(engine.stop)
+            app.state.settings = resolved
+            app.state.engine = engine
+            app.state.metrics = ServiceMetrics()
+            app.state.inference_stats = InferenceStatistics()
+            configure_access_log(resolved.access_log)
             yield {HEADER_LIMITS: HeaderLimits.of(resolved)}  # for the server's connections (app.api.connection)
-        finally:
-            await engine.stop()
-        if engine.device_lost:
-            logging.shutdown()
-            os._exit(DEVICE_LOST_EXIT_CODE)
 
     app = FastAPI(
         title="matmul-service",

@@ -48,18 +48,24 @@ class ServiceMetrics:
         self.in_flight = Gauge(
             "matmul_requests_in_flight", "Requests being handled now.", registry=r, multiprocess_mode="livesum"
         )
+        # What the engine processes report: every HTTP worker sees the same figures, so the merge keeps the latest.
         self.queue_depth = Gauge(
-            "matmul_queue_depth", "Products waiting in the worker's queue.", registry=r, multiprocess_mode="livesum"
-        )
+            "matmul_queue_depth", "Products waiting in the engine processes' queues.",
+            registry=r, multiprocess_mode="livemostrecent",
+        )  # fmt: skip
         self.device_memory = Gauge(
-            "matmul_device_memory_bytes", "Device memory the worker's CuPy pool holds (in arrays or cached for reuse).",
+            "matmul_device_memory_bytes", "Device memory the engines' CuPy pools hold (in arrays or cached for reuse).",
+            registry=r, multiprocess_mode="livemostrecent",
+        )  # fmt: skip
+        self.slab_used = Gauge(
+            "matmul_slab_used_bytes", "Shared memory held by requests in flight, summed over the HTTP workers.",
             registry=r, multiprocess_mode="livesum",
         )  # fmt: skip
         # process_resident_memory_bytes, CPU seconds, open fds, ... from /proc (Linux); not merged in multiprocess mode
         ProcessCollector(registry=r)
         self.kernels_compiled = Gauge(
-            "matmul_kernels_compiled", "Kernel instances compiled and self-tested by the worker.",
-            registry=r, multiprocess_mode="liveall",
+            "matmul_kernels_compiled", "Kernel instances compiled and self-tested by the engine processes.",
+            registry=r, multiprocess_mode="livemostrecent",
         )  # fmt: skip
 
     def observe_product(self, kernel: str, timing: Timing) -> None:

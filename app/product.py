@@ -19,10 +19,18 @@ class Timing(BaseModel):
 
     read_ms: float = Field(description="Receiving the body (and parsing multipart framing).")
     decode_ms: float = Field(description="Parsing JSON / .npy / .npz into arrays and checking them.")
-    queue_ms: float = Field(description="Waiting in the worker's queue, from enqueue to start.")
+    stage_ms: float = Field(
+        description="Converting the operands into the working dtype, into the shared memory the engine process reads "
+        "(including any wait for room in it)."
+    )
+    handoff_ms: float = Field(
+        description="Handing the product to the engine process and its answer back (the control channel), beyond "
+        "queue, h2d, kernel and d2h."
+    )
+    queue_ms: float = Field(description="Waiting in the engine's queue, from enqueue to start.")
     h2d_ms: float = Field(
-        description="Converting the operands into pinned buffers of the working dtype and copying them to the "
-        "device (CUDA events). On the CPU backend: the dtype conversion alone."
+        description="Copying the operands to the device from the pinned shared memory (CUDA events); on the CPU "
+        "backend 0, or the conversion of operands not already in the working dtype."
     )
     kernel_ms: float = Field(
         description="The kernel alone, between CUDA events (CPU: wall time of numpy.matmul or of the emulation)."

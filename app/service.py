@@ -17,7 +17,7 @@ import numpy as np
 from app.codecs import Limits, Operands, RequestOptions
 from app.codecs.operands import check_shape
 from app.config import Settings
-from app.engine import Engine, Outcome
+from app.engine import EngineFront, Outcome
 from app.errors import InvalidParameter, ShapeMismatch
 from app.product import BackendName, DtypeName, MatmulMetadata, RooflineModel, Timing
 from kernels.roofline import roofline
@@ -90,6 +90,11 @@ class Product:
     def c(self) -> np.ndarray:
         return self.outcome.c
 
+    def release(self) -> None:
+        """Let go of the memory `c` lives in: call once the answer no longer reads it (sent, or encoded into a
+        copy), or when it will not be sent."""
+        self.outcome.release()
+
     def describe(self) -> MatmulMetadata:
         """The product's metadata, its answer encoded now."""
         clock, device = self.clock, self.outcome.device
@@ -106,6 +111,8 @@ class Product:
             timing=Timing(
                 read_ms=read_ms,
                 decode_ms=(clock.decoded - clock.received) * 1e3 - read_ms,
+                stage_ms=self.outcome.stage_ms,
+                handoff_ms=self.outcome.handoff_ms,
                 queue_ms=self.outcome.queue_ms,
                 h2d_ms=device.h2d_ms,
                 kernel_ms=device.kernel_ms,
@@ -124,7 +131,7 @@ class Product:
 class MatmulService:
     """Runs products on the engine within the settings' limits and deadline."""
 
-    def __init__(self, engine: Engine, settings: Settings) -> None:
+    def __init__(self, engine: EngineFront, settings: Settings) -> None:
         self.engine = engine
         self.limits = Limits(
             max_dim=settings.max_dim,

@@ -9,7 +9,6 @@ workers, several times in a row over new connections, since each goes to whichev
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import socket
 import subprocess
@@ -44,9 +43,15 @@ def free_port() -> int:
 
 
 def uvicorn_command(port: int, *options: str) -> list[str]:
-    """uvicorn serving the app factory with HTTP_PROTOCOL on 127.0.0.1:`port`, with uvicorn's `options` after."""
+    """uvicorn serving the app factory with HTTP_PROTOCOL on 127.0.0.1:`port`, with uvicorn's `options` after: one
+    HTTP worker, which starts the engine processes itself."""
     command = [sys.executable, "-m", "uvicorn", "app.main:create_app", "--factory", *HTTP_PROTOCOL]
     return [*command, "--host", "127.0.0.1", "--port", str(port), *options]
+
+
+def service_command(port: int, *options: str) -> list[str]:
+    """`matmul-service` (as `python -m app`) on 127.0.0.1:`port`, with its `options` after (`--workers N`, ...)."""
+    return [sys.executable, "-m", "app", "--host", "127.0.0.1", "--port", str(port), *options]
 
 
 def wait_ready(
@@ -120,14 +125,11 @@ class LocalService:
         env: Mapping[str, str],
         log: Path,
         workers: int = 1,
-        metrics_dir: Path | None = None,
     ) -> None:
-        """`metrics_dir`: a folder made for this server alone, removed by `stop`."""
         self.port = port
         self.url = f"http://127.0.0.1:{port}"
         self.log = log
         self.workers = workers
-        self._metrics_dir = metrics_dir
         log.parent.mkdir(parents=True, exist_ok=True)
         with log.open("wb") as output:
             self.process = subprocess.Popen(
@@ -140,12 +142,10 @@ class LocalService:
             )
 
     @classmethod
-    def uvicorn(cls, port: int, env: Mapping[str, str], log: Path, workers: int = 1) -> LocalService:
-        """uvicorn on the app factory with `workers` workers and no access log of its own; they share a fresh
-        PROMETHEUS_MULTIPROC_DIR, so that /metrics answers for all of them. `stop` removes it."""
-        metrics_dir = Path(tempfile.mkdtemp(prefix="matmul-metrics-"))
-        command = uvicorn_command(port, "--no-access-log", "--workers", str(workers))
-        return cls(command, port, {**env, "PROMETHEUS_MULTIPROC_DIR": str(metrics_dir)}, log, workers, metrics_dir)
+    def matmul_service(cls, port: int, env: Mapping[str, str], log: Path, workers: int = 1) -> LocalService:
+        """`matmul-service --workers N`: N HTTP workers in front of one engine process per device; their /metrics
+        is merged (the service makes the PROMETHEUS_MULTIPROC_DIR)."""
+        return cls(service_command(port, "--workers", str(workers)), port, env, log, workers)
 
     def wait_ready(self, timeout_s: float) -> None:
         """Return once every worker answers /readyz with 200; raise NotReady with the log if it exits or times out."""
@@ -155,8 +155,6 @@ class LocalService:
 
     def stop(self) -> None:
         stop_group(self.process)
-        if self._metrics_dir is not None:
-            shutil.rmtree(self._metrics_dir, ignore_errors=True)
 
 
 @dataclass(frozen=True)

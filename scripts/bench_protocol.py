@@ -159,7 +159,10 @@ def start_checkout(checkout: Path, name: str, env: dict[str, str], log: Path, wo
         if path.is_file() and spec is not None and spec.loader is not None:
             module = importlib.util.module_from_spec(spec)
             spec.loader.exec_module(module)
-            start = module.LocalService.uvicorn if hasattr(module.LocalService, "uvicorn") else module.LocalService
+            service = module.LocalService
+            start = next(
+                (getattr(service, name) for name in ("matmul_service", "uvicorn") if hasattr(service, name)), service
+            )
             return start(module.free_port(), env, log, workers)
     raise SystemExit(f"{checkout} has neither matmul_tools/service.py nor scripts/local_service.py")
 

@@ -350,7 +350,7 @@ def run_server(
 ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """Start a fresh server for `config`, run every cell against it, stop it: its /v1/info and the cells' figures."""
     log_path = args.out / f"server-{config.token}.log"
-    service = LocalService.uvicorn(free_port(), server_env(args, config, devices), log_path, config.workers)
+    service = LocalService.matmul_service(free_port(), server_env(args, config, devices), log_path, config.workers)
     results = []
     try:
         service.wait_ready(args.ready_timeout)

@@ -132,7 +132,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         prefix = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="matmul-nginx-")))
         replicas = []
         for index in range(args.replicas):
-            replica = LocalService.uvicorn(free_port(), env, prefix / f"replica-{index}.log", args.workers)
+            replica = LocalService.matmul_service(free_port(), env, prefix / f"replica-{index}.log", args.workers)
             stack.callback(replica.stop)
             replicas.append(replica)
         for replica in replicas:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from app.engine import KernelInfo, Plan
-from app.engine.base import Finished, Pairs
+from app.engine.base import Finished, Outputs, Pairs
 from app.engine.cpu import CpuBackend
 
 BLAS = "blas"
@@ -69,7 +69,9 @@ class SteeredBackend(CpuBackend):
         self.asked_to_batch.append(plan.kernel)
         return plan.kernel not in self.unbatchable
 
-    def submit(self, pairs: Pairs, dtype: np.dtype, plan: Plan, on_done: Callable[[], None]) -> Finished:
+    def submit(
+        self, pairs: Pairs, dtype: np.dtype, plan: Plan, on_done: Callable[[], None], outputs: Outputs = None
+    ) -> Finished:
         label = plan.config.label if plan.config is not None else None
         self.submitted.append(Submitted(plan.kernel, label, dtype, len(pairs)))
         self.entered.release()
@@ -78,4 +80,4 @@ class SteeredBackend(CpuBackend):
         if self.fail_next is not None:
             error, self.fail_next = self.fail_next, None
             raise error
-        return super().submit(pairs, dtype, Plan(kernel="numpy") if plan.kernel == BLAS else plan, on_done)
+        return super().submit(pairs, dtype, Plan(kernel="numpy") if plan.kernel == BLAS else plan, on_done, outputs)

@@ -33,6 +33,8 @@ def _product(m: int, k: int, n: int, kernel_ms: float, batch_size: int = 1) -> s
         device_name="test",
         peaks=DevicePeaks(),
         batch_size=batch_size,
+        stage_ms=0.125,
+        handoff_ms=0.0625,
     )
     clock = service.Stopwatch(received=100.0, read=100.5, decoded=101.25, computed=102.0)
     return service.Product(outcome, np.dtype(np.float32), m, k, n, "cpu", clock, ROOFLINE)
@@ -43,7 +45,8 @@ def test_each_stage_is_reported_in_milliseconds(monkeypatch: pytest.MonkeyPatch)
     monkeypatch.setattr(service, "perf_counter", lambda: 104.0)
     timing = _product(2, 3, 4, kernel_ms=1.5).describe().timing
     assert timing.model_dump() == {
-        "read_ms": 500.0, "decode_ms": 750.0, "queue_ms": 3.0, "h2d_ms": 0.5, "kernel_ms": 1.5, "d2h_ms": 0.25,
+        "read_ms": 500.0, "decode_ms": 750.0, "stage_ms": 0.125, "handoff_ms": 0.0625, "queue_ms": 3.0,
+        "h2d_ms": 0.5, "kernel_ms": 1.5, "d2h_ms": 0.25,
         "encode_ms": 2000.0, "total_ms": 4000.0,
     }  # fmt: skip
 

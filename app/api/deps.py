@@ -7,12 +7,12 @@ from typing import Annotated
 from fastapi import Depends, Request
 
 from app.config import Settings
-from app.engine import Engine
+from app.engine.engine import EngineFront
 from app.service import MatmulService
 
 
-def get_engine(request: Request) -> Engine:
-    engine: Engine = request.app.state.engine
+def get_engine(request: Request) -> EngineFront:
+    engine: EngineFront = request.app.state.engine
     return engine
 
 
@@ -21,7 +21,7 @@ def get_settings(request: Request) -> Settings:
     return settings
 
 
-EngineDep = Annotated[Engine, Depends(get_engine)]
+EngineDep = Annotated[EngineFront, Depends(get_engine)]
 SettingsDep = Annotated[Settings, Depends(get_settings)]
 
 

@@ -55,8 +55,14 @@ class KernelListing(BaseModel):
 
 
 class QueueModel(BaseModel):
-    size: int = Field(description="Requests each worker may hold waiting before new ones get 503.")
-    depth: int = Field(description="Requests waiting now, on all workers.")
+    size: int = Field(description="Requests each engine process may hold waiting before new ones get 503.")
+    depth: int = Field(description="Requests waiting now, in every engine process.")
+
+
+class SlabModel(BaseModel):
+    capacity_bytes: int = Field(description="Shared memory of the answering HTTP worker (MATMUL_SLAB_BYTES).")
+    used_bytes: int = Field(description="Bytes held now by its requests' operands and products.")
+    waiting: int = Field(description="Its requests waiting for room.")
 
 
 class InfoResponse(BaseModel):
@@ -65,9 +71,13 @@ class InfoResponse(BaseModel):
     backend: BackendName
     state: Literal["starting", "ready", "failed", "stopped"]
     failure: str | None
+    http_workers: int = Field(description="HTTP worker processes of the server (MATMUL_HTTP_WORKERS).")
+    http_worker_pid: int = Field(description="The process id of the HTTP worker that answered.")
+    slabs: SlabModel | None = Field(description="The answering HTTP worker's shared memory.")
     devices: list[dict[str, Any]] = Field(
-        description="Each device a worker owns: name, memory, compute capability, CuPy/CUDA versions, its "
-        "worker's state and queue depth (the CPU backend: one entry)."
+        description="Each device's engine process: name, memory, compute capability, CuPy/CUDA versions, state, "
+        "queue depth, `engine_pid`, the HTTP workers connected to it and the bytes of their shared memory it maps "
+        "(and, on a GPU, pins); the CPU backend: one entry."
     )
     queue: QueueModel
     kernels: list[KernelModel]

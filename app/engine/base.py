@@ -19,6 +19,13 @@ DTYPE_NAMES = ("float32", "float64")
 
 Pairs = Sequence[tuple[np.ndarray, np.ndarray]]
 """The operands of one launch: (a, b) pairs, all of one shape."""
+Outputs = Sequence[np.ndarray] | None
+"""Where a launch writes its products, one C-contiguous array of the working dtype per pair (the data plane's
+shared memory); None: the backend allocates them."""
+
+
+def _nothing_to_release() -> None:
+    return None
 
 
 @dataclass(frozen=True)
@@ -64,6 +71,12 @@ class Outcome:
     """The roofs of the device that computed it, for the answer's roofline."""
     batch_size: int = 1
     """Products in the launch that computed this one (dynamic batching); its timings are the launch's."""
+    stage_ms: float = 0.0
+    """Copying the operands into the shared memory the engine process reads (0 inside the engine process)."""
+    handoff_ms: float = 0.0
+    """The engine call's time spent neither queued nor on the device: the control channel both ways."""
+    release: Callable[[], None] = _nothing_to_release
+    """Lets go of the memory `c` lives in (a shared-memory slab), once nothing reads the product any more."""
 
 
 class Launch(Protocol):
@@ -127,12 +140,24 @@ class Backend(Protocol):
         before it returns; more where the device computes one launch while the next one's copies run."""
         ...
 
-    def submit(self, pairs: Pairs, dtype: np.dtype, plan: Plan, on_done: Callable[[], None]) -> Launch:
+    def submit(
+        self, pairs: Pairs, dtype: np.dtype, plan: Plan, on_done: Callable[[], None], outputs: Outputs = None
+    ) -> Launch:
         """Start a @ b in `dtype` for every pair, all of one shape, as one launch (pairs of one, unless
-        batchable). The operands are as decoded (any integer/float dtype, byte order, layout); they are staged
-        before this returns, so a value that does not fit `dtype` raises here. `on_done` is called, from any
-        thread, when the launch finishes after `submit` has returned (a launch done on return may not call it).
-        """
+        batchable), into `outputs` when given. The operands are as decoded (any integer/float dtype, byte order,
+        layout); they are staged before this returns, so a value that does not fit `dtype` raises here. Operands
+        already in `dtype`, C-contiguous, in pinned memory are copied from where they are. `on_done` is called,
+        from any thread, when the launch finishes after `submit` has returned (a launch done on return may not
+        call it)."""
+        ...
+
+    def pin(self, memory: np.ndarray) -> None:
+        """Page-lock host memory that operands and products will live in (the data plane's shared memory), so
+        that copies run straight from and into it; a no-op where there are no copies to a device."""
+        ...
+
+    def unpin(self, memory: np.ndarray) -> None:
+        """Undo `pin`, once no launch uses the memory."""
         ...
 
     def describe(self) -> dict[str, Any]:

@@ -12,7 +12,7 @@ from typing import Any, Final
 import numpy as np
 
 from app.engine.autotune import AutoChoice
-from app.engine.base import AUTO, CUBLAS, NUMPY, DeviceTiming, Finished, KernelInfo, Pairs, Plan
+from app.engine.base import AUTO, CUBLAS, NUMPY, DeviceTiming, Finished, KernelInfo, Outputs, Pairs, Plan
 from app.engine.staging import cast_into
 from app.errors import InvalidParameter, UnknownKernel
 from kernels.emulation import EMULATIONS
@@ -78,25 +78,31 @@ class CpuBackend:
     def max_in_flight(self) -> int:
         return 1
 
-    def submit(self, pairs: Pairs, dtype: np.dtype, plan: Plan, on_done: Callable[[], None]) -> Finished:
+    def submit(
+        self, pairs: Pairs, dtype: np.dtype, plan: Plan, on_done: Callable[[], None], outputs: Outputs = None
+    ) -> Finished:
         start = perf_counter()
-        (m, k), n = pairs[0][0].shape, pairs[0][1].shape[1]
-        a, b = np.empty((len(pairs), m, k), dtype), np.empty((len(pairs), k, n), dtype)
-        for i, (a_i, b_i) in enumerate(pairs):
-            cast_into(a[i], a_i, "a")
-            cast_into(b[i], b_i, "b")
+        (m, _), n = pairs[0][0].shape, pairs[0][1].shape[1]
+        staged_pairs = [(_in_dtype(a, dtype, "a"), _in_dtype(b, dtype, "b")) for a, b in pairs]
         staged = perf_counter()
+        products = list(outputs) if outputs is not None else [np.empty((m, n), dtype) for _ in pairs]
         # NaN and infinities propagate as the README says; NumPy's RuntimeWarnings about them are log noise.
         with np.errstate(invalid="ignore", over="ignore"):
-            if plan.config is None:
-                products = list(np.matmul(a, b))
-            else:
-                emulation = EMULATIONS[plan.kernel]
-                products = [emulation(a_i, b_i, plan.config) for a_i, b_i in zip(a, b, strict=True)]
+            for (a, b), c in zip(staged_pairs, products, strict=True):
+                if plan.config is None:
+                    np.matmul(a, b, out=c)
+                else:
+                    np.copyto(c, EMULATIONS[plan.kernel](a, b, plan.config))
         done = perf_counter()
         return Finished(
             products, DeviceTiming(h2d_ms=(staged - start) * 1e3, kernel_ms=(done - staged) * 1e3, d2h_ms=0.0)
         )
+
+    def pin(self, memory: np.ndarray) -> None:
+        return None
+
+    def unpin(self, memory: np.ndarray) -> None:
+        return None
 
     def describe(self) -> dict[str, Any]:
         return {
@@ -117,3 +123,12 @@ class CpuBackend:
 
     def close(self) -> None:
         return None
+
+
+def _in_dtype(operand: np.ndarray, dtype: np.dtype, name: str) -> np.ndarray:
+    """The operand as a C-contiguous array of `dtype`: itself when it is one, else a converted copy."""
+    if operand.dtype == dtype and operand.flags.c_contiguous:
+        return operand
+    converted = np.empty(operand.shape, dtype)
+    cast_into(converted, operand, name)
+    return converted

@@ -1,9 +1,12 @@
-"""The engine the routes see: one worker per device, each product sent to the least-loaded one."""
+"""The engine: one worker per device, each product sent to the least-loaded one; and `EngineFront`, what the
+service and the routes ask of an engine, whether it runs in their process (this one) or in engine processes
+behind the data plane (`app.dataplane.remote`)."""
 
 from __future__ import annotations
 
 import asyncio
-from typing import Any, Literal
+from dataclasses import dataclass
+from typing import Any, Literal, Protocol
 
 import numpy as np
 
@@ -11,6 +14,67 @@ from app.engine.autotune import AutoChoice
 from app.engine.base import KernelInfo, Outcome
 from app.engine.worker import EngineState, Worker
 from app.errors import NotReady
+
+
+@dataclass(frozen=True)
+class SlabUse:
+    """The shared memory an HTTP worker has for its requests' operands and products."""
+
+    capacity_bytes: int
+    used_bytes: int
+    waiting: int
+    """Requests waiting for room."""
+
+
+class EngineFront(Protocol):
+    """What the service, the routes and the probes use of an engine."""
+
+    @property
+    def backend_name(self) -> Literal["cpu", "gpu"]: ...
+
+    @property
+    def state(self) -> EngineState: ...
+
+    @property
+    def failure(self) -> str | None: ...
+
+    def check_ready(self) -> None:
+        """NotReady unless every device is ready."""
+        ...
+
+    def check_room(self) -> None:
+        """Overloaded when no ready device's queue has room."""
+        ...
+
+    @property
+    def queue_size(self) -> int: ...
+
+    @property
+    def queue_depth(self) -> int: ...
+
+    def kernels(self) -> list[KernelInfo]: ...
+
+    def auto_choices(self) -> list[AutoChoice]: ...
+
+    def describe(self) -> list[dict[str, Any]]: ...
+
+    def memory_held(self) -> int: ...
+
+    def compiled_instances(self) -> int: ...
+
+    def slab_use(self) -> SlabUse | None:
+        """The shared memory of this process's requests, where they travel through it (None in-process)."""
+        ...
+
+    async def matmul(
+        self,
+        a: np.ndarray,
+        b: np.ndarray,
+        dtype: np.dtype,
+        kernel: str,
+        tile: int | None,
+        timeout_s: float | None,
+    ) -> Outcome: ...
 
 
 class Engine:
@@ -85,11 +149,21 @@ class Engine:
     def compiled_instances(self) -> int:
         return sum(worker.backend.compiled_instances() for worker in self.workers)
 
+    def slab_use(self) -> None:
+        return None
+
     async def matmul(
-        self, a: np.ndarray, b: np.ndarray, dtype: np.dtype, kernel: str, tile: int | None, timeout_s: float | None
+        self,
+        a: np.ndarray,
+        b: np.ndarray,
+        dtype: np.dtype,
+        kernel: str,
+        tile: int | None,
+        timeout_s: float | None,
+        out: np.ndarray | None = None,
     ) -> Outcome:
-        """a @ b on the least-loaded ready worker's device, with `kernel` (and `tile`) checked and resolved
-        there (UnknownKernel, InvalidParameter) before the product is queued."""
+        """a @ b on the least-loaded ready worker's device (into `out`, when given), with `kernel` (and `tile`)
+        checked and resolved there (UnknownKernel, InvalidParameter) before the product is queued."""
         ready = [worker for worker in self.workers if worker.state is EngineState.READY]
         if not ready:
             self.check_ready()
@@ -97,4 +171,4 @@ class Engine:
         worker = min(ready, key=lambda w: w.load)
         (m, k), n = a.shape, b.shape[1]
         plan = worker.backend.plan(kernel, tile, m, n, k)
-        return await worker.matmul(a, b, dtype, plan, timeout_s=timeout_s)
+        return await worker.matmul(a, b, dtype, plan, timeout_s=timeout_s, out=out)

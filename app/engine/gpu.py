@@ -32,7 +32,18 @@ import numpy as np
 
 import kernels
 from app.engine.autotune import AUTO_REPEATS, SHAPE_CLASSES, AutoChoice, pick_auto
-from app.engine.base import AUTO, CUBLAS, DTYPE_NAMES, DeviceTiming, Finished, KernelInfo, Launch, Pairs, Plan
+from app.engine.base import (
+    AUTO,
+    CUBLAS,
+    DTYPE_NAMES,
+    DeviceTiming,
+    Finished,
+    KernelInfo,
+    Launch,
+    Outputs,
+    Pairs,
+    Plan,
+)
 from app.engine.staging import cast_into_parallel
 from app.errors import DeviceLost, DeviceOutOfMemory, InvalidParameter, ShapeMismatch, UnknownKernel
 from kernels.cuda import KernelLibrary, device_attributes
@@ -126,6 +137,15 @@ def _call_when_done(event: Any, finished: threading.Event, on_done: Callable[[],
     on_done()
 
 
+def _to_device(device: Any, hosts: list[np.ndarray], stream: Any) -> None:
+    """Queue the copy of `hosts` into `device`: one copy of a buffer of its whole shape, else one per product."""
+    if len(hosts) == 1 and hosts[0].shape == device.shape:
+        device.set(hosts[0], stream=stream)
+        return
+    for i, host in enumerate(hosts):
+        device[i].set(host, stream=stream)
+
+
 def _nothing() -> None:
     """The `on_done` of launches whose result is waited for at once."""
 
@@ -217,8 +237,15 @@ class GpuBackend:
         self._compiled_instances = 0
         self._spare_events: list[_LaunchEvents] = []
         self._stagers = ThreadPoolExecutor(STAGING_THREADS, thread_name_prefix=f"staging-{device}")
-        self._watcher = ThreadPoolExecutor(1, thread_name_prefix=f"launch-watcher-{device}")
+        # The watcher waits on events with CUDA runtime calls, which start a context on the thread's device.
+        self._watcher = ThreadPoolExecutor(
+            1,
+            thread_name_prefix=f"launch-watcher-{device}",
+            initializer=self._use_device,
+        )
         self._auto: list[AutoChoice] = []
+        self._pinned_ranges: dict[int, int] = {}
+        """Host memory given to `pin`: start address -> end address."""
 
     # ------------------------------------------------------------------------------------------- catalogue
 
@@ -375,34 +402,80 @@ class GpuBackend:
         except Exception:
             return False
 
-    def submit(self, pairs: Pairs, dtype: np.dtype, plan: Plan, on_done: Callable[[], None]) -> Launch:
-        """All pairs (one shape) staged into one pinned buffer each for A and B, one copy in, one launch
-        (gridDim.z = len(pairs) when more than one), one copy out into a pinned buffer for C; queued on the
-        streams, not waited for. `on_done` runs on the watcher thread once the copy out is done."""
+    def submit(
+        self, pairs: Pairs, dtype: np.dtype, plan: Plan, on_done: Callable[[], None], outputs: Outputs = None
+    ) -> Launch:
+        """All pairs (one shape) copied to the device, one launch (gridDim.z = len(pairs) when more than one),
+        the products copied back into `outputs` (or pinned buffers of the backend's); queued on the streams, not
+        waited for. Operands in pinned memory already (`pin`), in `dtype` and C-contiguous, are copied from where
+        they are; others are staged first into one pinned buffer each for A and B. `on_done` runs on the watcher
+        thread once the copy out is done."""
         m, n = pairs[0][0].shape[0], pairs[0][1].shape[1]
         if m == 0 or n == 0:
-            return Finished(
-                [np.zeros((m, n), dtype) for _ in pairs], DeviceTiming(h2d_ms=0.0, kernel_ms=0.0, d2h_ms=0.0)
-            )
+            products = list(outputs) if outputs is not None else [np.zeros((m, n), dtype) for _ in pairs]
+            return Finished(products, DeviceTiming(h2d_ms=0.0, kernel_ms=0.0, d2h_ms=0.0))
         with self._cuda_errors():
-            return self._enqueue(pairs, dtype, plan, on_done)
+            return self._enqueue(pairs, dtype, plan, on_done, outputs)
 
-    def _enqueue(self, pairs: Pairs, dtype: np.dtype, plan: Plan, on_done: Callable[[], None]) -> _GpuLaunch:
+    def _use_device(self) -> None:
+        """Make this backend's device the calling thread's, for good: since CUDA 12 setting a device starts its
+        context, so switching back to another one (as `with cupy.cuda.Device(...)` does on exit) would start a
+        context on that other GPU too. An engine process owns one device; its threads all use it."""
+        self._cp.cuda.runtime.setDevice(self._device_id)
+
+    def pin(self, memory: np.ndarray) -> None:
+        cp = self._cp
+        address = memory.ctypes.data
+        self._use_device()
+        with self._cuda_errors():
+            cp.cuda.runtime.hostRegister(address, memory.nbytes, 0)
+        # replaced, not changed in place: the worker thread reads it while another thread pins
+        self._pinned_ranges = {**self._pinned_ranges, address: address + memory.nbytes}
+
+    def unpin(self, memory: np.ndarray) -> None:
+        cp = self._cp
+        address = memory.ctypes.data
+        if address not in self._pinned_ranges:
+            return
+        self._pinned_ranges = {low: high for low, high in self._pinned_ranges.items() if low != address}
+        self._use_device()
+        with self._cuda_errors():
+            cp.cuda.runtime.hostUnregister(address)
+
+    def _is_pinned(self, array: np.ndarray, dtype: np.dtype) -> bool:
+        """Whether `array` can be copied as it is: `dtype`, C-contiguous, inside memory given to `pin`."""
+        if array.dtype != dtype or not array.flags.c_contiguous:
+            return False
+        start = array.ctypes.data
+        return any(low <= start and start + array.nbytes <= high for low, high in self._pinned_ranges.items())
+
+    def _host_operands(self, operands: list[np.ndarray], dtype: np.dtype, name: str) -> list[np.ndarray]:
+        """The operands where the copy in reads them: as they are when all are pinned already, else staged into
+        one pinned buffer (stacked when there are several), converting dtype, byte order and layout."""
+        if all(self._is_pinned(operand, dtype) for operand in operands):
+            return operands
+        stacked = len(operands) > 1
+        host = self._pinned(((len(operands),) if stacked else ()) + operands[0].shape, dtype)
+        for i, operand in enumerate(operands):
+            cast_into_parallel(host[i] if stacked else host, operand, name, self._stagers, STAGING_THREADS)
+        return [host]
+
+    def _enqueue(
+        self, pairs: Pairs, dtype: np.dtype, plan: Plan, on_done: Callable[[], None], outputs: Outputs
+    ) -> _GpuLaunch:
         cp = self._cp
         (m, k), n = pairs[0][0].shape, pairs[0][1].shape[1]
         stack: tuple[int, ...] = (len(pairs),) if len(pairs) > 1 else ()
         started = perf_counter()
-        a_host, b_host = self._pinned((*stack, m, k), dtype), self._pinned((*stack, k, n), dtype)
-        for i, (a, b) in enumerate(pairs):
-            cast_into_parallel(a_host[i] if stack else a_host, a, "a", self._stagers, STAGING_THREADS)
-            cast_into_parallel(b_host[i] if stack else b_host, b, "b", self._stagers, STAGING_THREADS)
+        a_hosts = self._host_operands([a for a, _ in pairs], dtype, "a")
+        b_hosts = self._host_operands([b for _, b in pairs], dtype, "b")
         staging_ms = (perf_counter() - started) * 1e3
         events = self._spare_events.pop() if self._spare_events else _LaunchEvents.create(cp)
         with self._copy_in as stream:
-            a_dev, b_dev = cp.empty(a_host.shape, dtype), cp.empty(b_host.shape, dtype)
+            a_dev, b_dev = cp.empty((*stack, m, k), dtype), cp.empty((*stack, k, n), dtype)
             events.copy_in.record(stream)
-            a_dev.set(a_host, stream=stream)
-            b_dev.set(b_host, stream=stream)
+            _to_device(a_dev, a_hosts, stream)
+            _to_device(b_dev, b_hosts, stream)
             events.copied_in.record(stream)
         with self._compute as stream:
             c_dev = cp.empty((*stack, m, n), dtype)
@@ -412,13 +485,19 @@ class GpuBackend:
             events.launch.record(stream)
             self._launch(plan, a_dev, b_dev, c_dev)
             events.launched.record(stream)
-        c_host = self._pinned(c_dev.shape, dtype)
+        if outputs is None:
+            c_host = self._pinned(c_dev.shape, dtype)
+            products = list(c_host) if stack else [c_host]
+        else:
+            products = list(outputs)
         if self._poison_outputs:
-            c_host.fill(np.nan)
+            for product in products:
+                product.fill(np.nan)
         with self._copy_out as stream:
             stream.wait_event(events.launched)
             events.copy_out.record(stream)
-            c_dev.get(stream=stream, out=c_host, blocking=False)
+            for i, product in enumerate(products):
+                (c_dev[i] if stack else c_dev).get(stream=stream, out=product, blocking=False)
             events.copied_out.record(stream)
         finished = threading.Event()
         self._watcher.submit(_call_when_done, events.copied_out, finished, on_done)
@@ -426,9 +505,9 @@ class GpuBackend:
             backend=self,
             events=events,
             finished=finished,
-            products=list(c_host) if stack else [c_host],
+            products=products,
             staging_ms=staging_ms,
-            buffers=(a_host, b_host, a_dev, b_dev, c_dev),
+            buffers=(*a_hosts, *b_hosts, a_dev, b_dev, c_dev),
         )
 
     def _collect(self, launch: _GpuLaunch) -> tuple[list[np.ndarray], DeviceTiming]:
@@ -452,8 +531,8 @@ class GpuBackend:
 
     def describe(self) -> dict[str, Any]:
         cp = self._cp
-        with cp.cuda.Device(self._device_id):
-            free, total = cp.cuda.runtime.memGetInfo()
+        self._use_device()
+        free, total = cp.cuda.runtime.memGetInfo()
         p = self._properties
         return {
             "name": self.device_name,
@@ -473,6 +552,7 @@ class GpuBackend:
         }
 
     def memory_held(self) -> int:
+        self._use_device()
         return int(self._cp.get_default_memory_pool().total_bytes())
 
     def compiled_instances(self) -> int:

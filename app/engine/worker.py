@@ -10,9 +10,11 @@ before anything new is submitted, and the batching window is only waited for whe
 
 A job leaves the queue unrun when its caller goes away (cancelled) or its deadline passes while it still
 waits (504): whichever of the worker (starting it) and the event loop (dropping it) comes first wins, under
-the job's lock, so no device time is spent for nobody and no answer is lost. A dropped job frees its place in
-the queue at once (the bound counts jobs still waiting, not entries) and lets go of its operands; the worker
-skips its empty entry when it comes to it.
+the job's lock, so no device time is spent for nobody and no answer is lost. A caller cancelled while its job
+runs still waits for the launch to end before the cancellation goes on: when `matmul` returns or raises, the
+device no longer reads its operands or writes its output, so their memory may be reused at once. A dropped job
+frees its place in the queue at once (the bound counts jobs still waiting, not entries) and lets go of its
+operands; the worker skips its empty entry when it comes to it.
 
 When the backend reports the device lost (a sticky CUDA error poisons the process's context), the engine
 fails, answers every queued job with 503, and calls `on_device_lost` so the process can exit and be
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import logging
 import queue
 import threading
@@ -79,12 +82,14 @@ class _Job:
     """The operands, until the job is dropped."""
     dtype: np.dtype
     plan: Plan
+    out: np.ndarray | None
+    """Where the product goes; None: where the backend puts it."""
     loop: asyncio.AbstractEventLoop
     future: asyncio.Future[Outcome]
     left_queue: Callable[[], None]
     """Called once, when the job stops waiting (started or dropped)."""
     batch_key: tuple[object, ...]
-    """Jobs with equal keys can run as one batched launch."""
+    """Jobs with equal keys can run as one batched launch (all of them with outputs given, or none)."""
     enqueued_at: float
     state: _JobState = _JobState.QUEUED
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -213,10 +218,17 @@ class Worker:
             raise NotReady(f"the {self.backend.name} backend is {self._state.value}: {self._failure or 'shut down'}")
 
     async def matmul(
-        self, a: np.ndarray, b: np.ndarray, dtype: np.dtype, plan: Plan, timeout_s: float | None = None
+        self,
+        a: np.ndarray,
+        b: np.ndarray,
+        dtype: np.dtype,
+        plan: Plan,
+        timeout_s: float | None = None,
+        out: np.ndarray | None = None,
     ) -> Outcome:
-        """a @ b on the device. Overloaded at once when the queue is full; DeadlineExceeded when the job is
-        still queued `timeout_s` after it was enqueued (a job already running is waited for)."""
+        """a @ b on the device, into `out` when given. Overloaded at once when the queue is full;
+        DeadlineExceeded when the job is still queued `timeout_s` after it was enqueued (a job already running is
+        waited for)."""
         self.check_ready()
         loop = asyncio.get_running_loop()
         with self._waiting_lock:
@@ -228,10 +240,11 @@ class Worker:
             pair=(a, b),
             dtype=dtype,
             plan=plan,
+            out=out,
             loop=loop,
             future=loop.create_future(),
             left_queue=self._left_queue,
-            batch_key=(a.shape, b.shape, dtype, plan.kernel, label),
+            batch_key=(a.shape, b.shape, dtype, plan.kernel, label, out is None),
             enqueued_at=perf_counter(),
         )
         self._queue.put(job)
@@ -246,7 +259,8 @@ class Worker:
                 ) from None
             return await job.future
         except asyncio.CancelledError:
-            job.drop()
+            if not job.drop():
+                await _launch_ended(job.future)
             raise
 
     def overloaded(self) -> Overloaded:
@@ -328,7 +342,9 @@ class Worker:
         began = perf_counter()
         first = batch[0]
         try:
-            launch = self.backend.submit([j.operands() for j in batch], first.dtype, first.plan, self._wake.set)
+            outputs = None if first.out is None else [j.out for j in batch if j.out is not None]
+            pairs = [j.operands() for j in batch]
+            launch = self.backend.submit(pairs, first.dtype, first.plan, self._wake.set, outputs)
         except InvalidInput as exc:
             if len(batch) > 1:
                 return [submitted for job in batch for submitted in self._submit([job])]
@@ -392,6 +408,13 @@ class Worker:
                 job.loop.call_soon_threadsafe(_settle, job.future, NotReady(self._failure or "the device was lost"))
         if self._on_device_lost is not None and self._loop is not None:
             self._loop.call_soon_threadsafe(self._on_device_lost)
+
+
+async def _launch_ended(future: asyncio.Future[Outcome]) -> None:
+    """Wait, through further cancellations, until a started job's launch has been answered."""
+    while not future.done():
+        with contextlib.suppress(asyncio.CancelledError):
+            await asyncio.wait([future])
 
 
 def _settle(future: asyncio.Future[Outcome], outcome: Outcome | BaseException) -> None:

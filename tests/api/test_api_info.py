@@ -8,9 +8,8 @@ import httpx
 import pytest
 
 from app.config import BackendChoice, Settings
+from app.dataplane import engine_process
 from app.engine import gpu
-from app.main import create_app
-from tests.conftest import _client_for
 
 pytestmark = pytest.mark.anyio
 
@@ -97,13 +96,11 @@ def test_why_there_is_no_gpu_in_plain_words_with_cupys_own_in_the_detail(
     assert gpu.NO_GPU == "No NVIDIA GPU or driver found"
 
 
-async def test_without_a_driver_the_start_up_log_and_info_say_so(
+def test_without_a_driver_the_probe_says_so_and_the_log_says_why(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     _cuda_fails(monkeypatch, gpu.CUDA_ERROR_INSUFFICIENT_DRIVER, driver_installed=False)
-    async for client in _client_for(create_app(Settings(backend=BackendChoice.AUTO))):
-        (device,) = (await client.get("/v1/info")).json()["devices"]
-        assert device["why_cpu"] == "No NVIDIA GPU or driver found"
+    assert engine_process.probe(Settings(backend=BackendChoice.AUTO)) == {"cpu": "No NVIDIA GPU or driver found"}
     (warning,) = [record.getMessage() for record in caplog.records if record.levelno == logging.WARNING]
     assert warning == (
         "No NVIDIA GPU or driver found: running on the CPU backend "

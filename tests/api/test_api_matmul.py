@@ -14,7 +14,8 @@ import pytest
 
 from app import codecs
 from app.config import Settings
-from app.engine import Engine, Plan
+from app.dataplane.remote import RemoteEngine
+from app.engine import Plan
 from app.engine.cpu import CpuBackend
 from app.main import create_app
 from kernels.reference import assert_close_to_reference
@@ -23,7 +24,18 @@ from matmul_tools.service import wait_ready_async
 
 pytestmark = pytest.mark.anyio
 
-TIMING_FIELDS = ["read_ms", "decode_ms", "queue_ms", "h2d_ms", "kernel_ms", "d2h_ms", "encode_ms", "total_ms"]
+TIMING_FIELDS = [
+    "read_ms",
+    "decode_ms",
+    "stage_ms",
+    "handoff_ms",
+    "queue_ms",
+    "h2d_ms",
+    "kernel_ms",
+    "d2h_ms",
+    "encode_ms",
+    "total_ms",
+]
 SHAPES = [(1, 1, 1), (1, 7, 1), (5, 1, 3), (17, 33, 9), (64, 64, 64), (3, 0, 4), (0, 3, 2), (2, 3, 0)]
 
 
@@ -444,7 +456,7 @@ async def test_an_unexpected_error_is_a_500_in_the_error_format_that_shows_nothi
     async def broken(*args: object, **kwargs: object) -> NoReturn:
         raise RuntimeError("secret-internal-detail /srv/app/engine/worker.py")
 
-    monkeypatch.setattr(Engine, "matmul", broken)
+    monkeypatch.setattr(RemoteEngine, "matmul", broken)
     app = create_app(cpu_settings)
     async with app.router.lifespan_context(app):
         transport = httpx.ASGITransport(app=app, raise_app_exceptions=True)

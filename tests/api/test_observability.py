@@ -75,17 +75,18 @@ async def test_a_request_id_is_made_when_none_usable_is_sent(client: httpx.Async
 
 
 def test_metrics_are_merged_across_worker_processes(tmp_path: object) -> None:
-    """Two uvicorn workers sharing PROMETHEUS_MULTIPROC_DIR: any worker's /metrics counts every request."""
+    """`matmul-service --workers 2` with a PROMETHEUS_MULTIPROC_DIR of the operator's: any worker's /metrics counts
+    every request."""
     import os
 
     import httpx as sync_httpx
 
-    from matmul_tools.service import free_port, running_server, uvicorn_command
+    from matmul_tools.service import free_port, running_server, service_command
 
     port = free_port()
     directory = os.fspath(tmp_path)  # type: ignore[call-overload]
     env = {"MATMUL_BACKEND": "cpu", "MATMUL_ACCESS_LOG": "false", "PROMETHEUS_MULTIPROC_DIR": directory}
-    with running_server([*uvicorn_command(port), "--workers", "2"], port, env=env) as client:
+    with running_server(service_command(port, "--workers", "2"), port, env=env) as client:
         for _ in range(20):
             # a new connection each time, so both workers take requests
             assert sync_httpx.post(f"{client.base_url}/matmul", json={"a": [[1]], "b": [[2]]}).status_code == 200

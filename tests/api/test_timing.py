@@ -18,7 +18,7 @@ from fastapi import FastAPI
 from app.api.deps import get_engine
 from app.config import Settings
 from app.engine import DeviceTiming, Engine, Outcome, Plan, Worker
-from app.engine.base import Finished, Pairs
+from app.engine.base import Finished, Outputs, Pairs
 from app.engine.cpu import CpuBackend
 from app.errors import Overloaded
 from app.main import create_app
@@ -52,11 +52,13 @@ class KnownTimesBackend(CpuBackend):
         self.entered = threading.Semaphore(0)
         self.release = threading.Semaphore(0)
 
-    def submit(self, pairs: Pairs, dtype: np.dtype, plan: Plan, on_done: Callable[[], None]) -> Finished:
+    def submit(
+        self, pairs: Pairs, dtype: np.dtype, plan: Plan, on_done: Callable[[], None], outputs: Outputs = None
+    ) -> Finished:
         if self.hold:
             self.entered.release()
             assert self.release.acquire(timeout=GUARD_S), "the test never released the launch"
-        products = super().submit(pairs, dtype, plan, on_done).products
+        products = super().submit(pairs, dtype, plan, on_done, outputs).products
         return Finished(products, KNOWN)
 
 

@@ -22,7 +22,7 @@ from app.client import (
 from kernels.reference import assert_close_to_reference
 from tests.conftest import SERVED_MAX_BODY_BYTES
 
-PHASES = ["read", "decode", "queue", "h2d", "kernel", "d2h", "encode", "total"]
+PHASES = ["read", "decode", "stage", "handoff", "queue", "h2d", "kernel", "d2h", "encode", "total"]
 
 
 def operands(m: int, k: int, n: int, dtype: str) -> tuple[np.ndarray, np.ndarray]:

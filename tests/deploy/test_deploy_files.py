@@ -8,6 +8,7 @@ checked against what they deploy: the settings, the load-test script's flags, th
 from __future__ import annotations
 
 import ast
+import os
 import re
 import subprocess
 import sys
@@ -19,15 +20,14 @@ from urllib.parse import urlsplit
 
 import dockerfile
 import pytest
-import uvicorn
 import yaml
 from packaging.requirements import Requirement
-from uvicorn.main import main as uvicorn_cli
 
+from app import cli
 from app.api.connection import GuardedHttpProtocol
 from app.config import Settings
+from app.dataplane.supervisor import ENGINE_SOCKETS_VARIABLE
 from matmul_tools import loadtest
-from matmul_tools.service import HTTP_PROTOCOL
 from tests.scripts import ROOT, import_script
 
 SCRIPTS = Path(sys.executable).parent
@@ -72,6 +72,9 @@ def image_of(stage: list[dockerfile.Command]) -> str:
 
 SERVICE, LOADTEST = stages()["service"], stages()["loadtest"]
 SERVICE_ENV = environment(SERVICE)
+SERVICE_ARGS = list(one(SERVICE, "CMD").value[1:])
+SERVED_PORT = str(cli.service_parser().parse_args(SERVICE_ARGS).port)
+"""The port the image's CMD listens on: matmul-service's default unless the CMD names one."""
 
 
 def run_tool(name: str, *args: str) -> subprocess.CompletedProcess[str]:
@@ -127,38 +130,91 @@ def test_every_extra_installed_in_an_image_exists() -> None:
     assert named == {"gpu", "loadtest"} and named <= set(PYPROJECT["project"]["optional-dependencies"])
 
 
-def test_cmd_is_exec_form_uvicorn_on_the_app_factory_with_settings_from_the_environment() -> None:
+def test_cmd_is_exec_form_matmul_service_with_settings_from_the_environment() -> None:
     cmd = one(SERVICE, "CMD")
-    assert cmd.json and list(cmd.value) == ["uvicorn", "app.main:create_app", "--factory", *HTTP_PROTOCOL]
-    assert SERVICE_ENV["UVICORN_ACCESS_LOG"] == "false", "the service writes its own access log"
-    assert SERVICE_ENV["UVICORN_HOST"] == "0.0.0.0" and one(SERVICE, "EXPOSE").value == (SERVICE_ENV["UVICORN_PORT"],)
+    assert cmd.json and list(cmd.value) == ["matmul-service"]
+    assert PYPROJECT["project"]["scripts"]["matmul-service"] == "app.cli:service_main"
+    assert cli.service_parser().parse_args(SERVICE_ARGS).host == "0.0.0.0"
+    assert one(SERVICE, "EXPOSE").value == (SERVED_PORT,)
+    uvicorn_variables = {name for name in SERVICE_ENV if name.startswith("UVICORN_")}
+    assert uvicorn_variables == {cli.GRACEFUL_SHUTDOWN_VARIABLE}, "matmul-service reads no other UVICORN_* variable"
     assert set(SERVICE_ENV) & SETTING_VARIABLES == {"MATMUL_BACKEND"} and SERVICE_ENV["MATMUL_BACKEND"] == "gpu"
     assert SERVICE_ENV["PATH"].startswith("/opt/venv/bin:")
 
 
-def test_uvicorn_gives_in_flight_requests_a_graceful_shutdown_in_the_image(monkeypatch: pytest.MonkeyPatch) -> None:
-    """uvicorn's own CLI, run on the image's CMD and UVICORN_* variables, has a graceful-shutdown timeout: on
-    SIGTERM it waits that long for in-flight requests (README: UVICORN_TIMEOUT_GRACEFUL_SHUTDOWN in the container)."""
-    for name, value in SERVICE_ENV.items():
-        if name.startswith("UVICORN_"):
+def in_the_image_environment(monkeypatch: pytest.MonkeyPatch, **extra: str) -> None:
+    """This process's environment as the image's CMD sees it: its MATMUL_* and UVICORN_* variables, no others. A
+    copy of it, so that what service_main adds for its HTTP workers leaves with the test (the servers of later
+    tests would look for the engines it named)."""
+    monkeypatch.setattr(os, "environ", dict(os.environ))
+    for name in [*SETTING_VARIABLES, ENGINE_SOCKETS_VARIABLE, cli.METRICS_DIR_VARIABLE, cli.GRACEFUL_SHUTDOWN_VARIABLE]:
+        monkeypatch.delenv(name, raising=False)
+    for name, value in {**SERVICE_ENV, **extra}.items():
+        if name.startswith(("MATMUL_", "UVICORN_")):
             monkeypatch.setenv(name, value)
-    command = one(SERVICE, "CMD").value
-    assert uvicorn_cli.make_context(command[0], list(command[1:])).params["timeout_graceful_shutdown"] == 30
 
 
-def test_uvicorn_in_the_image_serves_with_the_connection_protocol_that_bounds_headers() -> None:
-    """The CMD's --http, as uvicorn's CLI reads it and its config loads it, is app.api.connection's protocol."""
-    command = one(SERVICE, "CMD").value
-    http = uvicorn_cli.make_context(command[0], list(command[1:])).params["http"]
-    config = uvicorn.Config("app.main:create_app", factory=True, http=http, ws="none")
-    config.load()
-    assert config.http_protocol_class is GuardedHttpProtocol
+def test_matmul_service_gives_in_flight_requests_a_graceful_shutdown_in_the_image(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """uvicorn.run reads no UVICORN_* variable; matmul-service's --timeout-graceful-shutdown takes its default from
+    UVICORN_TIMEOUT_GRACEFUL_SHUTDOWN, so on SIGTERM each HTTP worker waits that long for in-flight requests."""
+    in_the_image_environment(monkeypatch)
+    assert cli.service_parser().parse_args(SERVICE_ARGS).timeout_graceful_shutdown == 30
+    monkeypatch.delenv(cli.GRACEFUL_SHUTDOWN_VARIABLE)
+    assert cli.service_parser().parse_args(SERVICE_ARGS).timeout_graceful_shutdown is None, "uvicorn's default"
+
+
+class FakeSupervisor:
+    """An EngineSupervisor that starts no process."""
+
+    def __init__(self, settings: Settings, directory: Path) -> None:
+        self.settings, self.directory, self.stopped = settings, directory, False
+        self.sockets = [str(directory / "device-0.sock")]
+
+    def start(self) -> None:
+        pass
+
+    def make_directory(self, name: str) -> str:
+        (self.directory / name).mkdir()
+        return str(self.directory / name)
+
+    def stop(self) -> None:
+        self.stopped = True
+
+
+@pytest.mark.parametrize("http_workers", ["1", "3"])
+def test_matmul_service_in_the_image_runs_uvicorn_with_the_connection_protocol_that_bounds_headers(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, http_workers: str
+) -> None:
+    """The image's CMD, with its environment and compose's MATMUL_HTTP_WORKERS, serves the app factory on the
+    exposed port with app.api.connection's protocol, without uvicorn's access log, in that many HTTP workers."""
+    in_the_image_environment(monkeypatch, MATMUL_HTTP_WORKERS=http_workers)
+    supervisors: list[FakeSupervisor] = []
+    runs: list[tuple[tuple[Any, ...], dict[str, Any]]] = []
+
+    def supervisor(settings: Settings) -> FakeSupervisor:
+        supervisors.append(FakeSupervisor(settings, tmp_path))
+        return supervisors[-1]
+
+    monkeypatch.setattr(cli, "EngineSupervisor", supervisor)
+    monkeypatch.setattr(cli.uvicorn, "run", lambda *args, **kwargs: runs.append((args, kwargs)))
+    assert cli.service_main(SERVICE_ARGS) == 0
+
+    [(args, kwargs)] = runs
+    assert args == ("app.main:create_app",) and kwargs["factory"] is True
+    assert kwargs["http"] is GuardedHttpProtocol and kwargs["access_log"] is False
+    assert (kwargs["host"], str(kwargs["port"])) == ("0.0.0.0", SERVED_PORT)
+    assert kwargs["timeout_graceful_shutdown"] == 30 and kwargs["workers"] == int(http_workers)
+    [engines] = supervisors
+    assert engines.settings.backend.value == "gpu" and engines.stopped
+    assert os.environ[ENGINE_SOCKETS_VARIABLE] == engines.sockets[0], "the HTTP workers find the engines"
 
 
 def test_healthcheck_probes_healthz_on_the_served_port() -> None:
     check = one(SERVICE, "HEALTHCHECK")
     assert check.json and check.value[0] == "CMD"
-    assert f"http://127.0.0.1:{SERVICE_ENV['UVICORN_PORT']}/healthz" in " ".join(check.value)
+    assert f"http://127.0.0.1:{SERVED_PORT}/healthz" in " ".join(check.value)
 
 
 def test_the_cupy_cache_is_a_volume() -> None:
@@ -225,7 +281,7 @@ def test_the_service_reserves_a_gpu_and_is_health_checked() -> None:
     assert devices == [{"driver": "nvidia", "count": 1, "capabilities": ["gpu"]}]
     assert service["healthcheck"]["start_period"] and "test" not in service["healthcheck"], "the image's probe"
     container_ports = {mapping.rsplit(":", 1)[1] for mapping in service["ports"]}
-    assert container_ports == {SERVICE_ENV["UVICORN_PORT"]}
+    assert container_ports == {SERVED_PORT}
 
 
 def compose_seconds(duration: str) -> float:
@@ -237,17 +293,22 @@ def compose_seconds(duration: str) -> float:
 
 @pytest.mark.parametrize("name", ["matmul", "replica"])
 def test_the_service_is_restarted_when_it_exits_and_stopped_only_after_its_graceful_shutdown(name: str) -> None:
-    """A lost GPU ends the process with exit code 75 for the restart policy to start a fresh one; `docker stop`
-    waits longer than uvicorn's graceful shutdown before it kills (Docker's default wait is 10 s)."""
+    """A lost GPU ends only its engine process, which matmul-service restarts; the restart policy starts a fresh
+    container if matmul-service itself exits. `docker stop` waits longer than the HTTP workers' graceful shutdown
+    before it kills (Docker's default wait is 10 s)."""
     service = COMPOSE["services"][name]
     assert service["restart"] in ("always", "unless-stopped") or service["restart"].startswith("on-failure")
-    graceful_s = int(SERVICE_ENV["UVICORN_TIMEOUT_GRACEFUL_SHUTDOWN"])
+    graceful_s = int(SERVICE_ENV[cli.GRACEFUL_SHUTDOWN_VARIABLE])
     assert compose_seconds(service.get("stop_grace_period", "10s")) > graceful_s
 
 
 def test_the_service_settings_are_real_settings() -> None:
-    variables = set(COMPOSE["services"]["matmul"]["environment"])
-    assert variables <= SETTING_VARIABLES and {"MATMUL_BACKEND", "MATMUL_QUEUE_SIZE"} <= variables
+    variables = COMPOSE["services"]["matmul"]["environment"]
+    assert set(variables) <= SETTING_VARIABLES and {"MATMUL_BACKEND", "MATMUL_QUEUE_SIZE"} <= set(variables)
+    for name in ("http_workers", "slab_bytes"):
+        default = re.fullmatch(r"\$\{(\w+):-(\d+)\}", variables[f"MATMUL_{name.upper()}"])
+        assert default and default.group(1) == f"MATMUL_{name.upper()}", f"MATMUL_{name.upper()} is passed on"
+        assert int(default.group(2)) == Settings.model_fields[name].default, "compose's default is the service's"
 
 
 def first_party_imports(path: Path, seen: set[Path] | None = None) -> set[str]:
@@ -288,7 +349,7 @@ def test_the_loadtest_service_runs_the_script_against_the_service() -> None:
     assert list(one(LOADTEST, "ENTRYPOINT").value) == ["python", "scripts/loadtest.py"]
     args = loadtest.parse_args(service["command"])
     url = urlsplit(args.url)
-    assert url.hostname == "matmul" and str(url.port) == SERVICE_ENV["UVICORN_PORT"]
+    assert url.hostname == "matmul" and str(url.port) == SERVED_PORT
     assert args.wait_ready > 0, (
         "the service is healthy before its kernels are compiled; the load test waits for /readyz"
     )
@@ -330,7 +391,7 @@ def test_the_scale_profile_puts_replicas_of_the_service_behind_the_official_ngin
     placeholders = set(re.findall(r"\$\{(\w+)\}", NGINX_TEMPLATE))
     assert placeholders == set(balancer["environment"]) == {"NGINX_LISTEN", "NGINX_UPSTREAM"}
     host, port = balancer["environment"]["NGINX_UPSTREAM"].split(":")
-    assert host == "replica" and port == SERVICE_ENV["UVICORN_PORT"]
+    assert host == "replica" and port == SERVED_PORT
     assert balancer["ports"] == ["${MATMUL_LB_PORT:-8080}:" + balancer["environment"]["NGINX_LISTEN"]]
 
 

@@ -17,7 +17,8 @@ from app.api.deps import get_engine
 from app.config import Settings
 from app.engine import BatchPolicy, DeviceTiming, Engine, EngineState, KernelInfo, Outcome, Plan, Worker
 from app.engine.autotune import AutoChoice
-from app.engine.base import Finished
+from app.engine.base import Finished, Outputs
+from app.engine.cpu import CpuBackend
 from app.errors import DeviceFailure, DeviceOutOfMemory, NotReady
 from app.main import create_app
 from kernels.roofline import DevicePeaks
@@ -60,7 +61,12 @@ class GatedBackend:
         return 1
 
     def submit(
-        self, pairs: Sequence[tuple[np.ndarray, np.ndarray]], dtype: np.dtype, plan: Plan, on_done: Callable[[], None]
+        self,
+        pairs: Sequence[tuple[np.ndarray, np.ndarray]],
+        dtype: np.dtype,
+        plan: Plan,
+        on_done: Callable[[], None],
+        outputs: Outputs = None,
     ) -> Finished:
         self.started.release()
         self.step.acquire(timeout=10)
@@ -381,7 +387,12 @@ class PipelinedBackend(GatedBackend):
         return 2
 
     def submit(
-        self, pairs: Sequence[tuple[np.ndarray, np.ndarray]], dtype: np.dtype, plan: Plan, on_done: Callable[[], None]
+        self,
+        pairs: Sequence[tuple[np.ndarray, np.ndarray]],
+        dtype: np.dtype,
+        plan: Plan,
+        on_done: Callable[[], None],
+        outputs: Outputs = None,
     ) -> HeldLaunch:
         label = f"{pairs[0][0][0, 0]:g}"
         self.log.append(f"submit {label}")
@@ -561,23 +572,27 @@ async def test_while_the_device_is_busy_a_product_is_submitted_without_waiting_f
 
 
 async def test_a_bad_operand_in_a_batch_fails_only_its_own_request() -> None:
-    settings = Settings(backend="cpu", batching=True, max_queue_delay_us=200_000, access_log=False)
-    app = create_app(settings)
+    """In the engine (in-process here: over the data plane the HTTP worker refuses the value before)."""
+    backend = CpuBackend("tests")
+    launches: list[int] = []
+    submit = backend.submit
+
+    def counting_submit(pairs: Sequence[tuple[np.ndarray, np.ndarray]], *args: Any) -> Any:
+        launches.append(len(pairs))
+        return submit(pairs, *args)
+
+    backend.submit = counting_submit  # type: ignore[method-assign]
+    engine = Engine([Worker(backend, queue_size=8, batching=BatchPolicy(max_size=8, max_delay_s=0.2))])
+    app = create_app(Settings(backend="cpu", access_log=False))
+    app.dependency_overrides[get_engine] = lambda: engine
     async with app.router.lifespan_context(app):
+        engine.start()
         transport = httpx.ASGITransport(app=app)
         async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
             await wait_ready_async(client, timeout_s=30)
-            backend = app.state.engine.workers[0].backend
-            launches: list[int] = []
-            submit = backend.submit
-
-            def counting_submit(pairs: Sequence[tuple[np.ndarray, np.ndarray]], *args: Any) -> Any:
-                launches.append(len(pairs))
-                return submit(pairs, *args)
-
-            backend.submit = counting_submit
             bodies = [{"a": [[1.0, 2.0]], "b": [[3.0], [4.0]]}] * 3 + [{"a": [[1.0, 1e39]], "b": [[3.0], [4.0]]}]
             answers = await asyncio.gather(*(client.post("/matmul", json=body) for body in bodies))
+        await engine.stop()
     assert launches == [4, 1, 1, 1, 1]  # the batch, refused by the bad operand, then each alone
     assert [r.status_code for r in answers] == [200, 200, 200, 422]
     assert all(r.json()["result"] == [[11.0]] for r in answers[:3])

@@ -2,17 +2,19 @@
 
 from __future__ import annotations
 
+import os
+
 from fastapi import APIRouter
 
 from app import __version__
-from app.api.deps import EngineDep
-from app.api.schemas import AutoChoiceModel, InfoResponse, KernelListing, KernelModel, QueueModel
-from app.engine import Engine
+from app.api.deps import EngineDep, SettingsDep
+from app.api.schemas import AutoChoiceModel, InfoResponse, KernelListing, KernelModel, QueueModel, SlabModel
+from app.engine import EngineFront
 
 router = APIRouter(prefix="/v1", tags=["info"])
 
 
-def _kernel_models(engine: Engine) -> list[KernelModel]:
+def _kernel_models(engine: EngineFront) -> list[KernelModel]:
     return [
         KernelModel(
             name=k.name,
@@ -43,14 +45,19 @@ async def kernels(engine: EngineDep) -> KernelListing:
 
 
 @router.get("/info", summary="Describe the server")
-async def info(engine: EngineDep) -> InfoResponse:
-    """Backend, readiness, device (name, memory, compute capability, CuPy/CUDA versions), queue and kernels."""
+async def info(engine: EngineDep, settings: SettingsDep) -> InfoResponse:
+    """Backend, readiness, processes, devices (name, memory, compute capability, CuPy/CUDA versions, engine
+    process), shared memory, queue and kernels."""
+    slabs = engine.slab_use()
     return InfoResponse(
         service="matmul-service",
         version=__version__,
         backend=engine.backend_name,
         state=engine.state.value,
         failure=engine.failure,
+        http_workers=settings.http_workers,
+        http_worker_pid=os.getpid(),
+        slabs=None if slabs is None else SlabModel.model_validate(slabs, from_attributes=True),
         devices=engine.describe(),
         queue=QueueModel(size=engine.queue_size, depth=engine.queue_depth),
         kernels=_kernel_models(engine),

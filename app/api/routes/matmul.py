@@ -123,11 +123,16 @@ async def matmul(
     options = codecs.RequestOptions(kernel=kernel, tile=tile, dtype=dtype).merged_with(operands.options)
     product = await unless_disconnected(request, service.run(operands, options, requested_deadline_s(request), clock))
 
-    # .npy: a header and a view of the product's memory, nothing to move off the loop
-    encoding_bytes = product.c.nbytes if answer_as == codecs.JSON_MEDIA_TYPE else 0
-    encoded = await off_loop_if_large(encoding_bytes, settings, codecs.encode, answer_as, product.c)
-    request.state.product = meta = product.describe()
+    try:
+        # .npy: a header and a view of the product's memory, nothing to move off the loop
+        encoding_bytes = product.c.nbytes if answer_as == codecs.JSON_MEDIA_TYPE else 0
+        encoded = await off_loop_if_large(encoding_bytes, settings, codecs.encode, answer_as, product.c)
+        request.state.product = meta = product.describe()
+    except BaseException:
+        product.release()
+        raise
     if answer_as == codecs.NPY_MEDIA_TYPE:
-        return BuffersResponse(encoded, media_type=answer_as, headers=product_headers(meta))
+        return BuffersResponse(encoded, media_type=answer_as, headers=product_headers(meta), on_sent=product.release)
+    product.release()  # the JSON text is a copy
     body = codecs.encode_json_envelope(encoded[0], meta.model_dump())
     return Response(content=body, media_type=answer_as, headers=product_headers(meta))

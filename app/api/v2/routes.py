@@ -207,16 +207,19 @@ async def infer(
             **{f"roofline_{name}": value for name, value in product.roofline.model_dump(exclude_none=True).items()},
         }
         c = product.c
-        body, header_size = await off_loop_if_large(
-            c.nbytes,
-            settings,
-            codecs.inference_v2.encode_infer,
-            c,
-            model,
-            decoded.id,
-            decoded.binary_output,
-            parameters,
-        )
+        try:
+            body, header_size = await off_loop_if_large(
+                c.nbytes,
+                settings,
+                codecs.inference_v2.encode_infer,
+                c,
+                model,
+                decoded.id,
+                decoded.binary_output,
+                parameters,
+            )
+        finally:
+            product.release()  # the answer's body is a copy
     except MatmulError:
         statistics.of(model).record_failure(clock.elapsed_ms())
         raise

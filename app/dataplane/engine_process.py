@@ -1,0 +1,360 @@
+"""The engine process: the one owner of one device (or of the CPU backend), serving every HTTP worker.
+
+`python -m app.dataplane.engine_process --device 0 --socket PATH` (the supervisor starts it; settings come from
+the same MATMUL_* variables as the HTTP workers'). It builds the device's backend and its one worker (CUDA
+context, compiled kernels, autotune, the queue and the batching window: `app.engine`), then accepts HTTP workers
+on a Unix socket. Each connects with its arena of shared memory (`app.dataplane.slab`), which is mapped and pinned
+here once; each product request names where its A, B and C lie in that arena, and the product is computed from
+there into there. Requests of every HTTP worker share the one queue, so they batch together.
+
+When an HTTP worker goes away, its queued products are dropped, those on the device finish, and its arena is
+unpinned and unmapped. When the device is lost (a sticky CUDA error), the process answers what it holds and exits
+with DEVICE_LOST_EXIT_CODE; the supervisor starts a fresh one. SIGTERM and SIGINT drain: no new products are
+taken, those held are finished and answered, and the process exits once its HTTP workers have gone (or after
+`DRAIN_S`). End of file on stdin (the supervisor is gone) drains it too.
+
+`--probe` prints which engines the settings ask for, as JSON: `{"devices": [0, 1]}` or `{"cpu": "why"}`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import logging
+import mmap
+import os
+import signal
+import socket
+import sys
+from collections.abc import Coroutine, Sequence
+from dataclasses import asdict
+from typing import Any
+
+import numpy as np
+
+from app.allocator import cap_malloc_arenas
+from app.config import BackendChoice, Settings
+from app.dataplane import wire
+from app.dataplane.slab import Placement
+from app.engine import BatchPolicy, Engine, Worker
+from app.engine.base import Backend
+from app.engine.cpu import CpuBackend
+from app.errors import InvalidParameter, MatmulError, NotReady
+
+log = logging.getLogger("app.engine_process")
+
+DEVICE_LOST_EXIT_CODE = 75
+"""EX_TEMPFAIL: the device's CUDA context was poisoned; the supervisor starts a fresh process."""
+HELLO_TIMEOUT_S = 10.0
+STATUS_EVERY_S = 0.5
+"""How often every HTTP worker is sent the engine's status (and at once when its state changes)."""
+STATE_POLL_S = 0.05
+DRAIN_S = 60.0
+"""Longest a draining engine waits for its HTTP workers to go."""
+
+
+def probe(settings: Settings) -> dict[str, Any]:
+    """The engines these settings ask for: the devices of MATMUL_DEVICES, else every visible one; the CPU when
+    MATMUL_BACKEND=cpu or, with auto, when no GPU can be used. Raises when MATMUL_BACKEND=gpu cannot be."""
+    if settings.backend is BackendChoice.CPU:
+        return {"cpu": "MATMUL_BACKEND=cpu"}
+    from app.engine import gpu
+
+    devices = settings.devices or list(range(gpu.device_count())) or [0]
+    missing = next((m for m in map(gpu.gpu_unavailable, devices) if m is not None), None)
+    if missing is None:
+        return {"devices": devices}
+    said = f" ({missing.detail})" if missing.detail else ""
+    if settings.backend is BackendChoice.GPU:
+        raise RuntimeError(f"MATMUL_BACKEND=gpu, but the GPU backend cannot start: {missing.reason}{said}")
+    log.warning("%s: running on the CPU backend%s", missing.reason, said)
+    return {"cpu": missing.reason}
+
+
+def build_backend(settings: Settings, device: int | None, why_cpu: str) -> Backend:
+    if device is None:
+        return CpuBackend(reason=why_cpu)
+    from app.engine import gpu
+
+    return gpu.GpuBackend(device, settings.device_memory_limit_bytes, settings.fault_injection, settings.pipeline_depth)
+
+
+class _Peer:
+    """One connected HTTP worker: its arena, mapped and pinned here, and its products in progress."""
+
+    def __init__(self, pid: int, fd: int, arena_bytes: int, writer: asyncio.StreamWriter) -> None:
+        self.pid = pid
+        self.fd = fd
+        self.map = mmap.mmap(fd, arena_bytes)
+        self.memory = np.frombuffer(self.map, np.uint8)
+        self.writer = writer
+        self.tasks: dict[int, asyncio.Task[None]] = {}
+        self.pinning: asyncio.Task[None] | None = None
+
+    def start(self, key: int, product: Coroutine[Any, Any, None]) -> None:
+        """Run a product request as a task of this peer's, until it has replied."""
+        task = asyncio.create_task(product)
+        self.tasks[key] = task
+        task.add_done_callback(lambda _: self.tasks.pop(key, None))
+
+    def array(self, where: list[int], dtype: str) -> np.ndarray:
+        offset, rows, cols = where
+        placement = Placement(offset, (rows, cols), dtype)
+        if offset < 0 or rows < 0 or cols < 0 or offset + placement.nbytes > self.memory.nbytes:
+            raise InvalidParameter(f"a {rows}x{cols} {dtype} matrix at {offset} is outside the arena")
+        view: np.ndarray = self.memory[offset : offset + placement.nbytes].view(dtype).reshape(rows, cols)
+        return view
+
+    def close(self) -> None:
+        """Close the file; the mapping goes now, or with the last array that still views it."""
+        del self.memory
+        with contextlib.suppress(BufferError):
+            self.map.close()
+        os.close(self.fd)
+
+
+class EngineServer:
+    """Serves one engine to every HTTP worker that connects to its socket."""
+
+    def __init__(self, engine: Engine, device_index: int | None, drain_s: float = DRAIN_S) -> None:
+        self.engine = engine
+        self.backend = engine.workers[0].backend
+        self.device_index = device_index
+        self.drain_s = drain_s
+        self.exit_code = 0
+        self._peers: set[_Peer] = set()
+        self._connections: set[asyncio.Task[None]] = set()
+        self._stopping = asyncio.Event()
+        self._draining = False
+
+    def stop(self, exit_code: int = 0) -> None:
+        """Drain and end `serve` (with `exit_code` for the process)."""
+        self.exit_code = self.exit_code or exit_code
+        self._draining = True
+        self._stopping.set()
+
+    async def serve(self, path: str) -> None:
+        loop = asyncio.get_running_loop()
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        listener.bind(path)
+        listener.listen(256)
+        listener.setblocking(False)
+        accepting = asyncio.create_task(self._accept(loop, listener))
+        statuses = asyncio.create_task(self._send_statuses())
+        log.info("engine %d serving %s on %s", os.getpid(), self.backend.device_name, path)
+        await self._stopping.wait()
+        accepting.cancel()
+        listener.close()
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+        await self._drain()
+        statuses.cancel()
+
+    async def _drain(self) -> None:
+        """Finish what is held; then, unless the device was lost, wait for the HTTP workers to hang up (at most
+        drain_s in all)."""
+        try:
+            async with asyncio.timeout(self.drain_s):
+                while any(peer.tasks for peer in self._peers):
+                    await asyncio.wait([t for peer in self._peers for t in peer.tasks.values()])
+                if self.exit_code == 0 and self._connections:
+                    await asyncio.wait(self._connections)
+        except TimeoutError:
+            log.warning("%d HTTP workers still connected after %.0f s of draining", len(self._peers), self.drain_s)
+
+    async def _accept(self, loop: asyncio.AbstractEventLoop, listener: socket.socket) -> None:
+        while True:
+            connection, _ = await loop.sock_accept(listener)
+            task = asyncio.create_task(self._connection(connection))
+            self._connections.add(task)
+            task.add_done_callback(self._connections.discard)
+
+    async def _connection(self, connection: socket.socket) -> None:
+        try:
+            connection.settimeout(HELLO_TIMEOUT_S)
+            hello, fd = await asyncio.to_thread(wire.receive_hello, connection)
+            connection.setblocking(False)
+            reader, writer = await asyncio.open_unix_connection(sock=connection)
+        except (OSError, wire.ChannelClosed, ValueError) as exc:
+            log.warning("an HTTP worker's handshake failed: %s", exc)
+            connection.close()
+            return
+        peer = _Peer(int(hello["pid"]), fd, int(hello["arena_bytes"]), writer)
+        # Pinned in the background, so that neither this worker's start nor readiness waits for it (about 0.3 s a
+        # GiB); until then the backend stages operands through pinned buffers of its own, as for any memory.
+        peer.pinning = asyncio.create_task(self._pin(peer))
+        self._peers.add(peer)
+        log.info("HTTP worker %d connected (%d bytes of shared memory)", peer.pid, peer.map.size())
+        try:
+            wire.send(writer, self._welcome())
+            wire.send(writer, self._status())
+            while True:
+                message = await wire.receive(reader)
+                if message["op"] == "matmul":
+                    peer.start(message["id"], self._matmul(peer, message))
+                elif message["op"] == "cancel" and (running := peer.tasks.get(message["id"])) is not None:
+                    running.cancel()
+        except wire.ChannelClosed:
+            pass
+        finally:
+            await self._hang_up(peer)
+
+    async def _pin(self, peer: _Peer) -> None:
+        try:
+            await asyncio.to_thread(self.backend.pin, peer.memory)
+        except MatmulError as exc:
+            log.error("HTTP worker %d's shared memory stays unpinned (copies are staged): %s", peer.pid, exc)
+
+    async def _hang_up(self, peer: _Peer) -> None:
+        """The HTTP worker went: drop its queued products, let those on the device finish, free its arena."""
+        for task in peer.tasks.values():
+            task.cancel()
+        await asyncio.gather(*peer.tasks.values(), return_exceptions=True)
+        if peer.pinning is not None:
+            await peer.pinning
+        with contextlib.suppress(MatmulError):
+            await asyncio.to_thread(self.backend.unpin, peer.memory)
+        peer.writer.close()
+        peer.close()
+        self._peers.discard(peer)
+        log.info("HTTP worker %d disconnected", peer.pid)
+
+    async def _matmul(self, peer: _Peer, message: wire.Message) -> None:
+        key = message["id"]
+        try:
+            if self._draining:
+                raise NotReady("the engine is shutting down")
+            dtype = message["dtype"]
+            a, b, c = (peer.array(message[name], dtype) for name in ("a", "b", "c"))
+            outcome = await self.engine.matmul(
+                a, b, np.dtype(dtype), message["kernel"], message["tile"], message["timeout_s"], out=c
+            )
+            reply: wire.Message = {
+                "op": "done",
+                "id": key,
+                "kernel": outcome.plan.kernel,
+                "tile": outcome.plan.tile,
+                "label": None if outcome.plan.config is None else outcome.plan.config.label,
+                "queue_ms": outcome.queue_ms,
+                **asdict(outcome.device),
+                "batch_size": outcome.batch_size,
+            }
+        except MatmulError as exc:
+            reply = {"op": "failed", "id": key, "code": exc.code, "message": exc.message, "location": exc.location}
+        except asyncio.CancelledError:
+            reply = {"op": "failed", "id": key, "code": "client_gone", "message": "cancelled", "location": None}
+        except Exception:
+            log.exception("product %s of HTTP worker %d failed", key, peer.pid)
+            # what went wrong stays in this log; the client is told no more than of any unexpected error
+            reply = {"op": "failed", "id": key, "code": "internal_error", "message": "internal error", "location": None}
+        reply["load"] = self.engine.workers[0].load
+        with contextlib.suppress(wire.ChannelClosed):
+            wire.send(peer.writer, reply)
+
+    def _welcome(self) -> wire.Message:
+        return {
+            "op": "welcome",
+            "engine_pid": os.getpid(),
+            "backend": self.backend.name,
+            "device_index": self.device_index,
+            "device_name": self.backend.device_name,
+            "queue_size": self.engine.queue_size,
+            "kernels": [asdict(info) for info in self.engine.kernels()],
+            "peaks": asdict(self.backend.peaks),
+        }
+
+    def _status(self) -> wire.Message:
+        worker = self.engine.workers[0]
+        return {
+            "op": "status",
+            "state": "stopped" if self._draining else worker.state.value,
+            "failure": worker.failure or ("the engine is shutting down" if self._draining else None),
+            "queue_depth": worker.queue_depth,
+            "load": worker.load,
+            "describe": self.backend.describe(),
+            "memory_held": self.backend.memory_held(),
+            "compiled_instances": self.backend.compiled_instances(),
+            "shared_memory_bytes": sum(peer.map.size() for peer in self._peers),
+            "http_workers": len(self._peers),
+            "auto": [
+                {"shape_class": choice.shape_class.name, "kernel": choice.kernel, "probe_ms": choice.probe_ms}
+                for choice in self.engine.auto_choices()
+            ],
+        }
+
+    async def _send_statuses(self) -> None:
+        """Every STATUS_EVERY_S, and within STATE_POLL_S of a change of state, to every HTTP worker."""
+        loop = asyncio.get_running_loop()
+        last_state, last_sent = None, 0.0
+        while True:
+            state = (self.engine.state, self._draining)
+            if state != last_state or loop.time() - last_sent >= STATUS_EVERY_S:
+                status = self._status()
+                for peer in list(self._peers):
+                    with contextlib.suppress(wire.ChannelClosed):
+                        wire.send(peer.writer, status)
+                last_state, last_sent = state, loop.time()
+            await asyncio.sleep(STATE_POLL_S)
+
+
+async def _serve(settings: Settings, device: int | None, why_cpu: str, path: str) -> int:
+    backend = build_backend(settings, device, why_cpu)
+    batching = (
+        BatchPolicy(max_size=settings.max_batch_size, max_delay_s=settings.max_queue_delay_us / 1e6)
+        if settings.batching
+        else None
+    )
+    server: EngineServer | None = None
+
+    def device_lost() -> None:
+        if server is not None:
+            server.stop(DEVICE_LOST_EXIT_CODE)
+
+    engine = Engine([Worker(backend, queue_size=settings.queue_size, on_device_lost=device_lost, batching=batching)])
+    server = EngineServer(engine, device)
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, server.stop)
+    loop.add_reader(sys.stdin.fileno(), _stop_at_end_of_file, server)
+    engine.start()
+    await server.serve(path)
+    if server.exit_code == 0:
+        await engine.stop()
+    return server.exit_code
+
+
+def _stop_at_end_of_file(server: EngineServer) -> None:
+    """stdin is a pipe from the supervisor: readable with nothing in it means the supervisor is gone."""
+    if not os.read(sys.stdin.fileno(), 1):
+        asyncio.get_running_loop().remove_reader(sys.stdin.fileno())
+        server.stop()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m app.dataplane.engine_process", description=__doc__)
+    parser.add_argument("--probe", action="store_true", help="print the engines the settings ask for, and exit")
+    parser.add_argument("--device", help="a CUDA device ordinal, or cpu")
+    parser.add_argument("--why-cpu", default="", help="with --device cpu: why the CPU backend runs")
+    parser.add_argument("--socket", help="the Unix socket to serve on")
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s engine[%(process)d] %(levelname)s %(name)s: %(message)s"
+    )
+    settings = Settings()
+    if args.probe:
+        print(json.dumps(probe(settings)))
+        return 0
+    if args.device is None or args.socket is None:
+        parser.error("--device and --socket are needed (or --probe)")
+    cap_malloc_arenas()
+    device = None if args.device == "cpu" else int(args.device)
+    code = asyncio.run(_serve(settings, device, args.why_cpu, args.socket))
+    logging.shutdown()
+    # After a lost device CuPy's clean-up at exit would touch the poisoned context; leave without it.
+    os._exit(code)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

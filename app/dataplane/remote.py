@@ -1,0 +1,377 @@
+"""The engine as an HTTP worker sees it: engine processes at the end of Unix sockets, operands in shared memory.
+
+`RemoteEngine` is what the service and the routes call (`app.engine.EngineFront`). A product reserves a slab of
+this worker's arena, its operands are converted into the working dtype straight into the slab (one pass, off the
+event loop when large), and a descriptor goes to the least-loaded ready engine; the answer's C is a view of the
+slab, released once the answer has been sent. Nothing here imports CuPy.
+
+Each `EngineLink` keeps its connection: it connects (again, after an engine process restarted) with the arena's
+file descriptor, keeps the engine's last status, and settles its requests from the engine's replies. When the
+connection drops, every request in flight on it gets 503 `device_lost` at once and the link reads as failed
+(`/readyz` 503) until the restarted engine reports ready.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import os
+import socket
+from time import perf_counter
+from typing import Any, Literal, cast
+
+import numpy as np
+
+from app.config import Settings
+from app.dataplane import wire
+from app.dataplane.slab import Arena, Placement, Slab, aligned
+from app.engine import EngineState, KernelInfo, Outcome, Plan
+from app.engine.autotune import SHAPE_CLASSES, AutoChoice
+from app.engine.base import DeviceTiming
+from app.engine.engine import SlabUse
+from app.engine.staging import cast_into
+from app.errors import DeviceLost, NotReady, Overloaded, error_of
+from kernels.registry import KERNELS
+from kernels.roofline import DevicePeaks
+
+log = logging.getLogger(__name__)
+
+CONNECT_RETRY_S = 0.05
+"""Pause between attempts to reach an engine that is not (yet, or again) listening."""
+DEFAULT_WAIT_S = 60.0
+"""A product's wait for shared memory and in the queue when the caller sets no deadline."""
+WELCOME_TIMEOUT_S = 120.0
+"""Longest `RemoteEngine.start` waits for every engine process to answer: a cold start imports CuPy."""
+
+
+class EngineLink:
+    """One engine process: the channel to it, its requests in flight, what it last said about itself."""
+
+    def __init__(self, path: str, arena: Arena) -> None:
+        self.path = path
+        self.arena = arena
+        self.welcome: wire.Message | None = None
+        self.status: wire.Message | None = None
+        self.lost: str | None = None
+        """Why the link is down after having been up (the engine process exited), until it is back."""
+        self.welcomed = asyncio.Event()
+        self._writer: asyncio.StreamWriter | None = None
+        self._pending: dict[int, asyncio.Future[wire.Message]] = {}
+        self._ids = itertools.count()
+        self._load = 0
+        self._task: asyncio.Task[None] | None = None
+
+    # ------------------------------------------------------------------------------------------ state
+
+    @property
+    def state(self) -> EngineState:
+        if self._writer is None or self.status is None:
+            return EngineState.FAILED if self.lost else EngineState.STARTING
+        return EngineState(self.status["state"])
+
+    @property
+    def failure(self) -> str | None:
+        if self._writer is None:
+            return self.lost
+        return None if self.status is None else cast(str | None, self.status["failure"])
+
+    @property
+    def load(self) -> int:
+        """Products queued or running on the engine, as it last said, plus those sent to it since."""
+        return self._load
+
+    # --------------------------------------------------------------------------------------- channel
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._keep_connected(), name=f"engine-link {self.path}")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        self._drop("the HTTP worker is shutting down")
+
+    async def _keep_connected(self) -> None:
+        while True:
+            try:
+                reader, writer = await self._connect()
+            except OSError:
+                await asyncio.sleep(CONNECT_RETRY_S)
+                continue
+            self._writer, self.lost = writer, None
+            try:
+                while True:
+                    self._take(await wire.receive(reader))
+            except wire.ChannelClosed as exc:
+                pid = self.welcome["engine_pid"] if self.welcome else "?"
+                log.error("engine process %s (%s) went away: %s", pid, self.path, exc)
+                self._drop(f"the engine process {pid} exited; a new one is starting")
+            finally:
+                writer.close()
+
+    async def _connect(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.setblocking(False)
+            await asyncio.get_running_loop().sock_connect(sock, self.path)
+            sock.setblocking(True)
+            hello = {"op": "hello", "pid": os.getpid(), "arena_bytes": self.arena.capacity}
+            await asyncio.to_thread(wire.send_hello, sock, hello, self.arena.fd)
+            sock.setblocking(False)
+            return await asyncio.open_unix_connection(sock=sock)
+        except BaseException:
+            sock.close()
+            raise
+
+    def _drop(self, why: str) -> None:
+        """The connection is gone: what was in flight on it is lost with the engine."""
+        self._writer, self.status, self.lost = None, None, why
+        pending, self._pending = self._pending, {}
+        for future in pending.values():
+            if not future.done():
+                future.set_exception(DeviceLost(f"{why}; the product was lost with it"))
+
+    def _take(self, message: wire.Message) -> None:
+        op = message["op"]
+        if op == "welcome":
+            self.welcome = message
+            self.welcomed.set()
+        elif op == "status":
+            self.status = message
+            self._load = message["load"]
+        else:
+            self._load = message["load"]
+            future = self._pending.pop(message["id"], None)
+            if future is not None and not future.done():
+                future.set_result(message)
+
+    def send(self, request: wire.Message) -> tuple[int, asyncio.Future[wire.Message]]:
+        """Send a product request; the future is settled by its reply (or the connection's end)."""
+        if self._writer is None:
+            raise NotReady(self.lost or "the engine process is not connected yet")
+        key = next(self._ids)
+        future: asyncio.Future[wire.Message] = asyncio.get_running_loop().create_future()
+        self._pending[key] = future
+        wire.send(self._writer, {**request, "id": key})
+        self._load += 1
+        return key, future
+
+    def cancel(self, key: int) -> None:
+        if self._writer is not None:
+            with contextlib.suppress(wire.ChannelClosed):
+                wire.send(self._writer, {"op": "cancel", "id": key})
+
+
+class RemoteEngine:
+    """Every engine process of the server, for one HTTP worker."""
+
+    def __init__(self, paths: list[str], settings: Settings) -> None:
+        if not paths:
+            raise ValueError("a remote engine needs at least one engine process")
+        self.arena = Arena(settings.slab_bytes)
+        self.links = [EngineLink(path, self.arena) for path in paths]
+        self.inline_bytes = settings.inline_codec_bytes
+
+    async def start(self) -> None:
+        """Connect to every engine and wait for each one's welcome (not for its kernels: see `state`)."""
+        for link in self.links:
+            link.start()
+        try:
+            async with asyncio.timeout(WELCOME_TIMEOUT_S):
+                await asyncio.gather(*(link.welcomed.wait() for link in self.links))
+        except TimeoutError:
+            await self.stop()
+            silent = [link.path for link in self.links if not link.welcomed.is_set()]
+            raise RuntimeError(f"no engine process answered on {silent} in {WELCOME_TIMEOUT_S:g} s") from None
+
+    async def stop(self) -> None:
+        await asyncio.gather(*(link.stop() for link in self.links))
+
+    def _first_welcome(self) -> wire.Message:
+        return next(link.welcome for link in self.links if link.welcome is not None)
+
+    # -------------------------------------------------------------------------------------- what it is
+
+    @property
+    def backend_name(self) -> Literal["cpu", "gpu"]:
+        return cast(Literal["cpu", "gpu"], self._first_welcome()["backend"])
+
+    @property
+    def state(self) -> EngineState:
+        return next((link.state for link in self.links if link.state is not EngineState.READY), EngineState.READY)
+
+    @property
+    def failure(self) -> str | None:
+        return next((link.failure for link in self.links if link.failure), None)
+
+    def check_ready(self) -> None:
+        for link in self.links:
+            state = link.state
+            if state is EngineState.STARTING:
+                raise NotReady("the kernels are still being compiled and warmed; retry shortly")
+            if state is not EngineState.READY:
+                raise NotReady(f"the engine is {state.value}: {link.failure or 'shut down'}")
+
+    def check_room(self) -> None:
+        ready = [link for link in self.links if link.state is EngineState.READY]
+        if ready and all(link.load >= self.queue_size for link in ready):
+            raise Overloaded(f"every engine's queue is full ({self.queue_size} waiting); retry later")
+
+    @property
+    def queue_size(self) -> int:
+        return int(self._first_welcome()["queue_size"])
+
+    @property
+    def queue_depth(self) -> int:
+        return sum(link.status["queue_depth"] for link in self.links if link.status is not None)
+
+    def kernels(self) -> list[KernelInfo]:
+        return [
+            KernelInfo(**{**info, "dtypes": tuple(info["dtypes"]), "tiles": tuple(info["tiles"])})
+            for info in self._first_welcome()["kernels"]
+        ]
+
+    def auto_choices(self) -> list[AutoChoice]:
+        status = next((link.status for link in self.links if link.status is not None), None)
+        classes = {shape_class.name: shape_class for shape_class in SHAPE_CLASSES}
+        return [
+            AutoChoice(shape_class=classes[choice["shape_class"]], kernel=choice["kernel"], probe_ms=choice["probe_ms"])
+            for choice in (status["auto"] if status else [])
+        ]
+
+    def describe(self) -> list[dict[str, Any]]:
+        described = []
+        for link in self.links:
+            status = link.status or {}
+            described.append(
+                {
+                    **status.get("describe", {"name": link.welcome["device_name"] if link.welcome else None}),
+                    "state": link.state.value,
+                    "queue_depth": status.get("queue_depth", 0),
+                    "engine_pid": link.welcome["engine_pid"] if link.welcome else None,
+                    "engine_http_workers": status.get("http_workers", 0),
+                    "engine_shared_memory_bytes": status.get("shared_memory_bytes", 0),
+                }
+            )
+        return described
+
+    def memory_held(self) -> int:
+        return sum(link.status["memory_held"] for link in self.links if link.status is not None)
+
+    def compiled_instances(self) -> int:
+        return sum(link.status["compiled_instances"] for link in self.links if link.status is not None)
+
+    def slab_use(self) -> SlabUse:
+        return SlabUse(self.arena.capacity, self.arena.used_bytes, self.arena.waiting)
+
+    # ---------------------------------------------------------------------------------------- products
+
+    async def matmul(
+        self,
+        a: np.ndarray,
+        b: np.ndarray,
+        dtype: np.dtype,
+        kernel: str,
+        tile: int | None,
+        timeout_s: float | None,
+    ) -> Outcome:
+        """a @ b on the least-loaded ready engine; waits for shared memory within `timeout_s`, which then bounds
+        the product's wait in the engine's queue too."""
+        began = perf_counter()
+        link = self._least_loaded()
+        (m, k), n = a.shape, b.shape[1]
+        budget_s = DEFAULT_WAIT_S if timeout_s is None else timeout_s
+        nbytes = sum(aligned(size * dtype.itemsize) for size in (m * k, k * n, m * n))
+        slab = await self.arena.reserve(nbytes, budget_s)
+        try:
+            a_at, b_at, c_at = slab.place((m, k), dtype), slab.place((k, n), dtype), slab.place((m, n), dtype)
+            await self._stage(a, a_at, "a")
+            await self._stage(b, b_at, "b")
+            staged = perf_counter()
+            left_s = max(budget_s - (staged - began), 1e-3)
+            key, reply = link.send(
+                {
+                    "op": "matmul",
+                    **{name: [at.offset, *at.shape] for name, at in (("a", a_at), ("b", b_at), ("c", c_at))},
+                    "dtype": dtype.name,
+                    "kernel": kernel,
+                    "tile": tile,
+                    "timeout_s": left_s,
+                }
+            )
+        except BaseException:
+            slab.release()
+            raise
+        return await self._answer(link, key, reply, slab, c_at, began, staged)
+
+    def _least_loaded(self) -> EngineLink:
+        ready = [link for link in self.links if link.state is EngineState.READY]
+        if not ready:
+            self.check_ready()
+            raise NotReady("no engine is ready")
+        return min(ready, key=lambda link: link.load)
+
+    async def _stage(self, operand: np.ndarray, at: Placement, name: str) -> None:
+        """Convert the operand into its place in the slab: on the event loop when small, else in a thread."""
+        target = self.arena.array(at)
+        if target.nbytes <= self.inline_bytes:
+            cast_into(target, operand, name)
+        else:
+            await asyncio.to_thread(cast_into, target, operand, name)
+
+    async def _answer(
+        self,
+        link: EngineLink,
+        key: int,
+        reply: asyncio.Future[wire.Message],
+        slab: Slab,
+        c_at: Placement,
+        began: float,
+        staged: float,
+    ) -> Outcome:
+        try:
+            message = await asyncio.shield(reply)
+        except asyncio.CancelledError:
+            # The engine may still be writing C: the slab is freed by the reply to the cancel, not now.
+            link.cancel(key)
+            reply.add_done_callback(lambda _: _release_after_reply(reply, slab))
+            raise
+        except BaseException:
+            slab.release()
+            raise
+        if message["op"] == "failed":
+            slab.release()
+            raise error_of(message["code"], message["message"], message["location"])
+        return self._outcome(link, message, slab, c_at, began, staged)
+
+    def _outcome(
+        self, link: EngineLink, message: wire.Message, slab: Slab, c_at: Placement, began: float, staged: float
+    ) -> Outcome:
+        welcome = link.welcome or {}
+        device = DeviceTiming(h2d_ms=message["h2d_ms"], kernel_ms=message["kernel_ms"], d2h_ms=message["d2h_ms"])
+        spec = KERNELS.get(message["kernel"])
+        config = next((c for c in spec.configs if c.label == message["label"]), None) if spec else None
+        engine_ms = message["queue_ms"] + device.h2d_ms + device.kernel_ms + device.d2h_ms
+        peaks = welcome.get("peaks", {})
+        return Outcome(
+            c=self.arena.array(c_at),
+            plan=Plan(kernel=message["kernel"], tile=message["tile"], config=config),
+            queue_ms=message["queue_ms"],
+            device=device,
+            device_name=welcome.get("device_name", ""),
+            peaks=DevicePeaks(peaks.get("flops_per_s", {}), peaks.get("dram_bytes_per_s")),
+            batch_size=message["batch_size"],
+            stage_ms=(staged - began) * 1e3,
+            handoff_ms=max((perf_counter() - staged) * 1e3 - engine_ms, 0.0),
+            release=slab.release,
+        )
+
+
+def _release_after_reply(reply: asyncio.Future[wire.Message], slab: Slab) -> None:
+    """The reply to a cancelled product came: the engine no longer writes its C (its outcome is not wanted)."""
+    if not reply.cancelled():
+        reply.exception()
+    slab.release()

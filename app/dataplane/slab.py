@@ -1,0 +1,171 @@
+"""Shared memory for operands and products: one arena per HTTP worker, cut into one slab per request.
+
+An arena is an anonymous shared-memory file (`memfd_create`) of `MATMUL_SLAB_BYTES`, mapped by the HTTP worker that
+made it and, through its file descriptor passed over the control socket, by every engine process, which pins it
+once (`cudaHostRegister`) and copies straight from and into it. It has no name, so whichever way a process ends
+nothing is left in `/dev/shm`: the memory is returned when the last process mapping it closes it. (A named
+POSIX segment would outlive a worker killed before it unlinked the name, and a container's `/dev/shm` is 64 MB
+by default; a memfd is counted against neither.)
+
+A request reserves one slab for A, B and C back to back, each aligned to `ALIGNMENT`. Slabs are handed out
+first-fit, in the order requests asked: one that does not fit now waits for others to be released, until its
+deadline (then 503 with Retry-After); one larger than the whole arena is refused at once (413). Everything here
+runs on the HTTP worker's event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import bisect
+import collections
+import contextlib
+import mmap
+import os
+from dataclasses import dataclass
+
+import numpy as np
+
+from app.errors import Overloaded, PayloadTooLarge
+
+ALIGNMENT = 256
+"""Bytes; every operand starts on a multiple of this (CUDA's copies and NumPy's SIMD loops prefer aligned data)."""
+
+
+def aligned(nbytes: int) -> int:
+    return -(-nbytes // ALIGNMENT) * ALIGNMENT
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where one matrix lies in an arena."""
+
+    offset: int
+    shape: tuple[int, int]
+    dtype: str
+
+    @property
+    def nbytes(self) -> int:
+        return self.shape[0] * self.shape[1] * np.dtype(self.dtype).itemsize
+
+
+class Arena:
+    """One shared-memory file, mapped here, with the slabs handed out of it."""
+
+    def __init__(self, capacity: int, name: str = "matmul-slabs") -> None:
+        self.capacity = aligned(capacity)
+        self.fd = os.memfd_create(name, os.MFD_CLOEXEC)
+        os.ftruncate(self.fd, self.capacity)
+        self._map = mmap.mmap(self.fd, self.capacity)
+        self.memory = np.frombuffer(self._map, np.uint8)
+        self._free: list[tuple[int, int]] = [(0, self.capacity)]
+        """Free extents (offset, size), sorted by offset, never adjacent (merged on release)."""
+        self._waiters: collections.deque[tuple[int, asyncio.Future[int]]] = collections.deque()
+        self.used_bytes = 0
+
+    @property
+    def waiting(self) -> int:
+        return len(self._waiters)
+
+    def array(self, placement: Placement) -> np.ndarray:
+        """A view of the arena where `placement` says a matrix lies."""
+        return (
+            self.memory[placement.offset : placement.offset + placement.nbytes]
+            .view(placement.dtype)
+            .reshape(placement.shape)
+        )
+
+    async def reserve(self, nbytes: int, timeout_s: float) -> Slab:
+        """A slab of `nbytes`, once one is free: PayloadTooLarge at once when no arena could hold it, Overloaded
+        when none came free within `timeout_s`."""
+        size = aligned(max(nbytes, 1))
+        if size > self.capacity:
+            raise PayloadTooLarge(
+                f"the operands and product need {nbytes} bytes of shared memory, more than the {self.capacity} "
+                "each HTTP worker has (MATMUL_SLAB_BYTES)"
+            )
+        if not self._waiters and (offset := self._take(size)) is not None:
+            return Slab(self, offset, size)
+        future: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+        self._waiters.append((size, future))
+        try:
+            async with asyncio.timeout(timeout_s):
+                offset = await future
+        except BaseException as exc:
+            self._waiters = collections.deque(w for w in self._waiters if w[1] is not future)
+            if future.done() and not future.cancelled():  # handed a slab just as it gave up
+                self._give_back(future.result(), size)
+            if isinstance(exc, TimeoutError):
+                raise Overloaded(
+                    f"no shared memory came free for this request's {nbytes} bytes within {timeout_s:g} s "
+                    f"({self.used_bytes} of {self.capacity} in use); retry later"
+                ) from None
+            raise
+        return Slab(self, offset, size)
+
+    def _take(self, size: int) -> int | None:
+        for i, (offset, free) in enumerate(self._free):
+            if free >= size:
+                if free == size:
+                    del self._free[i]
+                else:
+                    self._free[i] = (offset + size, free - size)
+                self.used_bytes += size
+                return offset
+        return None
+
+    def _give_back(self, offset: int, size: int) -> None:
+        self.used_bytes -= size
+        i = bisect.bisect(self._free, (offset, size))
+        if i < len(self._free) and offset + size == self._free[i][0]:
+            size += self._free.pop(i)[1]
+        if i > 0 and self._free[i - 1][0] + self._free[i - 1][1] == offset:
+            offset, size = self._free[i - 1][0], self._free[i - 1][1] + size
+            self._free[i - 1] = (offset, size)
+        else:
+            self._free.insert(i, (offset, size))
+        self._serve_waiters()
+
+    def _serve_waiters(self) -> None:
+        """Hand slabs to waiting requests in the order they asked, as long as the first of them fits."""
+        while self._waiters:
+            size, future = self._waiters[0]
+            if future.done():  # its request gave up
+                self._waiters.popleft()
+                continue
+            offset = self._take(size)
+            if offset is None:
+                return
+            self._waiters.popleft()
+            future.set_result(offset)
+
+    def close(self) -> None:
+        """Close the file and unmap it (now, or with the last array that still views it); engine processes keep
+        their own mappings until they close theirs."""
+        del self.memory
+        with contextlib.suppress(BufferError):
+            self._map.close()
+        os.close(self.fd)
+
+
+class Slab:
+    """A reserved run of an arena, released exactly once."""
+
+    def __init__(self, arena: Arena, offset: int, size: int) -> None:
+        self.arena = arena
+        self.offset = offset
+        self.size = size
+        self._end = offset
+        self._released = False
+
+    def place(self, shape: tuple[int, int], dtype: np.dtype) -> Placement:
+        """The next matrix of the slab: where it lies (its view is `arena.array(placement)`)."""
+        placement = Placement(self._end, shape, dtype.name)
+        if self._end + placement.nbytes > self.offset + self.size:
+            raise ValueError(f"a {shape} {dtype} matrix does not fit in the rest of a {self.size}-byte slab")
+        self._end += aligned(placement.nbytes)
+        return placement
+
+    def release(self) -> None:
+        if not self._released:
+            self._released = True
+            self.arena._give_back(self.offset, self.size)

@@ -1,0 +1,135 @@
+"""Real engine processes (CPU backend) and the HTTP workers' side of them, without HTTP: several workers' products
+batch in one engine, a worker that hangs up loses its queued work, a killed engine fails what it held at once and
+a restarted one serves the same links again."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+from collections.abc import AsyncIterator, Iterator
+
+import numpy as np
+import pytest
+
+from app.config import Settings
+from app.dataplane.remote import RemoteEngine
+from app.dataplane.supervisor import EngineSupervisor
+from app.engine import EngineState
+from app.errors import DeviceLost, NotReady, UnknownKernel
+from kernels.reference import assert_close_to_reference
+from tests.fakes import until
+
+pytestmark = [pytest.mark.anyio, pytest.mark.timeout(120)]
+MIB = 1 << 20
+WINDOW_US = 1_000_000
+"""A batching window of a second: a product waits in the engine for that long unless its batch fills."""
+
+
+@pytest.fixture
+def settings() -> Settings:
+    return Settings(backend="cpu", batching=True, max_batch_size=2, max_queue_delay_us=WINDOW_US, slab_bytes=8 * MIB)
+
+
+@pytest.fixture
+def supervisor(settings: Settings) -> Iterator[EngineSupervisor]:
+    supervisor = EngineSupervisor(settings)
+    supervisor.start()
+    yield supervisor
+    supervisor.stop()
+
+
+async def _connected(supervisor: EngineSupervisor, settings: Settings) -> RemoteEngine:
+    engine = RemoteEngine(supervisor.sockets, settings)
+    await engine.start()
+    await until(lambda: engine.state is EngineState.READY, guard_s=60)
+    return engine
+
+
+@pytest.fixture
+async def workers(supervisor: EngineSupervisor, settings: Settings) -> AsyncIterator[list[RemoteEngine]]:
+    """Two HTTP workers' links to the one engine process, each with its own arena."""
+    engines = [await _connected(supervisor, settings) for _ in range(2)]
+    yield engines
+    for engine in engines:
+        await engine.stop()
+        engine.arena.close()
+
+
+def _operands(seed: int) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return rng.standard_normal((33, 17)), rng.standard_normal((17, 9))
+
+
+async def _product(engine: RemoteEngine, seed: int, kernel: str = "auto") -> np.ndarray:
+    a, b = _operands(seed)
+    outcome = await engine.matmul(a, b, np.dtype(np.float64), kernel, None, timeout_s=30)
+    try:
+        assert_close_to_reference(outcome.c, a, b, np.dtype(np.float64))
+        assert outcome.stage_ms >= 0 and outcome.handoff_ms >= 0
+        return np.array([outcome.batch_size])
+    finally:
+        outcome.release()
+
+
+async def test_products_of_two_http_workers_batch_in_the_one_engine(workers: list[RemoteEngine]) -> None:
+    """A batch of 2 fills only when both workers' products are queued together: each alone would wait 1 s."""
+    first, second = await asyncio.gather(_product(workers[0], 1), _product(workers[1], 2))
+    assert first.tolist() == second.tolist() == [2]
+    assert {w.describe()[0]["engine_pid"] for w in workers} == {w.links[0].welcome["engine_pid"] for w in workers}
+    assert all(w.arena.used_bytes == 0 for w in workers)
+
+
+async def test_the_engine_checks_the_kernel_and_its_refusal_reaches_the_worker(workers: list[RemoteEngine]) -> None:
+    with pytest.raises(UnknownKernel, match="'fast' needs the GPU backend"):
+        await _product(workers[0], 1, kernel="fast")
+    assert workers[0].arena.used_bytes == 0
+
+
+async def test_a_cancelled_product_keeps_its_slab_until_the_engine_lets_go(workers: list[RemoteEngine]) -> None:
+    worker = workers[0]
+    waiting = asyncio.create_task(_product(worker, 3))
+    await until(lambda: worker.links[0].load == 1)
+    waiting.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await waiting
+    assert worker.arena.used_bytes > 0  # the engine may still write C: the slab waits for its reply
+    await until(lambda: worker.arena.used_bytes == 0, guard_s=10)
+
+
+async def test_a_killed_engine_fails_what_it_held_at_once_and_a_fresh_one_serves_the_same_link(
+    supervisor: EngineSupervisor, workers: list[RemoteEngine]
+) -> None:
+    worker = workers[0]
+    first_pid = worker.links[0].welcome["engine_pid"]
+    held = asyncio.create_task(_product(worker, 4))  # waits out the batching window in the engine
+    await until(lambda: worker.links[0].load == 1)
+    os.kill(first_pid, signal.SIGKILL)
+    with pytest.raises(DeviceLost, match=f"engine process {first_pid} exited"):
+        await asyncio.wait_for(held, timeout=5)  # far less than the window: failed when the socket closed
+    assert worker.arena.used_bytes == 0
+    with pytest.raises(NotReady, match="a new one is starting"):
+        worker.check_ready()
+    await until(lambda: worker.state is EngineState.READY, guard_s=60)
+    assert worker.links[0].welcome["engine_pid"] != first_pid
+    assert supervisor.engines[0].exits == [-signal.SIGKILL]
+    assert (await asyncio.gather(_product(worker, 5), _product(workers[1], 6)))[0].tolist() == [2]
+
+
+async def test_a_worker_that_hangs_up_loses_its_queued_product_and_its_arena_is_unmapped(
+    supervisor: EngineSupervisor, settings: Settings
+) -> None:
+    leaving, staying = await _connected(supervisor, settings), await _connected(supervisor, settings)
+    await until(lambda: staying.describe()[0]["engine_http_workers"] == 2)
+    assert staying.describe()[0]["engine_shared_memory_bytes"] == 2 * settings.slab_bytes
+    queued = asyncio.create_task(_product(leaving, 7))
+    await until(lambda: leaving.links[0].load == 1)
+    await leaving.stop()  # its connection closes, as when its process dies
+    with pytest.raises(DeviceLost):
+        await queued
+    await until(lambda: staying.describe()[0]["engine_http_workers"] == 1)
+    assert staying.describe()[0]["engine_shared_memory_bytes"] == settings.slab_bytes
+    assert staying.queue_depth == 0
+    await staying.stop()
+    leaving.arena.close()
+    staying.arena.close()

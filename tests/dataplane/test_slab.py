@@ -1,0 +1,114 @@
+"""The HTTP worker's shared-memory arena: slabs handed out first-fit in the order asked, waits bounded by the
+deadline, nothing lost when a waiter gives up."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+
+import numpy as np
+import pytest
+
+from app.dataplane.slab import ALIGNMENT, Arena, aligned
+from app.errors import Overloaded, PayloadTooLarge
+from tests.fakes import until
+
+pytestmark = pytest.mark.anyio
+MIB = 1 << 20
+
+
+@pytest.fixture
+def arena() -> Arena:
+    return Arena(4 * MIB)
+
+
+def test_sizes_round_up_to_the_alignment() -> None:
+    assert [aligned(n) for n in (0, 1, ALIGNMENT, ALIGNMENT + 1)] == [0, ALIGNMENT, ALIGNMENT, 2 * ALIGNMENT]
+
+
+async def test_a_slab_places_matrices_back_to_back_aligned_and_views_them_in_the_shared_file(arena: Arena) -> None:
+    slab = await arena.reserve(3 * MIB, timeout_s=1)
+    a_at, b_at = slab.place((3, 5), np.dtype(np.float32)), slab.place((5, 2), np.dtype(np.float64))
+    assert (a_at.offset, b_at.offset) == (slab.offset, slab.offset + ALIGNMENT)
+    arena.array(b_at)[:] = 7.0
+    in_the_file = os.pread(arena.fd, b_at.nbytes, b_at.offset)  # what another process mapping it sees
+    assert np.frombuffer(in_the_file, np.float64).tolist() == [7.0] * 10
+    with pytest.raises(ValueError, match="does not fit"):
+        slab.place((1024, 1024), np.dtype(np.float64))
+    slab.release()
+    slab.release()  # once only: the second is nothing
+    assert arena.used_bytes == 0
+
+
+async def test_more_than_the_whole_arena_is_413_at_once(arena: Arena) -> None:
+    with pytest.raises(PayloadTooLarge, match="MATMUL_SLAB_BYTES"):
+        await arena.reserve(4 * MIB + 1, timeout_s=10)
+    assert (await arena.reserve(4 * MIB, timeout_s=1)).size == 4 * MIB  # exactly the arena fits
+
+
+async def test_released_neighbours_merge_so_a_large_slab_fits_again(arena: Arena) -> None:
+    slabs = [await arena.reserve(MIB, timeout_s=1) for _ in range(4)]
+    for i in (1, 3, 0, 2):  # out of order: each release merges with whichever neighbours are free
+        slabs[i].release()
+    assert arena.used_bytes == 0
+    assert (await arena.reserve(4 * MIB, timeout_s=1)).offset == 0
+
+
+async def test_a_request_that_finds_no_room_waits_for_a_release(arena: Arena) -> None:
+    held = await arena.reserve(3 * MIB, timeout_s=1)
+    waiting = asyncio.create_task(arena.reserve(2 * MIB, timeout_s=30))
+    await until(lambda: arena.waiting == 1)
+    assert not waiting.done()
+    held.release()
+    slab = await waiting
+    assert (slab.offset, arena.waiting) == (0, 0)
+
+
+async def test_no_room_within_the_deadline_is_503_and_the_waiter_leaves(arena: Arena) -> None:
+    held = await arena.reserve(4 * MIB, timeout_s=1)
+    with pytest.raises(Overloaded, match=r"no shared memory came free .* within 0\.01 s"):
+        await arena.reserve(MIB, timeout_s=0.01)
+    assert arena.waiting == 0
+    held.release()
+    assert arena.used_bytes == 0
+
+
+async def test_waiters_are_served_in_the_order_they_asked(arena: Arena) -> None:
+    held = await arena.reserve(4 * MIB, timeout_s=1)
+    big = asyncio.create_task(arena.reserve(3 * MIB, timeout_s=30))
+    await until(lambda: arena.waiting == 1)
+    small = asyncio.create_task(arena.reserve(MIB, timeout_s=30))
+    await until(lambda: arena.waiting == 2)
+    held.release()
+    first, second = await big, await small
+    assert (first.offset, second.offset) == (0, 3 * MIB)
+
+
+async def test_a_new_request_queues_behind_a_waiter_even_where_it_would_fit(arena: Arena) -> None:
+    held = await arena.reserve(3 * MIB, timeout_s=1)
+    big = asyncio.create_task(arena.reserve(2 * MIB, timeout_s=30))
+    await until(lambda: arena.waiting == 1)
+    small = asyncio.create_task(arena.reserve(MIB // 2, timeout_s=30))  # would fit now, but waits its turn
+    await until(lambda: arena.waiting == 2)
+    held.release()
+    assert ((await big).offset, (await small).offset) == (0, 2 * MIB)
+
+
+async def test_a_cancelled_waiter_leaves_the_queue(arena: Arena) -> None:
+    held = await arena.reserve(4 * MIB, timeout_s=1)
+    waiting = asyncio.create_task(arena.reserve(MIB, timeout_s=30))
+    await until(lambda: arena.waiting == 1)
+    waiting.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await waiting
+    assert arena.waiting == 0
+    held.release()
+    assert arena.used_bytes == 0
+
+
+def test_the_arena_has_no_name_in_dev_shm() -> None:
+    before = set(os.listdir("/dev/shm"))
+    arena = Arena(MIB)
+    assert set(os.listdir("/dev/shm")) == before
+    assert os.readlink(f"/proc/self/fd/{arena.fd}").startswith("/memfd:")
+    arena.close()
