@@ -1,7 +1,8 @@
 """A CPU backend the tests steer, for what CI must catch without a GPU: it records what the engine plans and each
-launch it submits, can hold a launch until the test opens its gate, and can fail the next launch with the error a
-GPU backend raises (DeviceOutOfMemory, DeviceLost). It computes with the real CPU backend, and offers one more
-library kernel, `blas`, which computes as `numpy` does: two kernels whose plans differ only in their name."""
+launch it submits, can hold a launch until the test opens its gate, can fail the next launch with the error a GPU
+backend raises (DeviceOutOfMemory, DeviceLost) and can refuse to batch a kernel, as a GPU backend does with kernels
+not built for batches. It computes with the real CPU backend, and offers one more library kernel, `blas`, which
+computes as `numpy` does: two kernels whose plans differ only in their name."""
 
 from __future__ import annotations
 
@@ -52,6 +53,10 @@ class SteeredBackend(CpuBackend):
         self.entered = threading.Semaphore(0)
         """Released once per launch, as it reaches the gate."""
         self.fail_next: Exception | None = None
+        self.unbatchable: set[str] = set()
+        """Kernels whose launches take one product each."""
+        self.asked_to_batch: list[str] = []
+        """The kernel of every product the worker began a batch with, as it asked whether it batches."""
 
     def kernels(self) -> list[KernelInfo]:
         return [*super().kernels(), KernelInfo(name=BLAS, kind="library", summary="numpy.matmul under another name")]
@@ -59,6 +64,10 @@ class SteeredBackend(CpuBackend):
     def plan(self, kernel: str, tile: int | None, m: int, n: int, k: int) -> Plan:
         self.planned.append((m, n, k))
         return Plan(kernel=BLAS) if kernel == BLAS and tile is None else super().plan(kernel, tile, m, n, k)
+
+    def batchable(self, plan: Plan) -> bool:
+        self.asked_to_batch.append(plan.kernel)
+        return plan.kernel not in self.unbatchable
 
     def submit(
         self, pairs: Pairs, dtype: np.dtype, plan: Plan, on_done: Callable[[], None], outputs: Outputs = None

@@ -90,7 +90,7 @@ class _Job:
     """Called once, when the job stops waiting (started or dropped)."""
     batch_key: tuple[object, ...]
     """Jobs with equal keys can run as one batched launch (all of them with outputs given, or none)."""
-    enqueued_at: float = field(default_factory=perf_counter)
+    enqueued_at: float
     state: _JobState = _JobState.QUEUED
     lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -245,6 +245,7 @@ class Worker:
             future=loop.create_future(),
             left_queue=self._left_queue,
             batch_key=(a.shape, b.shape, dtype, plan.kernel, label, out is None),
+            enqueued_at=perf_counter(),
         )
         self._queue.put(job)
         self._wake.set()

@@ -1,7 +1,8 @@
 """What the engine asks of its backend, seen from a backend that records it: the plan of an m x k @ k x n product
-is asked for (m, n, k), and queued products share a launch only when their shapes, dtype, kernel and tile are all
-the same (a product batched with another of a different dtype would be computed in the other's dtype); and an empty
-inner dimension (k = 0) gives exact zeros on every kernel of the CPU engine."""
+is asked for (m, n, k); queued products share a launch only when their shapes, dtype, kernel and tile are all
+the same (a product batched with another of a different dtype would be computed in the other's dtype), the kernel
+can be batched, and the batch has room; a batch that one operand spoils, or a device lost under a batch, fails only
+what it must; and an empty inner dimension (k = 0) gives exact zeros on every kernel of the CPU engine."""
 
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ from contextlib import asynccontextmanager
 import numpy as np
 import pytest
 
-from app.engine import BatchPolicy, Engine, EngineState, Worker
+from app.engine import BatchPolicy, Engine, EngineState, Outcome, Worker
+from app.errors import DeviceLost, InvalidInput, NotReady
 from kernels.reference import assert_close_to_reference
 from tests.fakes import BLAS, GATE_TIMEOUT_S, SteeredBackend, until
 
@@ -85,6 +87,96 @@ async def test_queued_products_share_a_launch_only_with_the_same_dtype_kernel_an
     for (a, b), (kernel, tile, dtype), outcome in zip(operands, requests, outcomes, strict=True):
         assert (outcome.plan.kernel, outcome.plan.tile, outcome.c.dtype) == (kernel, tile, dtype)
         assert_close_to_reference(outcome.c, a, b, dtype)
+
+
+async def _queued_together(
+    backend: SteeredBackend, engine: Engine, products: list[tuple[np.ndarray, np.ndarray]], dtype: np.dtype = F64
+) -> list[Outcome | BaseException]:
+    """What each of `products` (with `numpy`) got, queued while the worker is inside a first launch, so that they
+    all wait for it together."""
+    backend.gate.clear()
+    first = asyncio.create_task(engine.matmul(np.ones((1, 1)), np.ones((1, 1)), F64, "numpy", None, None))
+    assert await asyncio.to_thread(backend.entered.acquire, True, GATE_TIMEOUT_S)
+    queued = [asyncio.create_task(engine.matmul(a, b, dtype, "numpy", None, None)) for a, b in products]
+    await until(lambda: engine.queue_depth == len(queued))
+    backend.gate.set()
+    await asyncio.wait_for(first, GATE_TIMEOUT_S)
+    return await asyncio.wait_for(asyncio.gather(*queued, return_exceptions=True), GATE_TIMEOUT_S)
+
+
+@pytest.mark.parametrize(
+    ("max_size", "unbatchable", "launches"),
+    [(8, set(), [1, 3]), (2, set(), [1, 2, 1]), (8, {"numpy"}, [1, 1, 1, 1])],
+    ids=["room for all", "room for two", "kernel not batchable"],
+)
+async def test_a_batch_takes_no_more_than_its_size_and_only_a_batchable_kernel(
+    max_size: int, unbatchable: set[str], launches: list[int]
+) -> None:
+    backend = SteeredBackend()
+    backend.unbatchable = unbatchable
+    products = [(np.full((2, 3), i + 1.0), np.ones((3, 1))) for i in range(3)]
+    async with _engine(backend, BatchPolicy(max_size=max_size, max_delay_s=0.01)) as engine:
+        outcomes = await _queued_together(backend, engine, products)
+    assert [s.products for s in backend.submitted] == launches
+    sizes = [size for size in launches[1:] for _ in range(size)]
+    for i, outcome in enumerate(outcomes):
+        assert isinstance(outcome, Outcome) and outcome.batch_size == sizes[i]
+        np.testing.assert_array_equal(outcome.c, np.full((2, 1), 3.0 * (i + 1)))
+
+
+async def test_with_the_device_idle_a_batch_waits_its_window_for_products_to_join() -> None:
+    backend = SteeredBackend()
+    # a window far longer than the test: the batch is launched because it is full, not because the window ended
+    async with _engine(backend, BatchPolicy(max_size=2, max_delay_s=3600)) as engine:
+        first = asyncio.create_task(engine.matmul(np.ones((2, 1)), np.ones((1, 1)), F64, "numpy", None, None))
+        await until(lambda: backend.asked_to_batch == ["numpy"])  # the worker has begun a batch with it
+        second = asyncio.create_task(engine.matmul(np.full((2, 1), 2.0), np.ones((1, 1)), F64, "numpy", None, None))
+        outcomes = await asyncio.wait_for(asyncio.gather(first, second), GATE_TIMEOUT_S)
+    assert [s.products for s in backend.submitted] == [2]
+    assert [(o.c.tolist(), o.batch_size) for o in outcomes] == [([[1.0], [1.0]], 2), ([[2.0], [2.0]], 2)]
+
+
+async def test_a_batch_of_two_spoiled_by_one_operand_fails_only_that_product() -> None:
+    backend = SteeredBackend()
+    products = [(np.ones((2, 3)), np.ones((3, 1))), (np.full((2, 3), 1e39), np.ones((3, 1)))]
+    async with _engine(backend, BatchPolicy(max_size=2, max_delay_s=0.01)) as engine:
+        good, spoiled = await _queued_together(backend, engine, products, F32)
+    # the batch, refused by the operand too large for float32, then each product alone
+    assert [s.products for s in backend.submitted] == [1, 2, 1, 1]
+    assert isinstance(good, Outcome) and good.c.tolist() == [[3.0], [3.0]] and good.batch_size == 1
+    assert isinstance(spoiled, InvalidInput)
+    assert spoiled.message == "a[0][0] = 1e+39 is out of range for float32 (largest 3.403e+38)"
+
+
+async def test_stopping_ends_a_batch_still_gathering_and_runs_it() -> None:
+    backend = SteeredBackend()
+    # a window far longer than the test: only the stop ends the batch
+    async with _engine(backend, BatchPolicy(max_size=8, max_delay_s=3600)) as engine:
+        product = asyncio.create_task(engine.matmul(np.ones((2, 1)), np.ones((1, 1)), F64, "numpy", None, None))
+        await until(lambda: engine.queue_depth == 1)
+        await asyncio.wait_for(engine.stop(), GATE_TIMEOUT_S)
+        outcome = await asyncio.wait_for(product, GATE_TIMEOUT_S)
+    assert outcome.c.tolist() == [[1.0], [1.0]] and outcome.batch_size == 1
+    assert [s.products for s in backend.submitted] == [1] and engine.state is EngineState.STOPPED
+
+
+async def test_a_device_lost_under_a_batch_answers_the_products_held_back_from_it_with_503() -> None:
+    backend = SteeredBackend()
+    backend.fail_next = DeviceLost("cudaErrorIllegalAddress")
+    shapes = [(2, 3), (5, 3), (2, 3)]
+    # the first product waits for a second of its shape (the window is far longer than the test); the (5, 3) one
+    # pulled meanwhile is held back for the next launch
+    async with _engine(backend, BatchPolicy(max_size=2, max_delay_s=3600)) as engine:
+        queued = [
+            asyncio.create_task(engine.matmul(np.ones(shape), np.ones((3, 1)), F64, "numpy", None, None))
+            for shape in shapes
+        ]
+        first, held, second = await asyncio.wait_for(asyncio.gather(*queued, return_exceptions=True), GATE_TIMEOUT_S)
+        assert engine.state is EngineState.FAILED
+    assert [s.products for s in backend.submitted] == [2]
+    for lost in (first, second):
+        assert isinstance(lost, DeviceLost) and lost.message == "cudaErrorIllegalAddress"
+    assert isinstance(held, NotReady) and held.message == "the device was lost: cudaErrorIllegalAddress"
 
 
 CPU_KERNELS = [("numpy", None), ("naive", None), *(("tiled", tile) for tile in (8, 16, 32))]

@@ -19,7 +19,7 @@ from app.engine import BatchPolicy, DeviceTiming, Engine, EngineState, KernelInf
 from app.engine.autotune import AutoChoice
 from app.engine.base import Finished, Outputs
 from app.engine.cpu import CpuBackend
-from app.errors import DeviceOutOfMemory, NotReady
+from app.errors import DeviceFailure, DeviceOutOfMemory, NotReady
 from app.main import create_app
 from kernels.roofline import DevicePeaks
 from matmul_tools.service import wait_ready_async
@@ -411,11 +411,13 @@ class HeldLaunch:
         """Set when the worker starts waiting for this launch's result."""
         self.error: Exception | None = None
 
-    def finish(self, error: Exception | None = None) -> None:
-        """What the device does: the launch ends (with `error`, if given) and calls back."""
+    def finish(self, error: Exception | None = None, call_back: bool = True) -> None:
+        """What the device does: the launch ends (with `error`, if given) and calls back, unless a lost device
+        never does."""
         self.error = error
         self.finished.set()
-        self.on_done()
+        if call_back:
+            self.on_done()
 
     def done(self) -> bool:
         return self.finished.is_set()
@@ -429,8 +431,8 @@ class HeldLaunch:
         return self.products, DeviceTiming(h2d_ms=1.0, kernel_ms=1.0, d2h_ms=1.0)
 
 
-async def _pipelined(backend: PipelinedBackend) -> Engine:
-    engine = Engine([Worker(backend, queue_size=8)])
+async def _pipelined(backend: PipelinedBackend, batching: BatchPolicy | None = None) -> Engine:
+    engine = Engine([Worker(backend, queue_size=8, batching=batching)])
     engine.start()
     await _wait(lambda: engine.state is EngineState.READY)
     return engine
@@ -493,6 +495,79 @@ async def test_a_launch_that_fails_on_the_device_fails_only_its_own_requests() -
         await first
     assert (await second).c[0, 0] == 2.0
     assert engine.state is EngineState.READY
+    await engine.stop()
+
+
+async def test_a_launch_that_ends_without_calling_back_is_still_collected() -> None:
+    backend = PipelinedBackend()
+    engine = await _pipelined(backend)
+    product = await _submitted(engine, backend, 1)
+    backend.launches[0].finish(call_back=False)
+    assert (await asyncio.wait_for(product, 10)).c[0, 0] == 1.0
+    await engine.stop()
+
+
+async def test_stopping_answers_the_launch_in_flight_first() -> None:
+    backend = PipelinedBackend()
+    engine = await _pipelined(backend)
+    product = await _submitted(engine, backend, 1)
+    stopping = asyncio.create_task(engine.stop())
+    # one launch in flight of the two allowed: the worker waits for its result only once it has been told to stop
+    assert await asyncio.to_thread(backend.launches[0].collecting.wait, 10)
+    backend.launches[0].finish()
+    assert (await asyncio.wait_for(product, 10)).c[0, 0] == 1.0
+    await asyncio.wait_for(stopping, 10)
+    assert engine.state is EngineState.STOPPED
+
+
+async def test_a_product_held_back_from_a_batch_is_submitted_while_the_launch_before_it_runs() -> None:
+    backend = PipelinedBackend()
+    engine = await _pipelined(backend, BatchPolicy(max_size=2, max_delay_s=0.01))
+    first = await _submitted(engine, backend, 1)
+    second = await _submitted(engine, backend, 2)
+    # two launches in flight: the worker waits on the first while a 1 x 1 and a 2 x 1 product queue
+    assert await asyncio.to_thread(backend.launches[0].collecting.wait, 10)
+    f64 = np.dtype(np.float64)
+    alike = _product(engine, 3)
+    other = asyncio.create_task(engine.matmul(np.full((2, 1), 4.0), np.ones((1, 1)), f64, "numpy", None, None))
+    await _wait(lambda: engine.queue_depth == 2)
+    backend.launches[0].finish()
+    # the 1 x 1 one is launched, the 2 x 1 one it pulled is held back for the next launch
+    await _wait(lambda: len(backend.launches) == 3)
+    backend.launches[1].finish()
+    await _wait(lambda: len(backend.launches) == 4)
+    assert backend.log == ["submit 1", "submit 2", "collect 1", "submit 3", "collect 2", "submit 4"]
+    for launch in backend.launches[2:]:
+        launch.finish()
+    assert [(await p).c[0, 0] for p in (first, second, alike, other)] == [1.0, 2.0, 3.0, 4.0]
+    await engine.stop()
+
+
+async def test_a_batched_launch_that_fails_on_the_device_fails_each_of_its_products_naming_the_kernel() -> None:
+    backend = PipelinedBackend()
+    engine = await _pipelined(backend, BatchPolicy(max_size=2, max_delay_s=3600))
+    products = [_product(engine, 1), _product(engine, 2)]
+    await _wait(lambda: len(backend.launches) == 1)
+    backend.launches[0].finish(RuntimeError("cudaErrorLaunchFailure"))
+    for product in products:
+        with pytest.raises(DeviceFailure) as caught:
+            await asyncio.wait_for(product, 10)
+        assert caught.value.message == "the cpu backend failed running 'numpy': cudaErrorLaunchFailure"
+    assert [len(launch.products) for launch in backend.launches] == [2] and engine.state is EngineState.READY
+    await engine.stop()
+
+
+async def test_while_the_device_is_busy_a_product_is_submitted_without_waiting_for_the_batching_window() -> None:
+    backend = PipelinedBackend()
+    # a window far longer than the test: a product that waited for it would never be submitted
+    engine = await _pipelined(backend, BatchPolicy(max_size=2, max_delay_s=3600))
+    batch = [_product(engine, 1), _product(engine, 1)]
+    await _wait(lambda: len(backend.launches) == 1)
+    alone = await _submitted(engine, backend, 3)
+    assert [len(launch.products) for launch in backend.launches] == [2, 1]
+    for launch in backend.launches:
+        launch.finish()
+    assert [(await product).batch_size for product in [*batch, alone]] == [2, 2, 1]
     await engine.stop()
 
 

@@ -4,6 +4,7 @@ summed or taken from its workers, and its refusals by their whole message."""
 from __future__ import annotations
 
 import asyncio
+import logging
 
 import numpy as np
 import pytest
@@ -72,7 +73,7 @@ async def test_what_the_engine_sums_and_takes_from_its_workers() -> None:
     assert engine.state is EngineState.STOPPED
 
 
-async def test_a_failed_worker_makes_the_engine_failed_with_its_reason() -> None:
+async def test_a_failed_worker_makes_the_engine_failed_with_its_reason(caplog: pytest.LogCaptureFixture) -> None:
     class CannotPrepare(SteeredBackend):
         def prepare(self) -> None:
             raise RuntimeError("no kernels today")
@@ -82,6 +83,9 @@ async def test_a_failed_worker_makes_the_engine_failed_with_its_reason() -> None
     try:
         await until(lambda: engine.state is EngineState.FAILED)
         assert engine.failure == "preparing the kernels failed: no kernels today"
+        await until(lambda: any(r.levelno == logging.ERROR for r in caplog.records))  # logged after it failed
+        [logged] = [r for r in caplog.records if r.levelno == logging.ERROR]
+        assert logged.getMessage() == "the cpu backend failed to start" and logged.exc_info is not None
         with pytest.raises(NotReady, match=r"^the cpu backend is failed: preparing the kernels failed: no kernels"):
             engine.check_ready()
     finally:

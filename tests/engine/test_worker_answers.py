@@ -1,11 +1,12 @@
-"""What a worker answers, by its whole message and fields: a product's outcome, a launch that fails unexpectedly,
-a deadline passed in the queue, a lost device (for the launch, the queue and every later request) and a stopped
-worker."""
+"""What a worker answers, by its whole message and fields: a product's outcome and its time in the queue, a launch
+that fails unexpectedly, a deadline passed in the queue, a lost device (for the launch, the queue and every later
+request) and a stopped worker."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 from collections.abc import Callable
 from time import perf_counter
 
@@ -61,6 +62,54 @@ async def test_an_outcome_says_how_its_product_was_made() -> None:
         # not a speed claim: the time it says it queued lies within the time the call took
         assert 0 <= outcome.queue_ms <= waited_ms and outcome.device.kernel_ms >= 0
     finally:
+        await worker.stop()
+
+
+class _Clock:
+    """The worker's `perf_counter`, moved only by the test, or `step` seconds on after each reading."""
+
+    def __init__(self, now: float, step: float = 0.0) -> None:
+        self.now, self.step = now, step
+
+    def __call__(self) -> float:
+        now = self.now
+        self.now += self.step
+        return now
+
+
+async def test_a_ready_worker_says_where_and_how_soon_from_a_daemon_thread_named_for_its_device(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="app.engine.worker")
+    monkeypatch.setattr("app.engine.worker.perf_counter", _Clock(100.0, step=1.25))
+    backend = SteeredBackend()
+    worker = await _ready(backend)
+    try:
+        await until(lambda: any(r.levelno == logging.INFO for r in caplog.records))  # logged once it is ready
+        [logged] = [r for r in caplog.records if r.levelno == logging.INFO]
+        assert logged.getMessage() == f"cpu backend ready on {backend.device_name} in 1.25 s"
+        # the one thread that owns the device, told apart in logs; it never keeps a process that exits alive
+        [thread] = [t for t in threading.enumerate() if t.ident == logged.thread]
+        assert thread.name == f"cpu-worker-{backend.device_name}" and thread.daemon
+    finally:
+        await worker.stop()
+
+
+async def test_the_queue_time_runs_from_queueing_to_submitting_in_milliseconds(monkeypatch: pytest.MonkeyPatch) -> None:
+    clock = _Clock(100.0)
+    monkeypatch.setattr("app.engine.worker.perf_counter", clock)
+    backend = SteeredBackend()
+    worker = await _ready(backend)
+    try:
+        running = await _held(backend, worker)
+        queued = asyncio.ensure_future(worker.matmul(np.ones((2, 1)), np.ones((1, 1)), F64, NUMPY))
+        await until(lambda: worker.queue_depth == 1)
+        clock.now = 100.25
+        backend.gate.set()
+        assert (await asyncio.wait_for(running, GATE_TIMEOUT_S)).queue_ms == 0.0
+        assert (await asyncio.wait_for(queued, GATE_TIMEOUT_S)).queue_ms == 250.0
+    finally:
+        backend.gate.set()
         await worker.stop()
 
 
