@@ -37,7 +37,7 @@ import numpy as np
 from app.allocator import cap_malloc_arenas
 from app.config import BackendChoice, Settings
 from app.dataplane import wire
-from app.dataplane.slab import Placement
+from app.dataplane.slab import Placement, view
 from app.engine import BatchPolicy, Engine, Worker
 from app.engine.base import Backend
 from app.engine.cpu import CpuBackend
@@ -101,11 +101,10 @@ class _Peer:
 
     def array(self, where: list[int], dtype: str) -> np.ndarray:
         offset, rows, cols = where
-        placement = Placement(offset, (rows, cols), dtype)
-        if offset < 0 or rows < 0 or cols < 0 or offset + placement.nbytes > self.memory.nbytes:
-            raise InvalidParameter(f"a {rows}x{cols} {dtype} matrix at {offset} is outside the arena")
-        view: np.ndarray = self.memory[offset : offset + placement.nbytes].view(dtype).reshape(rows, cols)
-        return view
+        try:
+            return view(self.memory, Placement(offset, (rows, cols), dtype))
+        except ValueError as exc:
+            raise InvalidParameter(str(exc)) from None
 
     def close(self) -> None:
         """Close the file; the mapping goes now, or with the last array that still views it."""

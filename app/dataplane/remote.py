@@ -27,10 +27,9 @@ import numpy as np
 from app.config import Settings
 from app.dataplane import wire
 from app.dataplane.slab import Arena, Placement, Slab, aligned
-from app.engine import EngineState, KernelInfo, Outcome, Plan
+from app.engine import EngineState, KernelInfo, Outcome, Plan, SlabUse
 from app.engine.autotune import SHAPE_CLASSES, AutoChoice
 from app.engine.base import DeviceTiming
-from app.engine.engine import SlabUse
 from app.engine.staging import cast_into
 from app.errors import DeviceLost, NotReady, Overloaded, error_of
 from kernels.registry import KERNELS

@@ -48,6 +48,16 @@ class Placement:
         return self.shape[0] * self.shape[1] * np.dtype(self.dtype).itemsize
 
 
+def view(memory: np.ndarray, placement: Placement) -> np.ndarray:
+    """The matrix `placement` describes, as a view of `memory` (an arena's bytes, mapped in this process);
+    ValueError when it does not lie wholly inside."""
+    offset, nbytes = placement.offset, placement.nbytes
+    if offset < 0 or min(placement.shape) < 0 or offset + nbytes > memory.nbytes:
+        raise ValueError(f"a {placement.shape} {placement.dtype} matrix at {offset} is outside the arena")
+    matrix: np.ndarray = memory[offset : offset + nbytes].view(placement.dtype).reshape(placement.shape)
+    return matrix
+
+
 class Arena:
     """One shared-memory file, mapped here, with the slabs handed out of it."""
 
@@ -68,11 +78,7 @@ class Arena:
 
     def array(self, placement: Placement) -> np.ndarray:
         """A view of the arena where `placement` says a matrix lies."""
-        return (
-            self.memory[placement.offset : placement.offset + placement.nbytes]
-            .view(placement.dtype)
-            .reshape(placement.shape)
-        )
+        return view(self.memory, placement)
 
     async def reserve(self, nbytes: int, timeout_s: float) -> Slab:
         """A slab of `nbytes`, once one is free: PayloadTooLarge at once when no arena could hold it, Overloaded
