@@ -110,7 +110,7 @@ async def test_a_killed_engine_fails_what_it_held_at_once_and_a_fresh_one_serves
     assert worker.arena.used_bytes == 0
     with pytest.raises(NotReady, match="a new one is starting"):
         worker.check_ready()
-    await until(lambda: worker.state is EngineState.READY, guard_s=60)
+    await until(lambda: all(w.state is EngineState.READY for w in workers), guard_s=60)
     assert worker.links[0].welcome["engine_pid"] != first_pid
     assert supervisor.engines[0].exits == [-signal.SIGKILL]
     assert (await asyncio.gather(_product(worker, 5), _product(workers[1], 6)))[0].tolist() == [2]
