@@ -8,6 +8,7 @@ workers, several times in a row over new connections, since each goes to whichev
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import signal
 import socket
@@ -62,9 +63,10 @@ def wait_ready(
     log: Path | None = None,
     in_a_row: int = 1,
     interval_s: float = 0.2,
+    probe: str = "/readyz",
 ) -> None:
-    """Return once `url`/readyz answers 200 `in_a_row` times in a row, each over a new connection; raise NotReady,
-    with the log's text, when `process` exits first or `timeout_s` passes."""
+    """Return once `url` + `probe` answers 200 `in_a_row` times in a row, each over a new connection; raise
+    NotReady, with the log's text, when `process` exits first or `timeout_s` passes."""
     deadline = time.monotonic() + timeout_s
     ready_in_a_row = 0
     while ready_in_a_row < in_a_row:
@@ -74,7 +76,7 @@ def wait_ready(
         if time.monotonic() > deadline:
             raise NotReady(f"{url} not ready after {timeout_s:g} s{output}")
         try:
-            ready = httpx.get(f"{url}/readyz", timeout=5).status_code == 200
+            ready = httpx.get(f"{url}{probe}", timeout=5).status_code == 200
         except httpx.TransportError:
             ready = False
         ready_in_a_row = ready_in_a_row + 1 if ready else 0
@@ -147,14 +149,28 @@ class LocalService:
         is merged (the service makes the PROMETHEUS_MULTIPROC_DIR)."""
         return cls(service_command(port, "--workers", str(workers)), port, env, log, workers)
 
-    def wait_ready(self, timeout_s: float) -> None:
-        """Return once every worker answers /readyz with 200; raise NotReady with the log if it exits or times out."""
-        wait_ready(
-            self.url, timeout_s, process=self.process, log=self.log, in_a_row=READY_PROBES_PER_WORKER * self.workers
-        )
+    def wait_ready(self, timeout_s: float, probe: str = "/readyz") -> None:
+        """Return once every worker answers `probe` with 200; raise NotReady with the log if it exits or times out."""
+        in_a_row = READY_PROBES_PER_WORKER * self.workers
+        wait_ready(self.url, timeout_s, process=self.process, log=self.log, in_a_row=in_a_row, probe=probe)
 
     def stop(self) -> None:
         stop_group(self.process)
+
+
+def start_checkout(checkout: Path, env: Mapping[str, str], log: Path, workers: int) -> LocalService:
+    """Another checkout's server, started by that tree's own code for it (its matmul_tools/service.py, or the
+    scripts/local_service.py of older trees) from that tree: its LocalService, with `workers` HTTP workers."""
+    for path in (checkout / "matmul_tools" / "service.py", checkout / "scripts" / "local_service.py"):
+        spec = importlib.util.spec_from_file_location(f"service_of_{checkout.name}", path)
+        if path.is_file() and spec is not None and spec.loader is not None:
+            module = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(module)
+            service = module.LocalService
+            start = next((getattr(service, n) for n in ("matmul_service", "uvicorn") if hasattr(service, n)), service)
+            started: LocalService = start(module.free_port(), env, log, workers)
+            return started
+    raise SystemExit(f"{checkout} has neither matmul_tools/service.py nor scripts/local_service.py")
 
 
 @dataclass(frozen=True)

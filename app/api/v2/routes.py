@@ -204,6 +204,7 @@ async def infer(
         parameters = {
             "kernel": product.outcome.plan.kernel,
             "backend": product.backend,
+            "batch_size": product.outcome.batch_size,
             **{f"roofline_{name}": value for name, value in product.roofline.model_dump(exclude_none=True).items()},
         }
         c = product.c
