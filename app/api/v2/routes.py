@@ -59,7 +59,7 @@ ModelName = Annotated[str, Path(max_length=128, description="`matmul` (auto), or
 VersionName = Annotated[str, Path(max_length=32, description="The model version; only `1` exists.")]
 
 
-def _known_version(model: ModelName, version: VersionName, catalogue: CatalogueDep) -> None:
+async def _known_version(model: ModelName, version: VersionName, catalogue: CatalogueDep) -> None:
     """The `{version}` of the versioned routes: the model must have it (the unversioned routes take none)."""
     catalogue.kernel_of(model, version)
 
