@@ -78,7 +78,13 @@ def build_backend(settings: Settings, device: int | None, why_cpu: str) -> Backe
         return CpuBackend(reason=why_cpu)
     from app.engine import gpu
 
-    return gpu.GpuBackend(device, settings.device_memory_limit_bytes, settings.fault_injection, settings.pipeline_depth)
+    return gpu.GpuBackend(
+        device,
+        settings.device_memory_limit_bytes,
+        settings.fault_injection,
+        settings.pipeline_depth,
+        auto_batch=settings.max_batch_size if settings.batching else 1,
+    )
 
 
 class _Peer:
