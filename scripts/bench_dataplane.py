@@ -37,6 +37,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import httpx
 import numpy as np
 import orjson
 
@@ -127,6 +128,7 @@ def measure_this(pool: LoadPool, args: argparse.Namespace) -> dict[str, Any]:
     try:
         service.wait_ready(args.ready_timeout)
         return {
+            "auto": httpx.get(f"{service.url}/v1/kernels", timeout=30).json()["auto"],
             "big": cell(pool, service.port, "big", args.big_concurrency, args),
             "echo": cell(pool, service.port, "echo", args.big_concurrency, args),
             "v2": cell(pool, service.port, "v2", args.v2_concurrency, args),
