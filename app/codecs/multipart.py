@@ -125,7 +125,7 @@ def _npy_parts_by_length(body: bytes, boundary: bytes, limits: Limits) -> dict[s
     at = len(delimiter) + 2
     while len(parts) < MAX_PARTS:
         head_end = body.find(b"\r\n\r\n", at, at + MAX_PART_HEAD)
-        name = _npy_file_part_name(body[at:head_end]) if head_end >= 0 else None
+        name = _npy_file_part_name(bytes(view[at:head_end])) if head_end >= 0 else None
         if name is None or name in parts:
             return None
         start = head_end + 4
