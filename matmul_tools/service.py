@@ -64,24 +64,30 @@ def wait_ready(
     in_a_row: int = 1,
     interval_s: float = 0.2,
     probe: str = "/readyz",
-) -> None:
-    """Return once `url` + `probe` answers 200 `in_a_row` times in a row, each over a new connection; raise
-    NotReady, with the log's text, when `process` exits first or `timeout_s` passes."""
+) -> float:
+    """Return once `url` + `probe` answers 200 `in_a_row` times in a row, each over a new connection, with the
+    time (time.monotonic()) the first of those was asked; raise NotReady, with the log's text, when `process`
+    exits first or `timeout_s` passes."""
     deadline = time.monotonic() + timeout_s
     ready_in_a_row = 0
+    streak_began = time.monotonic()
     while ready_in_a_row < in_a_row:
         output = f":\n{log.read_text()}" if log is not None and log.exists() else ""
         if process is not None and process.poll() is not None:
             raise NotReady(f"{url} exited with {process.returncode}{output}")
         if time.monotonic() > deadline:
             raise NotReady(f"{url} not ready after {timeout_s:g} s{output}")
+        asked = time.monotonic()
         try:
             ready = httpx.get(f"{url}{probe}", timeout=5).status_code == 200
         except httpx.TransportError:
             ready = False
+        if ready and ready_in_a_row == 0:
+            streak_began = asked
         ready_in_a_row = ready_in_a_row + 1 if ready else 0
         if not ready:
             time.sleep(interval_s)
+    return streak_began
 
 
 async def wait_ready_async(http: httpx.AsyncClient, timeout_s: float, interval_s: float = 0.05) -> None:
@@ -149,10 +155,11 @@ class LocalService:
         is merged (the service makes the PROMETHEUS_MULTIPROC_DIR)."""
         return cls(service_command(port, "--workers", str(workers)), port, env, log, workers)
 
-    def wait_ready(self, timeout_s: float, probe: str = "/readyz") -> None:
-        """Return once every worker answers `probe` with 200; raise NotReady with the log if it exits or times out."""
+    def wait_ready(self, timeout_s: float, probe: str = "/readyz") -> float:
+        """Return once every worker answers `probe` with 200, with the time those answers began (wait_ready);
+        raise NotReady with the log if it exits or times out."""
         in_a_row = READY_PROBES_PER_WORKER * self.workers
-        wait_ready(self.url, timeout_s, process=self.process, log=self.log, in_a_row=in_a_row, probe=probe)
+        return wait_ready(self.url, timeout_s, process=self.process, log=self.log, in_a_row=in_a_row, probe=probe)
 
     def stop(self) -> None:
         stop_group(self.process)
