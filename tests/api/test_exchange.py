@@ -108,6 +108,7 @@ async def test_a_large_body_is_read_into_a_lent_buffer_that_the_next_body_of_its
     assert second is first and second == b"vwxyz"  # the same memory, overwritten
     other = await exchange.read_body(declaring(b"123456"), 100, "body", buffers)
     assert other is not first and other == b"123456"  # another size: a buffer of its own
+    assert isinstance(await exchange.read_body(declaring(b"abcd"), 100, "body", buffers), bytearray)  # at min_bytes
     assert await exchange.read_body(declaring(b"abc"), 100, "body", buffers) == b"abc"  # under min_bytes: joined
     assert isinstance(await exchange.read_body(request(receiving(chunk(b"abcde", False))), 9, "b", buffers), bytes)
 
@@ -120,6 +121,15 @@ async def test_buffers_keep_the_most_recently_given_back() -> None:
     assert buffers.take(1) is not made[0]  # forgotten: three were given back, two are kept
     assert buffers.take(3) is made[2] and buffers.take(2) is made[1]
     assert len(buffers.take(7)) == 7
+
+
+def test_a_kept_buffer_of_the_size_is_found_wherever_it_stands() -> None:
+    buffers = exchange.BodyBuffers(kept=4, min_bytes=1)
+    made = [buffers.take(size) for size in (2, 3, 4, 5)]
+    for buffer in made:
+        buffers.give(buffer)
+    taken = [buffers.take(size) for size in (4, 2, 5, 3)]  # equal contents are not enough: the same objects
+    assert all(got is kept for got, kept in zip(taken, [made[2], made[0], made[3], made[1]], strict=True))
 
 
 @pytest.mark.parametrize(

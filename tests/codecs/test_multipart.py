@@ -262,7 +262,16 @@ def _outcome(decode: Callable[[], Operands]) -> tuple[object, ...]:
         pytest.param(lambda body: b"a preamble\r\n" + body, id="preamble"),
         pytest.param(lambda body: _spliced(body, b'name="a"; filename="a.npy"', b'name="a"'), id="text-field"),
         pytest.param(
-            lambda body: _spliced(body, b'name="b"; filename="b.npy"\r\n', b'name="b"\r\n x: y\r\n'), id="folded"
+            lambda body: _spliced(body, b'filename="b.npy"\r\n', b'filename="b.npy"\r\n x: y\r\n'), id="folded"
+        ),
+        pytest.param(lambda body: _spliced(body, b'form-data; name="b"', b"form-data"), id="no-name"),
+        pytest.param(
+            lambda body: _spliced(body, b'filename="b.npy"\r\n', b'filename="b.npy"\r\nno colon\r\n'), id="colonless"
+        ),
+        pytest.param(lambda body: _spliced(body, b'form-data; name="b"', b'attachment; name="b"'), id="attachment"),
+        pytest.param(
+            lambda body: _spliced(body, b'filename="b.npy"\r\n', b'filename="b.npy"\r\nX: ' + b"x" * 5000 + b"\r\n"),
+            id="long-head",
         ),
         pytest.param(_longer_a, id="data-longer-than-declared"),
         pytest.param(lambda body: _spliced(body, b'name="b"', b'name="a"'), id="a-twice"),
@@ -285,3 +294,41 @@ def test_a_part_over_the_limits_goes_to_the_search_which_names_it(searched: list
     with pytest.raises(MatmulError, match="dimension 0 of 'a' is 9"):
         decode_multipart(body, "multipart/form-data; boundary=b0b", LIMITS)
     assert searched == [body]
+
+
+@pytest.mark.parametrize("length", [1, 70])
+def test_boundaries_of_1_to_70_characters_are_read_by_length(searched: list[bytes], length: int) -> None:
+    body, content_type, a, _ = npy_pair(boundary="q" * length)
+    np.testing.assert_array_equal(decode_multipart(body, content_type, LIMITS).a, a)
+    assert searched == []
+
+
+@pytest.mark.parametrize("boundary", ["", "q" * 71])
+def test_an_empty_or_too_long_boundary_is_refused_even_where_the_parts_would_read(boundary: str) -> None:
+    body, _, _, _ = npy_pair(boundary=boundary)
+    with pytest.raises(MalformedPayload, match="boundary"):
+        decode_multipart(body, f"multipart/form-data; boundary={boundary}", LIMITS)
+
+
+def test_a_content_type_without_a_boundary_is_refused_whatever_the_body(searched: list[bytes]) -> None:
+    body, _, _, _ = npy_pair(boundary="XXXX")
+    with pytest.raises(MalformedPayload, match="has no boundary"):
+        decode_multipart(body, "multipart/form-data", LIMITS)
+
+
+def test_part_headers_in_any_order_with_colons_in_values_are_read_by_length(searched: list[bytes]) -> None:
+    body, content_type, _, b = npy_pair()
+    body = _spliced(
+        body,
+        b'Content-Disposition: form-data; name="b"; filename="b.npy"',
+        b'Content-Type: application/x-npy\r\nContent-Disposition: form-data; name="b"; filename="c:b.npy"',
+    )
+    np.testing.assert_array_equal(decode_multipart(body, content_type, LIMITS).b, b)
+    assert searched == []
+
+
+def test_nine_npy_parts_are_refused_as_more_than_eight() -> None:
+    one = npy_bytes(np.ones((1, 1), np.float32))
+    body = multipart_body([(f"p{i}", one) for i in range(9)], boundary="b0b")
+    with pytest.raises(MalformedPayload, match="more than 8 parts"):
+        decode_multipart(body, "multipart/form-data; boundary=b0b", LIMITS)
