@@ -21,6 +21,7 @@ from app.allocator import cap_malloc_arenas
 from app.api.auth import ApiKeyMiddleware
 from app.api.connection import HEADER_LIMITS, HeaderLimits
 from app.api.errors import UnexpectedErrors, install_error_handlers
+from app.api.exchange import BodyBuffers
 from app.api.framing import RequestHeadMiddleware
 from app.api.limits import BodyLimitMiddleware
 from app.api.observe import RequestObserver, configure_access_log
@@ -58,6 +59,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             app.state.settings = resolved
             app.state.engine = engine
             app.state.metrics = ServiceMetrics()
+            app.state.body_buffers = BodyBuffers()
             app.state.inference_stats = InferenceStatistics()
             configure_access_log(resolved.access_log)
             yield {HEADER_LIMITS: HeaderLimits.of(resolved)}  # for the server's connections (app.api.connection)

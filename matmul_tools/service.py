@@ -8,6 +8,7 @@ workers, several times in a row over new connections, since each goes to whichev
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import signal
 import socket
@@ -62,24 +63,31 @@ def wait_ready(
     log: Path | None = None,
     in_a_row: int = 1,
     interval_s: float = 0.2,
-) -> None:
-    """Return once `url`/readyz answers 200 `in_a_row` times in a row, each over a new connection; raise NotReady,
-    with the log's text, when `process` exits first or `timeout_s` passes."""
+    probe: str = "/readyz",
+) -> float:
+    """Return once `url` + `probe` answers 200 `in_a_row` times in a row, each over a new connection, with the
+    time (time.monotonic()) the first of those was asked; raise NotReady, with the log's text, when `process`
+    exits first or `timeout_s` passes."""
     deadline = time.monotonic() + timeout_s
     ready_in_a_row = 0
+    streak_began = time.monotonic()
     while ready_in_a_row < in_a_row:
         output = f":\n{log.read_text()}" if log is not None and log.exists() else ""
         if process is not None and process.poll() is not None:
             raise NotReady(f"{url} exited with {process.returncode}{output}")
         if time.monotonic() > deadline:
             raise NotReady(f"{url} not ready after {timeout_s:g} s{output}")
+        asked = time.monotonic()
         try:
-            ready = httpx.get(f"{url}/readyz", timeout=5).status_code == 200
+            ready = httpx.get(f"{url}{probe}", timeout=5).status_code == 200
         except httpx.TransportError:
             ready = False
+        if ready and ready_in_a_row == 0:
+            streak_began = asked
         ready_in_a_row = ready_in_a_row + 1 if ready else 0
         if not ready:
             time.sleep(interval_s)
+    return streak_began
 
 
 async def wait_ready_async(http: httpx.AsyncClient, timeout_s: float, interval_s: float = 0.05) -> None:
@@ -147,14 +155,29 @@ class LocalService:
         is merged (the service makes the PROMETHEUS_MULTIPROC_DIR)."""
         return cls(service_command(port, "--workers", str(workers)), port, env, log, workers)
 
-    def wait_ready(self, timeout_s: float) -> None:
-        """Return once every worker answers /readyz with 200; raise NotReady with the log if it exits or times out."""
-        wait_ready(
-            self.url, timeout_s, process=self.process, log=self.log, in_a_row=READY_PROBES_PER_WORKER * self.workers
-        )
+    def wait_ready(self, timeout_s: float, probe: str = "/readyz") -> float:
+        """Return once every worker answers `probe` with 200, with the time those answers began (wait_ready);
+        raise NotReady with the log if it exits or times out."""
+        in_a_row = READY_PROBES_PER_WORKER * self.workers
+        return wait_ready(self.url, timeout_s, process=self.process, log=self.log, in_a_row=in_a_row, probe=probe)
 
     def stop(self) -> None:
         stop_group(self.process)
+
+
+def start_checkout(checkout: Path, env: Mapping[str, str], log: Path, workers: int) -> LocalService:
+    """Another checkout's server, started by that tree's own code for it (its matmul_tools/service.py, or the
+    scripts/local_service.py of older trees) from that tree: its LocalService, with `workers` HTTP workers."""
+    for path in (checkout / "matmul_tools" / "service.py", checkout / "scripts" / "local_service.py"):
+        spec = importlib.util.spec_from_file_location(f"service_of_{checkout.name}", path)
+        if path.is_file() and spec is not None and spec.loader is not None:
+            module = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(module)
+            service = module.LocalService
+            start = next((getattr(service, n) for n in ("matmul_service", "uvicorn") if hasattr(service, n)), service)
+            started: LocalService = start(module.free_port(), env, log, workers)
+            return started
+    raise SystemExit(f"{checkout} has neither matmul_tools/service.py nor scripts/local_service.py")
 
 
 @dataclass(frozen=True)

@@ -22,22 +22,19 @@ and each server's log (OUT/server-baseline.log, OUT/server-candidate.log).
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
-import socket
 import statistics
 import sys
-import threading
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from multiprocessing import Pool
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from matmul_tools.bodies import MULTIPART_CONTENT_TYPE, multipart_body, npy_bytes
+from matmul_tools.raw_load import LoadPool
+from matmul_tools.service import start_checkout
 
 ROOT = Path(__file__).resolve().parents[1]
 SERVERS = ("baseline", "candidate")
@@ -53,20 +50,6 @@ class Workload:
     """GB/s (request + response bytes) or req/s."""
 
 
-@dataclass(frozen=True)
-class Share:
-    """What one client process does: `connections` sockets, each sending its request until `until` (time.time())."""
-
-    port: int
-    request: str
-    connections: int
-    until: float
-
-
-_requests: dict[str, bytes] = {}
-"""The requests, built once in each client process (a 128 MiB body is not sent to it for every cell)."""
-
-
 def requests_for(echo_bytes: int) -> dict[str, bytes]:
     echo_head = b"POST /v1/echo HTTP/1.1\r\nHost: bench\r\nContent-Type: application/octet-stream\r\n"
     operand = npy_bytes(np.ones((16, 16), np.float32))
@@ -79,69 +62,12 @@ def requests_for(echo_bytes: int) -> dict[str, bytes]:
     }
 
 
-def _build_requests(echo_bytes: int) -> None:
-    _requests.update(requests_for(echo_bytes))
-
-
-def _read_answer(sock: socket.socket, buffer: bytearray) -> int:
-    """Read one HTTP answer (framed by Content-Length); its size in bytes. A status other than 200 raises."""
-    head = b""
-    while b"\r\n\r\n" not in head:
-        chunk = sock.recv(65536)
-        if not chunk:
-            raise ConnectionError("the server closed the connection")
-        head += chunk
-    head, _, start = head.partition(b"\r\n\r\n")
-    if not head.startswith(b"HTTP/1.1 200 "):
-        raise RuntimeError(f"answer {head[:80]!r}")
-    length = next(int(line[15:]) for line in head.lower().split(b"\r\n") if line.startswith(b"content-length: "))
-    left = length - len(start)
-    view = memoryview(buffer)
-    while left > 0:
-        got = sock.recv_into(view[: min(left, len(view))])
-        if not got:
-            raise ConnectionError("the server closed the connection mid-answer")
-        left -= got
-    return len(head) + 4 + length
-
-
-def _drive_share(share: Share) -> tuple[int, int]:
-    """Requests completed and bytes moved (both ways) by one client process."""
-    totals = [0, 0]
-    lock = threading.Lock()
-    request = _requests[share.request]
-
-    def connection() -> None:
-        buffer = bytearray(1 << 20)
-        done = moved = 0
-        with socket.create_connection(("127.0.0.1", share.port), timeout=600) as sock:
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            while time.time() < share.until:
-                sock.sendall(request)
-                moved += len(request) + _read_answer(sock, buffer)
-                done += 1
-        with lock:
-            totals[0] += done
-            totals[1] += moved
-
-    threads = [threading.Thread(target=connection) for _ in range(share.connections)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    return totals[0], totals[1]
-
-
-def measure(pool: Any, processes: int, port: int, workload: Workload, duration_s: float) -> float:
+def measure(pool: LoadPool, port: int, workload: Workload, duration_s: float) -> float:
     """The workload's figure (GB/s or req/s) over `duration_s` against the server on `port`."""
-    per_process = [workload.connections // processes + (i < workload.connections % processes) for i in range(processes)]
-    until = time.time() + duration_s
-    shares = [Share(port, workload.request, n, until) for n in per_process if n]
-    started = time.perf_counter()
-    results = pool.map(_drive_share, shares)
-    elapsed = time.perf_counter() - started
-    requests, moved = (int(sum(column)) for column in zip(*results, strict=True))
-    return moved / elapsed / 1e9 if workload.unit == "GB/s" else requests / elapsed
+    tally, elapsed = pool.run(port, workload.request, workload.connections, duration_s)
+    if set(tally.answers) != {200}:
+        raise RuntimeError(f"{workload.name}: answers other than 200: {tally.answers}")
+    return tally.moved_bytes / elapsed / 1e9 if workload.unit == "GB/s" else tally.ok / elapsed
 
 
 def workloads(args: argparse.Namespace) -> list[Workload]:
@@ -149,22 +75,6 @@ def workloads(args: argparse.Namespace) -> list[Workload]:
     found.append(Workload(f"healthz c={args.small_concurrency}", "healthz", args.small_concurrency, "req/s"))
     found.append(Workload(f"matmul 16^3 c={args.small_concurrency}", "matmul", args.small_concurrency, "req/s"))
     return found
-
-
-def start_checkout(checkout: Path, name: str, env: dict[str, str], log: Path, workers: int) -> Any:
-    """A checkout's server, started by its own code for that (matmul_tools/service.py, or the scripts/local_service.py
-    of older trees), which starts that tree's server from that tree: its LocalService."""
-    for path in (checkout / "matmul_tools" / "service.py", checkout / "scripts" / "local_service.py"):
-        spec = importlib.util.spec_from_file_location(f"local_service_{name}", path)
-        if path.is_file() and spec is not None and spec.loader is not None:
-            module = importlib.util.module_from_spec(spec)
-            spec.loader.exec_module(module)
-            service = module.LocalService
-            start = next(
-                (getattr(service, name) for name in ("matmul_service", "uvicorn") if hasattr(service, name)), service
-            )
-            return start(module.free_port(), env, log, workers)
-    raise SystemExit(f"{checkout} has neither matmul_tools/service.py nor scripts/local_service.py")
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -200,19 +110,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         for name, checkout in checkouts.items():
             log = (args.out / f"server-{name}.log").resolve()
-            servers[name] = start_checkout(checkout, name, env, log, args.workers)
+            servers[name] = start_checkout(checkout, env, log, args.workers)
         for server in servers.values():
             server.wait_ready(args.ready_timeout)
         figures: dict[str, dict[str, list[float]]] = {}
-        with Pool(args.client_processes, initializer=_build_requests, initargs=(args.echo_bytes,)) as pool:
+        with LoadPool(args.client_processes, requests_for, (args.echo_bytes,)) as pool:
             for workload in workloads(args):
                 for name in SERVERS:  # warm-up, left out
-                    measure(pool, args.client_processes, servers[name].port, workload, min(1.0, args.duration))
+                    measure(pool, servers[name].port, workload, min(1.0, args.duration))
             for round_index in range(args.rounds):
                 order = SERVERS if round_index % 2 == 0 else SERVERS[::-1]
                 for workload in workloads(args):
                     for name in order:
-                        value = measure(pool, args.client_processes, servers[name].port, workload, args.duration)
+                        value = measure(pool, servers[name].port, workload, args.duration)
                         figures.setdefault(workload.name, {}).setdefault(name, []).append(value)
                         print(f"round {round_index + 1} {workload.name:22s} {name:9s} {value:12.3f} {workload.unit}")
     finally:

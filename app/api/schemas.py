@@ -44,7 +44,10 @@ class AutoChoiceModel(BaseModel):
     up_to: int | None
     kernel: str = Field(description="What `auto` runs for this class: the fastest on the probe.")
     probe: list[int] = Field(description="The product timed at start-up for this class, [m, k, n].")
-    probe_ms: dict[str, float] = Field(description="Milliseconds per launch of every kernel on the probe (float32).")
+    probe_ms: dict[str, float] = Field(
+        description="Milliseconds per product of every kernel on the probe (float32); with MATMUL_BATCHING on, a "
+        "kernel that batches is timed on a batch of up to MATMUL_MAX_BATCH_SIZE products in one launch."
+    )
 
 
 class KernelListing(BaseModel):

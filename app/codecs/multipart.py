@@ -7,6 +7,14 @@ reports a part's data as offsets into the very buffer it was given, and nothing 
 
 RFC 2046 framing: a boundary of 1 to 70 characters, a preamble before the first delimiter and an epilogue after
 the last are allowed (and ignored).
+
+A body of .npy file parts is first read by the lengths their headers declare: after a part's headers comes a .npy
+header that says how many bytes follow it, and the delimiter must stand right after them. That reads a 134 MB body
+without searching its data for the boundary (the search took 17% of an HTTP worker's time in the 4096^2 cell on
+the H100). Any body that does not fit that pattern exactly (a preamble, a text field, a header the parser would
+read differently, a delimiter elsewhere) is parsed by python-multipart, which also says what is wrong with it. The
+one difference: a sender that let its boundary occur inside a .npy part's data (RFC 2046 forbids it) has that
+part read whole, as its header declares, where a search would have cut it short.
 """
 
 from __future__ import annotations
@@ -17,14 +25,16 @@ from urllib.parse import urlencode
 from python_multipart.exceptions import MultipartParseError
 from python_multipart.multipart import MultipartParser, MultipartState, parse_options_header
 
-from app.codecs.npy import decode_parts
+from app.codecs.npy import NPY_MAX_HEADER, decode_parts, read_npy_header
 from app.codecs.operands import OPERANDS, Limits, Operands
-from app.errors import InvalidMatrix, InvalidParameter, MalformedPayload
+from app.errors import InvalidMatrix, InvalidParameter, MalformedPayload, MatmulError
 
 MEDIA_TYPE = "multipart/form-data"
 MAX_PARTS = 8
 MAX_BOUNDARY = 70
 """RFC 2046 section 5.1.1: a boundary is 1 to 70 characters."""
+MAX_PART_HEAD = 4096
+"""The most bytes of headers a part may have to be read by its .npy length (else python-multipart reads it)."""
 
 
 @dataclass
@@ -96,7 +106,59 @@ def parse_file_parts(body: bytes, content_type: str) -> dict[str, bytes | memory
 
 def decode_multipart(body: bytes, content_type: str, limits: Limits) -> Operands:
     """A multipart/form-data body with the .npy file parts 'a' and 'b' -> Operands."""
-    return decode_parts(parse_file_parts(body, content_type), limits, container="multipart body")
+    _, options = parse_options_header(content_type)
+    boundary = options.get(b"boundary", b"")
+    parts = _npy_parts_by_length(body, boundary, limits) if 0 < len(boundary) <= MAX_BOUNDARY else None
+    if parts is None:
+        parts = parse_file_parts(body, content_type)
+    return decode_parts(parts, limits, container="multipart body")
+
+
+def _npy_parts_by_length(body: bytes, boundary: bytes, limits: Limits) -> dict[str, bytes | memoryview] | None:
+    """The file parts of a body made only of .npy file parts, each ended where its .npy header says with the
+    delimiter right there, as views of `body`; None for any other body."""
+    delimiter = b"--" + boundary
+    if not body.startswith(delimiter + b"\r\n"):
+        return None
+    view = memoryview(body)
+    parts: dict[str, bytes | memoryview] = {}
+    at = len(delimiter) + 2
+    while len(parts) < MAX_PARTS:
+        head_end = body.find(b"\r\n\r\n", at, at + MAX_PART_HEAD)
+        name = _npy_file_part_name(bytes(view[at:head_end])) if head_end >= 0 else None
+        if name is None or name in parts:
+            return None
+        start = head_end + 4
+        try:
+            end = start + read_npy_header(view[start : start + NPY_MAX_HEADER + 16], name, limits).file_bytes
+        except MatmulError:
+            return None
+        if not body.startswith(b"\r\n" + delimiter, end):
+            return None
+        parts[name] = view[start:end]
+        at = end + 2 + len(delimiter)
+        if body.startswith(b"--", at):
+            return parts  # the closing delimiter; an epilogue after it is ignored
+        if not body.startswith(b"\r\n", at):
+            return None
+        at += 2
+    return None
+
+
+def _npy_file_part_name(head: bytes) -> str | None:
+    """The field name of a part whose headers are plain `Name: value` lines with a Content-Disposition of
+    form-data, a name and a filename; None for anything else."""
+    headers: dict[bytes, bytes] = {}
+    for line in head.split(b"\r\n"):
+        name, colon, value = line.partition(b":")
+        if not colon or not name or name != name.strip():
+            return None
+        headers[name.lower()] = value.strip()
+    disposition, options = parse_options_header(headers.get(b"content-disposition", b""))
+    field = options.get(b"name", b"")
+    if disposition != b"form-data" or not field or b"filename" not in options:
+        return None
+    return field.decode("latin-1")
 
 
 def _without_preamble(body: bytes, boundary: bytes) -> bytes:

@@ -38,7 +38,7 @@ from app.allocator import cap_malloc_arenas
 from app.config import BackendChoice, Settings
 from app.dataplane import wire
 from app.dataplane.slab import Placement, view
-from app.engine import BatchPolicy, Engine, Worker
+from app.engine import BatchPolicy, Engine, EngineState, Worker
 from app.engine.base import Backend
 from app.engine.cpu import CpuBackend
 from app.errors import InvalidParameter, MatmulError, NotReady
@@ -78,7 +78,13 @@ def build_backend(settings: Settings, device: int | None, why_cpu: str) -> Backe
         return CpuBackend(reason=why_cpu)
     from app.engine import gpu
 
-    return gpu.GpuBackend(device, settings.device_memory_limit_bytes, settings.fault_injection, settings.pipeline_depth)
+    return gpu.GpuBackend(
+        device,
+        settings.device_memory_limit_bytes,
+        settings.fault_injection,
+        settings.pipeline_depth,
+        auto_batch=settings.max_batch_size if settings.batching else 1,
+    )
 
 
 class _Peer:
@@ -127,6 +133,8 @@ class EngineServer:
         self._connections: set[asyncio.Task[None]] = set()
         self._stopping = asyncio.Event()
         self._draining = False
+        self._started = asyncio.Event()
+        """Set once the engine has left STARTING (compiling, self-testing and timing the kernels)."""
 
     def stop(self, exit_code: int = 0) -> None:
         """Drain and end `serve` (with `exit_code` for the process)."""
@@ -181,8 +189,10 @@ class EngineServer:
             connection.close()
             return
         peer = _Peer(int(hello["pid"]), fd, int(hello["arena_bytes"]), writer)
-        # Pinned in the background, so that neither this worker's start nor readiness waits for it (about 0.3 s a
-        # GiB); until then the backend stages operands through pinned buffers of its own, as for any memory.
+        # Pinned in the background once the engine has started, so that neither this worker's start nor readiness
+        # waits for it (about 0.3 s a GiB): registering 8 GiB while the kernels were being self-tested and timed
+        # doubled the time to ready with 8 HTTP workers. Until then the backend stages operands through pinned
+        # buffers of its own, as for any memory.
         peer.pinning = asyncio.create_task(self._pin(peer))
         self._peers.add(peer)
         log.info("HTTP worker %d connected (%d bytes of shared memory)", peer.pid, peer.map.size())
@@ -201,6 +211,7 @@ class EngineServer:
             await self._hang_up(peer)
 
     async def _pin(self, peer: _Peer) -> None:
+        await self._started.wait()
         try:
             await asyncio.to_thread(self.backend.pin, peer.memory)
         except MatmulError as exc:
@@ -212,7 +223,9 @@ class EngineServer:
             task.cancel()
         await asyncio.gather(*peer.tasks.values(), return_exceptions=True)
         if peer.pinning is not None:
-            await peer.pinning
+            if not self._started.is_set():
+                peer.pinning.cancel()  # still waiting for the start: nothing registered yet
+            await asyncio.gather(peer.pinning, return_exceptions=True)
         with contextlib.suppress(MatmulError):
             await asyncio.to_thread(self.backend.unpin, peer.memory)
         peer.writer.close()
@@ -289,6 +302,8 @@ class EngineServer:
         last_state, last_sent = None, 0.0
         while True:
             state = (self.engine.state, self._draining)
+            if state[0] is not EngineState.STARTING:
+                self._started.set()
             if state != last_state or loop.time() - last_sent >= STATUS_EVERY_S:
                 status = self._status()
                 for peer in list(self._peers):

@@ -1,8 +1,9 @@
 """How `auto` chooses: shapes fall into classes by size, and each class runs the kernel measured fastest on it.
 
-The GPU backend times every kernel once at start-up on one square probe per class (the table is then in
-`GET /v1/kernels`); a request's class is the first whose bound its size does not pass, its size being the
-cube root of m*n*k (the side of the cube with as many multiply-adds).
+The GPU backend times every kernel once at start-up on one square probe per class, per product (with batching
+on, a kernel that batches is timed on a batch); the table is then in `GET /v1/kernels`. A request's class is
+the first whose bound its size does not pass, its size being the cube root of m*n*k (the side of the cube with
+as many multiply-adds).
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ class AutoChoice:
     shape_class: ShapeClass
     kernel: str
     probe_ms: Mapping[str, float]
-    """Milliseconds per launch of every kernel on the class's probe."""
+    """Milliseconds per product of every kernel on the class's probe (a batched launch's over its products)."""
 
 
 def shape_class_of(m: int, n: int, k: int) -> ShapeClass:

@@ -12,7 +12,7 @@ from starlette.requests import Request
 
 from app.api import exchange
 from app.config import Settings
-from app.errors import ClientGone, InvalidParameter, PayloadTooLarge
+from app.errors import ClientGone, InvalidParameter, MalformedPayload, PayloadTooLarge
 
 pytestmark = pytest.mark.anyio
 
@@ -20,6 +20,8 @@ GUARD_S = 10
 """A hang guard only: how long a test waits for something that happens at once when the code is right."""
 
 Message = dict[str, object]
+POOL = exchange.BodyBuffers()
+"""For bodies under its min_bytes (1 MiB), which are joined from their pieces."""
 
 
 @pytest.fixture
@@ -64,27 +66,93 @@ def chunk(body: bytes, more: bool = True) -> Message:
 
 
 async def test_a_body_of_exactly_the_limit_is_read_whole() -> None:
-    got = await exchange.read_body(request(receiving(chunk(b"abc"), chunk(b"de", more=False))), 5, "JSON body")
+    got = await exchange.read_body(request(receiving(chunk(b"abc"), chunk(b"de", more=False))), 5, "JSON body", POOL)
     assert got == b"abcde"
 
 
 async def test_a_declared_size_over_the_limit_is_refused_before_reading() -> None:
     with pytest.raises(PayloadTooLarge) as caught:
-        await exchange.read_body(request(receiving(chunk(b"ab", False)), {"content-length": "6"}), 5, "JSON body")
+        await exchange.read_body(request(receiving(chunk(b"ab", False)), {"content-length": "6"}), 5, "JSON body", POOL)
     assert caught.value.message == "the JSON body is 6 bytes, over the limit of 5"
-    assert await exchange.read_body(request(receiving(chunk(b"ab", False)), {"content-length": "5"}), 5, "x") == b"ab"
+    small = request(receiving(chunk(b"ab", False)), {"content-length": "5"})
+    assert await exchange.read_body(small, 5, "x", POOL) == b"ab"
 
 
 async def test_a_streamed_body_is_refused_once_it_passes_the_limit() -> None:
     with pytest.raises(PayloadTooLarge) as caught:
-        await exchange.read_body(request(receiving(chunk(b"abc"), chunk(b"def", more=False))), 5, "body")
+        await exchange.read_body(request(receiving(chunk(b"abc"), chunk(b"def", more=False))), 5, "body", POOL)
     assert caught.value.message == "the body passed the limit of 5 bytes"
 
 
 async def test_a_client_that_leaves_during_the_body_is_gone() -> None:
     with pytest.raises(ClientGone) as caught:
-        await exchange.read_body(request(receiving(chunk(b"abc"), {"type": "http.disconnect"})), 5, "npz body")
+        await exchange.read_body(request(receiving(chunk(b"abc"), {"type": "http.disconnect"})), 5, "npz body", POOL)
     assert caught.value.message == "the client disconnected after sending 3 bytes of the npz body"
+
+
+# ------------------------------------------------------------------------------------------------ BodyBuffers
+
+
+def declaring(*pieces: bytes) -> Request:
+    """A request whose Content-Length is the sum of `pieces`, sent as those pieces."""
+    messages = [chunk(piece, more=i < len(pieces) - 1) for i, piece in enumerate(pieces)]
+    return request(receiving(*messages), {"content-length": str(sum(map(len, pieces)))})
+
+
+async def test_a_large_body_is_read_into_a_lent_buffer_that_the_next_body_of_its_size_reuses() -> None:
+    buffers = exchange.BodyBuffers(kept=2, min_bytes=4)
+    first = await exchange.read_body(declaring(b"abc", b"de"), 100, "body", buffers)
+    assert isinstance(first, bytearray) and first == b"abcde"
+    buffers.give(first)
+    second = await exchange.read_body(declaring(b"vwxyz"), 100, "body", buffers)
+    assert second is first and second == b"vwxyz"  # the same memory, overwritten
+    other = await exchange.read_body(declaring(b"123456"), 100, "body", buffers)
+    assert other is not first and other == b"123456"  # another size: a buffer of its own
+    assert await exchange.read_body(declaring(b"abc"), 100, "body", buffers) == b"abc"  # under min_bytes: joined
+    assert isinstance(await exchange.read_body(request(receiving(chunk(b"abcde", False))), 9, "b", buffers), bytes)
+
+
+async def test_buffers_keep_the_most_recently_given_back() -> None:
+    buffers = exchange.BodyBuffers(kept=2, min_bytes=1)
+    made = [buffers.take(size) for size in (1, 2, 3)]
+    for buffer in made:
+        buffers.give(buffer)
+    assert buffers.take(1) is not made[0]  # forgotten: three were given back, two are kept
+    assert buffers.take(3) is made[2] and buffers.take(2) is made[1]
+    assert len(buffers.take(7)) == 7
+
+
+@pytest.mark.parametrize(
+    ("messages", "error", "message"),
+    [
+        ([chunk(b"abc"), chunk(b"defg", more=False)], MalformedPayload, "longer than its Content-Length of 6 bytes"),
+        ([chunk(b"abc"), chunk(b"d", more=False)], MalformedPayload, "is 4 bytes, not its Content-Length of 6"),
+        ([chunk(b"abc"), {"type": "http.disconnect"}], ClientGone, "disconnected after sending 3 bytes of the body"),
+    ],
+)
+async def test_a_body_that_breaks_its_content_length_is_refused_and_its_buffer_given_back(
+    messages: list[Message], error: type[Exception], message: str
+) -> None:
+    given: list[bytearray] = []
+
+    class Counting(exchange.BodyBuffers):
+        def give(self, buffer: bytearray) -> None:
+            given.append(buffer)
+            super().give(buffer)
+
+    buffers = Counting(kept=2, min_bytes=4)
+    with pytest.raises(error, match=message):
+        await exchange.read_body(request(receiving(*messages), {"content-length": "6"}), 100, "body", buffers)
+    assert len(given) == 1 and len(given[0]) == 6 and buffers.take(6) is given[0]  # the one lent came back, once
+
+
+async def test_reading_body_gives_a_lent_buffer_back_when_the_block_ends() -> None:
+    buffers = exchange.BodyBuffers(kept=2, min_bytes=4)
+    lent = declaring(b"abcdef")
+    lent.scope["app"] = type("App", (), {"state": type("State", (), {"body_buffers": buffers})()})()
+    async with exchange.reading_body(lent, 100, "body") as body:
+        assert body == b"abcdef"
+    assert buffers.take(6) is body
 
 
 # ---------------------------------------------------------------------------------------- X-Request-Timeout

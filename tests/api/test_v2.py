@@ -112,6 +112,7 @@ async def test_the_emulated_kernels_are_models_of_their_own(client: httpx.AsyncC
     r = await client.post(f"/v2/models/matmul_{kernel}/infer", json=ab())
     assert r.status_code == 200, r.text
     assert r.json()["parameters"]["kernel"] == kernel and r.json()["outputs"][0]["data"] == [3.0] * 4
+    assert r.json()["parameters"]["batch_size"] == 1
     r = await client.post("/v2/models/matmul/infer", json=ab(parameters={"kernel": kernel, "tile": 8}))
     assert r.status_code == (200 if kernel == "tiled" else 422), r.text
 

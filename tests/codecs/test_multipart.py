@@ -3,12 +3,16 @@ had to hold bytes back (data that begins like the boundary); its refusals by the
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import pytest
 
+from app.codecs import multipart
 from app.codecs.multipart import decode_multipart, parse_file_parts
-from app.codecs.operands import Limits, RequestOptions, check_dtype
-from app.errors import InvalidMatrix, InvalidParameter, MalformedPayload
+from app.codecs.npy import decode_parts
+from app.codecs.operands import Limits, Operands, RequestOptions, check_dtype
+from app.errors import InvalidMatrix, InvalidParameter, MalformedPayload, MatmulError
 from matmul_tools.bodies import MULTIPART_CONTENT_TYPE, multipart_body, npy_bytes
 
 LIMITS = Limits(max_dim=8, max_elements=40, max_result_elements=64)
@@ -190,3 +194,94 @@ def test_options_given_twice_name_the_option() -> None:
         RequestOptions(dtype="float32").merged_with(RequestOptions(dtype="float64"))
     assert caught.value.message == "'dtype' is given twice with different values: 'float32' and 'float64'"
     assert caught.value.location == ["dtype"]
+
+
+# ------------------------------------------------------------------- .npy parts read by their headers' lengths
+
+
+@pytest.fixture
+def searched(monkeypatch: pytest.MonkeyPatch) -> list[bytes]:
+    """The bodies that went to python-multipart (the search), recorded: the rest were read by length."""
+    bodies: list[bytes] = []
+
+    def recording(body: bytes, content_type: str) -> dict[str, bytes | memoryview]:
+        bodies.append(body)
+        return parse_file_parts(body, content_type)
+
+    monkeypatch.setattr(multipart, "parse_file_parts", recording)
+    return bodies
+
+
+def npy_pair(boundary: str = "0123456789abcdef0123456789abcdef") -> tuple[bytes, str, np.ndarray, np.ndarray]:
+    a = np.arange(12, dtype=np.float32).reshape(3, 4)
+    b = np.asfortranarray(np.arange(8.0).reshape(4, 2))
+    body = multipart_body([("a", npy_bytes(a)), ("b", npy_bytes(b))], boundary=boundary)
+    return body, f"multipart/form-data; boundary={boundary}", a, b
+
+
+@pytest.mark.parametrize("kind", [bytes, bytearray], ids=["bytes", "bytearray"])  # a large body comes in a bytearray
+def test_npy_parts_are_read_by_length_as_views_of_the_body(searched: list[bytes], kind: type[bytes]) -> None:
+    body, content_type, a, b = npy_pair()
+    operands = decode_multipart(kind(body + b"an epilogue"), content_type, LIMITS)
+    assert searched == []
+    np.testing.assert_array_equal(operands.a, a)
+    np.testing.assert_array_equal(operands.b, b)
+    assert operands.a.base is not None and not operands.a.flags.owndata
+
+
+def test_a_boundary_inside_npy_data_does_not_cut_the_part(searched: list[bytes]) -> None:
+    """RFC 2046 forbids it; a search would end the part there, the length its header declares does not."""
+    boundary = "xx"
+    a = np.frombuffer(b"\r\n--xx" + bytes(6), np.float32).reshape(3, 1)
+    body = multipart_body([("a", npy_bytes(a)), ("b", npy_bytes(np.ones((1, 2), np.float32)))], boundary=boundary)
+    operands = decode_multipart(body, f"multipart/form-data; boundary={boundary}", LIMITS)
+    assert searched == [] and operands.a.tobytes() == a.tobytes()
+
+
+def _spliced(body: bytes, old: bytes, new: bytes) -> bytes:
+    assert body.count(old) == 1
+    return body.replace(old, new)
+
+
+def _longer_a(body: bytes) -> bytes:
+    end_of_a = body.index(b"\r\n--0123", 10)
+    return body[:end_of_a] + b"\x00" + body[end_of_a:]
+
+
+def _outcome(decode: Callable[[], Operands]) -> tuple[object, ...]:
+    try:
+        operands = decode()
+    except MatmulError as error:
+        return type(error), error.message
+    return operands.a.tobytes(), operands.b.tobytes()
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        pytest.param(lambda body: b"a preamble\r\n" + body, id="preamble"),
+        pytest.param(lambda body: _spliced(body, b'name="a"; filename="a.npy"', b'name="a"'), id="text-field"),
+        pytest.param(
+            lambda body: _spliced(body, b'name="b"; filename="b.npy"\r\n', b'name="b"\r\n x: y\r\n'), id="folded"
+        ),
+        pytest.param(_longer_a, id="data-longer-than-declared"),
+        pytest.param(lambda body: _spliced(body, b'name="b"', b'name="a"'), id="a-twice"),
+        pytest.param(lambda body: body[: body.rindex(b"--0123")] + b"--0123", id="no-closing"),
+    ],
+)
+def test_any_other_body_goes_to_the_search_and_gets_its_answer(
+    searched: list[bytes], change: Callable[[bytes], bytes]
+) -> None:
+    body, content_type, _, _ = npy_pair()
+    changed = change(body)
+    expected = _outcome(lambda: decode_parts(parse_file_parts(changed, content_type), LIMITS, "multipart body"))
+    assert _outcome(lambda: decode_multipart(changed, content_type, LIMITS)) == expected
+    assert searched == [changed]
+
+
+def test_a_part_over_the_limits_goes_to_the_search_which_names_it(searched: list[bytes]) -> None:
+    big = npy_bytes(np.ones((9, 1), np.float32))  # max_dim is 8
+    body = multipart_body([("a", big), ("b", npy_bytes(np.ones((1, 1), np.float32)))], boundary="b0b")
+    with pytest.raises(MatmulError, match="dimension 0 of 'a' is 9"):
+        decode_multipart(body, "multipart/form-data; boundary=b0b", LIMITS)
+    assert searched == [body]

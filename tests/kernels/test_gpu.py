@@ -149,6 +149,23 @@ def backend() -> Any:
     return gpu
 
 
+def test_with_batching_auto_times_kernels_that_batch_on_a_batch_and_small_products_get_one() -> None:
+    """With a batch of 32 allowed, the small class's probe times a kernel that batches on 32 products in one
+    launch, per product: one of those is the fastest there (a launch per 256^3 product costs more than its share
+    of a batched one), while `fast`, which cannot batch, is timed alone on every class."""
+    from app.engine.gpu import GpuBackend
+
+    gpu = GpuBackend(0, auto_batch=32)
+    gpu.prepare()
+    try:
+        small = gpu.auto_choices()[0]
+        assert small.shape_class.name == "small"
+        assert gpu.batchable(gpu.plan(small.kernel, None, 256, 256, 256)), small.probe_ms
+        assert small.probe_ms[small.kernel] < small.probe_ms["fast"]
+    finally:
+        gpu.close()
+
+
 PLANS = [Plan(kernel=CUBLAS)] + [
     Plan(kernel=spec.name, tile=int(c.label) if spec.tiles else None, config=c) for spec, c in INSTANCES
 ]

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 from fastapi import APIRouter, Request, Response
+from starlette.background import BackgroundTask
 
 from app.api.deps import SettingsDep
-from app.api.exchange import read_body
+from app.api.exchange import BodyBuffers, read_body
 from app.api.schemas import ErrorBody
 from app.errors import NotFound
 
@@ -25,5 +26,9 @@ async def echo(request: Request, settings: SettingsDep) -> Response:
     """With MATMUL_ECHO_ROUTE=true: read the body and send it back, to measure HTTP alone against /matmul."""
     if not settings.echo_route:
         raise NotFound("POST /v1/echo is off; set MATMUL_ECHO_ROUTE=true to measure the transport")
-    body = await read_body(request, settings.max_body_bytes, "body")
+    buffers: BodyBuffers = request.app.state.body_buffers
+    body = await read_body(request, settings.max_body_bytes, "body", buffers)
+    if isinstance(body, bytearray):  # lent by the buffers, as for /matmul: given back once sent
+        sent = BackgroundTask(buffers.give, body)
+        return Response(memoryview(body), media_type="application/octet-stream", background=sent)
     return Response(content=body, media_type="application/octet-stream")

@@ -8,7 +8,7 @@ from fastapi import APIRouter, Query, Request, Response
 
 from app import codecs
 from app.api.deps import ServiceDep, SettingsDep
-from app.api.exchange import off_loop_if_large, read_body, requested_deadline_s, unless_disconnected
+from app.api.exchange import off_loop_if_large, reading_body, requested_deadline_s, unless_disconnected
 from app.api.negotiation import choose_encoding
 from app.api.responses import BuffersResponse, product_headers
 from app.api.schemas import ErrorBody, MatmulResponse
@@ -112,16 +112,18 @@ async def matmul(
     service.admit()
     content_type = request.headers.get("content-type", "")
     if codecs.decodable_media_type(content_type) == codecs.JSON_MEDIA_TYPE:
-        body = await read_body(request, settings.max_json_bytes, "JSON body")
+        limit, what = settings.max_json_bytes, "JSON body"
     else:
-        body = await read_body(request, settings.max_body_bytes, "body")
-    clock.mark_read()
-    operands = await off_loop_if_large(
-        len(body), settings, codecs.decode, content_type, body, service.limits, settings.max_body_bytes
-    )
-    clock.mark_decoded()
-    options = codecs.RequestOptions(kernel=kernel, tile=tile, dtype=dtype).merged_with(operands.options)
-    product = await unless_disconnected(request, service.run(operands, options, requested_deadline_s(request), clock))
+        limit, what = settings.max_body_bytes, "body"
+    async with reading_body(request, limit, what) as body:
+        clock.mark_read()
+        operands = await off_loop_if_large(
+            len(body), settings, codecs.decode, content_type, body, service.limits, settings.max_body_bytes
+        )
+        clock.mark_decoded()
+        options = codecs.RequestOptions(kernel=kernel, tile=tile, dtype=dtype).merged_with(operands.options)
+        deadline_s = requested_deadline_s(request)
+        product = await unless_disconnected(request, service.run(operands, options, deadline_s, clock))
 
     try:
         # .npy: a header and a view of the product's memory, nothing to move off the loop

@@ -74,7 +74,7 @@ class ModelCatalogue:
         }
 
 
-def get_catalogue(engine: EngineDep) -> ModelCatalogue:
+async def get_catalogue(engine: EngineDep) -> ModelCatalogue:
     kernels = [k.name for k in engine.kernels() if k.kind != "auto"]
     return ModelCatalogue(kernels, engine.backend_name)
 

@@ -15,7 +15,7 @@ from fastapi import APIRouter, Depends, Path, Request, Response
 from app import __version__, codecs
 from app.api.deps import EngineDep, ServiceDep, SettingsDep
 from app.api.errors import PROTOCOL_PREFIX
-from app.api.exchange import off_loop_if_large, read_body, requested_deadline_s, unless_disconnected
+from app.api.exchange import off_loop_if_large, reading_body, requested_deadline_s, unless_disconnected
 from app.api.responses import server_timing
 from app.api.v2.models import CatalogueDep
 from app.api.v2.statistics import StatisticsDep
@@ -59,7 +59,7 @@ ModelName = Annotated[str, Path(max_length=128, description="`matmul` (auto), or
 VersionName = Annotated[str, Path(max_length=32, description="The model version; only `1` exists.")]
 
 
-def _known_version(model: ModelName, version: VersionName, catalogue: CatalogueDep) -> None:
+async def _known_version(model: ModelName, version: VersionName, catalogue: CatalogueDep) -> None:
     """The `{version}` of the versioned routes: the model must have it (the unversioned routes take none)."""
     catalogue.kernel_of(model, version)
 
@@ -192,18 +192,21 @@ async def infer(
     catalogue.kernel_of(model)
     try:
         service.admit()
-        body = await read_body(request, settings.max_body_bytes, "body")
-        clock.mark_read()
-        header_length = request.headers.get(codecs.inference_v2.HEADER_LENGTH)
-        decoded = await off_loop_if_large(len(body), settings, codecs.decode_infer, body, header_length, service.limits)
-        clock.mark_decoded()
-        options = catalogue.options_for(model, decoded.operands.options)
-        product = await unless_disconnected(
-            request, service.run(decoded.operands, options, requested_deadline_s(request), clock)
-        )
+        async with reading_body(request, settings.max_body_bytes, "body") as body:
+            clock.mark_read()
+            header_length = request.headers.get(codecs.inference_v2.HEADER_LENGTH)
+            decoded = await off_loop_if_large(
+                len(body), settings, codecs.decode_infer, body, header_length, service.limits
+            )
+            clock.mark_decoded()
+            options = catalogue.options_for(model, decoded.operands.options)
+            product = await unless_disconnected(
+                request, service.run(decoded.operands, options, requested_deadline_s(request), clock)
+            )
         parameters = {
             "kernel": product.outcome.plan.kernel,
             "backend": product.backend,
+            "batch_size": product.outcome.batch_size,
             **{f"roofline_{name}": value for name, value in product.roofline.model_dump(exclude_none=True).items()},
         }
         c = product.c

@@ -78,7 +78,7 @@ class InferenceStatistics:
         return self.by_model.setdefault(model, ModelStatistics())
 
 
-def get_statistics(request: Request) -> InferenceStatistics:
+async def get_statistics(request: Request) -> InferenceStatistics:
     statistics: InferenceStatistics = request.app.state.inference_stats
     return statistics
 

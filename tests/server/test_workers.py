@@ -1,0 +1,120 @@
+"""`matmul-service --workers 2` as a real process tree on the CPU backend: a killed HTTP worker is replaced while the
+engine process stays, and SIGTERM ends every process of the tree, leaving nothing in /dev/shm or the engines'
+socket folder."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+
+from kernels.reference import assert_close_to_reference
+from matmul_tools.bodies import load_npy, npy_bytes
+from matmul_tools.service import LocalService, free_port
+
+# a process tree started and stopped per test
+pytestmark = pytest.mark.timeout(180)
+
+GUARD_S = 60
+"""How long a test waits for the tree to change: a hang guard, far longer than it takes."""
+
+
+@pytest.fixture
+def service(tmp_path: Path) -> Iterator[LocalService]:
+    env = {"MATMUL_BACKEND": "cpu", "MATMUL_ACCESS_LOG": "false"}
+    started = LocalService.matmul_service(free_port(), env, tmp_path / "service.log", workers=2)
+    try:
+        started.wait_ready(GUARD_S)
+        yield started
+    finally:
+        started.stop()
+
+
+def info(service: LocalService) -> dict[str, object]:
+    """GET /v1/info over a new connection (so any worker may answer)."""
+    answer: dict[str, object] = httpx.get(f"{service.url}/v1/info", timeout=10).json()
+    return answer
+
+
+def worker_pids(service: LocalService, wanted: int) -> set[int]:
+    """The pids of the HTTP workers answering, asked until `wanted` different ones have answered."""
+    deadline = time.monotonic() + GUARD_S
+    seen: set[int] = set()
+    while len(seen) < wanted:
+        assert time.monotonic() < deadline, f"only workers {seen} answered"
+        seen.add(int(info(service)["http_worker_pid"]))  # type: ignore[call-overload]
+    return seen
+
+
+def engine_of(found: dict[str, object]) -> dict[str, object]:
+    devices = found["devices"]
+    assert isinstance(devices, list) and len(devices) == 1
+    engine: dict[str, object] = devices[0]
+    return engine
+
+
+def product_is_right(service: LocalService) -> None:
+    a = np.random.default_rng(3).standard_normal((70, 50))
+    b = np.random.default_rng(4).standard_normal((50, 30))
+    answer = httpx.post(
+        f"{service.url}/matmul?dtype=float64",
+        files={"a": ("a.npy", npy_bytes(a)), "b": ("b.npy", npy_bytes(b))},
+        headers={"accept": "application/x-npy"},
+        timeout=30,
+    )
+    assert answer.status_code == 200, answer.text
+    assert_close_to_reference(load_npy(answer.content), a, b, np.dtype(np.float64))
+
+
+def test_a_killed_http_worker_is_replaced_and_the_engine_stays(service: LocalService) -> None:
+    before = worker_pids(service, 2)
+    engine = engine_of(info(service))
+    assert engine["engine_http_workers"] == 2
+    victim = min(before)
+    os.kill(victim, signal.SIGKILL)
+    deadline = time.monotonic() + GUARD_S
+    while True:  # until the replacement answers and has said hello to the engine
+        assert time.monotonic() < deadline, "no worker replaced the killed one"
+        try:
+            found = info(service)
+        except httpx.TransportError:
+            continue  # a connection the dead worker had accepted
+        if found["http_worker_pid"] not in before and engine_of(found)["engine_http_workers"] == 2:
+            break
+    assert engine_of(found)["engine_pid"] == engine["engine_pid"]  # the engine process was not restarted
+    assert victim not in worker_pids(service, 2)
+    product_is_right(service)
+
+
+def exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def test_sigterm_ends_the_whole_tree_and_leaves_nothing_behind(service: LocalService) -> None:
+    product_is_right(service)
+    engine_pid = int(engine_of(info(service))["engine_pid"])  # type: ignore[call-overload]
+    workers = worker_pids(service, 2)
+    arguments = Path(f"/proc/{engine_pid}/cmdline").read_bytes().split(b"\0")
+    socket_folder = Path(os.fsdecode(arguments[arguments.index(b"--socket") + 1])).parent
+    assert socket_folder.is_dir()
+    shared_memory = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+    service.process.send_signal(signal.SIGTERM)
+    # uvicorn ends by re-raising the signal it handled, so "killed by SIGTERM" is its clean exit
+    assert service.process.wait(GUARD_S) in (0, -signal.SIGTERM)
+    deadline = time.monotonic() + GUARD_S
+    while alive := [pid for pid in [engine_pid, *workers] if exists(pid)]:
+        assert time.monotonic() < deadline, f"processes {alive} outlived the service"
+        time.sleep(0.05)
+    assert not socket_folder.exists()
+    if os.path.isdir("/dev/shm"):
+        assert set(os.listdir("/dev/shm")) <= shared_memory
