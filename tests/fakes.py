@@ -1,15 +1,15 @@
 """A CPU backend the tests steer, for what CI must catch without a GPU: it records what the engine plans and each
-launch it submits, can hold a launch until the test opens its gate, can fail the next launch with the error a GPU
-backend raises (DeviceOutOfMemory, DeviceLost) and can refuse to batch a kernel, as a GPU backend does with kernels
-not built for batches. It computes with the real CPU backend, and offers one more library kernel, `blas`, which
-computes as `numpy` does: two kernels whose plans differ only in their name."""
+launch it submits, with the memory given for its products, can hold a launch until the test opens its gate, can fail
+the next launch with the error a GPU backend raises (DeviceOutOfMemory, DeviceLost) and can refuse to batch a kernel,
+as a GPU backend does with kernels not built for batches. It computes with the real CPU backend, and offers one more
+library kernel, `blas`, which computes as `numpy` does: two kernels whose plans differ only in their name."""
 
 from __future__ import annotations
 
 import asyncio
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -33,12 +33,14 @@ async def until(condition: Callable[[], bool], guard_s: float = GATE_TIMEOUT_S) 
 
 @dataclass(frozen=True)
 class Submitted:
-    """One launch as the worker submitted it: the plan it ran and the products in it."""
+    """One launch as the worker submitted it: the plan it ran, the products in it and where they go."""
 
     kernel: str
     label: str | None
     dtype: np.dtype
     products: int
+    outputs: tuple[np.ndarray, ...] | None = field(default=None, compare=False)
+    """The memory given for the products, one array per product; None: the backend allocates them."""
 
 
 class SteeredBackend(CpuBackend):
@@ -73,7 +75,8 @@ class SteeredBackend(CpuBackend):
         self, pairs: Pairs, dtype: np.dtype, plan: Plan, on_done: Callable[[], None], outputs: Outputs = None
     ) -> Finished:
         label = plan.config.label if plan.config is not None else None
-        self.submitted.append(Submitted(plan.kernel, label, dtype, len(pairs)))
+        given = None if outputs is None else tuple(outputs)
+        self.submitted.append(Submitted(plan.kernel, label, dtype, len(pairs), given))
         self.entered.release()
         if not self.gate.wait(GATE_TIMEOUT_S):
             raise TimeoutError("the test never opened the gate")

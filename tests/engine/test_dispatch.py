@@ -1,8 +1,10 @@
 """What the engine asks of its backend, seen from a backend that records it: the plan of an m x k @ k x n product
-is asked for (m, n, k); queued products share a launch only when their shapes, dtype, kernel and tile are all
-the same (a product batched with another of a different dtype would be computed in the other's dtype), the kernel
-can be batched, and the batch has room; a batch that one operand spoils, or a device lost under a batch, fails only
-what it must; and an empty inner dimension (k = 0) gives exact zeros on every kernel of the CPU engine."""
+is asked for (m, n, k); a product given the memory it goes to is computed there, the backend being handed that
+memory; queued products share a launch only when their shapes, dtype, kernel and tile are all the same (a product
+batched with another of a different dtype would be computed in the other's dtype), either all of them or none were
+given their memory, the kernel can be batched, and the batch has room; a batch that one operand spoils, or a device
+lost under a batch, fails only what it must; and an empty inner dimension (k = 0) gives exact zeros on every kernel
+of the CPU engine."""
 
 from __future__ import annotations
 
@@ -90,14 +92,21 @@ async def test_queued_products_share_a_launch_only_with_the_same_dtype_kernel_an
 
 
 async def _queued_together(
-    backend: SteeredBackend, engine: Engine, products: list[tuple[np.ndarray, np.ndarray]], dtype: np.dtype = F64
+    backend: SteeredBackend,
+    engine: Engine,
+    products: list[tuple[np.ndarray, np.ndarray]],
+    dtype: np.dtype = F64,
+    outs: list[np.ndarray | None] | None = None,
 ) -> list[Outcome | BaseException]:
-    """What each of `products` (with `numpy`) got, queued while the worker is inside a first launch, so that they
-    all wait for it together."""
+    """What each of `products` (with `numpy`, into its entry of `outs` where one is given) got, queued while the
+    worker is inside a first launch, so that they all wait for it together."""
     backend.gate.clear()
     first = asyncio.create_task(engine.matmul(np.ones((1, 1)), np.ones((1, 1)), F64, "numpy", None, None))
     assert await asyncio.to_thread(backend.entered.acquire, True, GATE_TIMEOUT_S)
-    queued = [asyncio.create_task(engine.matmul(a, b, dtype, "numpy", None, None)) for a, b in products]
+    queued = [
+        asyncio.create_task(engine.matmul(a, b, dtype, "numpy", None, None, out=out))
+        for (a, b), out in zip(products, outs or [None] * len(products), strict=True)
+    ]
     await until(lambda: engine.queue_depth == len(queued))
     backend.gate.set()
     await asyncio.wait_for(first, GATE_TIMEOUT_S)
@@ -122,6 +131,49 @@ async def test_a_batch_takes_no_more_than_its_size_and_only_a_batchable_kernel(
     for i, outcome in enumerate(outcomes):
         assert isinstance(outcome, Outcome) and outcome.batch_size == sizes[i]
         np.testing.assert_array_equal(outcome.c, np.full((2, 1), 3.0 * (i + 1)))
+
+
+async def test_a_product_given_its_memory_is_computed_there_and_answered_with_that_memory() -> None:
+    backend = SteeredBackend()
+    rng = np.random.default_rng(2)
+    a, b = rng.standard_normal((5, 3)), rng.standard_normal((3, 7))
+    out = np.full((5, 7), np.nan)
+    async with _engine(backend) as engine:
+        outcome = await engine.matmul(a, b, F64, "numpy", None, None, out=out)
+    [launch] = backend.submitted
+    assert launch.outputs is not None and [given is out for given in launch.outputs] == [True]
+    assert np.shares_memory(outcome.c, out) and outcome.c.shape == out.shape
+    assert_close_to_reference(out, a, b, F64)
+
+
+@pytest.mark.parametrize(
+    "given", [[True, False, True], [False, True, False]], ids=["given, allocated, given", "allocated, given, allocated"]
+)
+async def test_products_given_their_memory_share_a_launch_only_with_one_another(given: list[bool]) -> None:
+    """Outputs go to the backend for a whole launch or not at all: a batch of products with memory given and
+    products without would lose a product or have one written to memory nobody reads."""
+    backend = SteeredBackend()
+    products = [(np.full((2, 3), i + 1.0), np.ones((3, 1))) for i in range(3)]
+    outs = [np.full((2, 1), np.nan) if into else None for into in given]
+    async with _engine(backend, BatchPolicy(max_size=8, max_delay_s=0.01)) as engine:
+        outcomes = await _queued_together(backend, engine, products, outs=outs)
+    # the first and the third share a launch; the second, pulled meanwhile, is held back for the next one
+    assert [s.products for s in backend.submitted] == [1, 2, 1]
+    expected_outputs = [[outs[0], outs[2]], [outs[1]]]
+    for launch, expected in zip(backend.submitted[1:], expected_outputs, strict=True):
+        if expected[0] is None:
+            assert launch.outputs is None
+        else:
+            assert launch.outputs is not None and len(launch.outputs) == len(expected)
+            assert all(given is out for given, out in zip(launch.outputs, expected, strict=True))
+    for i, (outcome, out) in enumerate(zip(outcomes, outs, strict=True)):
+        assert isinstance(outcome, Outcome) and outcome.batch_size == (1 if i == 1 else 2)
+        np.testing.assert_array_equal(outcome.c, np.full((2, 1), 3.0 * (i + 1)))
+        if out is None:
+            assert not any(other is not None and np.shares_memory(outcome.c, other) for other in outs)
+        else:
+            assert np.shares_memory(outcome.c, out)
+            np.testing.assert_array_equal(out, np.full((2, 1), 3.0 * (i + 1)))
 
 
 async def test_with_the_device_idle_a_batch_waits_its_window_for_products_to_join() -> None:

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from app.engine import Engine, EngineState, Worker
+from app.engine.autotune import SHAPE_CLASSES, AutoChoice
 from app.errors import NotReady, Overloaded
 from tests.fakes import GATE_TIMEOUT_S, SteeredBackend, until
 
@@ -34,15 +35,25 @@ async def test_before_it_starts_the_engine_is_starting_and_says_so() -> None:
     assert (engine.backend_name, engine.queue_size, engine.queue_depth) == ("cpu", 3, 0)
 
 
+class _Measured(SteeredBackend):
+    """A backend whose `auto` was measured: one choice, for small products."""
+
+    def auto_choices(self) -> list[AutoChoice]:
+        return [AutoChoice(SHAPE_CLASSES[0], "numpy", {"numpy": 0.5})]
+
+
 async def test_what_the_engine_sums_and_takes_from_its_workers() -> None:
-    first, second = SteeredBackend(), SteeredBackend()
+    # auto's choices are told as the first device measured them (the devices of one server are alike); the second,
+    # unmeasured here, tells the two apart
+    first, second = _Measured(), SteeredBackend()
     engine = Engine([Worker(first, queue_size=1), Worker(second, queue_size=1)])
     engine.start()
     try:
         await until(lambda: engine.state is EngineState.READY)
         engine.check_ready()
         assert [k.name for k in engine.kernels()] == [k.name for k in first.kernels()]
-        assert engine.auto_choices() == [] and engine.memory_held() == 0 and engine.compiled_instances() == 0
+        assert engine.auto_choices() == first.auto_choices() and second.auto_choices() == []
+        assert engine.memory_held() == 0 and engine.compiled_instances() == 0
         assert [(d["name"], d["state"], d["queue_depth"]) for d in engine.describe()] == [
             (first.device_name, "ready", 0),
             (second.device_name, "ready", 0),

@@ -1,6 +1,6 @@
-"""What a worker answers, by its whole message and fields: a product's outcome and its time in the queue, a launch
-that fails unexpectedly, a deadline passed in the queue, a lost device (for the launch, the queue and every later
-request) and a stopped worker."""
+"""What a worker answers, by its whole message and fields: a product's outcome and its time in the queue, a product
+given the memory it goes to, a call cancelled while its launch runs, a launch that fails unexpectedly, a deadline
+passed in the queue, a lost device (for the launch, the queue and every later request) and a stopped worker."""
 
 from __future__ import annotations
 
@@ -63,6 +63,47 @@ async def test_an_outcome_says_how_its_product_was_made() -> None:
         assert 0 <= outcome.queue_ms <= waited_ms and outcome.device.kernel_ms >= 0
     finally:
         await worker.stop()
+
+
+async def test_a_product_given_its_memory_is_computed_there_and_answered_with_that_memory() -> None:
+    backend = SteeredBackend()
+    worker = await _ready(backend)
+    try:
+        a, b = np.arange(6.0).reshape(2, 3), np.arange(12.0).reshape(3, 4)
+        out = np.full((2, 4), np.nan)
+        outcome = await worker.matmul(a, b, F64, NUMPY, out=out)
+    finally:
+        await worker.stop()
+    np.testing.assert_array_equal(out, a @ b)
+    assert np.shares_memory(outcome.c, out) and outcome.c.shape == out.shape
+    [launch] = backend.submitted
+    assert launch.outputs is not None and [given is out for given in launch.outputs] == [True]
+
+
+async def test_a_call_cancelled_while_its_launch_runs_ends_only_after_the_launch_has_written_its_memory() -> None:
+    """When the call ends, its caller reuses the operands' and the product's memory (the data plane frees the slab
+    they lie in): the device must be done with them by then, however often the call is cancelled meanwhile."""
+    backend = SteeredBackend()
+    worker = await _ready(backend)
+    try:
+        out = np.full((2, 1), np.nan)
+        backend.gate.clear()
+        call = asyncio.ensure_future(worker.matmul(np.ones((2, 3)), np.ones((3, 1)), F64, NUMPY, out=out))
+        await _entered(backend)
+        memory_when_it_ended: list[list[list[float]]] = []
+        call.add_done_callback(lambda _: memory_when_it_ended.append(out.tolist()))
+        for _ in range(2):
+            call.cancel()
+            # the cancelled call's step was scheduled first, so it has taken the cancellation when this one resumes
+            await asyncio.sleep(0)
+            assert not call.done()
+        backend.gate.set()
+        await asyncio.wait([call], timeout=GATE_TIMEOUT_S)
+        assert call.cancelled() and memory_when_it_ended == [[[3.0], [3.0]]]
+    finally:
+        backend.gate.set()
+        await worker.stop()
+    assert [s.products for s in backend.submitted] == [1]
 
 
 class _Clock:
