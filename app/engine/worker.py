@@ -257,10 +257,15 @@ class Worker:
                 raise DeadlineExceeded(
                     f"the product was still queued after its deadline of {timeout_s:g} s and was dropped"
                 ) from None
-            return await job.future
         except asyncio.CancelledError:
             if not job.drop():
                 await _launch_ended(job.future)
+            raise
+        # past its deadline but running: its launch is waited for, and a cancellation waits for it to end too
+        try:
+            return await asyncio.shield(job.future)
+        except asyncio.CancelledError:
+            await _launch_ended(job.future)
             raise
 
     def overloaded(self) -> Overloaded:

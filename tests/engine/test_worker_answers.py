@@ -106,6 +106,35 @@ async def test_a_call_cancelled_while_its_launch_runs_ends_only_after_the_launch
     assert [s.products for s in backend.submitted] == [1]
 
 
+async def test_a_call_past_its_deadline_while_its_launch_runs_then_cancelled_ends_only_after_the_launch() -> None:
+    """The deadline passes while the launch is held, so the call waits for it; cancelled then (its HTTP worker
+    hung up), it still ends only once the launch has written its memory."""
+    backend = SteeredBackend()
+    worker = await _ready(backend)
+    loop = asyncio.get_running_loop()
+    try:
+        out = np.full((2, 1), np.nan)
+        backend.gate.clear()
+        deadline_s, called_at = 1.0, loop.time()
+        call = asyncio.ensure_future(
+            worker.matmul(np.ones((2, 3)), np.ones((3, 1)), F64, NUMPY, timeout_s=deadline_s, out=out)
+        )
+        await _entered(backend)
+        await asyncio.sleep(called_at + deadline_s + 0.1 - loop.time())  # the deadline passes during the launch
+        assert not call.done()
+        memory_when_it_ended: list[list[list[float]]] = []
+        call.add_done_callback(lambda _: memory_when_it_ended.append(out.tolist()))
+        call.cancel()
+        await asyncio.sleep(0)
+        assert not call.done()
+        backend.gate.set()
+        await asyncio.wait([call], timeout=GATE_TIMEOUT_S)
+        assert call.cancelled() and memory_when_it_ended == [[[3.0], [3.0]]]
+    finally:
+        backend.gate.set()
+        await worker.stop()
+
+
 class _Clock:
     """The worker's `perf_counter`, moved only by the test, or `step` seconds on after each reading."""
 
