@@ -36,6 +36,8 @@ POOLED_BODY_BYTES = 1 << 20
 """Bodies of at least this many bytes (by Content-Length) are read into BodyBuffers' memory."""
 KEPT_BODY_BUFFERS = 4
 """Buffers a worker keeps for bodies to come, the most recently given back first."""
+KEPT_BODY_BYTES = 512 << 20
+"""The most bytes those buffers hold together: three 4096^2 float32 bodies (134 MB each), not four of 1 GiB."""
 
 
 class BodyBuffers:
@@ -47,8 +49,11 @@ class BodyBuffers:
     their sizes into it: memory already mapped and touched. A buffer is lent for one request; whoever took it
     gives it back once nothing reads it any more."""
 
-    def __init__(self, kept: int = KEPT_BODY_BUFFERS, min_bytes: int = POOLED_BODY_BYTES) -> None:
+    def __init__(
+        self, kept: int = KEPT_BODY_BUFFERS, min_bytes: int = POOLED_BODY_BYTES, kept_bytes: int = KEPT_BODY_BYTES
+    ) -> None:
         self.kept = kept
+        self.kept_bytes = kept_bytes
         self.min_bytes = min_bytes
         """Bodies declaring fewer bytes are joined from their pieces as they come: new memory is cheap there."""
         self._free: list[bytearray] = []
@@ -61,9 +66,11 @@ class BodyBuffers:
         return bytearray(nbytes)
 
     def give(self, buffer: bytearray) -> None:
-        """Keep `buffer` for a body of its size, forgetting the longest unused one past `kept`."""
+        """Keep `buffer` for a body of its size, forgetting the longest unused ones past `kept` buffers or
+        `kept_bytes` bytes (a buffer larger than that on its own is not kept)."""
         self._free.append(buffer)
-        del self._free[: max(0, len(self._free) - self.kept)]
+        while len(self._free) > self.kept or sum(map(len, self._free)) > self.kept_bytes:
+            del self._free[0]
 
 
 async def read_body(request: Request, limit: int, what: str, buffers: BodyBuffers) -> bytes | bytearray:

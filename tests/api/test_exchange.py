@@ -123,6 +123,16 @@ async def test_buffers_keep_the_most_recently_given_back() -> None:
     assert len(buffers.take(7)) == 7
 
 
+def test_buffers_keep_at_most_kept_bytes_together() -> None:
+    buffers = exchange.BodyBuffers(kept=4, min_bytes=1, kept_bytes=10)
+    made = [buffers.take(size) for size in (4, 5, 11, 6)]
+    for buffer in made:
+        buffers.give(buffer)
+    # the 11 bytes push the total past 10: the older buffers go, then those 11 bytes too (over the bound alone)
+    assert buffers.take(11) is not made[2] and buffers.take(4) is not made[0] and buffers.take(5) is not made[1]
+    assert buffers.take(6) is made[3]
+
+
 def test_a_kept_buffer_of_the_size_is_found_wherever_it_stands() -> None:
     buffers = exchange.BodyBuffers(kept=4, min_bytes=1)
     made = [buffers.take(size) for size in (2, 3, 4, 5)]
