@@ -80,6 +80,24 @@ async def test_a_product_given_its_memory_is_computed_there_and_answered_with_th
     assert launch.outputs is not None and [given is out for given in launch.outputs] == [True]
 
 
+async def _cancelled_during_launch(
+    backend: SteeredBackend, call: asyncio.Future[Outcome], out: np.ndarray, times: int
+) -> list[list[list[float]]]:
+    """Cancel `call`, held at the backend's closed gate, `times` times (it must not end), then open the gate: once
+    it has ended cancelled, what `out` held at that moment (one entry: it ended once)."""
+    memory_when_it_ended: list[list[list[float]]] = []
+    call.add_done_callback(lambda _: memory_when_it_ended.append(out.tolist()))
+    for _ in range(times):
+        call.cancel()
+        # the cancelled call's step was scheduled first, so it has taken the cancellation when this one resumes
+        await asyncio.sleep(0)
+        assert not call.done()
+    backend.gate.set()
+    await asyncio.wait([call], timeout=GATE_TIMEOUT_S)
+    assert call.cancelled()
+    return memory_when_it_ended
+
+
 async def test_a_call_cancelled_while_its_launch_runs_ends_only_after_the_launch_has_written_its_memory() -> None:
     """When the call ends, its caller reuses the operands' and the product's memory (the data plane frees the slab
     they lie in): the device must be done with them by then, however often the call is cancelled meanwhile."""
@@ -90,16 +108,7 @@ async def test_a_call_cancelled_while_its_launch_runs_ends_only_after_the_launch
         backend.gate.clear()
         call = asyncio.ensure_future(worker.matmul(np.ones((2, 3)), np.ones((3, 1)), F64, NUMPY, out=out))
         await _entered(backend)
-        memory_when_it_ended: list[list[list[float]]] = []
-        call.add_done_callback(lambda _: memory_when_it_ended.append(out.tolist()))
-        for _ in range(2):
-            call.cancel()
-            # the cancelled call's step was scheduled first, so it has taken the cancellation when this one resumes
-            await asyncio.sleep(0)
-            assert not call.done()
-        backend.gate.set()
-        await asyncio.wait([call], timeout=GATE_TIMEOUT_S)
-        assert call.cancelled() and memory_when_it_ended == [[[3.0], [3.0]]]
+        assert await _cancelled_during_launch(backend, call, out, times=2) == [[[3.0], [3.0]]]
     finally:
         backend.gate.set()
         await worker.stop()
@@ -122,14 +131,7 @@ async def test_a_call_past_its_deadline_while_its_launch_runs_then_cancelled_end
         await _entered(backend)
         await asyncio.sleep(called_at + deadline_s + 0.1 - loop.time())  # the deadline passes during the launch
         assert not call.done()
-        memory_when_it_ended: list[list[list[float]]] = []
-        call.add_done_callback(lambda _: memory_when_it_ended.append(out.tolist()))
-        call.cancel()
-        await asyncio.sleep(0)
-        assert not call.done()
-        backend.gate.set()
-        await asyncio.wait([call], timeout=GATE_TIMEOUT_S)
-        assert call.cancelled() and memory_when_it_ended == [[[3.0], [3.0]]]
+        assert await _cancelled_during_launch(backend, call, out, times=1) == [[[3.0], [3.0]]]
     finally:
         backend.gate.set()
         await worker.stop()
