@@ -25,7 +25,7 @@ from app.api.exchange import BodyBuffers
 from app.api.framing import RequestHeadMiddleware
 from app.api.limits import BodyLimitMiddleware
 from app.api.observe import RequestObserver, configure_access_log
-from app.api.routes import api_router, docs
+from app.api.routes import docs, include_routers
 from app.api.v2.statistics import InferenceStatistics
 from app.config import Settings
 from app.dataplane.remote import RemoteEngine
@@ -78,6 +78,6 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.add_middleware(UnexpectedErrors)
     app.add_middleware(RequestObserver)
     install_error_handlers(app)
-    app.include_router(api_router)
+    include_routers(app)
     app.mount(docs.ASSETS_PATH, docs.docs_assets(), name="docs-assets")
     return app

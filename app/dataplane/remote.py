@@ -52,6 +52,9 @@ class EngineLink:
         self.path = path
         self.arena = arena
         self.welcome: wire.Message | None = None
+        self.kernels: list[KernelInfo] = []
+        """The welcome's kernels, read once: every v2 request asks for them."""
+        self.peaks = DevicePeaks()
         self.status: wire.Message | None = None
         self.lost: str | None = None
         """Why the link is down after having been up (the engine process exited), until it is back."""
@@ -142,6 +145,11 @@ class EngineLink:
         op = message["op"]
         if op == "welcome":
             self.welcome = message
+            self.kernels = [
+                KernelInfo(**{**info, "dtypes": tuple(info["dtypes"]), "tiles": tuple(info["tiles"])})
+                for info in message["kernels"]
+            ]
+            self.peaks = DevicePeaks(message["peaks"]["flops_per_s"], message["peaks"]["dram_bytes_per_s"])
             self.welcomed.set()
         elif op == "status":
             self.status = message
@@ -233,10 +241,7 @@ class RemoteEngine:
         return sum(link.status["queue_depth"] for link in self.links if link.status is not None)
 
     def kernels(self) -> list[KernelInfo]:
-        return [
-            KernelInfo(**{**info, "dtypes": tuple(info["dtypes"]), "tiles": tuple(info["tiles"])})
-            for info in self._first_welcome()["kernels"]
-        ]
+        return next(link.kernels for link in self.links if link.welcome is not None)
 
     def auto_choices(self) -> list[AutoChoice]:
         status = next((link.status for link in self.links if link.status is not None), None)
@@ -354,19 +359,17 @@ class RemoteEngine:
     def _outcome(
         self, link: EngineLink, message: wire.Message, slab: Slab, c_at: Placement, began: float, staged: float
     ) -> Outcome:
-        welcome = link.welcome or {}
         device = DeviceTiming(h2d_ms=message["h2d_ms"], kernel_ms=message["kernel_ms"], d2h_ms=message["d2h_ms"])
         spec = KERNELS.get(message["kernel"])
         config = next((c for c in spec.configs if c.label == message["label"]), None) if spec else None
         engine_ms = message["queue_ms"] + device.h2d_ms + device.kernel_ms + device.d2h_ms
-        peaks = welcome.get("peaks", {})
         return Outcome(
             c=self.arena.array(c_at),
             plan=Plan(kernel=message["kernel"], tile=message["tile"], config=config),
             queue_ms=message["queue_ms"],
             device=device,
-            device_name=welcome.get("device_name", ""),
-            peaks=DevicePeaks(peaks.get("flops_per_s", {}), peaks.get("dram_bytes_per_s")),
+            device_name=link.welcome["device_name"] if link.welcome else "",
+            peaks=link.peaks,
             batch_size=message["batch_size"],
             stage_ms=(staged - began) * 1e3,
             handoff_ms=max((perf_counter() - staged) * 1e3 - engine_ms, 0.0),

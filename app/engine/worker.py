@@ -399,8 +399,12 @@ class Worker:
 
     @staticmethod
     def _answer(jobs: list[_Job], results: list[Outcome | BaseException]) -> None:
+        """Settle the jobs' futures on their loops: one wake-up of each loop per launch, not one per job."""
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Future[Outcome], Outcome | BaseException]]] = {}
         for job, result in zip(jobs, results, strict=True):
-            job.loop.call_soon_threadsafe(_settle, job.future, result)
+            by_loop.setdefault(job.loop, []).append((job.future, result))
+        for loop, settled in by_loop.items():
+            loop.call_soon_threadsafe(_settle_all, settled)
 
     def _fail_queued(self) -> None:
         """After the device is lost: answer every queued job with 503, then tell the process."""
@@ -420,6 +424,11 @@ async def _launch_ended(future: asyncio.Future[Outcome]) -> None:
     while not future.done():
         with contextlib.suppress(asyncio.CancelledError):
             await asyncio.wait([future])
+
+
+def _settle_all(settled: list[tuple[asyncio.Future[Outcome], Outcome | BaseException]]) -> None:
+    for future, outcome in settled:
+        _settle(future, outcome)
 
 
 def _settle(future: asyncio.Future[Outcome], outcome: Outcome | BaseException) -> None:

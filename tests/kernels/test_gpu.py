@@ -138,6 +138,35 @@ def test_the_engine_path_batches(backend: Any, seed: int, kernel: str) -> None:
     assert timing.kernel_ms > 0
 
 
+def test_a_batch_in_pinned_memory_is_copied_from_and_into_where_it_lies(backend: Any) -> None:
+    """The engine process's path: operands and products of every product at their own places in memory given to
+    `pin`, each copied on its own, in order, between there and its part of the device's stack."""
+    f32 = np.dtype(np.float32)
+    m, k, n, count = 33, 17, 9, 5
+    memory = np.zeros(count * (m * k + k * n + m * n) + 7, f32)  # 7: the places do not line up with the stack
+    backend.pin(memory)
+    try:
+        rng = np.random.default_rng(21)
+        places = iter(np.split(memory[7:], np.cumsum([m * k, k * n, m * n] * count)[:-1]))
+        pairs, outputs = [], []
+        for _ in range(count):
+            a, b, c = next(places).reshape(m, k), next(places).reshape(k, n), next(places).reshape(m, n)
+            a[:], b[:] = rng.standard_normal((m, k)), rng.standard_normal((k, n))
+            pairs.append((a, b))
+            outputs.append(c)
+        products, _ = backend.submit(
+            pairs, f32, backend.plan(CUBLAS, None, m, n, k), on_done=_nothing, outputs=outputs
+        ).result()
+        for (a, b), c, given in zip(pairs, products, outputs, strict=True):
+            assert c is given
+            assert_close_to_reference(c, a, b, f32)
+        misshapen = [np.zeros((n, m), f32)]
+        with pytest.raises(ValueError, match="C-contiguous float32 array of shape"):
+            backend.submit(pairs[:1], f32, backend.plan(CUBLAS, None, m, n, k), on_done=_nothing, outputs=misshapen)
+    finally:
+        backend.unpin(memory)
+
+
 @pytest.fixture(scope="module")
 def backend() -> Any:
     """The engine's GPU backend with its outputs NaN-poisoned before every launch: the pools hand the same blocks
