@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from app.config import Settings
+from app.dataplane.engine_process import _event_loop
 from app.dataplane.remote import RemoteEngine
 from app.dataplane.supervisor import EngineSupervisor
 from app.engine import EngineState
@@ -133,3 +134,12 @@ async def test_a_worker_that_hangs_up_loses_its_queued_product_and_its_arena_is_
     await staying.stop()
     leaving.arena.close()
     staying.arena.close()
+
+
+def test_the_engine_process_runs_on_uvloop_where_it_is_installed() -> None:
+    uvloop = pytest.importorskip("uvloop")
+    loop = _event_loop()
+    try:
+        assert isinstance(loop, uvloop.Loop)
+    finally:
+        loop.close()
