@@ -15,6 +15,13 @@ class BackendChoice(StrEnum):
     GPU = "gpu"
 
 
+class SharedMemoryKind(StrEnum):
+    """Triton's shared-memory extensions (MATMUL_SHARED_MEMORY)."""
+
+    SYSTEM = "system"
+    CUDA = "cuda"
+
+
 class Settings(BaseSettings):
     """Every knob of the service; each field is the env var `MATMUL_<FIELD>`."""
 
@@ -114,10 +121,18 @@ class Settings(BaseSettings):
         "in a worker thread so the loop never blocks.",
     )
 
-    @field_validator("api_keys", "devices", mode="before")
+    shared_memory: Annotated[list[SharedMemoryKind], NoDecode] = Field(
+        default_factory=list,
+        description="Triton's shared-memory extensions to enable: system, or system,cuda (none by default). "
+        "Anyone who can reach the port can then read and write any region they can name: enable them only behind "
+        "API keys or on loopback.",
+    )
+
+    @field_validator("api_keys", "devices", "shared_memory", mode="before")
     @classmethod
     def _split_list(cls, value: Any) -> Any:
-        """MATMUL_API_KEYS and MATMUL_DEVICES are comma-separated lists; empty entries are ignored."""
+        """MATMUL_API_KEYS, MATMUL_DEVICES and MATMUL_SHARED_MEMORY are comma-separated lists; empty entries are
+        ignored."""
         if isinstance(value, str):
             return [item.strip() for item in value.split(",") if item.strip()]
         return value

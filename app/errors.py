@@ -12,7 +12,9 @@ to HTTP statuses, so the service, the codecs and the engine raise them and never
     │   ├── UnknownKernel         unknown_kernel         not a kernel of this backend
     │   └── InvalidParameter      invalid_parameter      bad tile, dtype, or conflicting parameters
     ├── BadRequest                bad_request            a request that contradicts itself (two Content-Types)
-    │                                                    or the inference protocol (an infer id not a string)
+    │   │                                                or the inference protocol (an infer id not a string)
+    │   └── SharedMemoryError     shared_memory          a shared-memory region misused: unknown, a duplicate
+    │                                                    name, a window outside it, a size that does not match
     ├── NotFound                  not_found              a route that is switched off
     │   └── UnknownModel          unknown_model          inference protocol: no such model or version
     ├── Unauthorized              unauthorized           no or wrong API key (sent with WWW-Authenticate)
@@ -79,6 +81,10 @@ class InvalidParameter(InvalidInput):
 
 class BadRequest(MatmulError):
     code = "bad_request"
+
+
+class SharedMemoryError(BadRequest):
+    code = "shared_memory"
 
 
 class NotFound(MatmulError):

@@ -20,13 +20,14 @@ from app.config import Settings
 from app.engine import EngineFront, Outcome
 from app.errors import InvalidParameter, ShapeMismatch
 from app.product import BackendName, DtypeName, MatmulMetadata, RooflineModel, Timing
+from app.shared_memory import Matrix, SharedOutput
 from kernels.roofline import roofline
 
 WORKING_DTYPES: dict[str, np.dtype] = {"float32": np.dtype(np.float32), "float64": np.dtype(np.float64)}
 DEFAULT_DTYPE = "float32"
 
 
-def check_product(a: np.ndarray, b: np.ndarray, limits: Limits) -> None:
+def check_product(a: Matrix, b: Matrix, limits: Limits) -> None:
     """Inner dimensions agree and the result fits the limits."""
     (m, k), (k2, n) = a.shape, b.shape
     if k != k2:
@@ -88,6 +89,10 @@ class Product:
 
     @property
     def c(self) -> np.ndarray:
+        """The product; not for one written into a client's shared-memory region (`into`), which this process
+        never maps."""
+        if self.outcome.c is None:
+            raise RuntimeError("the product was written into the client's shared memory; it is not here")
         return self.outcome.c
 
     def release(self) -> None:
@@ -147,16 +152,22 @@ class MatmulService:
         self.engine.check_room()
 
     async def run(
-        self, operands: Operands, options: RequestOptions, deadline_s: float | None, clock: Stopwatch
+        self,
+        operands: Operands,
+        options: RequestOptions,
+        deadline_s: float | None,
+        clock: Stopwatch,
+        into: SharedOutput | None = None,
     ) -> Product:
-        """Check that the operands multiply, resolve the dtype, and run the product on the engine; it may wait in
-        the queue for `deadline_s` (at most the settings' request timeout, which is also the default)."""
+        """Check that the operands multiply, resolve the dtype, and run the product on the engine (into the
+        client's shared memory when `into` says where); it may wait in the queue for `deadline_s` (at most the
+        settings' request timeout, which is also the default)."""
         a, b = operands.a, operands.b
         check_product(a, b, self.limits)
         working = working_dtype(options.dtype, operands)
         (m, k), n = a.shape, b.shape[1]
         queue_s = self.max_queue_s if deadline_s is None else min(deadline_s, self.max_queue_s)
-        outcome = await self.engine.matmul(a, b, working, options.kernel or "auto", options.tile, queue_s)
+        outcome = await self.engine.matmul(a, b, working, options.kernel or "auto", options.tile, queue_s, into=into)
         clock.computed = perf_counter()
         line = roofline(
             outcome.plan.config, (m, n, k), working, outcome.batch_size, outcome.device.kernel_ms, outcome.peaks

@@ -17,6 +17,7 @@ from app.engine.cpu import CpuBackend
 from app.engine.worker import Worker
 from app.errors import InvalidParameter, ShapeMismatch
 from app.product import RooflineModel
+from app.shared_memory import SharedOutput
 from kernels.roofline import DevicePeaks
 
 ROOFLINE = RooflineModel(
@@ -135,7 +136,14 @@ class RecordingEngine(Engine):
         self.calls: list[tuple[np.dtype, str, int | None, float | None]] = []
 
     async def matmul(
-        self, a: np.ndarray, b: np.ndarray, dtype: np.dtype, kernel: str, tile: int | None, timeout_s: float | None
+        self,
+        a: np.ndarray,
+        b: np.ndarray,
+        dtype: np.dtype,
+        kernel: str,
+        tile: int | None,
+        timeout_s: float | None,
+        into: SharedOutput | None = None,
     ) -> Outcome:
         self.calls.append((dtype, kernel, tile, timeout_s))
         return Outcome(

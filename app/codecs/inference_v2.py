@@ -18,7 +18,8 @@ import orjson
 
 from app.codecs.json import json_type
 from app.codecs.operands import Limits, Operands, RequestOptions, check_shape
-from app.errors import BadRequest, InvalidMatrix, InvalidParameter, MalformedPayload
+from app.errors import BadRequest, InvalidMatrix, InvalidParameter, MalformedPayload, SharedMemoryError
+from app.shared_memory import Matrix, SharedOutput, SharedTensor
 
 HEADER_LENGTH = "Inference-Header-Content-Length"
 BINARY_MEDIA_TYPE = "application/octet-stream"
@@ -35,6 +36,8 @@ class InferRequest:
     id: str | None
     operands: Operands
     binary_output: bool
+    output_region: SharedOutput | None = None
+    """Where the client asked for C in its shared memory, if it did (C is then not in the answer)."""
 
 
 def _object(value: Any, where: str) -> Mapping[str, Any]:
@@ -114,7 +117,7 @@ def decode_infer(body: bytes, header_length: str | None, limits: Limits) -> Infe
         raise InvalidMatrix(f"inputs must be exactly {list(INPUTS)}, got {names}", location=["inputs"])
 
     may_hold_booleans = b"true" in header or b"false" in header
-    arrays: dict[str, np.ndarray] = {}
+    arrays: dict[str, Matrix] = {}
     declared: list[str] = []
     offset = 0
     for tensor in tensors:
@@ -126,19 +129,29 @@ def decode_infer(body: bytes, header_length: str | None, limits: Limits) -> Infe
             )
         declared.append(datatype)
         shape = _shape(tensor, name, limits)
-        size = _object(tensor.get("parameters", {}), f"input '{name}' parameters").get("binary_data_size")
+        tensor_parameters = _object(tensor.get("parameters", {}), f"input '{name}' parameters")
+        size = tensor_parameters.get("binary_data_size")
+        shared = _shared_memory(tensor_parameters, f"input '{name}'", [name])
+        if shared is not None:
+            if "data" in tensor or size is not None:
+                raise SharedMemoryError(
+                    f"input '{name}' is in shared memory and must carry neither data nor binary_data_size",
+                    location=[name],
+                )
+            region, region_offset, byte_size = shared
+            if byte_size != _tensor_bytes(shape, datatype):
+                message = _size_mismatch(name, shape, datatype, "shared_memory_byte_size", byte_size)
+                raise SharedMemoryError(message, location=[name])
+            arrays[name] = SharedTensor(region, region_offset, shape, DATATYPES[datatype])
+            continue
         if size is None:
             if "data" not in tensor:
                 raise InvalidMatrix(f"input '{name}' has neither data nor parameters.binary_data_size", location=[name])
             arrays[name] = _json_tensor(tensor["data"], shape, name, may_hold_booleans)
             continue
-        expected = math.prod(shape) * DATATYPES[datatype].itemsize
+        expected = _tensor_bytes(shape, datatype)
         if size != expected:
-            raise MalformedPayload(
-                f"input '{name}' is {shape[0]}x{shape[1]} {datatype} ({expected} bytes), "
-                f"but its binary_data_size is {size!r}",
-                location=[name],
-            )
+            raise MalformedPayload(_size_mismatch(name, shape, datatype, "binary_data_size", size), location=[name])
         if offset + expected > len(binary):
             raise MalformedPayload(
                 f"input '{name}' needs {expected} bytes of binary data, only {len(binary) - offset} follow",
@@ -152,12 +165,15 @@ def decode_infer(body: bytes, header_length: str | None, limits: Limits) -> Infe
     parameters = _object(doc.get("parameters", {}), "parameters")
     binary_output = bool(parameters.get("binary_data_output", False))
     outputs = doc.get("outputs")
+    output_region = None
     if outputs is not None:
         if not isinstance(outputs, list) or [_object(o, "each output").get("name") for o in outputs] != [OUTPUT]:
             raise InvalidMatrix(f"outputs, when given, must be exactly [{OUTPUT!r}]", location=["outputs"])
-        binary_output = bool(
-            _object(outputs[0].get("parameters", {}), "output parameters").get("binary_data", binary_output)
-        )
+        output_parameters = _object(outputs[0].get("parameters", {}), "output parameters")
+        binary_output = bool(output_parameters.get("binary_data", binary_output))
+        shared = _shared_memory(output_parameters, f"output '{OUTPUT}'", ["outputs", 0])
+        if shared is not None:
+            output_region = SharedOutput(*shared)
     request_id = doc.get("id")
     if request_id is not None and not isinstance(request_id, str):
         raise BadRequest(f"the request's 'id' must be a string, got {json_type(request_id)}", location=["id"])
@@ -165,7 +181,41 @@ def decode_infer(body: bytes, header_length: str | None, limits: Limits) -> Infe
         id=request_id,
         operands=Operands(a=arrays["A"], b=arrays["B"], options=_options(parameters, declared)),
         binary_output=binary_output,
+        output_region=output_region,
     )
+
+
+def _tensor_bytes(shape: tuple[int, int], datatype: str) -> int:
+    return math.prod(shape) * DATATYPES[datatype].itemsize
+
+
+def _size_mismatch(name: str, shape: tuple[int, int], datatype: str, parameter: str, given: Any) -> str:
+    return (
+        f"input '{name}' is {shape[0]}x{shape[1]} {datatype} ({_tensor_bytes(shape, datatype)} bytes), but its "
+        f"{parameter} is {given!r}"
+    )
+
+
+def _shared_memory(parameters: Mapping[str, Any], what: str, location: list[str | int]) -> tuple[str, int, int] | None:
+    """(region, offset, byte_size) when a tensor's parameters place it in shared memory; region and byte size come
+    together, the offset is 0 unless given."""
+    region = parameters.get("shared_memory_region")
+    byte_size = parameters.get("shared_memory_byte_size")
+    offset = parameters.get("shared_memory_offset", 0)
+    if region is None and byte_size is None:
+        if "shared_memory_offset" in parameters:
+            raise SharedMemoryError(f"{what} has a shared_memory_offset but no shared_memory_region", location=location)
+        return None
+    if region is None or byte_size is None:
+        raise SharedMemoryError(
+            f"{what} needs both shared_memory_region and shared_memory_byte_size, or neither", location=location
+        )
+    if not isinstance(region, str) or not region:
+        raise SharedMemoryError(f"{what}: shared_memory_region must be a region's name", location=location)
+    for name, value in (("shared_memory_byte_size", byte_size), ("shared_memory_offset", offset)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise SharedMemoryError(f"{what}: {name} must be a byte count, got {value!r}", location=location)
+    return region, offset, byte_size
 
 
 def encode_infer(
@@ -177,6 +227,37 @@ def encode_infer(
         output["parameters"] = {"binary_data_size": c.nbytes}
     else:
         output["data"] = c.reshape(-1)
+    header = _response(output, model, request_id, parameters)
+    if not binary:
+        return header, None
+    data = np.ascontiguousarray(c).data.cast("B") if c.size else b""  # memoryview casts no empty shape
+    return b"".join((header, data)), len(header)
+
+
+def encode_infer_in_region(
+    shape: tuple[int, int],
+    dtype: np.dtype,
+    region: SharedOutput,
+    model: str,
+    request_id: str | None,
+    parameters: Mapping[str, Any],
+) -> bytes:
+    """The infer response body when C was written into the client's shared-memory region: C's description, and
+    where it lies, without its data."""
+    output = {
+        "name": OUTPUT,
+        "datatype": DATATYPE_OF[dtype.name],
+        "shape": list(shape),
+        "parameters": {
+            "shared_memory_region": region.region,
+            "shared_memory_offset": region.offset,
+            "shared_memory_byte_size": math.prod(shape) * dtype.itemsize,
+        },
+    }
+    return _response(output, model, request_id, parameters)
+
+
+def _response(output: dict[str, Any], model: str, request_id: str | None, parameters: Mapping[str, Any]) -> bytes:
     response: dict[str, Any] = {
         "model_name": model,
         "model_version": "1",
@@ -185,8 +266,4 @@ def encode_infer(
     }
     if request_id is not None:
         response["id"] = request_id
-    header = orjson.dumps(response, option=orjson.OPT_SERIALIZE_NUMPY)
-    if not binary:
-        return header, None
-    data = np.ascontiguousarray(c).data.cast("B") if c.size else b""  # memoryview casts no empty shape
-    return b"".join((header, data)), len(header)
+    return orjson.dumps(response, option=orjson.OPT_SERIALIZE_NUMPY)

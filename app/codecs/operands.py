@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 
 from app.errors import InvalidMatrix, InvalidParameter, ShapeMismatch
+from app.shared_memory import Matrix
 
 OPERANDS = ("a", "b")
 
@@ -53,8 +54,8 @@ class RequestOptions:
 class Operands:
     """The two matrices of a request, and the options a JSON body may carry beside them."""
 
-    a: np.ndarray
-    b: np.ndarray
+    a: Matrix
+    b: Matrix
     options: RequestOptions = RequestOptions()
     typed: bool = True
     """Whether the operands' dtypes were chosen by the client (.npy) rather than inferred from JSON numbers."""

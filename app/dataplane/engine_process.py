@@ -7,6 +7,9 @@ on a Unix socket. Each connects with its arena of shared memory (`app.dataplane.
 here once; each product request names where its A, B and C lie in that arena, and the product is computed from
 there into there. Requests of every HTTP worker share the one queue, so they batch together.
 
+With MATMUL_SHARED_MEMORY=system, clients' registered shared-memory regions live here too (`app.dataplane.regions`):
+mapped and pinned once, read and written in place by the products that name them.
+
 When an HTTP worker goes away, its queued products are dropped, those on the device finish, and its arena is
 unpinned and unmapped. When the device is lost (a sticky CUDA error), the process answers what it holds and exits
 with DEVICE_LOST_EXIT_CODE; the supervisor starts a fresh one. SIGTERM and SIGINT drain: no new products are
@@ -35,13 +38,14 @@ from typing import Any
 import numpy as np
 
 from app.allocator import cap_malloc_arenas
-from app.config import BackendChoice, Settings
+from app.config import BackendChoice, Settings, SharedMemoryKind
 from app.dataplane import wire
+from app.dataplane.regions import SystemRegion, SystemRegions
 from app.dataplane.slab import Placement, view
 from app.engine import BatchPolicy, Engine, EngineState, Worker
 from app.engine.base import Backend
 from app.engine.cpu import CpuBackend
-from app.errors import InvalidParameter, MatmulError, NotReady
+from app.errors import InvalidParameter, MatmulError, NotReady, SharedMemoryError
 
 log = logging.getLogger("app.engine_process")
 
@@ -51,6 +55,8 @@ HELLO_TIMEOUT_S = 10.0
 STATUS_EVERY_S = 0.5
 """How often every HTTP worker is sent the engine's status (and at once when its state changes)."""
 STATE_POLL_S = 0.05
+REGION_OPS = frozenset({"register_region", "unregister_region", "region_status"})
+"""Operations on the clients' system shared-memory regions, each answered with done or failed."""
 DRAIN_S = 60.0
 """Longest a draining engine waits for its HTTP workers to go."""
 
@@ -123,9 +129,13 @@ class _Peer:
 class EngineServer:
     """Serves one engine to every HTTP worker that connects to its socket."""
 
-    def __init__(self, engine: Engine, device_index: int | None, drain_s: float = DRAIN_S) -> None:
+    def __init__(
+        self, engine: Engine, device_index: int | None, drain_s: float = DRAIN_S, shared_memory: bool = False
+    ) -> None:
         self.engine = engine
         self.backend = engine.workers[0].backend
+        self.regions = SystemRegions(self.backend.pin, self.backend.unpin) if shared_memory else None
+        """The clients' system shared-memory regions, when MATMUL_SHARED_MEMORY enables them."""
         self.device_index = device_index
         self.drain_s = drain_s
         self.exit_code = 0
@@ -158,6 +168,8 @@ class EngineServer:
             os.unlink(path)
         await self._drain()
         statuses.cancel()
+        if self.regions is not None:
+            await asyncio.to_thread(self.regions.close, self.regions.remove(None))
 
     async def _drain(self) -> None:
         """Finish what is held; then, unless the device was lost, wait for the HTTP workers to hang up (at most
@@ -203,6 +215,8 @@ class EngineServer:
                 message = await wire.receive(reader)
                 if message["op"] == "matmul":
                     peer.start(message["id"], self._matmul(peer, message))
+                elif message["op"] in REGION_OPS:
+                    peer.start(message["id"], self._region_op(peer, message))
                 elif message["op"] == "cancel" and (running := peer.tasks.get(message["id"])) is not None:
                     running.cancel()
         except wire.ChannelClosed:
@@ -233,26 +247,53 @@ class EngineServer:
         self._peers.discard(peer)
         log.info("HTTP worker %d disconnected", peer.pid)
 
+    def _operand(
+        self, peer: _Peer, where: list[int] | dict[str, Any], dtype: str, name: str, lent: list[SystemRegion]
+    ) -> np.ndarray:
+        """An operand or product where the message says: [offset, rows, cols] in the peer's arena (in the product's
+        dtype), or {region, offset, shape, dtype} in a registered region, which it then holds (`lent`)."""
+        if isinstance(where, list):
+            return peer.array(where, dtype)
+        if self.regions is None:
+            raise SharedMemoryError("shared memory is off: MATMUL_SHARED_MEMORY does not enable it")
+        region = self.regions.get(where["region"])
+        rows, cols = where["shape"]
+        tensor = region.tensor(where["offset"], (rows, cols), np.dtype(where["dtype"]), name)
+        self.regions.lend(region)
+        lent.append(region)
+        return tensor
+
+    def _give_back(self, lent: list[SystemRegion]) -> None:
+        """The product no longer uses these regions; one unregistered meanwhile is closed now, when it was the last."""
+        if self.regions is not None:
+            self.regions.close([region for region in lent if self.regions.give_back(region)])
+
+    async def _region_op(self, peer: _Peer, message: wire.Message) -> None:
+        """Register, unregister or describe system shared-memory regions (REGION_OPS). The blocking part of each
+        runs in one thread call, which finishes even when this task is cancelled (its HTTP worker went)."""
+        reply: wire.Message = {"op": "done", "id": message["id"]}
+        try:
+            if self.regions is None:
+                raise SharedMemoryError("system shared memory is off: MATMUL_SHARED_MEMORY does not enable it")
+            regions, op, name = self.regions, message["op"], message["name"]
+            if op == "region_status":
+                reply["regions"] = regions.status(name)
+            elif op == "register_region":
+                await asyncio.to_thread(regions.register, name, message["key"], message["offset"], message["byte_size"])
+            else:
+                await asyncio.to_thread(regions.close, regions.remove(name))
+        except MatmulError as exc:
+            reply = {"op": "failed", "id": message["id"], "code": exc.code, "message": exc.message}
+            reply["location"] = exc.location
+        reply["load"] = self.engine.workers[0].load
+        with contextlib.suppress(wire.ChannelClosed):
+            wire.send(peer.writer, reply)
+
     async def _matmul(self, peer: _Peer, message: wire.Message) -> None:
         key = message["id"]
+        lent: list[SystemRegion] = []
         try:
-            if self._draining:
-                raise NotReady("the engine is shutting down")
-            dtype = message["dtype"]
-            a, b, c = (peer.array(message[name], dtype) for name in ("a", "b", "c"))
-            outcome = await self.engine.matmul(
-                a, b, np.dtype(dtype), message["kernel"], message["tile"], message["timeout_s"], out=c
-            )
-            reply: wire.Message = {
-                "op": "done",
-                "id": key,
-                "kernel": outcome.plan.kernel,
-                "tile": outcome.plan.tile,
-                "label": None if outcome.plan.config is None else outcome.plan.config.label,
-                "queue_ms": outcome.queue_ms,
-                **asdict(outcome.device),
-                "batch_size": outcome.batch_size,
-            }
+            reply = await self._compute(peer, message, lent)
         except MatmulError as exc:
             reply = {"op": "failed", "id": key, "code": exc.code, "message": exc.message, "location": exc.location}
         except asyncio.CancelledError:
@@ -261,9 +302,30 @@ class EngineServer:
             log.exception("product %s of HTTP worker %d failed", key, peer.pid)
             # what went wrong stays in this log; the client is told no more than of any unexpected error
             reply = {"op": "failed", "id": key, "code": "internal_error", "message": "internal error", "location": None}
+        self._give_back(lent)  # after `_compute` returned: no variable of it views a region any more
         reply["load"] = self.engine.workers[0].load
         with contextlib.suppress(wire.ChannelClosed):
             wire.send(peer.writer, reply)
+
+    async def _compute(self, peer: _Peer, message: wire.Message, lent: list[SystemRegion]) -> wire.Message:
+        """The product the message asks for, computed where it says; the reply that says how."""
+        if self._draining:
+            raise NotReady("the engine is shutting down")
+        dtype = message["dtype"]
+        a, b, c = (self._operand(peer, message[name], dtype, name, lent) for name in ("a", "b", "c"))
+        outcome = await self.engine.matmul(
+            a, b, np.dtype(dtype), message["kernel"], message["tile"], message["timeout_s"], out=c
+        )
+        return {
+            "op": "done",
+            "id": message["id"],
+            "kernel": outcome.plan.kernel,
+            "tile": outcome.plan.tile,
+            "label": None if outcome.plan.config is None else outcome.plan.config.label,
+            "queue_ms": outcome.queue_ms,
+            **asdict(outcome.device),
+            "batch_size": outcome.batch_size,
+        }
 
     def _welcome(self) -> wire.Message:
         return {
@@ -327,7 +389,7 @@ async def _serve(settings: Settings, device: int | None, why_cpu: str, path: str
             server.stop(DEVICE_LOST_EXIT_CODE)
 
     engine = Engine([Worker(backend, queue_size=settings.queue_size, on_device_lost=device_lost, batching=batching)])
-    server = EngineServer(engine, device)
+    server = EngineServer(engine, device, shared_memory=SharedMemoryKind.SYSTEM in settings.shared_memory)
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, server.stop)

@@ -19,6 +19,7 @@ import itertools
 import logging
 import os
 import socket
+from collections.abc import Callable
 from time import perf_counter
 from typing import Any, Literal, cast
 
@@ -31,7 +32,8 @@ from app.engine import EngineState, KernelInfo, Outcome, Plan, SlabUse
 from app.engine.autotune import SHAPE_CLASSES, AutoChoice
 from app.engine.base import DeviceTiming
 from app.engine.staging import cast_into
-from app.errors import DeviceLost, NotReady, Overloaded, error_of
+from app.errors import DeviceLost, NotReady, Overloaded, SharedMemoryError, error_of
+from app.shared_memory import Matrix, SharedOutput, SharedTensor
 from kernels.registry import KERNELS
 from kernels.roofline import DevicePeaks
 
@@ -59,6 +61,8 @@ class EngineLink:
         self.lost: str | None = None
         """Why the link is down after having been up (the engine process exited), until it is back."""
         self.welcomed = asyncio.Event()
+        self.on_restart: Callable[[], None] | None = None
+        """Called when a new engine process welcomes this link after the one before it exited."""
         self._writer: asyncio.StreamWriter | None = None
         self._pending: dict[int, asyncio.Future[wire.Message]] = {}
         self._ids = itertools.count()
@@ -144,6 +148,8 @@ class EngineLink:
     def _take(self, message: wire.Message) -> None:
         op = message["op"]
         if op == "welcome":
+            if self.welcome is not None and self.on_restart is not None:
+                self.on_restart()
             self.welcome = message
             self.kernels = [
                 KernelInfo(**{**info, "dtypes": tuple(info["dtypes"]), "tiles": tuple(info["tiles"])})
@@ -162,13 +168,25 @@ class EngineLink:
 
     def send(self, request: wire.Message) -> tuple[int, asyncio.Future[wire.Message]]:
         """Send a product request; the future is settled by its reply (or the connection's end)."""
+        key, future = self._request(request)
+        self._load += 1
+        return key, future
+
+    async def ask(self, request: wire.Message) -> wire.Message:
+        """Send a request that is not a product and wait for its reply; the error it reports, raised."""
+        _, future = self._request(request)
+        reply = await future
+        if reply["op"] == "failed":
+            raise error_of(reply["code"], reply["message"], reply["location"])
+        return reply
+
+    def _request(self, request: wire.Message) -> tuple[int, asyncio.Future[wire.Message]]:
         if self._writer is None:
             raise NotReady(self.lost or "the engine process is not connected yet")
         key = next(self._ids)
         future: asyncio.Future[wire.Message] = asyncio.get_running_loop().create_future()
         self._pending[key] = future
         wire.send(self._writer, {**request, "id": key})
-        self._load += 1
         return key, future
 
     def cancel(self, key: int) -> None:
@@ -186,6 +204,17 @@ class RemoteEngine:
         self.arena = Arena(settings.slab_bytes)
         self.links = [EngineLink(path, self.arena) for path in paths]
         self.inline_bytes = settings.inline_codec_bytes
+        self._forgetting: set[asyncio.Task[None]] = set()
+        for link in self.links:
+            link.on_restart = self._forget_regions
+
+    def _forget_regions(self) -> None:
+        """An engine process restarted without the regions clients had registered: unregister them from the
+        others too, so that every engine holds the same ones (none) and the clients register again."""
+        if len(self.links) > 1:
+            task = asyncio.create_task(self._unregister_everywhere())
+            self._forgetting.add(task)
+            task.add_done_callback(self._forgetting.discard)
 
     async def start(self) -> None:
         """Connect to every engine and wait for each one's welcome (not for its kernels: see `state`)."""
@@ -280,31 +309,46 @@ class RemoteEngine:
 
     async def matmul(
         self,
-        a: np.ndarray,
-        b: np.ndarray,
+        a: Matrix,
+        b: Matrix,
         dtype: np.dtype,
         kernel: str,
         tile: int | None,
         timeout_s: float | None,
+        into: SharedOutput | None = None,
     ) -> Outcome:
         """a @ b on the least-loaded ready engine; waits for shared memory within `timeout_s`, which then bounds
-        the product's wait in the engine's queue too."""
+        the product's wait in the engine's queue too. Operands in a client's regions (`SharedTensor`) and a
+        product asked `into` one are not staged: the engine process reads and writes them there."""
         began = perf_counter()
         link = self._least_loaded()
         (m, k), n = a.shape, b.shape[1]
+        if into is not None and into.byte_size < m * n * dtype.itemsize:
+            raise SharedMemoryError(
+                f"output 'C' is {m}x{n} {dtype} ({m * n * dtype.itemsize} bytes), more than the "
+                f"{into.byte_size} bytes its shared_memory_byte_size gives",
+                location=["outputs", 0],
+            )
         budget_s = DEFAULT_WAIT_S if timeout_s is None else timeout_s
-        nbytes = sum(aligned(size * dtype.itemsize) for size in (m * k, k * n, m * n))
+        staged_shapes = [shape for operand, shape in ((a, (m, k)), (b, (k, n))) if isinstance(operand, np.ndarray)]
+        if into is None:
+            staged_shapes.append((m, n))
+        nbytes = sum(aligned(rows * cols * dtype.itemsize) for rows, cols in staged_shapes)
         slab = await self.arena.reserve(nbytes, budget_s)
         try:
-            a_at, b_at, c_at = slab.place((m, k), dtype), slab.place((k, n), dtype), slab.place((m, n), dtype)
-            await self._stage(a, a_at, "a")
-            await self._stage(b, b_at, "b")
+            where = {name: await self._place(operand, slab, dtype, name) for name, operand in (("a", a), ("b", b))}
+            c_at = None
+            if into is None:
+                c_at = slab.place((m, n), dtype)
+                where["c"] = [c_at.offset, m, n]
+            else:
+                where["c"] = _in_region(into, (m, n), dtype)
             staged = perf_counter()
             left_s = max(budget_s - (staged - began), 1e-3)
             key, reply = link.send(
                 {
                     "op": "matmul",
-                    **{name: [at.offset, *at.shape] for name, at in (("a", a_at), ("b", b_at), ("c", c_at))},
+                    **where,
                     "dtype": dtype.name,
                     "kernel": kernel,
                     "tile": tile,
@@ -315,6 +359,50 @@ class RemoteEngine:
             slab.release()
             raise
         return await self._answer(link, key, reply, slab, c_at, began, staged)
+
+    async def _place(self, operand: Matrix, slab: Slab, dtype: np.dtype, name: str) -> list[int] | dict[str, Any]:
+        """Where the engine finds an operand: converted into the slab, or in the client's region where it is."""
+        if isinstance(operand, SharedTensor):
+            return _in_region(operand, operand.shape, operand.dtype)
+        at = slab.place(operand.shape, dtype)
+        await self._stage(operand, at, name)
+        return [at.offset, *at.shape]
+
+    # ------------------------------------------------------------------- clients' shared memory regions
+
+    async def register_region(self, name: str, key: str, offset: int, byte_size: int) -> None:
+        """Register a system shared-memory region with every engine process (each maps and pins it); when one
+        refuses, those that took it forget it again."""
+        request = {"op": "register_region", "name": name, "key": key, "offset": offset, "byte_size": byte_size}
+        replies = await asyncio.gather(*(link.ask(request) for link in self.links), return_exceptions=True)
+        failure = next((reply for reply in replies if isinstance(reply, BaseException)), None)
+        if failure is None:
+            return
+        undo = {"op": "unregister_region", "name": name}
+        took = [link for link, reply in zip(self.links, replies, strict=True) if not isinstance(reply, BaseException)]
+        await asyncio.gather(*(link.ask(undo) for link in took), return_exceptions=True)
+        raise failure
+
+    async def unregister_region(self, name: str | None) -> None:
+        """Unregister one region (every one when `name` is None) from every engine process."""
+        request = {"op": "unregister_region", "name": name}
+        replies = await asyncio.gather(*(link.ask(request) for link in self.links), return_exceptions=True)
+        failure = next((reply for reply in replies if isinstance(reply, BaseException)), None)
+        if failure is not None:
+            raise failure
+
+    async def _unregister_everywhere(self) -> None:
+        request = {"op": "unregister_region", "name": None}
+        replies = await asyncio.gather(*(link.ask(request) for link in self.links), return_exceptions=True)
+        for link, reply in zip(self.links, replies, strict=True):
+            if isinstance(reply, Exception):
+                log.warning("the engine process on %s may still hold clients' regions: %s", link.path, reply)
+
+    async def region_status(self, name: str | None) -> list[dict[str, Any]]:
+        """The registered regions (the one named), as the first engine process holds them."""
+        reply = await self.links[0].ask({"op": "region_status", "name": name})
+        regions: list[dict[str, Any]] = reply["regions"]
+        return regions
 
     def _least_loaded(self) -> EngineLink:
         ready = [link for link in self.links if link.state is EngineState.READY]
@@ -337,7 +425,7 @@ class RemoteEngine:
         key: int,
         reply: asyncio.Future[wire.Message],
         slab: Slab,
-        c_at: Placement,
+        c_at: Placement | None,
         began: float,
         staged: float,
     ) -> Outcome:
@@ -357,14 +445,14 @@ class RemoteEngine:
         return self._outcome(link, message, slab, c_at, began, staged)
 
     def _outcome(
-        self, link: EngineLink, message: wire.Message, slab: Slab, c_at: Placement, began: float, staged: float
+        self, link: EngineLink, message: wire.Message, slab: Slab, c_at: Placement | None, began: float, staged: float
     ) -> Outcome:
         device = DeviceTiming(h2d_ms=message["h2d_ms"], kernel_ms=message["kernel_ms"], d2h_ms=message["d2h_ms"])
         spec = KERNELS.get(message["kernel"])
         config = next((c for c in spec.configs if c.label == message["label"]), None) if spec else None
         engine_ms = message["queue_ms"] + device.h2d_ms + device.kernel_ms + device.d2h_ms
         return Outcome(
-            c=self.arena.array(c_at),
+            c=None if c_at is None else self.arena.array(c_at),
             plan=Plan(kernel=message["kernel"], tile=message["tile"], config=config),
             queue_ms=message["queue_ms"],
             device=device,
@@ -375,6 +463,10 @@ class RemoteEngine:
             handoff_ms=max((perf_counter() - staged) * 1e3 - engine_ms, 0.0),
             release=slab.release,
         )
+
+
+def _in_region(where: SharedTensor | SharedOutput, shape: tuple[int, int], dtype: np.dtype) -> dict[str, Any]:
+    return {"region": where.region, "offset": where.offset, "shape": list(shape), "dtype": dtype.name}
 
 
 def _release_after_reply(reply: asyncio.Future[wire.Message], slab: Slab) -> None:

@@ -16,7 +16,12 @@ Each message is a 4-byte big-endian length and an orjson object with an "op":
              timeout_s}  (a, b, c: [offset,               memory_held, compiled_instances, auto}
              rows, cols] in the arena)           done    {id, kernel, tile, queue_ms, h2d_ms, kernel_ms,
     cancel  {id}                                          d2h_ms, batch_size, load}
-                                                 failed  {id, code, message, location, load}
+    register_region   {id, name, key, offset,    failed  {id, code, message, location, load}
+                       byte_size}
+    unregister_region {id, name (null: all)}     done    {id, load}
+    region_status     {id, name (null: all)}     done    {id, regions: [{name, key, offset, byte_size}], load}
+
+A, B or C of a matmul may instead lie in a client's registered region: {region, offset, shape, dtype}.
 
 Every matmul gets exactly one done or failed, also when cancelled; until then the engine may still write its C.
 """

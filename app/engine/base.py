@@ -62,7 +62,8 @@ class DeviceTiming:
 class Outcome:
     """The product and how it was made."""
 
-    c: np.ndarray
+    c: np.ndarray | None
+    """The product; None when it was written into a client's shared-memory region that this process does not map."""
     plan: Plan
     queue_ms: float
     device: DeviceTiming

@@ -13,7 +13,8 @@ import numpy as np
 from app.engine.autotune import AutoChoice
 from app.engine.base import KernelInfo, Outcome
 from app.engine.worker import EngineState, Worker
-from app.errors import NotReady
+from app.errors import NotReady, SharedMemoryError
+from app.shared_memory import Matrix, SharedOutput
 
 
 @dataclass(frozen=True)
@@ -68,13 +69,17 @@ class EngineFront(Protocol):
 
     async def matmul(
         self,
-        a: np.ndarray,
-        b: np.ndarray,
+        a: Matrix,
+        b: Matrix,
         dtype: np.dtype,
         kernel: str,
         tile: int | None,
         timeout_s: float | None,
-    ) -> Outcome: ...
+        into: SharedOutput | None = None,
+    ) -> Outcome:
+        """a @ b; operands and the product may lie in a client's registered shared-memory regions (`SharedTensor`,
+        `into`), which only engine processes hold."""
+        ...
 
 
 class Engine:
@@ -154,16 +159,20 @@ class Engine:
 
     async def matmul(
         self,
-        a: np.ndarray,
-        b: np.ndarray,
+        a: Matrix,
+        b: Matrix,
         dtype: np.dtype,
         kernel: str,
         tile: int | None,
         timeout_s: float | None,
         out: np.ndarray | None = None,
+        into: SharedOutput | None = None,
     ) -> Outcome:
         """a @ b on the least-loaded ready worker's device (into `out`, when given), with `kernel` (and `tile`)
-        checked and resolved there (UnknownKernel, InvalidParameter) before the product is queued."""
+        checked and resolved there (UnknownKernel, InvalidParameter) before the product is queued. Clients'
+        shared-memory regions are held by engine processes (which resolve them into arrays first), not here."""
+        if into is not None or not isinstance(a, np.ndarray) or not isinstance(b, np.ndarray):
+            raise SharedMemoryError("shared-memory regions are served by engine processes, not an in-process engine")
         ready = [worker for worker in self.workers if worker.state is EngineState.READY]
         if not ready:
             self.check_ready()

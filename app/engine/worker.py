@@ -301,12 +301,8 @@ class Worker:
                 break
             elif in_flight and not waiting:
                 self._wake.wait(WAKE_CHECK_S)
-            elif (job := self._next_job()) is None:
+            elif not self._start_next(in_flight):
                 break
-            else:
-                batch = [j for j in self._gather(job, device_idle=not in_flight) if j.start()]
-                self._running += len(batch)
-                in_flight.extend(self._submit(batch) if batch else [])
             self._running = sum(len(launch.jobs) for launch in in_flight)
         while in_flight:
             self._finish(in_flight.popleft())
@@ -315,6 +311,18 @@ class Worker:
             self._fail_queued()
         else:
             self.backend.close()
+
+    def _start_next(self, in_flight: collections.deque[_InFlight]) -> bool:
+        """Take the next job and those that batch with it, and submit them; False when the queue says to stop.
+        A method of its own so that no variable of the loop keeps the last jobs' operands and products alive
+        after they are answered (a client's shared-memory region is unmapped only once none does)."""
+        job = self._next_job()
+        if job is None:
+            return False
+        batch = [j for j in self._gather(job, device_idle=not in_flight) if j.start()]
+        self._running += len(batch)
+        in_flight.extend(self._submit(batch) if batch else [])
+        return True
 
     def _next_job(self) -> _Job | None:
         return self._held.popleft() if self._held else self._queue.get()

@@ -22,6 +22,7 @@ from app.engine.base import Finished, Outputs, Pairs
 from app.engine.cpu import CpuBackend
 from app.errors import Overloaded
 from app.main import create_app
+from app.shared_memory import SharedOutput
 from kernels.reference import assert_close_to_reference
 from kernels.roofline import DevicePeaks
 from matmul_tools.bodies import load_npy, npy_bytes
@@ -70,10 +71,17 @@ class RecordingEngine(Engine):
         self.deadlines: list[float | None] = []
 
     async def matmul(
-        self, a: np.ndarray, b: np.ndarray, dtype: np.dtype, kernel: str, tile: int | None, timeout_s: float | None
+        self,
+        a: np.ndarray,
+        b: np.ndarray,
+        dtype: np.dtype,
+        kernel: str,
+        tile: int | None,
+        timeout_s: float | None,
+        into: SharedOutput | None = None,
     ) -> Outcome:
         self.deadlines.append(timeout_s)
-        return await super().matmul(a, b, dtype, kernel, tile, timeout_s)
+        return await super().matmul(a, b, dtype, kernel, tile, timeout_s, into=into)
 
 
 async def _serving(app: FastAPI, engine: Engine) -> AsyncIterator[httpx.AsyncClient]:

@@ -70,3 +70,19 @@ def test_statistics(triton: httpclient.InferenceServerClient) -> None:
     triton.infer("matmul", inputs(a, a, True))
     (stats,) = triton.get_inference_statistics("matmul")["model_stats"]
     assert stats["inference_count"] >= 1 and stats["inference_stats"]["compute_infer"]["count"] >= 1
+
+
+def test_shared_memory_is_off_unless_enabled(triton: httpclient.InferenceServerClient) -> None:
+    """MATMUL_SHARED_MEMORY is not set for this server: the extension is not listed, registering is 404 naming
+    the setting, and an infer naming a region is refused by the engine with 400."""
+    assert "system_shared_memory" not in triton.get_server_metadata()["extensions"]
+    with pytest.raises(InferenceServerException, match="MATMUL_SHARED_MEMORY=system enables it") as raised:
+        triton.register_system_shared_memory("r", "/some-object", 64)
+    assert raised.value.status() == "404"
+    tensor = httpclient.InferInput("A", [4, 4], "FP32")
+    tensor.set_shared_memory("r", 64)
+    with pytest.raises(InferenceServerException, match="shared memory is off") as refused:
+        triton.infer(
+            "matmul_numpy", [tensor, inputs(np.eye(4, dtype=np.float32), np.eye(4, dtype=np.float32), True)[1]]
+        )
+    assert refused.value.status() == "400"

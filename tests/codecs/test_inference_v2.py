@@ -9,9 +9,10 @@ import numpy as np
 import orjson
 import pytest
 
-from app.codecs.inference_v2 import decode_infer, encode_infer
+from app.codecs.inference_v2 import decode_infer, encode_infer, encode_infer_in_region
 from app.codecs.operands import Limits, RequestOptions
 from app.errors import MatmulError
+from app.shared_memory import SharedOutput, SharedTensor
 
 LIMITS = Limits(max_dim=8, max_elements=40, max_result_elements=64)
 A = {"name": "A", "datatype": "FP32", "shape": [2, 3], "data": [1, 2, 3, 4, 5, 6]}
@@ -292,3 +293,90 @@ def test_false_is_a_boolean_too() -> None:
         "input 'A' data holds booleans, expected numbers",
         ["A"],
     )
+
+
+# ------------------------------------------------------------------------------------ shared-memory tensors
+
+
+def in_region(tensor: dict[str, Any], **parameters: Any) -> dict[str, Any]:
+    placed = {key: value for key, value in tensor.items() if key != "data"}
+    return {**placed, "parameters": parameters}
+
+
+def test_inputs_and_the_output_in_shared_memory() -> None:
+    a = in_region(A, shared_memory_region="r", shared_memory_byte_size=24, shared_memory_offset=8)
+    b = in_region({**B, "datatype": "FP64"}, shared_memory_region="s", shared_memory_byte_size=24)
+    outputs = [{"name": "C", "parameters": {"shared_memory_region": "t", "shared_memory_byte_size": 100}}]
+    request = decode_infer(doc(a, b, outputs=outputs), None, LIMITS)
+    assert request.operands.a == SharedTensor("r", 8, (2, 3), np.dtype("<f4"))
+    assert request.operands.b == SharedTensor("s", 0, (3, 1), np.dtype("<f8"))
+    assert request.operands.options.dtype == "float64"
+    assert request.output_region == SharedOutput("t", 0, 100)
+    assert decode_infer(doc(), None, LIMITS).output_region is None
+
+
+@pytest.mark.parametrize(
+    ("parameters", "problem"),
+    [
+        ({"shared_memory_region": "r", "shared_memory_byte_size": 20}, "its shared_memory_byte_size is 20"),
+        ({"shared_memory_region": "r"}, "needs both shared_memory_region and shared_memory_byte_size, or neither"),
+        ({"shared_memory_byte_size": 24}, "needs both shared_memory_region and shared_memory_byte_size, or neither"),
+        ({"shared_memory_offset": 0}, "has a shared_memory_offset but no shared_memory_region"),
+        ({"shared_memory_region": "", "shared_memory_byte_size": 24}, "shared_memory_region must be a region's name"),
+        ({"shared_memory_region": "r", "shared_memory_byte_size": True}, "shared_memory_byte_size must be a byte"),
+        (
+            {"shared_memory_region": "r", "shared_memory_byte_size": 24, "shared_memory_offset": -8},
+            "shared_memory_offset must be a byte count, got -8",
+        ),
+        (
+            {"shared_memory_region": "r", "shared_memory_byte_size": 24, "binary_data_size": 24},
+            "must carry neither data nor binary_data_size",
+        ),
+    ],
+)
+def test_shared_memory_parameters_are_checked(parameters: dict[str, Any], problem: str) -> None:
+    code, message, location = refusal(doc(in_region(A, **parameters), B))
+    assert code == "shared_memory" and problem in message and message.startswith("input 'A'")
+    assert location == ["A"]
+
+
+def test_an_input_in_shared_memory_with_data_too_is_refused() -> None:
+    a = {**A, "parameters": {"shared_memory_region": "r", "shared_memory_byte_size": 24}}
+    assert refusal(doc(a, B)) == (
+        "shared_memory",
+        "input 'A' is in shared memory and must carry neither data nor binary_data_size",
+        ["A"],
+    )
+
+
+def test_the_output_region_is_checked() -> None:
+    outputs = [{"name": "C", "parameters": {"shared_memory_region": "t"}}]
+    assert refusal(doc(outputs=outputs)) == (
+        "shared_memory",
+        "output 'C' needs both shared_memory_region and shared_memory_byte_size, or neither",
+        ["outputs", 0],
+    )
+
+
+def test_an_answer_for_an_output_in_shared_memory_says_where_it_is() -> None:
+    body = encode_infer_in_region(
+        (2, 1), np.dtype(np.float64), SharedOutput("t", 16, 100), "matmul", "7", {"kernel": "numpy"}
+    )
+    assert orjson.loads(body) == {
+        "model_name": "matmul",
+        "model_version": "1",
+        "id": "7",
+        "parameters": {"kernel": "numpy"},
+        "outputs": [
+            {
+                "name": "C",
+                "datatype": "FP64",
+                "shape": [2, 1],
+                "parameters": {
+                    "shared_memory_region": "t",
+                    "shared_memory_offset": 16,
+                    "shared_memory_byte_size": 16,
+                },
+            }
+        ],
+    }

@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 
 import numpy as np
 import pytest
@@ -30,14 +30,6 @@ WINDOW_US = 1_000_000
 @pytest.fixture
 def settings() -> Settings:
     return Settings(backend="cpu", batching=True, max_batch_size=2, max_queue_delay_us=WINDOW_US, slab_bytes=8 * MIB)
-
-
-@pytest.fixture
-def supervisor(settings: Settings) -> Iterator[EngineSupervisor]:
-    supervisor = EngineSupervisor(settings)
-    supervisor.start()
-    yield supervisor
-    supervisor.stop()
 
 
 async def _connected(supervisor: EngineSupervisor, settings: Settings) -> RemoteEngine:

@@ -7,6 +7,7 @@ from fastapi import FastAPI
 from app.api.routes import docs, echo, health, info, matmul, metrics
 from app.api.schemas import ErrorBody
 from app.api.v2 import routes as v2
+from app.api.v2 import shared_memory
 
 UNAUTHORIZED: dict[int | str, dict[str, Any]] = {
     401: {
@@ -23,6 +24,7 @@ def include_routers(app: FastAPI) -> None:
     app.include_router(health.router)
     app.include_router(info.router, responses=UNAUTHORIZED)
     app.include_router(v2.router)
+    app.include_router(shared_memory.router, responses=UNAUTHORIZED)
     app.include_router(metrics.router, responses=UNAUTHORIZED)
     app.include_router(echo.router, responses=UNAUTHORIZED)
     app.include_router(docs.router)

@@ -18,40 +18,35 @@ from app.api.errors import PROTOCOL_PREFIX
 from app.api.exchange import off_loop_if_large, reading_body, requested_deadline_s, unless_disconnected
 from app.api.responses import server_timing
 from app.api.v2.models import CatalogueDep
+from app.api.v2.responses import protocol_error
+from app.api.v2.shared_memory import system_shared_memory_enabled
 from app.api.v2.statistics import StatisticsDep
 from app.errors import MatmulError
 from app.service import Stopwatch
 
 router = APIRouter(prefix=PROTOCOL_PREFIX, tags=["inference protocol v2"])
-_ERROR_BODY = {"type": "object", "required": ["error"], "properties": {"error": {"type": "string"}}}
-
-
-def _error(description: str) -> dict[str, Any]:
-    """An error answer of the protocol, `{"error": "<message>"}`, documented."""
-    example = {"error": "inner dimensions differ: ..."}
-    return {"description": description, "content": {"application/json": {"schema": _ERROR_BODY, "example": example}}}
-
-
-_ERROR = _error("The protocol's error answer.")
+_ERROR = protocol_error("The protocol's error answer.")
 # A range, not 422 alone: FastAPI would otherwise document its own 422 body, which these routes never send.
 _MODEL_ERRORS: dict[int | str, dict[str, Any]] = {
-    "4XX": _error(
+    "4XX": protocol_error(
         "400: a path or query parameter out of its bounds; 401: MATMUL_API_KEYS is set and no valid key was sent; "
         "404: no such model or version."
     )
 }
-_GUARDED: dict[int | str, dict[str, Any]] = {401: _error("MATMUL_API_KEYS is set and no valid key was sent.")}
+_GUARDED: dict[int | str, dict[str, Any]] = {401: protocol_error("MATMUL_API_KEYS is set and no valid key was sent.")}
 _INFER_ERRORS: dict[int | str, dict[str, Any]] = {
-    400: _error("Two different Content-Type headers, an id that is not a string, a parameter out of its bounds."),
+    400: protocol_error(
+        "Two different Content-Type headers, an id that is not a string, a parameter out of its bounds."
+    ),
     404: _ERROR,
     422: _ERROR,
     **_GUARDED,
-    408: _error("The body stopped arriving for MATMUL_BODY_TIMEOUT_S."),
-    413: _error("The body is larger than MATMUL_MAX_BODY_BYTES."),
-    415: _error("A Content-Encoding other than identity."),
-    500: _error("The device or the service failed unexpectedly; the message names no internals."),
-    503: _error("The queue is full, the kernels are not ready, the device is out of memory or was lost."),
-    504: _error("The inference was still queued when its deadline passed; it was dropped, never run."),
+    408: protocol_error("The body stopped arriving for MATMUL_BODY_TIMEOUT_S."),
+    413: protocol_error("The body is larger than MATMUL_MAX_BODY_BYTES."),
+    415: protocol_error("A Content-Encoding other than identity."),
+    500: protocol_error("The device or the service failed unexpectedly; the message names no internals."),
+    503: protocol_error("The queue is full, the kernels are not ready, the device is out of memory or was lost."),
+    504: protocol_error("The inference was still queued when its deadline passed; it was dropped, never run."),
 }
 
 
@@ -98,13 +93,12 @@ def _model_route(
 
 
 @router.get("", summary="Server metadata", responses=_GUARDED)
-async def server_metadata() -> dict[str, Any]:
-    """Name, version and the protocol extensions this server implements."""
-    return {
-        "name": "matmul-service",
-        "version": __version__,
-        "extensions": ["binary_tensor_data", "statistics", "model_configuration"],
-    }
+async def server_metadata(settings: SettingsDep) -> dict[str, Any]:
+    """Name, version and the protocol extensions this server implements (shared memory when enabled)."""
+    extensions = ["binary_tensor_data", "statistics", "model_configuration"]
+    if system_shared_memory_enabled(settings):
+        extensions.append("system_shared_memory")
+    return {"name": "matmul-service", "version": __version__, "extensions": extensions}
 
 
 @router.get("/health/live", summary="Server liveness")
@@ -201,7 +195,8 @@ async def infer(
             clock.mark_decoded()
             options = catalogue.options_for(model, decoded.operands.options)
             product = await unless_disconnected(
-                request, service.run(decoded.operands, options, requested_deadline_s(request), clock)
+                request,
+                service.run(decoded.operands, options, requested_deadline_s(request), clock, decoded.output_region),
             )
         parameters = {
             "kernel": product.outcome.plan.kernel,
@@ -209,18 +204,25 @@ async def infer(
             "batch_size": product.outcome.batch_size,
             **{f"roofline_{name}": value for name, value in product.roofline.model_dump(exclude_none=True).items()},
         }
-        c = product.c
         try:
-            body, header_size = await off_loop_if_large(
-                c.nbytes,
-                settings,
-                codecs.inference_v2.encode_infer,
-                c,
-                model,
-                decoded.id,
-                decoded.binary_output,
-                parameters,
-            )
+            if decoded.output_region is not None:
+                shape = (product.m, product.n)
+                region = decoded.output_region
+                body = codecs.inference_v2.encode_infer_in_region(
+                    shape, product.dtype, region, model, decoded.id, parameters
+                )
+                header_size = None
+            else:
+                body, header_size = await off_loop_if_large(
+                    product.c.nbytes,
+                    settings,
+                    codecs.inference_v2.encode_infer,
+                    product.c,
+                    model,
+                    decoded.id,
+                    decoded.binary_output,
+                    parameters,
+                )
         finally:
             product.release()  # the answer's body is a copy
     except MatmulError:
