@@ -7,8 +7,9 @@ on a Unix socket. Each connects with its arena of shared memory (`app.dataplane.
 here once; each product request names where its A, B and C lie in that arena, and the product is computed from
 there into there. Requests of every HTTP worker share the one queue, so they batch together.
 
-With MATMUL_SHARED_MEMORY=system, clients' registered shared-memory regions live here too (`app.dataplane.regions`):
-mapped and pinned once, read and written in place by the products that name them.
+With MATMUL_SHARED_MEMORY, clients' registered shared-memory regions live here too (`app.dataplane.regions`):
+system ones mapped and pinned once, CUDA ones opened once from their IPC handles, read and written in place by the
+products that name them.
 
 When an HTTP worker goes away, its queued products are dropped, those on the device finish, and its arena is
 unpinned and unmapped. When the device is lost (a sticky CUDA error), the process answers what it holds and exits
@@ -23,6 +24,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import base64
+import binascii
 import contextlib
 import json
 import logging
@@ -40,7 +43,7 @@ import numpy as np
 from app.allocator import cap_malloc_arenas
 from app.config import BackendChoice, Settings, SharedMemoryKind
 from app.dataplane import wire
-from app.dataplane.regions import SystemRegion, SystemRegions
+from app.dataplane.regions import CudaRegion, Region, Regions, SystemRegion
 from app.dataplane.slab import Placement, view
 from app.engine import BatchPolicy, Engine, EngineState, Worker
 from app.engine.base import Backend
@@ -55,8 +58,9 @@ HELLO_TIMEOUT_S = 10.0
 STATUS_EVERY_S = 0.5
 """How often every HTTP worker is sent the engine's status (and at once when its state changes)."""
 STATE_POLL_S = 0.05
-REGION_OPS = frozenset({"register_region", "unregister_region", "region_status"})
-"""Operations on the clients' system shared-memory regions, each answered with done or failed."""
+REGION_OPS = frozenset({"register_region", "register_cuda_region", "unregister_region", "region_status"})
+"""Operations on the clients' shared-memory regions, each answered with done or failed."""
+CUDA_IPC_HANDLE_BYTES = 64
 DRAIN_S = 60.0
 """Longest a draining engine waits for its HTTP workers to go."""
 
@@ -130,12 +134,17 @@ class EngineServer:
     """Serves one engine to every HTTP worker that connects to its socket."""
 
     def __init__(
-        self, engine: Engine, device_index: int | None, drain_s: float = DRAIN_S, shared_memory: bool = False
+        self,
+        engine: Engine,
+        device_index: int | None,
+        drain_s: float = DRAIN_S,
+        shared_memory: frozenset[SharedMemoryKind] = frozenset(),
     ) -> None:
         self.engine = engine
         self.backend = engine.workers[0].backend
-        self.regions = SystemRegions(self.backend.pin, self.backend.unpin) if shared_memory else None
-        """The clients' system shared-memory regions, when MATMUL_SHARED_MEMORY enables them."""
+        self.shared_memory = shared_memory
+        """The kinds of clients' shared-memory regions MATMUL_SHARED_MEMORY enables."""
+        self.regions = Regions(self.backend)
         self.device_index = device_index
         self.drain_s = drain_s
         self.exit_code = 0
@@ -168,8 +177,8 @@ class EngineServer:
             os.unlink(path)
         await self._drain()
         statuses.cancel()
-        if self.regions is not None:
-            await asyncio.to_thread(self.regions.close, self.regions.remove(None))
+        everything = self.regions.remove(SystemRegion, None) + self.regions.remove(CudaRegion, None)
+        await asyncio.to_thread(self.regions.close, everything)
 
     async def _drain(self) -> None:
         """Finish what is held; then, unless the device was lost, wait for the HTTP workers to hang up (at most
@@ -248,13 +257,14 @@ class EngineServer:
         log.info("HTTP worker %d disconnected", peer.pid)
 
     def _operand(
-        self, peer: _Peer, where: list[int] | dict[str, Any], dtype: str, name: str, lent: list[SystemRegion]
-    ) -> np.ndarray:
+        self, peer: _Peer, where: list[int] | dict[str, Any], dtype: str, name: str, lent: list[Region]
+    ) -> Any:
         """An operand or product where the message says: [offset, rows, cols] in the peer's arena (in the product's
-        dtype), or {region, offset, shape, dtype} in a registered region, which it then holds (`lent`)."""
+        dtype), or {region, offset, shape, dtype} in a registered region (a device array for a CUDA one), which it
+        then holds (`lent`)."""
         if isinstance(where, list):
             return peer.array(where, dtype)
-        if self.regions is None:
+        if not self.shared_memory:
             raise SharedMemoryError("shared memory is off: MATMUL_SHARED_MEMORY does not enable it")
         region = self.regions.get(where["region"])
         rows, cols = where["shape"]
@@ -263,25 +273,37 @@ class EngineServer:
         lent.append(region)
         return tensor
 
-    def _give_back(self, lent: list[SystemRegion]) -> None:
+    def _give_back(self, lent: list[Region]) -> None:
         """The product no longer uses these regions; one unregistered meanwhile is closed now, when it was the last."""
-        if self.regions is not None:
-            self.regions.close([region for region in lent if self.regions.give_back(region)])
+        self.regions.close([region for region in lent if self.regions.give_back(region)])
 
     async def _region_op(self, peer: _Peer, message: wire.Message) -> None:
-        """Register, unregister or describe system shared-memory regions (REGION_OPS). The blocking part of each
-        runs in one thread call, which finishes even when this task is cancelled (its HTTP worker went)."""
+        """Register, unregister or describe clients' shared-memory regions (REGION_OPS). The blocking part of each
+        runs in one thread call, which finishes even when this task is cancelled (its HTTP worker went). Every
+        HTTP worker is sent the new list of regions before the reply, so that one of them asked to serve a product
+        in a region just registered finds the engine that holds it."""
         reply: wire.Message = {"op": "done", "id": message["id"]}
         try:
-            if self.regions is None:
-                raise SharedMemoryError("system shared memory is off: MATMUL_SHARED_MEMORY does not enable it")
-            regions, op, name = self.regions, message["op"], message["name"]
+            op, name = message["op"], message["name"]
+            kind = CudaRegion if op == "register_cuda_region" or message.get("kind") == "cuda" else SystemRegion
+            wanted = SharedMemoryKind.CUDA if kind is CudaRegion else SharedMemoryKind.SYSTEM
+            if wanted not in self.shared_memory:
+                raise SharedMemoryError(f"{wanted} shared memory is off: MATMUL_SHARED_MEMORY does not enable it")
             if op == "region_status":
-                reply["regions"] = regions.status(name)
+                reply["regions"] = self.regions.status(kind, name)
             elif op == "register_region":
-                await asyncio.to_thread(regions.register, name, message["key"], message["offset"], message["byte_size"])
+                await asyncio.to_thread(
+                    self.regions.register_system, name, message["key"], message["offset"], message["byte_size"]
+                )
+            elif op == "register_cuda_region":
+                handle = _raw_handle(message["raw_handle"])
+                await asyncio.to_thread(
+                    self.regions.register_cuda, name, handle, message["device_id"], message["byte_size"]
+                )
             else:
-                await asyncio.to_thread(regions.close, regions.remove(name))
+                await asyncio.to_thread(self.regions.close, self.regions.remove(kind, name))
+            if op != "region_status":
+                self._broadcast(self._status())
         except MatmulError as exc:
             reply = {"op": "failed", "id": message["id"], "code": exc.code, "message": exc.message}
             reply["location"] = exc.location
@@ -291,7 +313,7 @@ class EngineServer:
 
     async def _matmul(self, peer: _Peer, message: wire.Message) -> None:
         key = message["id"]
-        lent: list[SystemRegion] = []
+        lent: list[Region] = []
         try:
             reply = await self._compute(peer, message, lent)
         except MatmulError as exc:
@@ -307,7 +329,7 @@ class EngineServer:
         with contextlib.suppress(wire.ChannelClosed):
             wire.send(peer.writer, reply)
 
-    async def _compute(self, peer: _Peer, message: wire.Message, lent: list[SystemRegion]) -> wire.Message:
+    async def _compute(self, peer: _Peer, message: wire.Message, lent: list[Region]) -> wire.Message:
         """The product the message asks for, computed where it says; the reply that says how."""
         if self._draining:
             raise NotReady("the engine is shutting down")
@@ -352,11 +374,17 @@ class EngineServer:
             "compiled_instances": self.backend.compiled_instances(),
             "shared_memory_bytes": sum(peer.map.size() for peer in self._peers),
             "http_workers": len(self._peers),
+            "regions": self.regions.names(),
             "auto": [
                 {"shape_class": choice.shape_class.name, "kernel": choice.kernel, "probe_ms": choice.probe_ms}
                 for choice in self.engine.auto_choices()
             ],
         }
+
+    def _broadcast(self, message: wire.Message) -> None:
+        for peer in list(self._peers):
+            with contextlib.suppress(wire.ChannelClosed):
+                wire.send(peer.writer, message)
 
     async def _send_statuses(self) -> None:
         """Every STATUS_EVERY_S, and within STATE_POLL_S of a change of state, to every HTTP worker."""
@@ -367,10 +395,7 @@ class EngineServer:
             if state[0] is not EngineState.STARTING:
                 self._started.set()
             if state != last_state or loop.time() - last_sent >= STATUS_EVERY_S:
-                status = self._status()
-                for peer in list(self._peers):
-                    with contextlib.suppress(wire.ChannelClosed):
-                        wire.send(peer.writer, status)
+                self._broadcast(self._status())
                 last_state, last_sent = state, loop.time()
             await asyncio.sleep(STATE_POLL_S)
 
@@ -389,7 +414,7 @@ async def _serve(settings: Settings, device: int | None, why_cpu: str, path: str
             server.stop(DEVICE_LOST_EXIT_CODE)
 
     engine = Engine([Worker(backend, queue_size=settings.queue_size, on_device_lost=device_lost, batching=batching)])
-    server = EngineServer(engine, device, shared_memory=SharedMemoryKind.SYSTEM in settings.shared_memory)
+    server = EngineServer(engine, device, shared_memory=frozenset(settings.shared_memory))
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, server.stop)
@@ -399,6 +424,19 @@ async def _serve(settings: Settings, device: int | None, why_cpu: str, path: str
     if server.exit_code == 0:
         await engine.stop()
     return server.exit_code
+
+
+def _raw_handle(encoded: str) -> bytes:
+    """A CUDA IPC handle from its base64 text (64 bytes, cudaIpcMemHandle_t), or SharedMemoryError."""
+    try:
+        handle = base64.b64decode(encoded, validate=True)
+    except (binascii.Error, ValueError):
+        raise SharedMemoryError("raw_handle.b64 is not base64", location=["raw_handle"]) from None
+    if len(handle) != CUDA_IPC_HANDLE_BYTES:
+        raise SharedMemoryError(
+            f"raw_handle is {len(handle)} bytes; a CUDA IPC handle has {CUDA_IPC_HANDLE_BYTES}", location=["raw_handle"]
+        )
+    return handle
 
 
 def _stop_at_end_of_file(server: EngineServer) -> None:

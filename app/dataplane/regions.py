@@ -1,11 +1,18 @@
-"""Shared-memory regions that co-located clients register (Triton's system shared-memory extension), held by an
-engine process.
+"""Shared-memory regions that co-located clients register (Triton's shared-memory extensions), held by an engine
+process.
 
-A client creates a POSIX shared-memory object (`shm_open`; tritonclient.utils.shared_memory does it), writes its
-tensors there and registers a window of it under a name. The engine process maps that window only, read and
-write, pins it once (`Backend.pin`, cudaHostRegister on a GPU), and reads operands from it and writes products into
-it straight, as it does with the HTTP workers' arenas. The key must name a shared-memory object: one name under
-/dev/shm, never a path. A region in use by products when it is unregistered is unpinned and unmapped once they end.
+System shared memory: a client creates a POSIX shared-memory object (`shm_open`; tritonclient.utils.shared_memory
+does it), writes its tensors there and registers a window of it under a name. The engine process maps that window
+only, read and write, pins it once (`Backend.pin`, cudaHostRegister on a GPU), and reads operands from it and writes
+products into it straight, as it does with the HTTP workers' arenas. The key must name a shared-memory object: one
+name under /dev/shm, never a path.
+
+CUDA shared memory: a client allocates device memory and registers its CUDA IPC handle; the engine process of that
+device opens the handle once (`Backend.open_device_memory`), and products read their operands from it and write
+into it on the device, with no copy through the host.
+
+Region names share one namespace across both kinds. A region in use by products when it is unregistered is closed
+(unpinned and unmapped, or its handle closed) once they end.
 """
 
 from __future__ import annotations
@@ -15,7 +22,7 @@ import mmap
 import os
 import re
 import stat
-from collections.abc import Callable
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,6 +30,7 @@ from typing import Any
 import numpy as np
 
 from app.dataplane.slab import Placement, view
+from app.engine.base import Backend
 from app.errors import SharedMemoryError
 
 SHARED_MEMORY_FOLDER = Path("/dev/shm")
@@ -42,21 +50,37 @@ def object_path(key: str) -> Path:
     return SHARED_MEMORY_FOLDER / name
 
 
-@dataclass
-class SystemRegion:
-    """One registered window of a shared-memory object, mapped (and pinned) here."""
+@dataclass(kw_only=True)
+class Region(ABC):
+    """A registered region: its name and size, and the products using it now."""
 
     name: str
+    byte_size: int
+    users: int = 0
+    unregistered: bool = False
+
+    @abstractmethod
+    def status(self) -> dict[str, Any]:
+        """What the protocol's status answer says of the region."""
+
+    def _outside(self, offset: int, nbytes: int, what: str) -> SharedMemoryError:
+        return SharedMemoryError(
+            f"{what}: {nbytes} bytes at offset {offset} of region '{self.name}' pass its end ({self.byte_size} bytes)",
+            location=[what],
+        )
+
+
+@dataclass(kw_only=True)
+class SystemRegion(Region):
+    """One registered window of a shared-memory object, mapped (and pinned) here."""
+
     key: str
     offset: int
-    byte_size: int
     mapping: mmap.mmap
     memory: np.ndarray
     """The window's bytes, from `offset` in the object."""
     pinned: np.ndarray
     """The whole mapping, as pinned (from the page `offset` lies in)."""
-    users: int = 0
-    unregistered: bool = False
 
     def status(self) -> dict[str, Any]:
         return {"name": self.name, "key": self.key, "offset": self.offset, "byte_size": self.byte_size}
@@ -66,12 +90,33 @@ class SystemRegion:
         try:
             return view(self.memory, Placement(offset, shape, dtype.name))
         except ValueError:
-            nbytes = shape[0] * shape[1] * dtype.itemsize
+            raise self._outside(offset, shape[0] * shape[1] * dtype.itemsize, what) from None
+
+
+@dataclass(kw_only=True)
+class CudaRegion(Region):
+    """Another process's device memory, opened here from its CUDA IPC handle."""
+
+    device_id: int
+    memory: Any
+    """The region's bytes on the device (a CuPy uint8 array)."""
+
+    def status(self) -> dict[str, Any]:
+        return {"name": self.name, "device_id": self.device_id, "byte_size": self.byte_size}
+
+    def tensor(self, offset: int, shape: tuple[int, int], dtype: np.dtype, what: str) -> Any:
+        """The tensor at `offset` of this region, on the device, or SharedMemoryError when it does not lie inside
+        it."""
+        nbytes = shape[0] * shape[1] * dtype.itemsize
+        if offset < 0 or offset + nbytes > self.byte_size:
+            raise self._outside(offset, nbytes, what)
+        if (self.memory.data.ptr + offset) % dtype.itemsize:  # the device traps a misaligned load: the context dies
             raise SharedMemoryError(
-                f"{what}: {nbytes} bytes at offset {offset} of region '{self.name}' pass its end "
-                f"({self.byte_size} bytes)",
+                f"{what}: a {dtype} tensor in device memory must start at a multiple of {dtype.itemsize} bytes; "
+                f"offset {offset} of region '{self.name}' does not",
                 location=[what],
-            ) from None
+            )
+        return self.memory[offset : offset + nbytes].view(dtype).reshape(shape)
 
 
 def open_window(key: str, offset: int, byte_size: int) -> tuple[mmap.mmap, int]:
@@ -104,85 +149,106 @@ def open_window(key: str, offset: int, byte_size: int) -> tuple[mmap.mmap, int]:
     return mapping, offset - start
 
 
-class SystemRegions:
-    """The system shared-memory regions registered with this engine process, by name.
+class Regions:
+    """The regions registered with this engine process, of both kinds, by name.
 
-    `register` and `close` block (mapping and pinning take about 0.3 s a GiB on a GPU) and run in a thread; the
+    `register_*` and `close` block (mapping and pinning take about 0.3 s a GiB on a GPU) and run in a thread; the
     rest runs on the engine's event loop, so that a region is never closed between a product's `get` and `lend`."""
 
-    def __init__(self, pin: Callable[[np.ndarray], None], unpin: Callable[[np.ndarray], None]) -> None:
-        self._pin = pin
-        self._unpin = unpin
-        self._regions: dict[str, SystemRegion] = {}
+    def __init__(self, backend: Backend) -> None:
+        self._backend = backend
+        self._regions: dict[str, Region] = {}
 
     def check_free(self, name: str) -> None:
         if name in self._regions:
             raise SharedMemoryError(f"a region named '{name}' is already registered", location=["name"])
 
-    def register(self, name: str, key: str, offset: int, byte_size: int) -> None:
+    def register_system(self, name: str, key: str, offset: int, byte_size: int) -> None:
         """Map and pin the window, and register it (blocks; safe from any thread)."""
         self.check_free(name)
         mapping, start = open_window(key, offset, byte_size)
         whole = np.frombuffer(mapping, np.uint8)
         try:
-            self._pin(whole)
+            self._backend.pin(whole)
         except BaseException:
             del whole
             mapping.close()
             raise
-        region = SystemRegion(
-            name=name,
-            key=key,
-            offset=offset,
-            byte_size=byte_size,
-            mapping=mapping,
-            memory=whole[start : start + byte_size],
-            pinned=whole,
+        self._add(
+            SystemRegion(
+                name=name,
+                key=key,
+                offset=offset,
+                byte_size=byte_size,
+                mapping=mapping,
+                memory=whole[start : start + byte_size],
+                pinned=whole,
+            )
         )
-        if self._regions.setdefault(name, region) is not region:  # registered by another thread meanwhile
+
+    def register_cuda(self, name: str, raw_handle: bytes, device_id: int, byte_size: int) -> None:
+        """Open the CUDA IPC handle on this engine's device, and register it (blocks; safe from any thread)."""
+        self.check_free(name)
+        memory = self._backend.open_device_memory(raw_handle, device_id, byte_size)
+        self._add(CudaRegion(name=name, device_id=device_id, byte_size=byte_size, memory=memory))
+
+    def _add(self, region: Region) -> None:
+        if self._regions.setdefault(region.name, region) is not region:  # registered by another thread meanwhile
             self.close([region])
-            self.check_free(name)
+            self.check_free(region.name)
 
-    def status(self, name: str | None) -> list[dict[str, Any]]:
+    def names(self) -> list[str]:
+        return list(self._regions)
+
+    def status(self, kind: type[Region], name: str | None) -> list[dict[str, Any]]:
+        """The regions of one kind (SystemRegion or CudaRegion), or the one named (of that kind)."""
         if name is None:
-            return [region.status() for region in self._regions.values()]
-        return [self.get(name).status()]
+            return [region.status() for region in self._regions.values() if isinstance(region, kind)]
+        region = self.get(name)
+        if not isinstance(region, kind):
+            raise SharedMemoryError(f"no shared-memory region of this kind is named '{name}'", location=[name])
+        return [region.status()]
 
-    def get(self, name: str) -> SystemRegion:
+    def get(self, name: str) -> SystemRegion | CudaRegion:
         region = self._regions.get(name)
-        if region is None:
+        if not isinstance(region, SystemRegion | CudaRegion):
             raise SharedMemoryError(f"no shared-memory region named '{name}' is registered", location=[name])
         return region
 
-    def remove(self, name: str | None) -> list[SystemRegion]:
-        """Forget one region (every one when `name` is None; a name not registered is no error, as in Triton): the
-        removed ones no product uses, to `close` now; the others are closed when their last product gives them
-        back."""
+    def remove(self, kind: type[Region], name: str | None) -> list[Region]:
+        """Forget one region of a kind (every one of it when `name` is None; a name not registered is no error, as
+        in Triton): the removed ones no product uses, to `close` now; the others are closed when their last
+        product gives them back."""
         if name is None:
-            removed = list(self._regions.values())
+            removed = [region for region in self._regions.values() if isinstance(region, kind)]
         else:
-            removed = [self._regions[name]] if name in self._regions else []
+            removed = [self._regions[name]] if isinstance(self._regions.get(name), kind) else []
         for region in removed:
             del self._regions[region.name]
             region.unregistered = True
         return [region for region in removed if region.users == 0]
 
     @staticmethod
-    def lend(region: SystemRegion) -> None:
+    def lend(region: Region) -> None:
         """Count a product as a user of `region` until it calls `give_back`."""
         region.users += 1
 
     @staticmethod
-    def give_back(region: SystemRegion) -> bool:
+    def give_back(region: Region) -> bool:
         """One product less uses `region`; whether it is to be closed now (unregistered, and unused)."""
         region.users -= 1
         return region.users == 0 and region.unregistered
 
-    def close(self, regions: list[SystemRegion]) -> None:
-        """Unpin and unmap removed regions (blocks)."""
+    def close(self, regions: list[Region]) -> None:
+        """Unpin and unmap removed system regions, close the handles of CUDA ones (blocks)."""
         for region in regions:
-            with contextlib.suppress(Exception):
-                self._unpin(region.pinned)
-            del region.memory, region.pinned
-            with contextlib.suppress(BufferError):
-                region.mapping.close()
+            if isinstance(region, SystemRegion):
+                with contextlib.suppress(Exception):
+                    self._backend.unpin(region.pinned)
+                del region.memory, region.pinned
+                with contextlib.suppress(BufferError):
+                    region.mapping.close()
+            elif isinstance(region, CudaRegion):
+                with contextlib.suppress(Exception):
+                    self._backend.close_device_memory(region.memory)
+                del region.memory

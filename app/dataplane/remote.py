@@ -321,7 +321,8 @@ class RemoteEngine:
         the product's wait in the engine's queue too. Operands in a client's regions (`SharedTensor`) and a
         product asked `into` one are not staged: the engine process reads and writes them there."""
         began = perf_counter()
-        link = self._least_loaded()
+        named = {where.region for where in (a, b, into) if isinstance(where, SharedTensor | SharedOutput)}
+        link = self._least_loaded(frozenset(named))
         (m, k), n = a.shape, b.shape[1]
         if into is not None and into.byte_size < m * n * dtype.itemsize:
             raise SharedMemoryError(
@@ -371,45 +372,80 @@ class RemoteEngine:
     # ------------------------------------------------------------------- clients' shared memory regions
 
     async def register_region(self, name: str, key: str, offset: int, byte_size: int) -> None:
-        """Register a system shared-memory region with every engine process (each maps and pins it); when one
-        refuses, those that took it forget it again."""
+        """Register a system shared-memory region with every engine process (each maps and pins it)."""
         request = {"op": "register_region", "name": name, "key": key, "offset": offset, "byte_size": byte_size}
-        replies = await asyncio.gather(*(link.ask(request) for link in self.links), return_exceptions=True)
+        await self._register(self.links, request)
+
+    async def register_cuda_region(self, name: str, raw_handle: str, device_id: int, byte_size: int) -> None:
+        """Register a CUDA shared-memory region (its IPC handle in base64) with the engine process of its device,
+        which opens it; products that name it run there."""
+        request = {
+            "op": "register_cuda_region",
+            "name": name,
+            "raw_handle": raw_handle,
+            "device_id": device_id,
+            "byte_size": byte_size,
+        }
+        owners = [link for link in self.links if link.welcome is not None and link.welcome["device_index"] == device_id]
+        if not owners and self.backend_name == "gpu":
+            raise SharedMemoryError(
+                f"no engine process of this server serves device {device_id}", location=["device_id"]
+            )
+        await self._register(owners or self.links[:1], request)  # on the CPU backend, its engine says why not
+
+    async def _register(self, links: list[EngineLink], request: wire.Message) -> None:
+        """Register a region with `links`' engines; when one refuses, those that took it forget it again."""
+        replies = await asyncio.gather(*(link.ask(request) for link in links), return_exceptions=True)
         failure = next((reply for reply in replies if isinstance(reply, BaseException)), None)
         if failure is None:
             return
-        undo = {"op": "unregister_region", "name": name}
-        took = [link for link, reply in zip(self.links, replies, strict=True) if not isinstance(reply, BaseException)]
+        kind = "cuda" if request["op"] == "register_cuda_region" else "system"
+        undo = {"op": "unregister_region", "kind": kind, "name": request["name"]}
+        took = [link for link, reply in zip(links, replies, strict=True) if not isinstance(reply, BaseException)]
         await asyncio.gather(*(link.ask(undo) for link in took), return_exceptions=True)
         raise failure
 
-    async def unregister_region(self, name: str | None) -> None:
-        """Unregister one region (every one when `name` is None) from every engine process."""
-        request = {"op": "unregister_region", "name": name}
+    async def unregister_region(self, name: str | None, kind: str = "system") -> None:
+        """Unregister one region of a kind ("system" or "cuda"; every one of it when `name` is None) from every
+        engine process."""
+        request = {"op": "unregister_region", "kind": kind, "name": name}
         replies = await asyncio.gather(*(link.ask(request) for link in self.links), return_exceptions=True)
         failure = next((reply for reply in replies if isinstance(reply, BaseException)), None)
         if failure is not None:
             raise failure
 
     async def _unregister_everywhere(self) -> None:
-        request = {"op": "unregister_region", "name": None}
-        replies = await asyncio.gather(*(link.ask(request) for link in self.links), return_exceptions=True)
-        for link, reply in zip(self.links, replies, strict=True):
-            if isinstance(reply, Exception):
-                log.warning("the engine process on %s may still hold clients' regions: %s", link.path, reply)
+        for kind in ("system", "cuda"):
+            request = {"op": "unregister_region", "kind": kind, "name": None}
+            replies = await asyncio.gather(*(link.ask(request) for link in self.links), return_exceptions=True)
+            for link, reply in zip(self.links, replies, strict=True):
+                if isinstance(reply, Exception) and not isinstance(reply, SharedMemoryError):
+                    log.warning("the engine process on %s may still hold clients' regions: %s", link.path, reply)
 
-    async def region_status(self, name: str | None) -> list[dict[str, Any]]:
-        """The registered regions (the one named), as the first engine process holds them."""
-        reply = await self.links[0].ask({"op": "region_status", "name": name})
-        regions: list[dict[str, Any]] = reply["regions"]
-        return regions
+    async def region_status(self, name: str | None, kind: str = "system") -> list[dict[str, Any]]:
+        """The registered regions of a kind (the one named): system ones as the first engine process holds them
+        (every one holds the same), CUDA ones from the engine processes of their devices."""
+        request = {"op": "region_status", "kind": kind, "name": None}
+        if kind == "system":
+            regions: list[dict[str, Any]] = (await self.links[0].ask({**request, "name": name}))["regions"]
+            return regions
+        found = [region for link in self.links for region in (await link.ask(request))["regions"]]
+        if name is None:
+            return found
+        named = [region for region in found if region["name"] == name]
+        if not named:
+            raise SharedMemoryError(f"no shared-memory region of this kind is named '{name}'", location=[name])
+        return named
 
-    def _least_loaded(self) -> EngineLink:
+    def _least_loaded(self, regions: frozenset[str] = frozenset()) -> EngineLink:
+        """The ready engine with the least work; among those that hold every region named, when one does (a CUDA
+        region is held by the engine of its device only)."""
         ready = [link for link in self.links if link.state is EngineState.READY]
         if not ready:
             self.check_ready()
             raise NotReady("no engine is ready")
-        return min(ready, key=lambda link: link.load)
+        holding = [link for link in ready if link.status is not None and regions <= set(link.status["regions"])]
+        return min(holding or ready, key=lambda link: link.load)
 
     async def _stage(self, operand: np.ndarray, at: Placement, name: str) -> None:
         """Convert the operand into its place in the slab: on the event loop when small, else in a thread."""

@@ -18,10 +18,11 @@ NUMPY = "numpy"
 DTYPE_NAMES = ("float32", "float64")
 
 Pairs = Sequence[tuple[np.ndarray, np.ndarray]]
-"""The operands of one launch: (a, b) pairs, all of one shape."""
+"""The operands of one launch: (a, b) pairs, all of one shape. On the GPU backend an operand may also be a device
+array (a view of a client's CUDA shared memory, `open_device_memory`)."""
 Outputs = Sequence[np.ndarray] | None
 """Where a launch writes its products, one C-contiguous array of the working dtype per pair (the data plane's
-shared memory); None: the backend allocates them."""
+shared memory, or on the GPU backend a client's device memory); None: the backend allocates them."""
 
 
 def _nothing_to_release() -> None:
@@ -159,6 +160,16 @@ class Backend(Protocol):
 
     def unpin(self, memory: np.ndarray) -> None:
         """Undo `pin`, once no launch uses the memory."""
+        ...
+
+    def open_device_memory(self, raw_handle: bytes, device: int, byte_size: int) -> Any:
+        """Another process's device memory, from its CUDA IPC handle (Triton's CUDA shared memory), as a device
+        array of `byte_size` bytes that operands and outputs may view; SharedMemoryError where there is no device,
+        or it is not `device`, or the handle does not open."""
+        ...
+
+    def close_device_memory(self, memory: Any) -> None:
+        """Undo `open_device_memory`, once no launch uses the memory."""
         ...
 
     def describe(self) -> dict[str, Any]:

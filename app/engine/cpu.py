@@ -14,7 +14,7 @@ import numpy as np
 from app.engine.autotune import AutoChoice
 from app.engine.base import AUTO, CUBLAS, NUMPY, DeviceTiming, Finished, KernelInfo, Outputs, Pairs, Plan
 from app.engine.staging import cast_into
-from app.errors import InvalidParameter, UnknownKernel
+from app.errors import InvalidParameter, SharedMemoryError, UnknownKernel
 from kernels.emulation import EMULATIONS
 from kernels.registry import KERNELS
 from kernels.roofline import DevicePeaks
@@ -102,6 +102,15 @@ class CpuBackend:
         return None
 
     def unpin(self, memory: np.ndarray) -> None:
+        return None
+
+    def open_device_memory(self, raw_handle: bytes, device: int, byte_size: int) -> Any:
+        raise SharedMemoryError(
+            f"CUDA shared memory needs the GPU backend; this engine runs on the CPU ({self._reason})",
+            location=["raw_handle"],
+        )
+
+    def close_device_memory(self, memory: Any) -> None:
         return None
 
     def describe(self) -> dict[str, Any]:

@@ -14,7 +14,7 @@ from app.engine.autotune import AutoChoice
 from app.engine.base import KernelInfo, Outcome
 from app.engine.worker import EngineState, Worker
 from app.errors import NotReady, SharedMemoryError
-from app.shared_memory import Matrix, SharedOutput
+from app.shared_memory import Matrix, SharedOutput, SharedTensor
 
 
 @dataclass(frozen=True)
@@ -171,7 +171,7 @@ class Engine:
         """a @ b on the least-loaded ready worker's device (into `out`, when given), with `kernel` (and `tile`)
         checked and resolved there (UnknownKernel, InvalidParameter) before the product is queued. Clients'
         shared-memory regions are held by engine processes (which resolve them into arrays first), not here."""
-        if into is not None or not isinstance(a, np.ndarray) or not isinstance(b, np.ndarray):
+        if into is not None or isinstance(a, SharedTensor) or isinstance(b, SharedTensor):
             raise SharedMemoryError("shared-memory regions are served by engine processes, not an in-process engine")
         ready = [worker for worker in self.workers if worker.state is EngineState.READY]
         if not ready:

@@ -45,7 +45,14 @@ from app.engine.base import (
     Plan,
 )
 from app.engine.staging import cast_into_parallel
-from app.errors import DeviceLost, DeviceOutOfMemory, InvalidParameter, ShapeMismatch, UnknownKernel
+from app.errors import (
+    DeviceLost,
+    DeviceOutOfMemory,
+    InvalidParameter,
+    ShapeMismatch,
+    SharedMemoryError,
+    UnknownKernel,
+)
 from kernels.cuda import KernelLibrary, device_attributes
 from kernels.reference import Reference
 from kernels.registry import KERNELS, KernelSpec, LaunchConfig, cdiv
@@ -137,6 +144,19 @@ def _call_when_done(event: Any, finished: threading.Event, on_done: Callable[[],
     on_done()
 
 
+def _is_device_array(array: Any) -> bool:
+    """Whether an operand or output lies on the device (a CuPy array) rather than in host memory."""
+    return not isinstance(array, np.ndarray)
+
+
+def _launchable(array: Any, dtype: np.dtype) -> bool:
+    """Whether our kernels and cuBLAS may read or write a device array where it lies: the working dtype,
+    C-contiguous, and aligned as a fresh allocation (the kernels' vector loads need 16 bytes)."""
+    return bool(array.dtype == dtype and array.flags.c_contiguous and array.data.ptr % ALLOCATION_ALIGNMENT == 0)
+
+
+ALLOCATION_ALIGNMENT = 256
+"""Bytes; cudaMalloc's alignment, which every kernel here may assume of its operands."""
 CUDA_MEMCPY_HOST_TO_DEVICE = 1
 CUDA_MEMCPY_DEVICE_TO_HOST = 2
 
@@ -468,6 +488,37 @@ class GpuBackend:
         with self._cuda_errors():
             cp.cuda.runtime.hostUnregister(address)
 
+    def open_device_memory(self, raw_handle: bytes, device: int, byte_size: int) -> Any:
+        cp = self._cp
+        if device != self._device_id:
+            raise SharedMemoryError(
+                f"the region is on device {device}; this engine process serves device {self._device_id}",
+                location=["device_id"],
+            )
+        self._use_device()
+        try:
+            address = cp.cuda.runtime.ipcOpenMemHandle(raw_handle)
+        except cp.cuda.runtime.CUDARuntimeError as exc:
+            raise SharedMemoryError(f"the CUDA IPC handle does not open here: {exc}", location=["raw_handle"]) from None
+        memory = cp.cuda.UnownedMemory(address, byte_size, None, self._device_id)
+        return cp.ndarray((byte_size,), cp.uint8, cp.cuda.MemoryPointer(memory, 0))
+
+    def close_device_memory(self, memory: Any) -> None:
+        self._use_device()
+        self._cp.cuda.runtime.ipcCloseMemHandle(memory.data.ptr)
+
+    def _on_device(self, operands: list[Any], dtype: np.dtype) -> Any:
+        """Operands that are device arrays (a client's CUDA shared memory), as the launch reads them: the one
+        operand itself when it is in `dtype`, C-contiguous and aligned as a fresh allocation is, else converted
+        and stacked into a new device buffer (on the copy-in stream, which the launch waits for)."""
+        first = operands[0]
+        if len(operands) == 1 and _launchable(first, dtype):
+            return first
+        stacked = self._cp.empty(((len(operands),) if len(operands) > 1 else ()) + first.shape, dtype)
+        for i, operand in enumerate(operands):
+            (stacked[i] if len(operands) > 1 else stacked)[...] = operand
+        return stacked
+
     def _is_pinned(self, array: np.ndarray, dtype: np.dtype) -> bool:
         """Whether `array` can be copied as it is: `dtype`, C-contiguous, inside memory given to `pin`."""
         if array.dtype != dtype or not array.flags.c_contiguous:
@@ -496,30 +547,38 @@ class GpuBackend:
             out.shape == (m, n) and out.dtype == dtype and out.flags.c_contiguous for out in outputs
         ):
             raise ValueError(f"each output must be a C-contiguous {dtype} array of shape {(m, n)}")
+        a_operands, b_operands = [a for a, _ in pairs], [b for _, b in pairs]
+        on_device = [_is_device_array(operands[0]) for operands in (a_operands, b_operands)]
+        into_device = outputs is not None and _is_device_array(outputs[0])
         started = perf_counter()
-        a_hosts = self._host_operands([a for a, _ in pairs], dtype, "a")
-        b_hosts = self._host_operands([b for _, b in pairs], dtype, "b")
+        a_hosts = [] if on_device[0] else self._host_operands(a_operands, dtype, "a")
+        b_hosts = [] if on_device[1] else self._host_operands(b_operands, dtype, "b")
         staging_ms = (perf_counter() - started) * 1e3
         events = self._spare_events.pop() if self._spare_events else _LaunchEvents.create(cp)
         with self._copy_in as stream:
-            a_dev, b_dev = cp.empty((*stack, m, k), dtype), cp.empty((*stack, k, n), dtype)
             events.copy_in.record(stream)
+            a_dev = self._on_device(a_operands, dtype) if on_device[0] else cp.empty((*stack, m, k), dtype)
+            b_dev = self._on_device(b_operands, dtype) if on_device[1] else cp.empty((*stack, k, n), dtype)
             _copy_between(cp.cuda.runtime, a_dev, a_hosts, CUDA_MEMCPY_HOST_TO_DEVICE, stream)
             _copy_between(cp.cuda.runtime, b_dev, b_hosts, CUDA_MEMCPY_HOST_TO_DEVICE, stream)
             events.copied_in.record(stream)
         with self._compute as stream:
-            c_dev = cp.empty((*stack, m, n), dtype)
+            direct = into_device and not stack and outputs is not None and _launchable(outputs[0], dtype)
+            c_dev = outputs[0] if direct and outputs is not None else cp.empty((*stack, m, n), dtype)
             if self._poison_outputs:
                 c_dev.fill(np.nan)
             stream.wait_event(events.copied_in)
             events.launch.record(stream)
             self._launch(plan, a_dev, b_dev, c_dev)
+            if into_device and not direct and outputs is not None:
+                for i, output in enumerate(outputs):
+                    output[...] = c_dev[i] if stack else c_dev
             events.launched.record(stream)
         if outputs is None:
             c_host = self._pinned(c_dev.shape, dtype)
             products, c_hosts = (list(c_host) if stack else [c_host]), [c_host]
         else:
-            products = c_hosts = list(outputs)
+            products, c_hosts = list(outputs), [] if into_device else list(outputs)
         if self._poison_outputs:
             for host in c_hosts:
                 host.fill(np.nan)

@@ -244,7 +244,7 @@ class Worker:
             loop=loop,
             future=loop.create_future(),
             left_queue=self._left_queue,
-            batch_key=(a.shape, b.shape, dtype, plan.kernel, label, out is None),
+            batch_key=(a.shape, b.shape, dtype, plan.kernel, label, *_where(a, b, out)),
             enqueued_at=perf_counter(),
         )
         self._queue.put(job)
@@ -425,6 +425,12 @@ class Worker:
                 job.loop.call_soon_threadsafe(_settle, job.future, NotReady(self._failure or "the device was lost"))
         if self._on_device_lost is not None and self._loop is not None:
             self._loop.call_soon_threadsafe(self._on_device_lost)
+
+
+def _where(a: np.ndarray, b: np.ndarray, out: np.ndarray | None) -> tuple[bool, bool, bool | None]:
+    """Whether A, B and C lie in host memory (else a client's device memory; C: None when the backend allocates it),
+    part of a job's batch key: one launch copies all of its A, B and C one way."""
+    return isinstance(a, np.ndarray), isinstance(b, np.ndarray), None if out is None else isinstance(out, np.ndarray)
 
 
 async def _launch_ended(future: asyncio.Future[Outcome]) -> None:

@@ -1,8 +1,11 @@
-"""Triton's system shared-memory extension, driven by tritonclient's own HTTP client and shared-memory utilities
-against the service running as a real process (CPU backend), with MATMUL_SHARED_MEMORY=system."""
+"""Triton's shared-memory extensions, driven by tritonclient's own HTTP client and shared-memory utilities against
+the service running as a real process (CPU backend), with MATMUL_SHARED_MEMORY=system,cuda: system shared memory
+end to end, and what the CPU backend answers to CUDA shared memory (tests/api/test_cuda_shared_memory.py drives that
+on a GPU)."""
 
 from __future__ import annotations
 
+import base64
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -12,7 +15,7 @@ import numpy as np
 import pytest
 
 from kernels.reference import assert_close_to_reference
-from matmul_tools.service import free_port, running_server, uvicorn_command
+from matmul_tools.service import LocalService, free_port, running_server, uvicorn_command
 
 httpclient = pytest.importorskip("tritonclient.http", reason="tritonclient[http] is in the test extra")
 shm = pytest.importorskip("tritonclient.utils.shared_memory", reason="tritonclient[http] is in the test extra")
@@ -32,7 +35,7 @@ class Server:
 @pytest.fixture(scope="module")
 def server() -> Iterator[Server]:
     port = free_port()
-    env = {"MATMUL_BACKEND": "cpu", "MATMUL_ACCESS_LOG": "false", "MATMUL_SHARED_MEMORY": "system"}
+    env = {"MATMUL_BACKEND": "cpu", "MATMUL_ACCESS_LOG": "false", "MATMUL_SHARED_MEMORY": "system,cuda"}
     with running_server(uvicorn_command(port), port, env=env):
         running = Server(f"http://127.0.0.1:{port}")
         yield running
@@ -53,8 +56,9 @@ def _mapped_in(pid: int, key: str) -> bool:
     return f"/dev/shm{key}" in Path(f"/proc/{pid}/maps").read_text()
 
 
-def test_the_server_metadata_lists_the_extension(server: Server) -> None:
-    assert "system_shared_memory" in server.client.get_server_metadata()["extensions"]
+def test_the_server_metadata_lists_the_extensions(server: Server) -> None:
+    extensions = server.client.get_server_metadata()["extensions"]
+    assert "system_shared_memory" in extensions and "cuda_shared_memory" in extensions
 
 
 def test_register_status_unregister(server: Server, region: tuple[str, str, object]) -> None:
@@ -273,3 +277,76 @@ def test_an_input_in_shared_memory_carries_no_data(server: Server) -> None:
     body["inputs"][0]["data"] = list(range(16))  # type: ignore[index]
     answer = httpx.post(f"{server.url}/v2/models/matmul_numpy/infer", json=body)
     assert answer.status_code == 400 and "must carry neither data nor binary_data_size" in answer.json()["error"]
+
+
+# ------------------------------------------------------------------------------------ CUDA, on the CPU backend
+
+HANDLE = base64.b64encode(bytes(range(64))).decode()
+
+
+@pytest.mark.parametrize(
+    ("body", "problem"),
+    [
+        ({"raw_handle": {"b64": HANDLE}, "device_id": 0, "byte_size": 64}, "CUDA shared memory needs the GPU backend"),
+        ({"raw_handle": {"b64": "not base64!"}, "device_id": 0, "byte_size": 64}, "raw_handle.b64 is not base64"),
+        ({"raw_handle": {"b64": HANDLE[:40]}, "device_id": 0, "byte_size": 64}, "a CUDA IPC handle has 64"),
+        ({"raw_handle": HANDLE, "device_id": 0, "byte_size": 64}, "raw_handle"),
+        ({"raw_handle": {"b64": HANDLE}, "device_id": -1, "byte_size": 64}, "device_id"),
+        ({"raw_handle": {"b64": HANDLE}, "device_id": 0}, "byte_size"),
+    ],
+)
+def test_cuda_registrations_on_the_cpu_backend_are_400(server: Server, body: dict[str, object], problem: str) -> None:
+    answer = httpx.post(f"{server.url}/v2/cudasharedmemory/region/c/register", json=body)
+    assert answer.status_code == 400 and problem in answer.json()["error"], answer.text
+    assert server.client.get_cuda_shared_memory_status() == []
+    server.client.unregister_cuda_shared_memory("c")  # no error: nothing of that name
+
+
+def test_a_cuda_status_does_not_list_system_regions(server: Server, region: tuple[str, str, object]) -> None:
+    name, key, _ = region
+    server.client.register_system_shared_memory(name, key, 64)
+    try:
+        assert server.client.get_cuda_shared_memory_status() == []
+        with pytest.raises(InferenceServerException, match=f"no shared-memory region of this kind is named '{name}'"):
+            server.client.get_cuda_shared_memory_status(name)
+        server.client.unregister_cuda_shared_memory(name)  # a system region is not unregistered as a CUDA one
+        assert [status["name"] for status in server.client.get_system_shared_memory_status()] == [name]
+    finally:
+        server.client.unregister_system_shared_memory(name)
+
+
+def test_every_http_worker_serves_a_region_registered_through_any_of_them(
+    big_region: tuple[str, str, object], tmp_path: Path
+) -> None:
+    """`matmul-service --workers 2`: the regions live in the engine process, so a product naming one is served
+    whichever worker each new connection reaches."""
+    name, key, handle = big_region
+    env = {"MATMUL_BACKEND": "cpu", "MATMUL_ACCESS_LOG": "false", "MATMUL_SHARED_MEMORY": "system"}
+    service = LocalService.matmul_service(free_port(), env, tmp_path / "server.log", workers=2)
+    try:
+        service.wait_ready(60)
+        a, b = np.eye(4, dtype=np.float32) * 3, np.arange(16, dtype=np.float32).reshape(4, 4)
+        shm.set_shared_memory_region(handle, [a, b])
+        registering = httpclient.InferenceServerClient(url=service.url.removeprefix("http://"))
+        registering.register_system_shared_memory(name, key, 4096)
+        workers = set()
+        for _ in range(40):  # a new connection each time, so that either worker may answer
+            body = {
+                "inputs": [
+                    {"name": "A", "shape": [4, 4], "datatype": "FP32", "parameters": _region(name, 0, 64)},
+                    {"name": "B", "shape": [4, 4], "datatype": "FP32", "parameters": _region(name, 64, 64)},
+                ]
+            }
+            answer = httpx.post(f"{service.url}/v2/models/matmul_numpy/infer", json=body)
+            assert answer.status_code == 200, answer.text
+            np.testing.assert_array_equal(np.reshape(answer.json()["outputs"][0]["data"], (4, 4)), a @ b)
+            workers.add(httpx.get(f"{service.url}/v1/info").json()["http_worker_pid"])
+        assert len(workers) == 2
+        registering.unregister_system_shared_memory(name)
+        registering.close()
+    finally:
+        service.stop()
+
+
+def _region(name: str, offset: int, byte_size: int) -> dict[str, object]:
+    return {"shared_memory_region": name, "shared_memory_offset": offset, "shared_memory_byte_size": byte_size}

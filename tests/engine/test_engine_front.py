@@ -11,7 +11,8 @@ import pytest
 
 from app.engine import Engine, EngineState, Worker
 from app.engine.autotune import SHAPE_CLASSES, AutoChoice
-from app.errors import NotReady, Overloaded
+from app.errors import NotReady, Overloaded, SharedMemoryError
+from app.shared_memory import SharedOutput, SharedTensor
 from tests.fakes import GATE_TIMEOUT_S, SteeredBackend, until
 
 pytestmark = pytest.mark.anyio
@@ -116,3 +117,16 @@ async def test_with_no_ready_worker_a_product_is_refused_as_not_ready() -> None:
             await engine.matmul(np.ones((1, 1)), np.ones((1, 1)), F32, "numpy", None, None)
     finally:
         await engine.stop()
+
+
+async def test_an_engine_in_this_process_refuses_clients_shared_memory() -> None:
+    """Regions are mapped by engine processes, which hand their engine arrays; one named here cannot be read."""
+    engine = Engine([Worker(SteeredBackend(), queue_size=3)])
+    tensor = SharedTensor("r", 0, (1, 1), F32)
+    for call in (
+        engine.matmul(tensor, np.ones((1, 1)), F32, "numpy", None, None),
+        engine.matmul(np.ones((1, 1)), tensor, F32, "numpy", None, None),
+        engine.matmul(np.ones((1, 1)), np.ones((1, 1)), F32, "numpy", None, None, into=SharedOutput("r", 0, 4)),
+    ):
+        with pytest.raises(SharedMemoryError, match=r"^shared-memory regions are served by engine processes"):
+            await call

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from app.engine import EngineState, Outcome, Plan, Worker
+from app.engine.worker import _where
 from app.errors import DeadlineExceeded, DeviceFailure, DeviceLost, NotReady, Overloaded
 from tests.fakes import GATE_TIMEOUT_S, SteeredBackend, until
 
@@ -283,3 +284,23 @@ async def test_a_stopped_worker_says_it_is_shut_down() -> None:
     with pytest.raises(NotReady) as caught:
         worker.check_ready()
     assert caught.value.message == "the cpu backend is stopped: shut down"
+
+
+class _DeviceArray:
+    """Stands for a CuPy array: not a NumPy one."""
+
+
+@pytest.mark.parametrize(
+    ("a", "b", "out", "where"),
+    [
+        (np.ones(1), np.ones(1), None, (True, True, None)),
+        (np.ones(1), np.ones(1), np.ones(1), (True, True, True)),
+        (_DeviceArray(), np.ones(1), _DeviceArray(), (False, True, False)),
+        (np.ones(1).view(np.recarray), _DeviceArray(), np.ones(1), (True, False, True)),
+    ],
+)
+def test_where_operands_lie_is_part_of_the_batch_key(
+    a: object, b: object, out: object, where: tuple[object, ...]
+) -> None:
+    """One launch copies all of its A, B and C one way: host arrays (any NumPy array) and device memory apart."""
+    assert _where(a, b, out) == where  # type: ignore[arg-type]

@@ -19,8 +19,9 @@ from app.api.exchange import off_loop_if_large, reading_body, requested_deadline
 from app.api.responses import server_timing
 from app.api.v2.models import CatalogueDep
 from app.api.v2.responses import protocol_error
-from app.api.v2.shared_memory import system_shared_memory_enabled
+from app.api.v2.shared_memory import shared_memory_enabled
 from app.api.v2.statistics import StatisticsDep
+from app.config import SharedMemoryKind
 from app.errors import MatmulError
 from app.service import Stopwatch
 
@@ -96,8 +97,7 @@ def _model_route(
 async def server_metadata(settings: SettingsDep) -> dict[str, Any]:
     """Name, version and the protocol extensions this server implements (shared memory when enabled)."""
     extensions = ["binary_tensor_data", "statistics", "model_configuration"]
-    if system_shared_memory_enabled(settings):
-        extensions.append("system_shared_memory")
+    extensions += [f"{kind}_shared_memory" for kind in SharedMemoryKind if shared_memory_enabled(settings, kind)]
     return {"name": "matmul-service", "version": __version__, "extensions": extensions}
 
 

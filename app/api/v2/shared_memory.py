@@ -1,16 +1,20 @@
-"""Triton's system shared-memory extension: co-located clients register POSIX shared-memory regions, then name
-them in infer requests instead of sending the tensors' bytes.
+"""Triton's shared-memory extensions: co-located clients register system (POSIX) or CUDA shared-memory regions,
+then name them in infer requests instead of sending the tensors' bytes.
 
-Off unless MATMUL_SHARED_MEMORY names `system` (404 then). The regions live in the engine processes (app.dataplane
-.regions), which map and pin each once, so every HTTP worker can serve a request naming any of them. Errors are
-the protocol's `{"error": "..."}` with 400.
+Each kind is off unless MATMUL_SHARED_MEMORY names it (`system`, `cuda`; 404 then). The regions live in the engine
+processes (app.dataplane.regions): every one maps and pins each system region once, and the engine of a CUDA
+region's device opens its handle once, so every HTTP worker can serve a request naming any of them. Errors are the
+protocol's `{"error": "..."}` with 400.
+
+The routes of both kinds are the same five, built by `_routes` for each: status of all, status of one, register,
+unregister all, unregister one.
 """
 
 from __future__ import annotations
 
 from typing import Annotated, Any, Protocol
 
-from fastapi import APIRouter, Depends, Path, Request, Response
+from fastapi import APIRouter, Path, Request, Response
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from app.api.errors import PROTOCOL_PREFIX
@@ -18,15 +22,6 @@ from app.api.v2.responses import protocol_error
 from app.config import Settings, SharedMemoryKind
 from app.errors import BadRequest, NotFound
 
-router = APIRouter(prefix=f"{PROTOCOL_PREFIX}/systemsharedmemory", tags=["inference protocol v2"])
-
-_ERRORS: dict[int | str, dict[str, Any]] = {
-    400: protocol_error(
-        "A region misused: a duplicate or unknown name, a key that names no shared-memory object, a "
-        "window outside the object, a malformed registration."
-    ),
-    404: protocol_error("MATMUL_SHARED_MEMORY does not enable system shared memory."),
-}
 RegionName = Annotated[str, Path(min_length=1, max_length=128, description="The name the region is registered as.")]
 
 
@@ -35,18 +30,36 @@ class RegionRegistry(Protocol):
 
     async def register_region(self, name: str, key: str, offset: int, byte_size: int) -> None: ...
 
-    async def unregister_region(self, name: str | None) -> None: ...
+    async def register_cuda_region(self, name: str, raw_handle: str, device_id: int, byte_size: int) -> None: ...
 
-    async def region_status(self, name: str | None) -> list[dict[str, Any]]: ...
+    async def unregister_region(self, name: str | None, kind: str = "system") -> None: ...
+
+    async def region_status(self, name: str | None, kind: str = "system") -> list[dict[str, Any]]: ...
 
 
 class SystemRegionRegistration(BaseModel):
-    """The body of a register request."""
+    """The body of a system shared-memory register request."""
 
     model_config = ConfigDict(extra="forbid")
 
     key: str = Field(max_length=256, description="The shared-memory object's name, as given to shm_open (`/name`).")
     offset: int = Field(0, ge=0, description="Where the region starts in the object, in bytes.")
+    byte_size: int = Field(gt=0, description="The region's size in bytes.")
+
+
+class RawHandle(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    b64: str = Field(max_length=256, description="The cudaIpcMemHandle_t (64 bytes), base64.")
+
+
+class CudaRegionRegistration(BaseModel):
+    """The body of a CUDA shared-memory register request."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    raw_handle: RawHandle
+    device_id: int = Field(ge=0, description="The CUDA device the memory is on.")
     byte_size: int = Field(gt=0, description="The region's size in bytes.")
 
 
@@ -57,70 +70,121 @@ class SystemRegionStatus(BaseModel):
     byte_size: int
 
 
-def system_shared_memory_enabled(settings: Settings) -> bool:
-    return SharedMemoryKind.SYSTEM in settings.shared_memory
+class CudaRegionStatus(BaseModel):
+    name: str
+    device_id: int
+    byte_size: int
 
 
-async def get_regions(request: Request) -> RegionRegistry:
-    """The engine processes' regions, when MATMUL_SHARED_MEMORY enables system shared memory."""
-    if not system_shared_memory_enabled(request.app.state.settings):
-        raise NotFound("system shared memory is off; MATMUL_SHARED_MEMORY=system enables it")
+def shared_memory_enabled(settings: Settings, kind: SharedMemoryKind) -> bool:
+    return kind in settings.shared_memory
+
+
+def _regions(request: Request, kind: SharedMemoryKind) -> RegionRegistry:
+    """The engine processes' regions, when MATMUL_SHARED_MEMORY enables this kind."""
+    if not shared_memory_enabled(request.app.state.settings, kind):
+        raise NotFound(f"{kind} shared memory is off; MATMUL_SHARED_MEMORY={kind} enables it")
     regions: RegionRegistry = request.app.state.engine
     return regions
 
 
-RegionsDep = Annotated[RegionRegistry, Depends(get_regions)]
-
-
-@router.get("/status", summary="Status of every system shared-memory region", responses=_ERRORS)
-async def all_status(regions: RegionsDep) -> list[SystemRegionStatus]:
-    """Every registered region: its name, the object's key, and the window's offset and size."""
-    return [SystemRegionStatus(**status) for status in await regions.region_status(None)]
-
-
-@router.get("/region/{region}/status", summary="Status of one system shared-memory region", responses=_ERRORS)
-async def region_status(region: RegionName, regions: RegionsDep) -> list[SystemRegionStatus]:
-    """The region named, as a list of one; 400 when no region has that name."""
-    return [SystemRegionStatus(**status) for status in await regions.region_status(region)]
-
-
-_REGISTRATION_BODY = {
-    "requestBody": {
-        "required": True,
-        "content": {"application/json": {"schema": SystemRegionRegistration.model_json_schema()}},
-    }
-}
-
-
-@router.post(
-    "/region/{region}/register",
-    summary="Register a system shared-memory region",
-    responses=_ERRORS,
-    openapi_extra=_REGISTRATION_BODY,
-)
-async def register(region: RegionName, request: Request, regions: RegionsDep) -> Response:
-    """The window [offset, offset + byte_size) of the object `key` names becomes region `region`. The body is read
-    as JSON whatever its Content-Type: tritonclient sends none."""
+async def _registration(request: Request, model: type[BaseModel]) -> Any:
+    """The register request's body, read as JSON whatever its Content-Type (tritonclient sends none)."""
     try:
-        registration = SystemRegionRegistration.model_validate_json(await request.body())
+        return model.model_validate_json(await request.body())
     except ValidationError as exc:
         problems = "; ".join(
             f"{'.'.join(map(str, error['loc'])) or 'body'}: {error['msg']}" for error in exc.errors(include_url=False)
         )
         raise BadRequest(f"the registration is not valid: {problems}", location=["body"]) from None
-    await regions.register_region(region, registration.key, registration.offset, registration.byte_size)
-    return Response()
 
 
-@router.post("/unregister", summary="Unregister every system shared-memory region", responses=_ERRORS)
-async def unregister_all(regions: RegionsDep) -> Response:
-    """Every region is forgotten; each is unpinned and unmapped once no product in flight uses it."""
-    await regions.unregister_region(None)
-    return Response()
+def _routes(kind: SharedMemoryKind, registration: type[BaseModel], status: type[BaseModel], what: str) -> APIRouter:
+    """The five routes of one kind of shared memory."""
+    router = APIRouter(prefix=f"{PROTOCOL_PREFIX}/{kind}sharedmemory", tags=["inference protocol v2"])
+    errors: dict[int | str, dict[str, Any]] = {
+        400: protocol_error(f"A region misused: a duplicate or unknown name, {what}, a malformed registration."),
+        404: protocol_error(f"MATMUL_SHARED_MEMORY does not enable {kind} shared memory."),
+    }
+    body = {
+        "requestBody": {"required": True, "content": {"application/json": {"schema": registration.model_json_schema()}}}
+    }
+
+    async def all_status(request: Request) -> list[BaseModel]:
+        """Every registered region of this kind."""
+        return [status(**found) for found in await _regions(request, kind).region_status(None, kind)]
+
+    async def region_status(region: RegionName, request: Request) -> list[BaseModel]:
+        """The region named, as a list of one; 400 when no region of this kind has that name."""
+        return [status(**found) for found in await _regions(request, kind).region_status(region, kind)]
+
+    async def register(region: RegionName, request: Request) -> Response:
+        """Register the region under the name in the path."""
+        regions = _regions(request, kind)
+        given = await _registration(request, registration)
+        if isinstance(given, CudaRegionRegistration):
+            await regions.register_cuda_region(region, given.raw_handle.b64, given.device_id, given.byte_size)
+        else:
+            await regions.register_region(region, given.key, given.offset, given.byte_size)
+        return Response()
+
+    async def unregister_all(request: Request) -> Response:
+        """Every region of this kind is forgotten, and closed once no product in flight uses it."""
+        await _regions(request, kind).unregister_region(None, kind)
+        return Response()
+
+    async def unregister(region: RegionName, request: Request) -> Response:
+        """The region is forgotten (a name not registered is no error), and closed once no product uses it."""
+        await _regions(request, kind).unregister_region(region, kind)
+        return Response()
+
+    title = f"{kind} shared-memory region"
+    router.add_api_route(
+        "/status",
+        all_status,
+        methods=["GET"],
+        summary=f"Status of every {title}",
+        responses=errors,
+        response_model=list[status],  # type: ignore[valid-type]
+    )
+    router.add_api_route(
+        "/region/{region}/status",
+        region_status,
+        methods=["GET"],
+        summary=f"Status of one {title}",
+        responses=errors,
+        response_model=list[status],  # type: ignore[valid-type]
+    )
+    router.add_api_route(
+        "/region/{region}/register",
+        register,
+        methods=["POST"],
+        summary=f"Register a {title}",
+        responses=errors,
+        openapi_extra=body,
+    )
+    router.add_api_route(
+        "/unregister", unregister_all, methods=["POST"], summary=f"Unregister every {title}", responses=errors
+    )
+    router.add_api_route(
+        "/region/{region}/unregister",
+        unregister,
+        methods=["POST"],
+        summary=f"Unregister one {title}",
+        responses=errors,
+    )
+    return router
 
 
-@router.post("/region/{region}/unregister", summary="Unregister one system shared-memory region", responses=_ERRORS)
-async def unregister(region: RegionName, regions: RegionsDep) -> Response:
-    """The region is forgotten (a name not registered is no error), and unmapped once no product uses it."""
-    await regions.unregister_region(region)
-    return Response()
+system_router = _routes(
+    SharedMemoryKind.SYSTEM,
+    SystemRegionRegistration,
+    SystemRegionStatus,
+    "a key that names no shared-memory object, a window outside the object",
+)
+cuda_router = _routes(
+    SharedMemoryKind.CUDA,
+    CudaRegionRegistration,
+    CudaRegionStatus,
+    "a handle that does not open on the device named, CUDA shared memory on the CPU backend",
+)

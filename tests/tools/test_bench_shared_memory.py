@@ -1,0 +1,33 @@
+"""scripts/bench_shared_memory.py on a tiny cell on the CPU backend (system shared memory only; the ceilings and
+the CUDA cell need a GPU): its JSON report read back."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.scripts import ROOT
+
+pytest.importorskip("tritonclient.http", reason="tritonclient[http] is in the test extra")
+pytestmark = pytest.mark.timeout(300)
+
+
+def test_the_system_cell_is_measured_and_checked(tmp_path: Path) -> None:
+    command = [
+        *(sys.executable, str(ROOT / "scripts" / "bench_shared_memory.py"), "--backend", "cpu"),
+        *("--size", "128", "--clients", "2", "--workers", "2", "--duration", "1", "--out", str(tmp_path)),
+    ]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr
+    report = json.loads((tmp_path / "bench-shared-memory.json").read_text())
+    assert report["ceilings"] == {}
+    (cell,) = report["cells"]
+    assert cell["kind"] == "system" and cell["clients"] == 2 and cell["products"] > 0
+    assert cell["products_per_s"] > 0 and cell["over_ceiling"] is None
+    assert cell["worst_relative_error"] < 1e-5  # float32 against float64, k = 128
+    assert "service system" in done.stdout
+    assert not list(Path("/dev/shm").glob("bench-*"))  # every client's regions destroyed
