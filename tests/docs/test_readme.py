@@ -96,9 +96,11 @@ def test_every_block_is_an_example_or_output() -> None:
 
 @pytest.fixture(scope="module")
 def readme_server() -> Iterator[str]:
-    """What `make run` serves on a machine without a GPU: the CPU backend, default settings, a free port."""
+    """What `make run` serves on a machine without a GPU: the CPU backend, default settings but for the
+    shared-memory extensions, which the README's examples of them enable as they say, a free port."""
     port = free_port()
-    with running_server(uvicorn_command(port), port, env={"MATMUL_BACKEND": BACKEND}):
+    env = {"MATMUL_BACKEND": BACKEND, "MATMUL_SHARED_MEMORY": "system,cuda"}
+    with running_server(uvicorn_command(port), port, env=env):
         yield f"127.0.0.1:{port}"
 
 
