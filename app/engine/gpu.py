@@ -144,6 +144,18 @@ def _call_when_done(event: Any, finished: threading.Event, on_done: Callable[[],
     on_done()
 
 
+def _bytes_to_end_of_allocation(address: int) -> int:
+    """Bytes from `address` to the end of the device allocation it lies in (the driver's cuMemGetAddressRange, which
+    CuPy does not wrap), so that a region never reaches past the memory a client registered."""
+    base, size = ctypes.c_uint64(), ctypes.c_size_t()
+    status = ctypes.CDLL("libcuda.so.1").cuMemGetAddressRange_v2(
+        ctypes.byref(base), ctypes.byref(size), ctypes.c_uint64(address)
+    )
+    if status != 0:
+        raise SharedMemoryError(f"the driver knows no allocation at the handle's address (CUresult {status})")
+    return base.value + size.value - address
+
+
 def _is_device_array(array: Any) -> bool:
     """Whether an operand or output lies on the device (a CuPy array) rather than in host memory."""
     return not isinstance(array, np.ndarray)
@@ -500,6 +512,13 @@ class GpuBackend:
             address = cp.cuda.runtime.ipcOpenMemHandle(raw_handle)
         except cp.cuda.runtime.CUDARuntimeError as exc:
             raise SharedMemoryError(f"the CUDA IPC handle does not open here: {exc}", location=["raw_handle"]) from None
+        allocated = _bytes_to_end_of_allocation(address)
+        if allocated < byte_size:
+            cp.cuda.runtime.ipcCloseMemHandle(address)
+            raise SharedMemoryError(
+                f"byte_size is {byte_size}, but the device allocation the handle names has {allocated} bytes",
+                location=["byte_size"],
+            )
         memory = cp.cuda.UnownedMemory(address, byte_size, None, self._device_id)
         return cp.ndarray((byte_size,), cp.uint8, cp.cuda.MemoryPointer(memory, 0))
 

@@ -114,7 +114,7 @@ def test_device_memory_mixes_with_binary_tensors_and_odd_offsets(
         client.unregister_cuda_shared_memory(name)
 
 
-def test_a_handle_that_does_not_open_a_device_not_served_and_a_misaligned_tensor_are_400(
+def test_a_handle_that_does_not_open_a_size_past_the_allocation_a_device_not_served_and_a_misaligned_tensor_are_400(
     server: tuple[str, object], regions: MakeRegion
 ) -> None:
     url, client = server
@@ -124,6 +124,8 @@ def test_a_handle_that_does_not_open_a_device_not_served_and_a_misaligned_tensor
     )
     assert answer.status_code == 400 and "the CUDA IPC handle does not open here" in answer.json()["error"]
     name, handle = regions(64)
+    with pytest.raises(InferenceServerException, match=r"byte_size is 16777216, but the device allocation the handle"):
+        client.register_cuda_shared_memory(name, cudashm.get_raw_handle(handle), 0, 1 << 24)
     with pytest.raises(InferenceServerException, match="no engine process of this server serves device 7"):
         client.register_cuda_shared_memory(name, cudashm.get_raw_handle(handle), 7, 64)
     _register(client, name, handle, 64)
