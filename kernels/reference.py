@@ -60,6 +60,8 @@ from typing import Any
 import numpy as np
 from numpy.typing import DTypeLike
 
+from kernels.precision import Precision, float32_sums, input_error
+
 BOUND_CONSTANT = 4.0
 """c of the bound |C - R| <= c * sqrt(k) * u * (|A| @ |B|); see the module's docstring for why 4."""
 UNIT_ROUNDOFF = MappingProxyType({np.dtype(np.float32): 2.0**-24, np.dtype(np.float64): 2.0**-53})
@@ -79,19 +81,40 @@ class Reference:
     product: Any
     """R = A @ B in float64 (a NumPy or CuPy array, as the operands were)."""
     scale: Any
-    """sqrt(k) * u * (|A| @ |B|): the error each element may have, before c."""
+    """sqrt(k) * u * (|A| @ |B|): the error each element may have, before c (with a precision's own term)."""
     dtype: np.dtype
+    precision: Precision = Precision.FP32
 
     @classmethod
-    def of(cls, a: Any, b: Any, dtype: DTypeLike) -> Reference:
+    def of(cls, a: Any, b: Any, dtype: DTypeLike, precision: Precision = Precision.FP32) -> Reference:
         """The reference of a product computed in `dtype` from a and b (2-D, or stacks of them): the operands are
-        cast into `dtype` first, as the engine casts them, so that their own rounding is not counted as error."""
+        cast into `dtype` first, as the engine casts them, so that their own rounding is not counted as error.
+        A `precision` other than fp32 (float32 only) rounds the operands further on the way into the multiplier:
+        that rounding is the product's error, and its term is added (kernels/precision.py says why this form):
+
+            |C - R| <= c * (input_error * sqrt((A*A) @ (B*B)) + sums * sqrt(k) * u * (|A| @ |B|))
+        """
         working = np.dtype(dtype)
+        if precision is not Precision.FP32 and working != np.dtype(np.float32):
+            raise ValueError(f"precision {precision} takes float32 operands, not {working}")
         a_wide, b_wide = (x.astype(working).astype(np.float64) for x in (a, b))
         with np.errstate(invalid="ignore"):  # NaN or Inf operands: Inf * 0, Inf - Inf
             product, scale = a_wide @ b_wide, abs(a_wide) @ abs(b_wide)
-        scale *= math.sqrt(a.shape[-1]) * unit_roundoff(working)
-        return cls(product=product, scale=scale, dtype=working)
+        scale *= float32_sums(precision) * math.sqrt(a.shape[-1]) * unit_roundoff(working)
+        if precision is not Precision.FP32:
+            with np.errstate(invalid="ignore"):
+                scale += input_error(precision) * ((a_wide * a_wide) @ (b_wide * b_wide)) ** 0.5
+        return cls(product=product, scale=scale, dtype=working, precision=precision)
+
+    @property
+    def mode(self) -> str:
+        return self.dtype.name if self.precision is Precision.FP32 else f"{self.dtype.name} {self.precision}"
+
+    def relative_error(self, c: Any) -> float:
+        """||C - R|| / ||R|| (Frobenius), the figure the benchmarks compare between precisions."""
+        reference_norm = float(np.linalg.norm(self.product))
+        difference = float(np.linalg.norm(c.astype(np.float64) - self.product))
+        return difference / reference_norm if reference_norm else difference
 
     def ratios(self, c: Any) -> Any:
         """|c - R| / scale per element, in float64: within the bound where at most BOUND_CONSTANT. 0 where c is
@@ -127,7 +150,7 @@ class Reference:
         allowed = BOUND_CONSTANT * float(self.scale.ravel()[worst])
         return (
             f"element {where} is {value!r}, the float64 product {expected!r}: off by {abs(value - expected):.3g}, "
-            f"over the {self.dtype.name} bound {allowed:.3g} ({ratio:.3g} x sqrt(k) u |A||B|, c = {BOUND_CONSTANT:g})"
+            f"over the {self.mode} bound {allowed:.3g} ({ratio:.3g} x sqrt(k) u |A||B|, c = {BOUND_CONSTANT:g})"
         )
 
 
@@ -136,8 +159,9 @@ def max_error_ratio(c: Any, a: Any, b: Any, dtype: DTypeLike) -> float:
     return Reference.of(a, b, dtype).error_ratio(c)
 
 
-def assert_close_to_reference(c: Any, a: Any, b: Any, dtype: DTypeLike) -> None:
-    """c is a @ b computed in `dtype`, every element within the bound; AssertionError naming the worst one if not."""
-    problem = Reference.of(a, b, dtype).mismatch(c)
+def assert_close_to_reference(c: Any, a: Any, b: Any, dtype: DTypeLike, precision: Precision = Precision.FP32) -> None:
+    """c is a @ b computed in `dtype` (and `precision`), every element within the bound; AssertionError naming the
+    worst one if not."""
+    problem = Reference.of(a, b, dtype, precision).mismatch(c)
     if problem is not None:
         raise AssertionError(problem)

@@ -31,6 +31,7 @@ from typing import Any
 import numpy as np
 
 from kernels.cuda import KernelLibrary, device_attributes
+from kernels.precision import Precision, cublas_product
 from kernels.reference import BOUND_CONSTANT, Reference
 from kernels.registry import KERNELS, KernelSpec, LaunchConfig
 from kernels.roofline import DevicePeaks, gpu_peaks, roofline
@@ -63,6 +64,10 @@ class Result:
     error_ratio: float | None = None
     """The largest |C - R| / (sqrt(k) u |A||B|) of the product (kernels/reference.py): wrong past BOUND_CONSTANT."""
     note: str = ""
+    precision: str = "fp32"
+    """The mode the product ran in (kernels/precision.py); the ratio of a row in another mode is to cuBLAS SGEMM."""
+    relative_error: float | None = None
+    """||C - R|| / ||R|| (Frobenius) against the float64 product of the float32 operands."""
 
 
 def shape_name(m: int, n: int, k: int) -> str:
@@ -93,13 +98,14 @@ class Bench:
         a, b = sets[0]
         return sets, Reference.of(a, b, dtype)
 
-    def error(self, run: Any, sets: list[tuple[Any, Any]], reference: Reference, dtype: str) -> float:
-        """The error ratio of the product of the first set, written into an output poisoned with NaN."""
+    def error(self, run: Any, sets: list[tuple[Any, Any]], reference: Reference, dtype: str) -> tuple[float, float]:
+        """The error ratio and the relative error of the product of the first set, written into an output poisoned
+        with NaN."""
         cp = self.cp
         a, b = sets[0]
         c = cp.full((a.shape[0], b.shape[1]), cp.nan, dtype=dtype)
         run(a, b, c)
-        return reference.error_ratio(c)
+        return reference.error_ratio(c), reference.relative_error(c)
 
     def time(self, run: Any, sets: list[tuple[Any, Any]], dtype: str) -> float:
         """Median milliseconds of one launch, L2 flushed before each and the inputs rotated."""
@@ -117,6 +123,10 @@ class Bench:
             end.record()
         events[-1][1].synchronize()
         return float(statistics.median(cp.cuda.get_elapsed_time(start, end) for start, end in events))
+
+    @staticmethod
+    def cublas_in(precision: Precision) -> Any:
+        return lambda a, b, c: cublas_product(a, b, c, precision)
 
     def launcher(self, spec: KernelSpec | None, config: LaunchConfig | None) -> Any:
         if spec is None or config is None:
@@ -144,11 +154,25 @@ def run_sweep(args: argparse.Namespace) -> tuple[list[Result], dict[str, Any]]:
             flop = 2 * m * n * k
             sets, reference = bench.inputs(m, n, k, dtype)
             cublas = Result(CUBLAS, "", dtype, m, n, k, None, None, None)
-            cublas.error_ratio = bench.error(bench.launcher(None, None), sets, reference, dtype)
+            cublas.error_ratio, cublas.relative_error = bench.error(bench.launcher(None, None), sets, reference, dtype)
             if not args.check_only:
                 cublas.ms = bench.time(bench.launcher(None, None), sets, dtype)
                 cublas.gflops, cublas.ratio = flop / cublas.ms / 1e6, 1.0
             rows = [cublas]
+            for precision in args.precisions if dtype == "float32" else []:
+                row = Result(CUBLAS, "", dtype, m, n, k, None, None, None, precision=precision)
+                rows.append(row)
+                run = bench.cublas_in(precision)
+                a, b = sets[0]
+                in_mode = Reference.of(a, b, dtype, precision)
+                row.error_ratio, row.relative_error = bench.error(run, sets, in_mode, dtype)
+                del in_mode
+                if not row.error_ratio <= BOUND_CONSTANT:
+                    row.note = "WRONG"
+                elif not args.check_only:
+                    row.ms = bench.time(run, sets, dtype)
+                    row.gflops = flop / row.ms / 1e6
+                    row.ratio = None if cublas.ms is None else cublas.ms / row.ms
             for spec, config in plan(args.kernels, args.configs == "all", m, n, k):
                 row = Result(spec.name, config.label, dtype, m, n, k, None, None, None)
                 rows.append(row)
@@ -156,7 +180,7 @@ def run_sweep(args: argparse.Namespace) -> tuple[list[Result], dict[str, Any]]:
                     row.note = "skipped (slow)"
                     continue
                 run = bench.launcher(spec, config)
-                row.error_ratio = bench.error(run, sets, reference, dtype)
+                row.error_ratio, row.relative_error = bench.error(run, sets, reference, dtype)
                 if not row.error_ratio <= BOUND_CONSTANT:
                     row.note = "WRONG"
                     continue
@@ -193,14 +217,17 @@ def format_row(r: Result) -> str:
     def number(value: float | None, spec: str) -> str:
         return "-" if value is None else format(value, spec)
 
-    kernel = f"{r.kernel}/{r.config}" if r.config else r.kernel
+    kernel = label(f"{r.kernel}/{r.config}" if r.config else r.kernel, r)
     return (
         f"{kernel:<40} {shape_name(r.m, r.n, r.k):<20} {r.dtype:<8} {number(r.ms, '10.3f')} "
-        f"{number(r.gflops, '10.1f')} {number(r.ratio, '7.2f')} {number(r.error_ratio, '9.3f')}  {r.note}"
+        f"{number(r.gflops, '10.1f')} {number(r.ratio, '7.2f')} {number(r.error_ratio, '9.3f')} "
+        f"{number(r.relative_error, '9.1e')}  {r.note}"
     )
 
 
-HEADER = f"{'kernel':<40} {'shape':<20} {'dtype':<8} {'ms':>10} {'GFLOP/s':>10} {'ratio':>7} {'err.ratio':>9}"
+HEADER = (
+    f"{'kernel':<40} {'shape':<20} {'dtype':<8} {'ms':>10} {'GFLOP/s':>10} {'ratio':>7} {'err.ratio':>9} {'rel.err':>9}"
+)
 
 
 def print_rows(rows: list[Result]) -> None:
@@ -236,7 +263,7 @@ def write_plot(results: list[Result], meta: dict[str, Any], path: Path) -> bool:
     when every instance was timed), cuBLAS dashed; False when matplotlib is absent."""
 
     def line(r: Result) -> str:
-        return f"{r.kernel}/{r.config}" if meta["configs"] == "all" and r.config else r.kernel
+        return label(f"{r.kernel}/{r.config}" if meta["configs"] == "all" and r.config else r.kernel, r)
 
     def panel(axis: Any, dtype: str) -> None:
         square = [
@@ -257,6 +284,11 @@ def write_plot(results: list[Result], meta: dict[str, Any], path: Path) -> bool:
     return draw_panels(path, title, dtypes, 5, panel)
 
 
+def label(name: str, r: Result) -> str:
+    """A line's or point's name: the kernel's, with the precision when it is not fp32 (tensor cores, other roofs)."""
+    return name if r.precision == Precision.FP32 else f"{name} {r.precision}"
+
+
 def intensity(r: Result) -> float:
     """FLOPs per byte of the global-memory requests of the run's instance (cuBLAS: A, B read and C written once)."""
     config = None if r.kernel == CUBLAS else next(c for c in KERNELS[r.kernel].configs if c.label == r.config)
@@ -271,7 +303,7 @@ def write_roofline_plot(results: list[Result], meta: dict[str, Any], path: Path)
     timed = [r for r in results if r.gflops is not None]
 
     def panel(axis: Any, dtype: str) -> None:
-        points = [(r.kernel, intensity(r), r.gflops) for r in timed if r.dtype == dtype]
+        points = [(label(r.kernel, r), intensity(r), r.gflops) for r in timed if r.dtype == dtype]
         for name in dict.fromkeys(kernel for kernel, _, _ in points):
             mine = [(x, y) for kernel, x, y in points if kernel == name]
             marker = "*" if name == CUBLAS else "o"
@@ -326,6 +358,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default="chosen",
         help="the instance the registry picks, or every instance",
     )
+    parser.add_argument(
+        "--precisions",
+        default="",
+        help="float32 only: cuBLAS also in these modes, comma-separated, of "
+        f"{[str(p) for p in Precision if p is not Precision.FP32]} (ratio to SGEMM)",
+    )
     parser.add_argument("--check-only", action="store_true", help="check against the reference, time nothing")
     parser.add_argument("--include-slow", action="store_true", help="time the teaching kernels at every size")
     parser.add_argument("--repeats", type=int, default=10, help="timed launches per measurement (median; >= 10)")
@@ -337,6 +375,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     unknown = [name for name in args.kernels if name not in KERNELS]
     if unknown:
         parser.error(f"unknown kernels {unknown}; registered: {list(KERNELS)}")
+    try:
+        args.precisions = [Precision(p) for p in args.precisions.split(",") if p and p != Precision.FP32]
+    except ValueError as exc:
+        parser.error(f"--precisions: {exc}")
     args.sizes = [int(s) for s in args.sizes.split(",") if s]
     args.dtypes = [d for d in args.dtypes.split(",") if d]
     if any(d not in DTYPES for d in args.dtypes):

@@ -11,7 +11,8 @@ import pytest
 
 from app.engine.base import CUBLAS, Plan
 from kernels.emulation import EMULATIONS
-from kernels.reference import assert_close_to_reference
+from kernels.precision import Precision, cublas_product
+from kernels.reference import Reference, assert_close_to_reference
 from kernels.registry import KERNELS, KernelSpec, LaunchConfig, cdiv
 from kernels.roofline import FMA_LANES
 from matmul_tools.bodies import load_npy, npy_bytes
@@ -406,3 +407,50 @@ async def test_the_service_on_the_gpu_backend(gpu_client: httpx.AsyncClient) -> 
         assert 0 < line["peak_fraction"] < 1
     r = await gpu_client.post("/matmul", params={"kernel": "tiled", "tile": 12}, json={"a": [[1]], "b": [[1]]})
     assert r.status_code == 422 and r.json()["code"] == "invalid_parameter"
+
+
+@pytest.mark.parametrize("precision", list(Precision))
+@pytest.mark.parametrize(("m", "k", "n"), [(256, 256, 256), (17, 33, 9), (1, 5, 300), (1000, 1, 1000), (300, 4099, 65)])
+def test_cublas_in_each_precision_is_within_its_bound(precision: Precision, m: int, k: int, n: int) -> None:
+    """The library every tensor-core rung is measured against, checked as the rungs will be: every element of an
+    output poisoned with NaN within the precision's bound (kernels/precision.py)."""
+    import cupy as cp
+
+    rng = cp.random.default_rng(m + k + n)
+    a, b = rng.standard_normal((m, k), dtype=cp.float32), rng.standard_normal((k, n), dtype=cp.float32)
+    c = cp.full((m, n), cp.nan, dtype=cp.float32)
+    cublas_product(a, b, c, precision)
+    problem = Reference.of(a, b, np.float32, precision).mismatch(c)
+    assert problem is None, problem
+
+
+def test_the_precisions_errors_are_in_their_order() -> None:
+    """At 1024^3 on standard normal operands: fp32 < 3xtf32 < tf32 and fp16 < bf16, relative to the float64 product."""
+    import cupy as cp
+
+    rng = cp.random.default_rng(7)
+    a, b = rng.standard_normal((1024, 1024), dtype=cp.float32), rng.standard_normal((1024, 1024), dtype=cp.float32)
+    reference = Reference.of(a, b, np.float32)
+    errors = {}
+    for precision in Precision:
+        c = cp.empty((1024, 1024), cp.float32)
+        cublas_product(a, b, c, precision)
+        errors[precision] = reference.relative_error(c)
+    assert errors[Precision.FP32] < errors[Precision.TF32X3] < errors[Precision.TF32] < errors[Precision.BF16]
+    assert errors[Precision.FP16] < errors[Precision.BF16]
+
+
+def test_the_precisions_device_conversions_round_as_the_array_ones() -> None:
+    import cupy as cp
+
+    from kernels.precision import _device_conversion, bf16_bits, split_tf32
+
+    rng = np.random.default_rng(65)
+    x = (rng.standard_normal(1 << 20) * 10.0 ** rng.integers(-30, 30, 1 << 20)).astype(np.float32)
+    x[:4] = [np.inf, -np.inf, np.nan, np.finfo(np.float32).max]
+    on_device = cp.asarray(x)
+    np.testing.assert_array_equal(cp.asnumpy(_device_conversion("bf16_bits")(on_device)), bf16_bits(x))
+    big, small = _device_conversion("split_tf32")(on_device)
+    expected_big, expected_small = split_tf32(x)
+    np.testing.assert_array_equal(cp.asnumpy(big), expected_big)
+    np.testing.assert_array_equal(cp.asnumpy(small), expected_small)

@@ -1,0 +1,200 @@
+"""The precisions a float32 product may run in, what rounding each adds, and cuBLAS in each (the library every
+rung of the tensor-core ladder is measured against, in the same mode).
+
+Operands stay float32; a precision says how the multiplier sees them. The products are summed in float32 in every
+mode, so a precision adds to the float32 product's error one term, from rounding the operands, and 3xtf32 adds two
+more float32 sums:
+
+- fp32: the operands as they are (the FMA units, or cuBLAS SGEMM): no term.
+- tf32: each operand rounded to TF32 (10 fraction bits) by the tensor cores; u = 2^-10, the truncation unit,
+  since neither the PTX conversion cuBLAS uses nor cuBLAS's documentation promises rounding to nearest.
+- bf16: each operand rounded to nearest bfloat16 here (7 fraction bits): u = 2^-8.
+- fp16: each operand rounded to nearest float16 (10 fraction bits): u = 2^-11, for values inside float16's range.
+- 3xtf32: each operand split into a TF32 big part and the TF32 rounding of what is left, x = big + small; the
+  product is big·big + big·small + small·big, three TF32 products summed in float32, which drops small·small and
+  the rounding of the small parts: at most about 3u^2 of each term, with the tf32 u (`float32_sums` says what
+  the three sums add).
+
+The bound of that term. A term t = a·b computed from rounded operands a(1 + d1)·b(1 + d2), |d| <= u, errs by at
+most e = 2u + u^2 of itself (`input_error`). Summed over k terms, the errors are at most e * (|A| @ |B|) per element,
+but they have either sign and add like a random walk, as the sum's own roundings do (kernels/reference.py), so what
+is met is about e times the 2-norm of the terms, sqrt((A*A) @ (B*B)): the probabilistic form (Higham and Mary,
+2019), exact for k = 1. kernels/reference.py checks
+
+    |C - R| <= c * (e * sqrt((A*A) @ (B*B)) + sums * sqrt(k) * u32 * (|A| @ |B|)),   c = 4.
+
+Measured on the CPU (`emulate`, 64x64 products of standard normal and uniform [0, 1) operands, k = 1 to 4096; the
+float32 sums exact there), the largest |C - R| / (e * sqrt((A*A) @ (B*B))) was 0.60 for tf32 (rounded to nearest,
+against the truncation unit), 1.09 for bf16, 1.22 for fp16 and 0.14 for 3xtf32, about the same for every k: c = 4
+leaves 3.3x headroom. The 1-norm form, e * (|A| @ |B|), would be as safe and, at k = 4096, sqrt(k)/c = 16 times too
+loose to tell bf16 from tf32.
+
+The conversions here use only array operations on the float32 bits, so they run as they are on NumPy and CuPy
+arrays (the tests emulate every mode on the CPU with them).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from enum import StrEnum
+from typing import Any
+
+import numpy as np
+
+
+class Precision(StrEnum):
+    FP32 = "fp32"
+    TF32 = "tf32"
+    TF32X3 = "3xtf32"
+    BF16 = "bf16"
+    FP16 = "fp16"
+
+
+TF32_UNIT_ROUNDOFF = 2.0**-10
+BF16_UNIT_ROUNDOFF = 2.0**-8
+FP16_UNIT_ROUNDOFF = 2.0**-11
+FP16_MAX = 65504.0
+"""The largest finite float16; an operand beyond it would become infinite in fp16."""
+
+
+def input_error(precision: Precision) -> float:
+    """The most the operands' rounding in `precision` adds to an element, relative to (|A| @ |B|) there."""
+    if precision is Precision.FP32:
+        return 0.0
+    if precision is Precision.TF32X3:
+        u = TF32_UNIT_ROUNDOFF
+        return 3 * u * u * (1 + u)
+    u = {Precision.TF32: TF32_UNIT_ROUNDOFF, Precision.BF16: BF16_UNIT_ROUNDOFF, Precision.FP16: FP16_UNIT_ROUNDOFF}[
+        precision
+    ]
+    return 2 * u + u * u
+
+
+def float32_sums(precision: Precision) -> float:
+    """How much float32 summing makes the element, in sums of its k terms: one, or for 3xtf32 1.25. There the
+    big·big sum is the one that counts; the two others sum terms under 2^-10 of its own, and the two additions of
+    the three results round at most u32 * |C| each, within a quarter of c * sqrt(k) * u32 * (|A| @ |B|) from k = 4
+    on (and for k < 4 the big·big sum of so few terms errs far less than its bound)."""
+    return 1.25 if precision is Precision.TF32X3 else 1.0
+
+
+def _round_bits(x: Any, dropped_bits: int) -> Any:
+    """float32 `x` with its lowest `dropped_bits` fraction bits rounded away, to nearest, ties to even (NaN and
+    infinities stay as they are; a value that rounds past the largest finite becomes infinite, as it should)."""
+    bits = x.astype(np.float32).view(np.uint32)
+    half = np.uint32((1 << (dropped_bits - 1)) - 1)
+    odd = (bits >> np.uint32(dropped_bits)) & np.uint32(1)
+    rounded = (bits + half + odd) & np.uint32(~((1 << dropped_bits) - 1) & 0xFFFFFFFF)
+    finite = (bits & np.uint32(0x7F800000)) != np.uint32(0x7F800000)
+    return (rounded * finite + bits * ~finite).view(np.float32)
+
+
+def to_tf32(x: Any) -> Any:
+    """float32 values rounded to nearest TF32 (kept in float32)."""
+    return _round_bits(x, 13)
+
+
+def to_bf16(x: Any) -> Any:
+    """float32 values rounded to nearest bfloat16 (kept in float32; `bf16_bits` gives the 16-bit form)."""
+    return _round_bits(x, 16)
+
+
+def bf16_bits(x: Any) -> Any:
+    """The bfloat16 encodings (uint16) of float32 values rounded to nearest."""
+    return (to_bf16(x).view(np.uint32) >> np.uint32(16)).astype(np.uint16)
+
+
+def split_tf32(x: Any) -> tuple[Any, Any]:
+    """x = big + small: the TF32 rounding of x, and what is left (exact in float32)."""
+    big = to_tf32(x)
+    return big, x - big
+
+
+def emulate(a: Any, b: Any, precision: Precision) -> Any:
+    """a @ b as `precision` computes it, with the float32 sums done in float64 (NumPy or CuPy): what the bound
+    allows for the rounding of the operands, and nothing for the sums; for tests of the bound."""
+    if precision is Precision.FP32:
+        return a.astype(np.float64) @ b.astype(np.float64)
+    if precision is Precision.TF32X3:
+        (a_big, a_small), (b_big, b_small) = split_tf32(a), split_tf32(b)
+        wide = [to_tf32(x).astype(np.float64) for x in (a_big, a_small, b_big, b_small)]
+        return wide[0] @ wide[2] + wide[0] @ wide[3] + wide[1] @ wide[2]
+    convert: dict[Precision, Callable[[Any], Any]] = {
+        Precision.TF32: to_tf32,
+        Precision.BF16: to_bf16,
+        Precision.FP16: lambda x: x.astype(np.float16),
+    }
+    return convert[precision](a).astype(np.float64) @ convert[precision](b).astype(np.float64)
+
+
+CUBLAS_OP_N = 0
+CUDA_R_32F, CUDA_R_16F, CUDA_R_16BF = 0, 2, 14
+CUBLAS_COMPUTE_32F, CUBLAS_COMPUTE_32F_FAST_TF32 = 68, 77
+CUBLAS_GEMM_DEFAULT = -1
+
+
+_DEVICE_CONVERSIONS: dict[str, Any] = {}
+"""The conversions of `to_bf16`/`split_tf32` as one fused pass each on the device (CuPy ElementwiseKernels, built on
+first use): the array versions above take several passes with temporaries, which at 4096^2 cost more than the
+bf16 product itself. Same rounding, bit for bit (tests/kernels/test_gpu.py compares them)."""
+_FINITE = "(u & 0x7f800000u) != 0x7f800000u"
+
+
+def _device_conversion(name: str) -> Any:
+    if name not in _DEVICE_CONVERSIONS:
+        import cupy as cp
+
+        kernels = {
+            "bf16_bits": cp.ElementwiseKernel(
+                "float32 x",
+                "uint16 y",
+                f"unsigned int u = __float_as_uint(x); if ({_FINITE}) u += 0x7fffu + ((u >> 16) & 1u); y = u >> 16;",
+                "matmul_bf16_bits",
+            ),
+            "split_tf32": cp.ElementwiseKernel(
+                "float32 x",
+                "float32 big, float32 small",
+                f"unsigned int u = __float_as_uint(x);"
+                f" if ({_FINITE}) u = (u + 0xfffu + ((u >> 13) & 1u)) & 0xffffe000u;"
+                " big = __uint_as_float(u); small = x - big;",
+                "matmul_split_tf32",
+            ),
+        }
+        _DEVICE_CONVERSIONS[name] = kernels[name]
+    return _DEVICE_CONVERSIONS[name]
+
+
+def cublas_product(a: Any, b: Any, c: Any, precision: Precision) -> None:
+    """c = a @ b by cuBLAS in `precision` (CuPy float32 arrays, 2-D, C-contiguous), on the current stream: GemmEx
+    with the precision's operand types and compute type, float32 sums and C; 3xtf32 as three TF32 products of the
+    split operands, the two small ones first. The reference each own kernel is measured against, in its mode."""
+    import cupy as cp
+    from cupy_backends.cuda.libs import cublas
+
+    if precision is Precision.FP32:
+        cp.matmul(a, b, out=c)
+        return
+    handle = cp.cuda.device.get_cublas_handle()
+    (m, k), n = a.shape, b.shape[1]
+    one, zero = np.ones(1, np.float32), np.zeros(1, np.float32)
+
+    def gemm(x: Any, y: Any, kind: int, compute: int, beta: np.ndarray) -> None:
+        # row-major C = X @ Y is column-major C^T = Y^T @ X^T
+        cublas.gemmEx(
+            handle, CUBLAS_OP_N, CUBLAS_OP_N, n, m, k,
+            one.ctypes.data, y.data.ptr, kind, n, x.data.ptr, kind, k,
+            beta.ctypes.data, c.data.ptr, CUDA_R_32F, n, compute, CUBLAS_GEMM_DEFAULT,
+        )  # fmt: skip
+
+    if precision is Precision.TF32:
+        gemm(a, b, CUDA_R_32F, CUBLAS_COMPUTE_32F_FAST_TF32, zero)
+    elif precision is Precision.TF32X3:
+        split = _device_conversion("split_tf32")
+        (a_big, a_small), (b_big, b_small) = split(a), split(b)
+        for x, y, beta in ((a_big, b_small, zero), (a_small, b_big, one), (a_big, b_big, one)):
+            gemm(x, y, CUDA_R_32F, CUBLAS_COMPUTE_32F_FAST_TF32, beta)
+    elif precision is Precision.BF16:
+        convert = _device_conversion("bf16_bits")
+        gemm(convert(a), convert(b), CUDA_R_16BF, CUBLAS_COMPUTE_32F, zero)
+    else:
+        gemm(a.astype(cp.float16), b.astype(cp.float16), CUDA_R_16F, CUBLAS_COMPUTE_32F, zero)
