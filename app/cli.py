@@ -44,6 +44,7 @@ def _load_operand(path: str, parser: argparse.ArgumentParser) -> np.ndarray:
 
 def _summary(product: Product, output: str) -> str:
     tile = f" (tile {product.tile})" if product.tile is not None else ""
+    tile += f" in {product.precision}" if product.precision != "fp32" else ""
     phases = ", ".join(f"{name} {ms:.3f}" for name, ms in product.timing.items() if name != "total")
     gflops = f", {product.gflops:.1f} GFLOP/s" if product.gflops is not None else ""
     return (
@@ -70,6 +71,11 @@ def client_main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--tile", type=int, help="tile width, for the tiled kernel")
     parser.add_argument("--dtype", choices=["float32", "float64"], help="working dtype (default: from the operands)")
     parser.add_argument(
+        "--precision",
+        choices=["fp32", "tf32", "3xtf32", "bf16", "fp16"],
+        help="how the multiplier rounds float32 operands (default: fp32, as they are)",
+    )
+    parser.add_argument(
         "--format", choices=FORMATS, default="npy", help="request body: npy (multipart, the default), json or npz"
     )
     parser.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S, help="seconds to wait for the answer")
@@ -84,6 +90,8 @@ def client_main(argv: Sequence[str] | None = None) -> int:
         options["tile"] = args.tile
     if args.dtype is not None:
         options["dtype"] = args.dtype
+    if args.precision is not None:
+        options["precision"] = args.precision
     try:
         with MatmulClient(args.url, format=args.format, timeout=args.timeout) as client:
             product = client.multiply(a, b, **options)

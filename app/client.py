@@ -93,6 +93,7 @@ class Options(TypedDict, total=False):
     kernel: str
     tile: int
     dtype: str
+    precision: str
 
 
 @dataclass(frozen=True)
@@ -152,6 +153,7 @@ class Product:
     c: np.ndarray
     kernel: str
     tile: int | None
+    precision: str
     backend: str
     device: str
     gflops: float | None
@@ -190,6 +192,7 @@ def _product(response: httpx.Response) -> Product:
         c=c,
         kernel=headers["x-matmul-kernel"],
         tile=int(tile) if tile is not None else None,
+        precision=headers["x-matmul-precision"],
         backend=headers["x-matmul-backend"],
         device=headers["x-matmul-device"],
         gflops=float(gflops) if gflops is not None else None,

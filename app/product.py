@@ -11,6 +11,7 @@ from typing import Literal
 from pydantic import BaseModel, Field
 
 DtypeName = Literal["float32", "float64"]
+PrecisionName = Literal["fp32", "tf32", "3xtf32", "bf16", "fp16"]
 BackendName = Literal["cpu", "gpu"]
 
 
@@ -64,11 +65,28 @@ class RooflineModel(BaseModel):
     )
 
 
+class ErrorBound(BaseModel):
+    """What the product promises, element by element, against R, the float64 product of the operands as they were
+    converted to the working dtype: |C - R| <= constant * (input_error * sqrt((A*A) @ (B*B)) + sums * sqrt(k) *
+    unit_roundoff * (|A| @ |B|)). The first term is the precision's rounding of the operands, the second the
+    float32 (or float64) sums' (kernels/reference.py and kernels/precision.py derive both)."""
+
+    constant: float = Field(description="c, the headroom of the statistical bound (4).")
+    input_error: float = Field(description="What the precision's rounding of A and B adds per term (0 for fp32).")
+    sums: float = Field(description="How many sums of k terms make an element (1; 1.25 for 3xtf32).")
+    unit_roundoff: float = Field(description="u of the sums: 2^-24 in float32, 2^-53 in float64.")
+
+
 class MatmulMetadata(BaseModel):
     """What a product answer says about itself; `.npy` answers carry it in X-Matmul-* headers instead."""
 
     shape: tuple[int, int] = Field(description="Shape of the result, [m, n].")
     dtype: DtypeName
+    precision: PrecisionName = Field(
+        description="How the multiplier saw the operands: fp32 (as they are, also for float64), or rounded for the "
+        "tensor cores (tf32, bf16, fp16; 3xtf32: split into two TF32 parts)."
+    )
+    error_bound: ErrorBound
     kernel: str = Field(description="The kernel that ran (what `auto` resolved to).")
     tile: int | None = Field(description="Tile width for kernels that have one, else null.")
     backend: BackendName

@@ -19,12 +19,35 @@ from app.codecs.operands import check_shape
 from app.config import Settings
 from app.engine import EngineFront, Outcome
 from app.errors import InvalidParameter, ShapeMismatch
-from app.product import BackendName, DtypeName, MatmulMetadata, RooflineModel, Timing
+from app.product import BackendName, DtypeName, ErrorBound, MatmulMetadata, RooflineModel, Timing
 from app.shared_memory import Matrix, SharedOutput
-from kernels.roofline import roofline
+from kernels.precision import Precision, float32_sums, input_error
+from kernels.reference import BOUND_CONSTANT, unit_roundoff
+from kernels.roofline import DevicePeaks, roofline
 
 WORKING_DTYPES: dict[str, np.dtype] = {"float32": np.dtype(np.float32), "float64": np.dtype(np.float64)}
 DEFAULT_DTYPE = "float32"
+
+
+def requested_precision(requested: str | None, working: np.dtype) -> Precision:
+    """The precision asked for (fp32 when none), which must be one of kernels/precision.py's; the tensor-core
+    ones take float32 operands."""
+    if requested is None:
+        return Precision.FP32
+    try:
+        precision = Precision(requested)
+    except ValueError:
+        raise InvalidParameter(
+            f"precision '{requested}' is not supported; choose one of {[str(p) for p in Precision]}",
+            location=["precision"],
+        ) from None
+    if precision is not Precision.FP32 and working != np.dtype(np.float32):
+        raise InvalidParameter(
+            f"precision {precision} computes from float32 operands, and this product's dtype is {working}: send "
+            "float32 operands or ask for dtype float32",
+            location=["precision"],
+        )
+    return precision
 
 
 def check_product(a: Matrix, b: Matrix, limits: Limits) -> None:
@@ -106,9 +129,17 @@ class Product:
         finished = perf_counter()
         flops = 2 * self.m * self.n * self.k
         read_ms = (clock.read - clock.received) * 1e3
+        precision = self.outcome.plan.precision
         return MatmulMetadata(
             shape=(self.m, self.n),
             dtype=cast(DtypeName, self.dtype.name),
+            precision=precision.value,
+            error_bound=ErrorBound(
+                constant=BOUND_CONSTANT,
+                input_error=input_error(precision),
+                sums=float32_sums(precision),
+                unit_roundoff=unit_roundoff(self.dtype),
+            ),
             kernel=self.outcome.plan.kernel,
             tile=self.outcome.plan.tile,
             backend=self.backend,
@@ -165,13 +196,15 @@ class MatmulService:
         a, b = operands.a, operands.b
         check_product(a, b, self.limits)
         working = working_dtype(options.dtype, operands)
+        precision = requested_precision(options.precision, working)
         (m, k), n = a.shape, b.shape[1]
         queue_s = self.max_queue_s if deadline_s is None else min(deadline_s, self.max_queue_s)
-        outcome = await self.engine.matmul(a, b, working, options.kernel or "auto", options.tile, queue_s, into=into)
+        kernel = options.kernel or "auto"
+        outcome = await self.engine.matmul(a, b, working, kernel, options.tile, queue_s, into=into, precision=precision)
         clock.computed = perf_counter()
-        line = roofline(
-            outcome.plan.config, (m, n, k), working, outcome.batch_size, outcome.device.kernel_ms, outcome.peaks
-        )
+        # the peaks are the FMA lanes'; a tensor-core precision's roof is not known to the roofline yet
+        peaks = outcome.peaks if precision is Precision.FP32 else DevicePeaks({}, outcome.peaks.dram_bytes_per_s)
+        line = roofline(outcome.plan.config, (m, n, k), working, outcome.batch_size, outcome.device.kernel_ms, peaks)
         return Product(
             outcome=outcome,
             dtype=working,

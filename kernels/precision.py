@@ -30,7 +30,7 @@ leaves 3.3x headroom. The 1-norm form, e * (|A| @ |B|), would be as safe and, at
 loose to tell bf16 from tf32.
 
 The conversions here use only array operations on the float32 bits, so they run as they are on NumPy and CuPy
-arrays (the tests emulate every mode on the CPU with them).
+arrays (the tests emulate every mode on the CPU with them). cuBLAS in each mode is kernels/cublas.py.
 """
 
 from __future__ import annotations
@@ -104,10 +104,25 @@ def bf16_bits(x: Any) -> Any:
     return (to_bf16(x).view(np.uint32) >> np.uint32(16)).astype(np.uint16)
 
 
+def to_fp16(x: Any) -> Any:
+    """float32 values rounded to nearest float16 (kept in float32)."""
+    return x.astype(np.float16).astype(np.float32)
+
+
 def split_tf32(x: Any) -> tuple[Any, Any]:
     """x = big + small: the TF32 rounding of x, and what is left (exact in float32)."""
     big = to_tf32(x)
-    return big, x - big
+    with np.errstate(invalid="ignore"):  # infinite x: inf - inf is NaN, as the device computes it too
+        return big, x - big
+
+
+_ROUNDING: dict[Precision, Callable[[Any], Any]] = {
+    Precision.FP32: lambda x: x,
+    Precision.TF32: to_tf32,
+    Precision.BF16: to_bf16,
+    Precision.FP16: to_fp16,
+}
+"""How each single-product mode rounds an operand on its way into the multiplier."""
 
 
 def emulate(a: Any, b: Any, precision: Precision) -> Any:
@@ -119,82 +134,17 @@ def emulate(a: Any, b: Any, precision: Precision) -> Any:
         (a_big, a_small), (b_big, b_small) = split_tf32(a), split_tf32(b)
         wide = [to_tf32(x).astype(np.float64) for x in (a_big, a_small, b_big, b_small)]
         return wide[0] @ wide[2] + wide[0] @ wide[3] + wide[1] @ wide[2]
-    convert: dict[Precision, Callable[[Any], Any]] = {
-        Precision.TF32: to_tf32,
-        Precision.BF16: to_bf16,
-        Precision.FP16: lambda x: x.astype(np.float16),
-    }
-    return convert[precision](a).astype(np.float64) @ convert[precision](b).astype(np.float64)
+    return _ROUNDING[precision](a).astype(np.float64) @ _ROUNDING[precision](b).astype(np.float64)
 
 
-CUBLAS_OP_N = 0
-CUDA_R_32F, CUDA_R_16F, CUDA_R_16BF = 0, 2, 14
-CUBLAS_COMPUTE_32F, CUBLAS_COMPUTE_32F_FAST_TF32 = 68, 77
-CUBLAS_GEMM_DEFAULT = -1
-
-
-_DEVICE_CONVERSIONS: dict[str, Any] = {}
-"""The conversions of `to_bf16`/`split_tf32` as one fused pass each on the device (CuPy ElementwiseKernels, built on
-first use): the array versions above take several passes with temporaries, which at 4096^2 cost more than the
-bf16 product itself. Same rounding, bit for bit (tests/kernels/test_gpu.py compares them)."""
-_FINITE = "(u & 0x7f800000u) != 0x7f800000u"
-
-
-def _device_conversion(name: str) -> Any:
-    if name not in _DEVICE_CONVERSIONS:
-        import cupy as cp
-
-        kernels = {
-            "bf16_bits": cp.ElementwiseKernel(
-                "float32 x",
-                "uint16 y",
-                f"unsigned int u = __float_as_uint(x); if ({_FINITE}) u += 0x7fffu + ((u >> 16) & 1u); y = u >> 16;",
-                "matmul_bf16_bits",
-            ),
-            "split_tf32": cp.ElementwiseKernel(
-                "float32 x",
-                "float32 big, float32 small",
-                f"unsigned int u = __float_as_uint(x);"
-                f" if ({_FINITE}) u = (u + 0xfffu + ((u >> 13) & 1u)) & 0xffffe000u;"
-                " big = __uint_as_float(u); small = x - big;",
-                "matmul_split_tf32",
-            ),
-        }
-        _DEVICE_CONVERSIONS[name] = kernels[name]
-    return _DEVICE_CONVERSIONS[name]
-
-
-def cublas_product(a: Any, b: Any, c: Any, precision: Precision) -> None:
-    """c = a @ b by cuBLAS in `precision` (CuPy float32 arrays, 2-D, C-contiguous), on the current stream: GemmEx
-    with the precision's operand types and compute type, float32 sums and C; 3xtf32 as three TF32 products of the
-    split operands, the two small ones first. The reference each own kernel is measured against, in its mode."""
-    import cupy as cp
-    from cupy_backends.cuda.libs import cublas
-
-    if precision is Precision.FP32:
-        cp.matmul(a, b, out=c)
-        return
-    handle = cp.cuda.device.get_cublas_handle()
-    (m, k), n = a.shape, b.shape[1]
-    one, zero = np.ones(1, np.float32), np.zeros(1, np.float32)
-
-    def gemm(x: Any, y: Any, kind: int, compute: int, beta: np.ndarray) -> None:
-        # row-major C = X @ Y is column-major C^T = Y^T @ X^T
-        cublas.gemmEx(
-            handle, CUBLAS_OP_N, CUBLAS_OP_N, n, m, k,
-            one.ctypes.data, y.data.ptr, kind, n, x.data.ptr, kind, k,
-            beta.ctypes.data, c.data.ptr, CUDA_R_32F, n, compute, CUBLAS_GEMM_DEFAULT,
-        )  # fmt: skip
-
-    if precision is Precision.TF32:
-        gemm(a, b, CUDA_R_32F, CUBLAS_COMPUTE_32F_FAST_TF32, zero)
-    elif precision is Precision.TF32X3:
-        split = _device_conversion("split_tf32")
-        (a_big, a_small), (b_big, b_small) = split(a), split(b)
-        for x, y, beta in ((a_big, b_small, zero), (a_small, b_big, one), (a_big, b_big, one)):
-            gemm(x, y, CUDA_R_32F, CUBLAS_COMPUTE_32F_FAST_TF32, beta)
-    elif precision is Precision.BF16:
-        convert = _device_conversion("bf16_bits")
-        gemm(convert(a), convert(b), CUDA_R_16BF, CUBLAS_COMPUTE_32F, zero)
-    else:
-        gemm(a.astype(cp.float16), b.astype(cp.float16), CUDA_R_16F, CUBLAS_COMPUTE_32F, zero)
+def float32_emulation(a: np.ndarray, b: np.ndarray, precision: Precision) -> np.ndarray:
+    """a @ b as `precision` rounds it, on float32 hardware (the CPU backend): the operands rounded as the tensor
+    cores see them, the sums in float32 (3xtf32: the three products summed small ones first). Not the tensor
+    cores' bits, whose order of summing differs, but within the same bound (kernels/reference.py)."""
+    if precision is Precision.TF32X3:
+        (a_big, a_small), (b_big, b_small) = split_tf32(a), split_tf32(b)
+        a_small, b_small = to_tf32(a_small), to_tf32(b_small)
+        result: np.ndarray = a_big @ b_small + a_small @ b_big + a_big @ b_big
+        return result
+    rounded: np.ndarray = _ROUNDING[precision](a) @ _ROUNDING[precision](b)
+    return rounded

@@ -30,8 +30,9 @@ from typing import Any
 
 import numpy as np
 
+from kernels.cublas import cublas_product
 from kernels.cuda import KernelLibrary, device_attributes
-from kernels.precision import Precision, cublas_product
+from kernels.precision import Precision
 from kernels.reference import BOUND_CONSTANT, Reference
 from kernels.registry import KERNELS, KernelSpec, LaunchConfig
 from kernels.roofline import DevicePeaks, gpu_peaks, roofline

@@ -16,6 +16,7 @@ import numpy as np
 from app.engine import KernelInfo, Plan
 from app.engine.base import Finished, Outputs, Pairs
 from app.engine.cpu import CpuBackend
+from kernels.precision import Precision
 
 BLAS = "blas"
 GATE_TIMEOUT_S = 10
@@ -63,9 +64,13 @@ class SteeredBackend(CpuBackend):
     def kernels(self) -> list[KernelInfo]:
         return [*super().kernels(), KernelInfo(name=BLAS, kind="library", summary="numpy.matmul under another name")]
 
-    def plan(self, kernel: str, tile: int | None, m: int, n: int, k: int) -> Plan:
+    def plan(
+        self, kernel: str, tile: int | None, m: int, n: int, k: int, precision: Precision = Precision.FP32
+    ) -> Plan:
         self.planned.append((m, n, k))
-        return Plan(kernel=BLAS) if kernel == BLAS and tile is None else super().plan(kernel, tile, m, n, k)
+        if kernel == BLAS and tile is None:
+            return Plan(kernel=BLAS, precision=precision)
+        return super().plan(kernel, tile, m, n, k, precision)
 
     def batchable(self, plan: Plan) -> bool:
         self.asked_to_batch.append(plan.kernel)

@@ -18,6 +18,7 @@ from app.engine.worker import Worker
 from app.errors import InvalidParameter, ShapeMismatch
 from app.product import RooflineModel
 from app.shared_memory import SharedOutput
+from kernels.precision import Precision
 from kernels.roofline import DevicePeaks
 
 ROOFLINE = RooflineModel(
@@ -144,6 +145,7 @@ class RecordingEngine(Engine):
         tile: int | None,
         timeout_s: float | None,
         into: SharedOutput | None = None,
+        precision: Precision = Precision.FP32,
     ) -> Outcome:
         self.calls.append((dtype, kernel, tile, timeout_s))
         return Outcome(

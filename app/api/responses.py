@@ -55,6 +55,7 @@ def product_headers(meta: MatmulMetadata) -> dict[str, str]:
         "X-Matmul-Device": meta.device,
         "X-Matmul-Shape": f"{meta.shape[0]}x{meta.shape[1]}",
         "X-Matmul-Dtype": meta.dtype,
+        "X-Matmul-Precision": meta.precision,
         "X-Matmul-Batch-Size": str(meta.batch_size),
     }
     if meta.tile is not None:

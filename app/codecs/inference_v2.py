@@ -47,13 +47,14 @@ def _object(value: Any, where: str) -> Mapping[str, Any]:
 
 
 def _options(parameters: Mapping[str, Any], declared: list[str]) -> RequestOptions:
-    kernel, tile = parameters.get("kernel"), parameters.get("tile")
-    if kernel is not None and not isinstance(kernel, str):
-        raise InvalidParameter("parameters.kernel must be a string", location=["parameters", "kernel"])
+    kernel, tile, precision = parameters.get("kernel"), parameters.get("tile"), parameters.get("precision")
+    for name, value in (("kernel", kernel), ("precision", precision)):
+        if value is not None and not isinstance(value, str):
+            raise InvalidParameter(f"parameters.{name} must be a string", location=["parameters", name])
     if tile is not None and (isinstance(tile, bool) or not isinstance(tile, int)):
         raise InvalidParameter("parameters.tile must be an integer", location=["parameters", "tile"])
     dtype = "float64" if "FP64" in declared else "float32"
-    return RequestOptions(kernel=kernel, tile=tile, dtype=dtype)
+    return RequestOptions(kernel=kernel, tile=tile, dtype=dtype, precision=precision)
 
 
 def _shape(tensor: Mapping[str, Any], name: str, limits: Limits) -> tuple[int, int]:

@@ -1,4 +1,5 @@
-"""JSON bodies: `{"a": [[...]], "b": [[...]], "dtype"?, "kernel"?, "tile"?}` in, a matrix as nested lists out."""
+"""JSON bodies: `{"a": [[...]], "b": [[...]], "dtype"?, "kernel"?, "tile"?, "precision"?}` in, a matrix as nested
+lists out."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from app.codecs.operands import OPERANDS, Limits, Operands, RequestOptions, chec
 from app.errors import InvalidMatrix, InvalidParameter, MalformedPayload
 
 MEDIA_TYPE = "application/json"
-JSON_OPTION_KEYS = ("kernel", "tile", "dtype")
+JSON_OPTION_KEYS = ("kernel", "tile", "dtype", "precision")
 
 
 def json_type(value: object) -> str:
@@ -79,7 +80,7 @@ def _json_matrix(doc: Mapping[str, Any], name: str, may_hold_booleans: bool, lim
 
 
 def decode_json(body: bytes, limits: Limits) -> Operands:
-    """`{"a": [[...]], "b": [[...]], "dtype"?, "kernel"?, "tile"?}` -> Operands."""
+    """`{"a": [[...]], "b": [[...]], "dtype"?, "kernel"?, "tile"?, "precision"?}` -> Operands."""
     if not body:
         raise MalformedPayload("the request body is empty; send a JSON object with matrices 'a' and 'b'")
     try:
@@ -100,13 +101,13 @@ def decode_json(body: bytes, limits: Limits) -> Operands:
 
 
 def _json_options(doc: Mapping[str, Any]) -> RequestOptions:
-    for key in ("kernel", "dtype"):
+    for key in ("kernel", "dtype", "precision"):
         if doc.get(key) is not None and not isinstance(doc[key], str):
             raise InvalidParameter(f"'{key}' must be a string, got {json_type(doc[key])}", location=[key])
     tile = doc.get("tile")
     if tile is not None and (isinstance(tile, bool) or not isinstance(tile, int)):
         raise InvalidParameter(f"'tile' must be an integer, got {json_type(tile)}", location=["tile"])
-    return RequestOptions(kernel=doc.get("kernel"), tile=tile, dtype=doc.get("dtype"))
+    return RequestOptions(kernel=doc.get("kernel"), tile=tile, dtype=doc.get("dtype"), precision=doc.get("precision"))
 
 
 def encode_json_matrix(array: np.ndarray) -> bytes:

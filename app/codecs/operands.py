@@ -36,11 +36,12 @@ class RequestOptions:
     kernel: str | None = None
     tile: int | None = None
     dtype: str | None = None
+    precision: str | None = None
 
     def merged_with(self, other: RequestOptions) -> RequestOptions:
         """Both sets of options in one; a value given twice must agree."""
         merged: dict[str, Any] = {}
-        for key in ("kernel", "tile", "dtype"):
+        for key in ("kernel", "tile", "dtype", "precision"):
             mine, theirs = getattr(self, key), getattr(other, key)
             if mine is not None and theirs is not None and mine != theirs:
                 raise InvalidParameter(

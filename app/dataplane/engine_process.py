@@ -49,6 +49,7 @@ from app.engine import BatchPolicy, Engine, EngineState, Worker
 from app.engine.base import Backend
 from app.engine.cpu import CpuBackend
 from app.errors import InvalidParameter, MatmulError, NotReady, SharedMemoryError
+from kernels.precision import Precision
 
 log = logging.getLogger("app.engine_process")
 
@@ -336,7 +337,14 @@ class EngineServer:
         dtype = message["dtype"]
         a, b, c = (self._operand(peer, message[name], dtype, name, lent) for name in ("a", "b", "c"))
         outcome = await self.engine.matmul(
-            a, b, np.dtype(dtype), message["kernel"], message["tile"], message["timeout_s"], out=c
+            a,
+            b,
+            np.dtype(dtype),
+            message["kernel"],
+            message["tile"],
+            message["timeout_s"],
+            out=c,
+            precision=Precision(message["precision"]),
         )
         return {
             "op": "done",

@@ -34,6 +34,7 @@ from app.engine.base import DeviceTiming
 from app.engine.staging import cast_into
 from app.errors import DeviceLost, NotReady, Overloaded, SharedMemoryError, error_of
 from app.shared_memory import Matrix, SharedOutput, SharedTensor
+from kernels.precision import Precision
 from kernels.registry import KERNELS
 from kernels.roofline import DevicePeaks
 
@@ -316,9 +317,10 @@ class RemoteEngine:
         tile: int | None,
         timeout_s: float | None,
         into: SharedOutput | None = None,
+        precision: Precision = Precision.FP32,
     ) -> Outcome:
-        """a @ b on the least-loaded ready engine; waits for shared memory within `timeout_s`, which then bounds
-        the product's wait in the engine's queue too. Operands in a client's regions (`SharedTensor`) and a
+        """a @ b in `precision` on the least-loaded ready engine; waits for shared memory within `timeout_s`, which
+        then bounds the product's wait in the engine's queue too. Operands in a client's regions (`SharedTensor`) and a
         product asked `into` one are not staged: the engine process reads and writes them there."""
         began = perf_counter()
         named = {where.region for where in (a, b, into) if isinstance(where, SharedTensor | SharedOutput)}
@@ -353,13 +355,14 @@ class RemoteEngine:
                     "dtype": dtype.name,
                     "kernel": kernel,
                     "tile": tile,
+                    "precision": precision.value,
                     "timeout_s": left_s,
                 }
             )
         except BaseException:
             slab.release()
             raise
-        return await self._answer(link, key, reply, slab, c_at, began, staged)
+        return await self._answer(link, key, reply, slab, c_at, began, staged, precision)
 
     async def _place(self, operand: Matrix, slab: Slab, dtype: np.dtype, name: str) -> list[int] | dict[str, Any]:
         """Where the engine finds an operand: converted into the slab, or in the client's region where it is."""
@@ -464,6 +467,7 @@ class RemoteEngine:
         c_at: Placement | None,
         began: float,
         staged: float,
+        precision: Precision,
     ) -> Outcome:
         try:
             message = await asyncio.shield(reply)
@@ -478,10 +482,17 @@ class RemoteEngine:
         if message["op"] == "failed":
             slab.release()
             raise error_of(message["code"], message["message"], message["location"])
-        return self._outcome(link, message, slab, c_at, began, staged)
+        return self._outcome(link, message, slab, c_at, began, staged, precision)
 
     def _outcome(
-        self, link: EngineLink, message: wire.Message, slab: Slab, c_at: Placement | None, began: float, staged: float
+        self,
+        link: EngineLink,
+        message: wire.Message,
+        slab: Slab,
+        c_at: Placement | None,
+        began: float,
+        staged: float,
+        precision: Precision,
     ) -> Outcome:
         device = DeviceTiming(h2d_ms=message["h2d_ms"], kernel_ms=message["kernel_ms"], d2h_ms=message["d2h_ms"])
         spec = KERNELS.get(message["kernel"])
@@ -489,7 +500,7 @@ class RemoteEngine:
         engine_ms = message["queue_ms"] + device.h2d_ms + device.kernel_ms + device.d2h_ms
         return Outcome(
             c=None if c_at is None else self.arena.array(c_at),
-            plan=Plan(kernel=message["kernel"], tile=message["tile"], config=config),
+            plan=Plan(kernel=message["kernel"], tile=message["tile"], config=config, precision=precision),
             queue_ms=message["queue_ms"],
             device=device,
             device_name=link.welcome["device_name"] if link.welcome else "",

@@ -12,14 +12,21 @@ Each message is a 4-byte big-endian length and an orjson object with an "op":
     HTTP worker -> engine                        engine -> HTTP worker
     hello   {pid, arena_bytes} + the arena's fd  welcome {engine_pid, backend, device_index, device_name,
                                                           queue_size, kernels, peaks}
-    matmul  {id, a, b, c, dtype, kernel, tile,   status  {state, failure, queue_depth, load, describe,
-             timeout_s}  (a, b, c: [offset,               memory_held, compiled_instances, auto}
-             rows, cols] in the arena)           done    {id, kernel, tile, queue_ms, h2d_ms, kernel_ms,
-    cancel  {id}                                          d2h_ms, batch_size, load}
-    register_region   {id, name, key, offset,    failed  {id, code, message, location, load}
-                       byte_size}
-    unregister_region {id, name (null: all)}     done    {id, load}
-    region_status     {id, name (null: all)}     done    {id, regions: [{name, key, offset, byte_size}], load}
+                                                 status  {state, failure, queue_depth, load, describe,
+                                                          memory_held, compiled_instances, auto, http_workers,
+                                                          shared_memory_bytes, regions}
+    matmul  {id, a, b, c, dtype, kernel, tile,   done    {id, kernel, tile, label, queue_ms, h2d_ms,
+             precision, timeout_s}                        kernel_ms, d2h_ms, batch_size, load}
+             (a, b, c: [offset, rows, cols]      failed  {id, code, message, location, load}
+             in the arena)
+    cancel  {id}
+    register_region {id, name, key, offset,      done    {id, load}, or failed
+             byte_size}
+    register_cuda_region {id, name, raw_handle,  done    {id, load}, or failed
+             device_id, byte_size}
+    unregister_region {id, kind, name}           done    {id, load}, or failed
+             (kind: system or cuda; name null: all of that kind)
+    region_status {id, kind, name}               done    {id, regions: [...], load}, or failed
 
 A, B or C of a matmul may instead lie in a client's registered region: {region, offset, shape, dtype}.
 

@@ -9,6 +9,8 @@ from typing import Any, Literal, Protocol
 import numpy as np
 
 from app.engine.autotune import AutoChoice
+from app.errors import InvalidParameter
+from kernels.precision import Precision
 from kernels.registry import LaunchConfig
 from kernels.roofline import DevicePeaks
 
@@ -48,6 +50,18 @@ class Plan:
     kernel: str
     tile: int | None = None
     config: LaunchConfig | None = field(default=None, compare=False)
+    precision: Precision = Precision.FP32
+    """How the multiplier rounds the float32 operands (kernels/precision.py); fp32 for float64 products."""
+
+
+def check_fp32_kernel(kernel: str, precision: Precision, library: str) -> None:
+    """InvalidParameter unless `precision` is fp32: the kernels of the ladder compute with the FMA units (the
+    tensor-core rungs are docs/tensor-cores.md's plan); `library` runs the other precisions."""
+    if precision is not Precision.FP32:
+        raise InvalidParameter(
+            f"kernel '{kernel}' computes in fp32 only; precision {precision} runs on '{library}' (or auto)",
+            location=["precision"],
+        )
 
 
 @dataclass(frozen=True)
@@ -124,8 +138,11 @@ class Backend(Protocol):
 
     def kernels(self) -> list[KernelInfo]: ...
 
-    def plan(self, kernel: str, tile: int | None, m: int, n: int, k: int) -> Plan:
-        """Resolve `auto` and check the kernel and tile; raises UnknownKernel or InvalidParameter."""
+    def plan(
+        self, kernel: str, tile: int | None, m: int, n: int, k: int, precision: Precision = Precision.FP32
+    ) -> Plan:
+        """Resolve `auto` and check the kernel and tile (and that the kernel computes in `precision`); raises
+        UnknownKernel or InvalidParameter."""
         ...
 
     def prepare(self) -> None:

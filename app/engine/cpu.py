@@ -12,10 +12,22 @@ from typing import Any, Final
 import numpy as np
 
 from app.engine.autotune import AutoChoice
-from app.engine.base import AUTO, CUBLAS, NUMPY, DeviceTiming, Finished, KernelInfo, Outputs, Pairs, Plan
+from app.engine.base import (
+    AUTO,
+    CUBLAS,
+    NUMPY,
+    DeviceTiming,
+    Finished,
+    KernelInfo,
+    Outputs,
+    Pairs,
+    Plan,
+    check_fp32_kernel,
+)
 from app.engine.staging import cast_into
 from app.errors import InvalidParameter, SharedMemoryError, UnknownKernel
 from kernels.emulation import EMULATIONS
+from kernels.precision import Precision, float32_emulation
 from kernels.registry import KERNELS
 from kernels.roofline import DevicePeaks
 
@@ -47,8 +59,11 @@ class CpuBackend:
             KernelInfo(name=NUMPY, kind="library", summary="numpy.matmul, through NumPy's BLAS."),
         ]
 
-    def plan(self, kernel: str, tile: int | None, m: int, n: int, k: int) -> Plan:
+    def plan(
+        self, kernel: str, tile: int | None, m: int, n: int, k: int, precision: Precision = Precision.FP32
+    ) -> Plan:
         if kernel in EMULATIONS:
+            check_fp32_kernel(kernel, precision, NUMPY)
             spec = KERNELS[kernel]
             try:
                 config = spec.config_for(m, n, k, tile)
@@ -66,7 +81,7 @@ class CpuBackend:
             )
         if tile is not None:
             raise InvalidParameter(f"tile applies to the tiled kernel only, not to '{kernel}'", location=["tile"])
-        return Plan(kernel=NUMPY)
+        return Plan(kernel=NUMPY, precision=precision)
 
     def prepare(self) -> None:
         np.matmul(np.ones((2, 2), np.float32), np.ones((2, 2), np.float32))
@@ -89,7 +104,9 @@ class CpuBackend:
         # NaN and infinities propagate as the README says; NumPy's RuntimeWarnings about them are log noise.
         with np.errstate(invalid="ignore", over="ignore"):
             for (a, b), c in zip(staged_pairs, products, strict=True):
-                if plan.config is None:
+                if plan.precision is not Precision.FP32:
+                    np.copyto(c, float32_emulation(a, b, plan.precision))
+                elif plan.config is None:
                     np.matmul(a, b, out=c)
                 else:
                     np.copyto(c, EMULATIONS[plan.kernel](a, b, plan.config))

@@ -15,6 +15,7 @@ from app.engine.base import KernelInfo, Outcome
 from app.engine.worker import EngineState, Worker
 from app.errors import NotReady, SharedMemoryError
 from app.shared_memory import Matrix, SharedOutput, SharedTensor
+from kernels.precision import Precision
 
 
 @dataclass(frozen=True)
@@ -76,9 +77,10 @@ class EngineFront(Protocol):
         tile: int | None,
         timeout_s: float | None,
         into: SharedOutput | None = None,
+        precision: Precision = Precision.FP32,
     ) -> Outcome:
-        """a @ b; operands and the product may lie in a client's registered shared-memory regions (`SharedTensor`,
-        `into`), which only engine processes hold."""
+        """a @ b in `precision`; operands and the product may lie in a client's registered shared-memory regions
+        (`SharedTensor`, `into`), which only engine processes hold."""
         ...
 
 
@@ -167,10 +169,12 @@ class Engine:
         timeout_s: float | None,
         out: np.ndarray | None = None,
         into: SharedOutput | None = None,
+        precision: Precision = Precision.FP32,
     ) -> Outcome:
-        """a @ b on the least-loaded ready worker's device (into `out`, when given), with `kernel` (and `tile`)
-        checked and resolved there (UnknownKernel, InvalidParameter) before the product is queued. Clients'
-        shared-memory regions are held by engine processes (which resolve them into arrays first), not here."""
+        """a @ b on the least-loaded ready worker's device (into `out`, when given), in `precision`, with `kernel`
+        (and `tile`) checked and resolved there (UnknownKernel, InvalidParameter) before the product is queued.
+        Clients' shared-memory regions are held by engine processes (which resolve them into arrays first), not
+        here."""
         if into is not None or isinstance(a, SharedTensor) or isinstance(b, SharedTensor):
             raise SharedMemoryError("shared-memory regions are served by engine processes, not an in-process engine")
         ready = [worker for worker in self.workers if worker.state is EngineState.READY]
@@ -179,5 +183,5 @@ class Engine:
             raise NotReady("no device is ready")
         worker = min(ready, key=lambda w: w.load)
         (m, k), n = a.shape, b.shape[1]
-        plan = worker.backend.plan(kernel, tile, m, n, k)
+        plan = worker.backend.plan(kernel, tile, m, n, k, precision)
         return await worker.matmul(a, b, dtype, plan, timeout_s=timeout_s, out=out)

@@ -43,6 +43,7 @@ from app.engine.base import (
     Outputs,
     Pairs,
     Plan,
+    check_fp32_kernel,
 )
 from app.engine.staging import cast_into_parallel
 from app.errors import (
@@ -53,7 +54,9 @@ from app.errors import (
     SharedMemoryError,
     UnknownKernel,
 )
+from kernels.cublas import cublas_product
 from kernels.cuda import KernelLibrary, device_attributes
+from kernels.precision import Precision
 from kernels.reference import Reference
 from kernels.registry import KERNELS, KernelSpec, LaunchConfig, cdiv
 from kernels.roofline import DevicePeaks, gpu_peaks
@@ -313,11 +316,14 @@ class GpuBackend:
             KernelInfo(name=CUBLAS, kind="library", summary="cupy.matmul (cuBLAS GEMM, TF32 off): the reference."),
         ]
 
-    def plan(self, kernel: str, tile: int | None, m: int, n: int, k: int) -> Plan:
+    def plan(
+        self, kernel: str, tile: int | None, m: int, n: int, k: int, precision: Precision = Precision.FP32
+    ) -> Plan:
         if kernel == FAULT_TRAP and self._fault_injection:
             return Plan(kernel=FAULT_TRAP)
         if kernel == AUTO:
-            kernel = pick_auto(self._auto, m, n, k, fallback=CUBLAS)
+            # the other precisions run on cuBLAS until the tensor-core rungs of the ladder exist
+            kernel = pick_auto(self._auto, m, n, k, fallback=CUBLAS) if precision is Precision.FP32 else CUBLAS
         spec: KernelSpec | None = KERNELS.get(kernel)
         if spec is None and kernel != CUBLAS:
             offered = [info.name for info in self.kernels()]
@@ -325,7 +331,8 @@ class GpuBackend:
         if spec is None:
             if tile is not None:
                 raise InvalidParameter(f"tile does not apply to kernel '{kernel}'", location=["tile"])
-            return Plan(kernel=kernel)
+            return Plan(kernel=kernel, precision=precision)
+        check_fp32_kernel(kernel, precision, CUBLAS)
         try:
             config = spec.config_for(m, n, k, tile)
         except ValueError as exc:
@@ -423,6 +430,9 @@ class GpuBackend:
         return np.frombuffer(memory, dtype, count).reshape(shape)
 
     def batchable(self, plan: Plan) -> bool:
+        """cuBLAS in fp32 and the kernels that take a stack; the other precisions run one product per launch."""
+        if plan.precision is not Precision.FP32:
+            return False
         return plan.kernel == CUBLAS or (plan.kernel in KERNELS and KERNELS[plan.kernel].batched)
 
     @property
@@ -629,6 +639,8 @@ class GpuBackend:
     def _launch(self, plan: Plan, a: Any, b: Any, c: Any) -> None:
         if plan.kernel == FAULT_TRAP:
             self._trap((1,), (1,), ())
+        elif plan.precision is not Precision.FP32:
+            cublas_product(a, b, c, plan.precision)
         elif plan.config is None:
             self._cp.matmul(a, b, out=c)
         else:

@@ -244,7 +244,7 @@ class Worker:
             loop=loop,
             future=loop.create_future(),
             left_queue=self._left_queue,
-            batch_key=(a.shape, b.shape, dtype, plan.kernel, label, *_where(a, b, out)),
+            batch_key=(a.shape, b.shape, dtype, plan.kernel, label, plan.precision, *_where(a, b, out)),
             enqueued_at=perf_counter(),
         )
         self._queue.put(job)

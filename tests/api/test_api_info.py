@@ -52,7 +52,7 @@ async def test_openapi_documents_every_route_parameter_and_error(client: httpx.A
     assert v1 < set(spec["paths"])
     assert {"/v2", "/v2/models/{model}/infer", "/v2/models/{model}/stats"} < set(spec["paths"])
     post = spec["paths"]["/matmul"]["post"]
-    assert {p["name"] for p in post["parameters"]} == {"kernel", "tile", "dtype"}
+    assert {p["name"] for p in post["parameters"]} == {"kernel", "tile", "dtype", "precision"}
     assert set(post["requestBody"]["content"]) == {"application/json", "multipart/form-data", "application/x-npz"}
     assert set(post["responses"]) == {"200", "400", "401", "406", "408", "413", "415", "422", "500", "503", "504"}
     assert "application/x-npy" in post["responses"]["200"]["content"]

@@ -23,6 +23,7 @@ from app.engine.cpu import CpuBackend
 from app.errors import Overloaded
 from app.main import create_app
 from app.shared_memory import SharedOutput
+from kernels.precision import Precision
 from kernels.reference import assert_close_to_reference
 from kernels.roofline import DevicePeaks
 from matmul_tools.bodies import load_npy, npy_bytes
@@ -79,9 +80,10 @@ class RecordingEngine(Engine):
         tile: int | None,
         timeout_s: float | None,
         into: SharedOutput | None = None,
+        precision: Precision = Precision.FP32,
     ) -> Outcome:
         self.deadlines.append(timeout_s)
-        return await super().matmul(a, b, dtype, kernel, tile, timeout_s, into=into)
+        return await super().matmul(a, b, dtype, kernel, tile, timeout_s, into=into, precision=precision)
 
 
 async def _serving(app: FastAPI, engine: Engine) -> AsyncIterator[httpx.AsyncClient]:

@@ -48,7 +48,7 @@ def test_json_body_refusals() -> None:
     )
     assert json_refusal(a=[[1]], b=[[1]], z=1, c=2) == (
         "invalid_parameter",
-        "unknown keys in the JSON body: ['c', 'z']; allowed are ['a', 'b', 'kernel', 'tile', 'dtype']",
+        "unknown keys in the JSON body: ['c', 'z']; allowed are ['a', 'b', 'kernel', 'tile', 'dtype', 'precision']",
         ["c"],
     )
     code, message, _ = refusal(decode_json, b"{", LIMITS)

@@ -21,6 +21,7 @@ from app.engine.base import Finished, Outputs
 from app.engine.cpu import CpuBackend
 from app.errors import DeviceFailure, DeviceOutOfMemory, NotReady
 from app.main import create_app
+from kernels.precision import Precision
 from kernels.roofline import DevicePeaks
 from matmul_tools.service import wait_ready_async
 
@@ -45,8 +46,10 @@ class GatedBackend:
     def kernels(self) -> list[KernelInfo]:
         return [KernelInfo(name="numpy", kind="library", summary="test")]
 
-    def plan(self, kernel: str, tile: int | None, m: int, n: int, k: int) -> Plan:
-        return Plan(kernel="numpy")
+    def plan(
+        self, kernel: str, tile: int | None, m: int, n: int, k: int, precision: Precision = Precision.FP32
+    ) -> Plan:
+        return Plan(kernel="numpy", precision=precision)
 
     def prepare(self) -> None:
         self.prepared.wait(timeout=10)

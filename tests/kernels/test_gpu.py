@@ -10,8 +10,9 @@ import numpy as np
 import pytest
 
 from app.engine.base import CUBLAS, Plan
+from kernels.cublas import cublas_product
 from kernels.emulation import EMULATIONS
-from kernels.precision import Precision, cublas_product
+from kernels.precision import Precision
 from kernels.reference import Reference, assert_close_to_reference
 from kernels.registry import KERNELS, KernelSpec, LaunchConfig, cdiv
 from kernels.roofline import FMA_LANES
@@ -443,7 +444,8 @@ def test_the_precisions_errors_are_in_their_order() -> None:
 def test_the_precisions_device_conversions_round_as_the_array_ones() -> None:
     import cupy as cp
 
-    from kernels.precision import _device_conversion, bf16_bits, split_tf32
+    from kernels.cublas import _device_conversion
+    from kernels.precision import bf16_bits, split_tf32
 
     rng = np.random.default_rng(65)
     x = (rng.standard_normal(1 << 20) * 10.0 ** rng.integers(-30, 30, 1 << 20)).astype(np.float32)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Annotated, Any, get_args
 
 from fastapi import APIRouter, Query, Request, Response
 
@@ -12,7 +12,7 @@ from app.api.exchange import off_loop_if_large, reading_body, requested_deadline
 from app.api.negotiation import choose_encoding
 from app.api.responses import BuffersResponse, product_headers
 from app.api.schemas import ErrorBody, MatmulResponse
-from app.product import DtypeName
+from app.product import DtypeName, PrecisionName
 from app.service import WORKING_DTYPES, Stopwatch
 
 router = APIRouter(tags=["matmul"])
@@ -32,6 +32,7 @@ _REQUEST_BODY_DOC: dict[str, Any] = {
                         "dtype": {"type": "string", "enum": list(WORKING_DTYPES)},
                         "kernel": {"type": "string"},
                         "tile": {"type": "integer"},
+                        "precision": {"type": "string", "enum": list(get_args(PrecisionName))},
                     },
                 },
                 "example": {"a": [[1, 2], [3, 4]], "b": [[5, 6], [7, 8]]},
@@ -89,6 +90,14 @@ DtypeParam = Annotated[
     DtypeName | None,
     Query(description="Working dtype. Default: float64 if an operand is float64, else float32."),
 ]
+PrecisionParam = Annotated[
+    PrecisionName | None,
+    Query(
+        description="How the multiplier rounds float32 operands: fp32 (default, exact operands), tf32, 3xtf32 "
+        "(fp32-like accuracy from TF32 parts), bf16, fp16 (tensor cores; cuBLAS on the GPU backend for now, an "
+        "emulation of the rounding on the CPU backend). The answer's error_bound says what each promises."
+    ),
+]
 
 
 @router.post(
@@ -105,6 +114,7 @@ async def matmul(
     kernel: KernelParam = None,
     tile: TileParam = None,
     dtype: DtypeParam = None,
+    precision: PrecisionParam = None,
 ) -> Response:
     """Compute C = A @ B from JSON, multipart .npy parts or an .npz body; answer JSON or .npy (Accept)."""
     clock = Stopwatch()
@@ -121,7 +131,8 @@ async def matmul(
             len(body), settings, codecs.decode, content_type, body, service.limits, settings.max_body_bytes
         )
         clock.mark_decoded()
-        options = codecs.RequestOptions(kernel=kernel, tile=tile, dtype=dtype).merged_with(operands.options)
+        query = codecs.RequestOptions(kernel=kernel, tile=tile, dtype=dtype, precision=precision)
+        options = query.merged_with(operands.options)
         deadline_s = requested_deadline_s(request)
         product = await unless_disconnected(request, service.run(operands, options, deadline_s, clock))
 

@@ -24,6 +24,7 @@ from app.api.v2.statistics import StatisticsDep
 from app.config import SharedMemoryKind
 from app.errors import MatmulError
 from app.service import Stopwatch
+from kernels.precision import input_error
 
 router = APIRouter(prefix=PROTOCOL_PREFIX, tags=["inference protocol v2"])
 _ERROR = protocol_error("The protocol's error answer.")
@@ -198,10 +199,13 @@ async def infer(
                 request,
                 service.run(decoded.operands, options, requested_deadline_s(request), clock, decoded.output_region),
             )
+        precision = product.outcome.plan.precision
         parameters = {
             "kernel": product.outcome.plan.kernel,
             "backend": product.backend,
             "batch_size": product.outcome.batch_size,
+            "precision": precision.value,
+            "error_bound_input": input_error(precision),
             **{f"roofline_{name}": value for name, value in product.roofline.model_dump(exclude_none=True).items()},
         }
         try:

@@ -1,0 +1,81 @@
+"""cuBLAS in each precision of kernels/precision.py: the library every rung of the tensor-core ladder is measured
+against in the same mode, and what `kernels=cublas` runs in a precision other than fp32. Only engine processes and
+the benchmark import this module (it imports CuPy)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import cupy as cp
+import numpy as np
+
+from kernels.precision import Precision
+
+CUBLAS_OP_N = 0
+CUDA_R_32F, CUDA_R_16F, CUDA_R_16BF = 0, 2, 14
+CUBLAS_COMPUTE_32F, CUBLAS_COMPUTE_32F_FAST_TF32 = 68, 77
+CUBLAS_GEMM_DEFAULT = -1
+
+
+_DEVICE_CONVERSIONS: dict[str, Any] = {}
+"""kernels/precision.py's `bf16_bits` and `split_tf32` as one fused pass each on the device (CuPy
+ElementwiseKernels, built on first use): the array versions take several passes with temporaries, which at 4096^2
+cost more than the bf16 product itself. Same rounding, bit for bit (tests/kernels/test_gpu.py compares them)."""
+_FINITE = "(u & 0x7f800000u) != 0x7f800000u"
+
+
+def _device_conversion(name: str) -> Any:
+    if name not in _DEVICE_CONVERSIONS:
+        kernels = {
+            "bf16_bits": cp.ElementwiseKernel(
+                "float32 x",
+                "uint16 y",
+                f"unsigned int u = __float_as_uint(x); if ({_FINITE}) u += 0x7fffu + ((u >> 16) & 1u); y = u >> 16;",
+                "matmul_bf16_bits",
+            ),
+            "split_tf32": cp.ElementwiseKernel(
+                "float32 x",
+                "float32 big, float32 small",
+                f"unsigned int u = __float_as_uint(x);"
+                f" if ({_FINITE}) u = (u + 0xfffu + ((u >> 13) & 1u)) & 0xffffe000u;"
+                " big = __uint_as_float(u); small = x - big;",
+                "matmul_split_tf32",
+            ),
+        }
+        _DEVICE_CONVERSIONS[name] = kernels[name]
+    return _DEVICE_CONVERSIONS[name]
+
+
+def cublas_product(a: Any, b: Any, c: Any, precision: Precision) -> None:
+    """c = a @ b by cuBLAS in `precision` (CuPy float32 arrays, 2-D, C-contiguous), on the current stream: GemmEx
+    with the precision's operand types and compute type, float32 sums and C; 3xtf32 as three TF32 products of the
+    split operands, the two small ones first. The reference each own kernel is measured against, in its mode."""
+    if precision is Precision.FP32:
+        cp.matmul(a, b, out=c)
+        return
+    from cupy_backends.cuda.libs import cublas  # loads libcublas: on first use, not where there is no GPU
+
+    handle = cp.cuda.device.get_cublas_handle()
+    (m, k), n = a.shape, b.shape[1]
+    one, zero = np.ones(1, np.float32), np.zeros(1, np.float32)
+
+    def gemm(x: Any, y: Any, kind: int, compute: int, beta: np.ndarray) -> None:
+        # row-major C = X @ Y is column-major C^T = Y^T @ X^T
+        cublas.gemmEx(
+            handle, CUBLAS_OP_N, CUBLAS_OP_N, n, m, k,
+            one.ctypes.data, y.data.ptr, kind, n, x.data.ptr, kind, k,
+            beta.ctypes.data, c.data.ptr, CUDA_R_32F, n, compute, CUBLAS_GEMM_DEFAULT,
+        )  # fmt: skip
+
+    if precision is Precision.TF32:
+        gemm(a, b, CUDA_R_32F, CUBLAS_COMPUTE_32F_FAST_TF32, zero)
+    elif precision is Precision.TF32X3:
+        split = _device_conversion("split_tf32")
+        (a_big, a_small), (b_big, b_small) = split(a), split(b)
+        for x, y, beta in ((a_big, b_small, zero), (a_small, b_big, one), (a_big, b_big, one)):
+            gemm(x, y, CUDA_R_32F, CUBLAS_COMPUTE_32F_FAST_TF32, beta)
+    elif precision is Precision.BF16:
+        convert = _device_conversion("bf16_bits")
+        gemm(convert(a), convert(b), CUDA_R_16BF, CUBLAS_COMPUTE_32F, zero)
+    else:
+        gemm(a.astype(cp.float16), b.astype(cp.float16), CUDA_R_16F, CUBLAS_COMPUTE_32F, zero)

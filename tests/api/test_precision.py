@@ -1,0 +1,162 @@
+"""A product's precision, asked per request on /matmul (query or JSON body) and v2 (`parameters.precision`): the
+answer says which ran and what it promises, the product keeps that promise, and every wrong ask is a 422 naming it.
+On the CPU backend the precisions are emulated (the operands rounded as the tensor cores round them, float32 sums);
+the GPU tests at the end run cuBLAS in each."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import httpx
+import numpy as np
+import pytest
+
+from kernels.precision import Precision, input_error
+from kernels.reference import BOUND_CONSTANT, Reference
+from matmul_tools.bodies import MULTIPART_CONTENT_TYPE, load_npy, multipart_body, npy_bytes
+
+pytestmark = pytest.mark.anyio
+
+F32 = np.dtype(np.float32)
+
+
+def _operands(seed: int, m: int = 33, k: int = 257, n: int = 9) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return rng.standard_normal((m, k)).astype(np.float32), rng.standard_normal((k, n)).astype(np.float32)
+
+
+async def _json_product(client: httpx.AsyncClient, a: np.ndarray, b: np.ndarray, **options: Any) -> httpx.Response:
+    return await client.post("/matmul", json={"a": a.tolist(), "b": b.tolist(), **options})
+
+
+@pytest.mark.parametrize("precision", list(Precision))
+async def test_each_precision_runs_says_so_and_keeps_its_bound(client: httpx.AsyncClient, precision: Precision) -> None:
+    a, b = _operands(1)
+    answer = await client.post(f"/matmul?precision={precision}", json={"a": a.tolist(), "b": b.tolist()})
+    assert answer.status_code == 200, answer.text
+    body = answer.json()
+    assert body["precision"] == precision and answer.headers["x-matmul-precision"] == precision
+    assert body["error_bound"] == {
+        "constant": BOUND_CONSTANT,
+        "input_error": input_error(precision),
+        "sums": 1.25 if precision is Precision.TF32X3 else 1.0,
+        "unit_roundoff": 2.0**-24,
+    }
+    c = np.array(body["result"], np.float32)
+    assert Reference.of(a, b, F32, precision).mismatch(c) is None
+    if precision in (Precision.TF32, Precision.BF16, Precision.FP16):  # rounded operands: past fp32's own bound
+        assert Reference.of(a, b, F32).mismatch(c) is not None
+
+
+async def test_the_default_is_fp32_and_float64_products_say_fp32(client: httpx.AsyncClient) -> None:
+    a, b = _operands(2)
+    answer = (await _json_product(client, a, b)).json()
+    assert answer["precision"] == "fp32" and answer["error_bound"]["input_error"] == 0.0
+    wide = (await _json_product(client, a, b, dtype="float64")).json()
+    assert wide["precision"] == "fp32" and wide["error_bound"]["unit_roundoff"] == 2.0**-53
+
+
+async def test_the_json_body_may_carry_the_precision(client: httpx.AsyncClient) -> None:
+    a, b = _operands(3)
+    answer = await _json_product(client, a, b, precision="bf16")
+    assert answer.status_code == 200 and answer.json()["precision"] == "bf16"
+
+
+async def test_npy_operands_and_answer_in_a_precision(client: httpx.AsyncClient) -> None:
+    a, b = _operands(4)
+    answer = await client.post(
+        "/matmul?precision=fp16",
+        content=multipart_body([("a", npy_bytes(a)), ("b", npy_bytes(b))]),
+        headers={"content-type": MULTIPART_CONTENT_TYPE, "accept": "application/x-npy"},
+    )
+    assert answer.status_code == 200, answer.text
+    assert answer.headers["x-matmul-precision"] == "fp16"
+    assert Reference.of(a, b, F32, Precision.FP16).mismatch(load_npy(answer.content)) is None
+
+
+@pytest.mark.parametrize(
+    ("ask", "body_options", "code", "problem", "location"),
+    [
+        ("?precision=fp8", {}, "invalid_parameter", "precision", ["query", "precision"]),
+        ("", {"precision": "fp8"}, "invalid_parameter", "precision 'fp8' is not supported; choose one of", None),
+        ("", {"precision": 16}, "invalid_parameter", "'precision' must be a string", None),
+        ("?precision=tf32", {"precision": "bf16"}, "invalid_parameter", "'precision' is given twice", None),
+        ("?precision=tf32&dtype=float64", {}, "invalid_parameter", "computes from float32 operands", None),
+        ("?precision=bf16&kernel=tiled", {}, "invalid_parameter", "kernel 'tiled' computes in fp32 only", None),
+    ],
+)
+async def test_a_wrong_ask_is_a_422_naming_it(
+    client: httpx.AsyncClient,
+    ask: str,
+    body_options: dict[str, object],
+    code: str,
+    problem: str,
+    location: list[str] | None,
+) -> None:
+    a, b = _operands(5, 4, 4, 4)
+    answer = await client.post(f"/matmul{ask}", json={"a": a.tolist(), "b": b.tolist(), **body_options})
+    assert answer.status_code == 422, answer.text
+    error = answer.json()
+    assert error["code"] == code and problem in error["message"]
+    if location is not None:
+        assert error["location"] == location
+    else:
+        assert error["location"][-1] == "precision"
+
+
+async def test_float64_npy_operands_in_a_tensor_core_precision_are_refused(client: httpx.AsyncClient) -> None:
+    a, b = (x.astype(np.float64) for x in _operands(6, 4, 4, 4))
+    body = multipart_body([("a", npy_bytes(a)), ("b", npy_bytes(b))])
+    answer = await client.post("/matmul?precision=tf32", content=body, headers={"content-type": MULTIPART_CONTENT_TYPE})
+    assert answer.status_code == 422
+    assert "precision tf32 computes from float32 operands, and this product's dtype is float64" in answer.text
+
+
+@pytest.mark.parametrize("precision", ["3xtf32", "bf16"])
+async def test_v2_parameters_carry_the_precision(client: httpx.AsyncClient, precision: str) -> None:
+    a, b = _operands(7, 8, 64, 4)
+    request = {
+        "inputs": [
+            {"name": "A", "shape": list(a.shape), "datatype": "FP32", "data": a.ravel().tolist()},
+            {"name": "B", "shape": list(b.shape), "datatype": "FP32", "data": b.ravel().tolist()},
+        ],
+        "parameters": {"precision": precision},
+    }
+    answer = await client.post("/v2/models/matmul/infer", json=request)
+    assert answer.status_code == 200, answer.text
+    parameters = answer.json()["parameters"]
+    assert parameters["precision"] == precision and parameters["error_bound_input"] == input_error(Precision(precision))
+    c = np.array(answer.json()["outputs"][0]["data"], np.float32).reshape(8, 4)
+    assert Reference.of(a, b, F32, Precision(precision)).mismatch(c) is None
+    request["parameters"] = {"precision": 3}
+    refused = await client.post("/v2/models/matmul/infer", json=request)
+    assert refused.status_code == 422 and "parameters.precision must be a string" in refused.text
+
+
+# ----------------------------------------------------------------------------------------------- on a GPU
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("precision", list(Precision))
+@pytest.mark.parametrize("kernel", ["cublas", "auto"])
+async def test_on_the_gpu_each_precision_runs_on_cublas(
+    gpu_client: httpx.AsyncClient, precision: Precision, kernel: str
+) -> None:
+    a, b = _operands(8, 300, 129, 65)
+    answer = await gpu_client.post(
+        f"/matmul?precision={precision}&kernel={kernel}", json={"a": a.tolist(), "b": b.tolist()}
+    )
+    assert answer.status_code == 200, answer.text
+    body = answer.json()
+    assert body["precision"] == precision
+    if precision is not Precision.FP32:
+        assert body["kernel"] == "cublas"
+    assert Reference.of(a, b, F32, precision).mismatch(np.array(body["result"], np.float32)) is None
+
+
+@pytest.mark.gpu
+async def test_on_the_gpu_our_fp32_kernels_refuse_a_tensor_core_precision(gpu_client: httpx.AsyncClient) -> None:
+    a, b = _operands(9, 4, 4, 4)
+    answer = await gpu_client.post("/matmul?precision=tf32&kernel=fast", json={"a": a.tolist(), "b": b.tolist()})
+    assert answer.status_code == 422
+    assert "kernel 'fast' computes in fp32 only; precision tf32 runs on 'cublas' (or auto)" in answer.text
