@@ -20,7 +20,8 @@ CUBLAS_GEMM_DEFAULT = -1
 _DEVICE_CONVERSIONS: dict[str, Any] = {}
 """kernels/precision.py's `bf16_bits` and `split_tf32` as one fused pass each on the device (CuPy
 ElementwiseKernels, built on first use): the array versions take several passes with temporaries, which at 4096^2
-cost more than the bf16 product itself. Same rounding, bit for bit (tests/kernels/test_gpu.py compares them)."""
+cost more than the bf16 product itself. Same rounding, bit for bit, except that the device flushes a subnormal
+small part of the split to zero (tests/kernels/test_gpu.py compares them)."""
 _FINITE = "(u & 0x7f800000u) != 0x7f800000u"
 
 
