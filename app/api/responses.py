@@ -62,7 +62,8 @@ def product_headers(meta: MatmulMetadata) -> dict[str, str]:
         headers["X-Matmul-Tile"] = str(meta.tile)
     if meta.gflops is not None:
         headers["X-Matmul-Gflops"] = f"{meta.gflops:.3f}"
-    for name, value in meta.roofline.model_dump(exclude_none=True).items():
-        header = "X-Matmul-Roofline-" + "-".join(word.capitalize() for word in name.split("_"))
-        headers[header] = str(value) if isinstance(value, int) else f"{value:.6g}"
+    for group, facts in (("Roofline", meta.roofline), ("Error-Bound", meta.error_bound)):
+        for name, value in facts.model_dump(exclude_none=True).items():
+            header = f"X-Matmul-{group}-" + "-".join(word.capitalize() for word in name.split("_"))
+            headers[header] = str(value)  # the shortest text that reads back as the same number, as in JSON
     return headers

@@ -159,18 +159,24 @@ def test_the_readme_lists_every_field_and_header_an_answer_carries(readme_server
     a, b = np.array([[1.0, 2.0], [3.0, 4.0]]), np.array([[5.0], [6.0]])
     with httpx.Client(base_url=f"http://{readme_server}") as client:
         as_json = client.post("/matmul", json={"a": a.tolist(), "b": b.tolist()})
-        files = {"a": ("a.npy", npy_bytes(a)), "b": ("b.npy", npy_bytes(b))}
+        # float32 as the JSON operands are read, so that both answers hold the same facts
+        files = {"a": ("a.npy", npy_bytes(a.astype(np.float32))), "b": ("b.npy", npy_bytes(b.astype(np.float32)))}
         as_npy = client.post("/matmul", files=files, headers={"accept": "application/x-npy"})
     assert as_json.status_code == 200 and as_npy.status_code == 200
     answer = as_json.json()
+    assert as_npy.headers["x-matmul-dtype"] == answer["dtype"] == "float32"
     assert set(answer) == documented_fields
     assert set(answer["timing"]) == documented_timing
-    # each fact but the product and its timing (Server-Timing) has its header, the roofline's one per field; a
-    # null one is left out
-    flat = {name: value for name, value in answer.items() if name not in ("result", "timing", "roofline")}
-    flat.update({f"roofline_{name}": value for name, value in answer["roofline"].items()})
+    # each fact but the product and its timing (Server-Timing) has its header, the roofline's and the error bound's
+    # one per field; a null one is left out
+    grouped = ("roofline", "error_bound")
+    flat = {name: value for name, value in answer.items() if name not in ("result", "timing", *grouped)}
+    for group in grouped:
+        flat.update({f"{group}_{name}": value for name, value in answer[group].items()})
     facts = {f"x-matmul-{name.replace('_', '-')}": value for name, value in flat.items()}
     sent = {name for name in as_npy.headers if name.startswith("x-matmul-")}
     assert always | sometimes == set(facts)
     assert sent == {name for name, value in facts.items() if value is not None}
     assert always <= sent and set(facts) - sent <= sometimes
+    for name, value in answer["error_bound"].items():
+        assert float(as_npy.headers[f"x-matmul-error-bound-{name.replace('_', '-')}"]) == value
