@@ -7,13 +7,17 @@ the roofline's peaks are computed from (kernels/roofline.py).
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import tempfile
+from collections.abc import Callable, Iterable
+from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
 import numpy as np
 
-from kernels.registry import KERNELS, STATIC_SMEM_LIMIT, KernelSpec, LaunchConfig
+from kernels import tensorcore, tma
+from kernels.precision import Precision
+from kernels.registry import KERNEL_DIR, KERNELS, STATIC_SMEM_LIMIT, KernelSpec, LaunchConfig, cdiv
 
 COMPILE_OPTIONS = ("-std=c++17",)
 DEVICE_ATTRIBUTES = MappingProxyType(
@@ -23,26 +27,48 @@ DEVICE_ATTRIBUTES = MappingProxyType(
 MemoryClockRate, GlobalMemoryBusWidth) for cudaDeviceGetAttribute: CUDA 13's cudaDeviceProp has no clock rates."""
 
 
+def _nvrtc(
+    name: str, text: str, expressions: list[str], options: list[str], output: Callable[[Any, Any], bytes]
+) -> tuple[bytes, dict[str, str], str]:
+    """Compile `text` with NVRTC: `output` of the program (its PTX or cubin), each name expression's lowered
+    name, and the log. Raises RuntimeError with the log when the source does not compile."""
+    from cupy.cuda import nvrtc
+
+    program = nvrtc.createProgram(text, name, [], [])
+    try:
+        for expression in expressions:
+            nvrtc.addNameExpression(program, expression)
+        try:
+            nvrtc.compileProgram(program, options)
+        except nvrtc.NVRTCError as exc:
+            raise RuntimeError(
+                f"{name} does not compile ({' '.join(options)}):\n{nvrtc.getProgramLog(program)}"
+            ) from exc
+        lowered = {expression: nvrtc.getLoweredName(program, expression) for expression in expressions}
+        return output(nvrtc, program), lowered, nvrtc.getProgramLog(program)
+    finally:
+        nvrtc.destroyProgram(program)
+
+
 def compile_ptx(spec: KernelSpec, arch: str = "compute_90") -> tuple[str, dict[str, str]]:
     """Compile one kernel's source with NVRTC for `arch`: the PTX, and each name expression's lowered name.
 
     Raises RuntimeError with NVRTC's log when the source does not compile.
     """
-    from cupy.cuda import nvrtc
+    options = [f"--gpu-architecture={arch}", *COMPILE_OPTIONS]
+    ptx, lowered, _ = _nvrtc(
+        spec.source, spec.read_source(), spec.name_expressions(), options, lambda nvrtc, p: nvrtc.getPTX(p)
+    )
+    return ptx.decode(), lowered
 
-    program = nvrtc.createProgram(spec.read_source(), spec.source, [], [])
-    try:
-        expressions = spec.name_expressions()
-        for expression in expressions:
-            nvrtc.addNameExpression(program, expression)
-        try:
-            nvrtc.compileProgram(program, [f"--gpu-architecture={arch}", *COMPILE_OPTIONS])
-        except nvrtc.NVRTCError as exc:
-            raise RuntimeError(f"{spec.source} does not compile for {arch}:\n{nvrtc.getProgramLog(program)}") from exc
-        lowered = {expression: nvrtc.getLoweredName(program, expression) for expression in expressions}
-        return nvrtc.getPTX(program).decode(), lowered
-    finally:
-        nvrtc.destroyProgram(program)
+
+def compile_tensor_core_source(source: str, expressions: list[str]) -> tuple[bytes, dict[str, str], str]:
+    """A tensor-core source (kernels/tensorcore.py) compiled by NVRTC for sm_90a, down to machine code (wgmma
+    cannot go through PTX that the driver compiles for plain sm_90): the cubin, the lowered names, and ptxas's
+    resource report (registers, spills) as the log."""
+    options = [f"--gpu-architecture={tensorcore.ARCH}", *COMPILE_OPTIONS, "--ptxas-options=-v"]
+    text = (KERNEL_DIR / source).read_text(encoding="utf-8")
+    return _nvrtc(source, text, expressions, options, lambda nvrtc, p: nvrtc.getCUBIN(p))
 
 
 def device_attributes(cupy: Any, device: int) -> dict[str, int | None]:
@@ -101,4 +127,92 @@ class KernelLibrary:
             config.block(),
             (a, b, c, np.int32(m), np.int32(n), np.int32(k)),
             shared_mem=config.smem_bytes(a.dtype.itemsize),
+        )
+
+
+class TensorCoreLibrary:
+    """kernels/wgmma.cu and kernels/operands.cu, compiled for sm_90a and loaded on the current CuPy device (a
+    compute capability 9.0 one): float32 products in the tensor-core precisions."""
+
+    def __init__(self) -> None:
+        import cupy
+
+        self._cp = cupy
+        self._products: dict[Precision, Any] = {}
+        self._conversions: dict[tuple[str, int], Any] = {}
+        with tempfile.TemporaryDirectory(prefix="matmul-tensorcore-") as folder:
+            products = self._load(
+                Path(folder), tensorcore.WGMMA_SOURCE, [c.expression() for c in tensorcore.WGMMA_CONFIGS.values()]
+            )
+            for precision, config in tensorcore.WGMMA_CONFIGS.items():
+                function = products[config.expression()]
+                function.max_dynamic_shared_size_bytes = config.smem_bytes()
+                self._products[precision] = function
+            conversions = self._load(Path(folder), tensorcore.OPERANDS_SOURCE, tensorcore.conversion_expressions())
+            for expression, function in conversions.items():
+                kernel, conversion = expression.removesuffix(">").split("<")
+                self._conversions[(kernel, int(conversion))] = function
+
+    def _load(self, folder: Path, source: str, expressions: list[str]) -> dict[str, Any]:
+        """Each expression's kernel, from the source's cubin (CuPy loads a module from a file)."""
+        cubin, lowered, _ = compile_tensor_core_source(source, expressions)
+        path = folder / f"{source}.cubin"
+        path.write_bytes(cubin)
+        module = self._cp.RawModule(path=str(path))
+        return {expression: module.get_function(name) for expression, name in lowered.items()}
+
+    def converted(self, precision: Precision, x: Any, *, transposed: bool) -> list[Any]:
+        """x (float32, 2-D, C-contiguous) as kernels/wgmma.cu reads it in `precision`: K-major rows (x's rows, or
+        its columns when `transposed`) in the kernel's input type (uint16 bits for bf16 and fp16), padded to the
+        stride alignment; the big and the small part for 3xtf32."""
+        config = tensorcore.WGMMA_CONFIGS[precision]
+        height, width = x.shape
+        rows, k = (width, height) if transposed else (height, width)
+        dtype = np.uint16 if config.element_bytes == 2 else np.float32
+        parts = [self._cp.empty((rows, config.padded_k(k)), dtype) for _ in range(config.parts)]
+        kernel = "convert_transposed" if transposed else "convert_rows"
+        if transposed:
+            grid, block = (cdiv(width, 32), min(cdiv(height, 32), 65535)), (32, 8)
+        else:
+            grid, block = (cdiv(width, 256), min(height, 65535)), (256, 1)
+        arguments = (x, parts[0], parts[-1], np.int32(height), np.int32(width), np.int32(parts[0].shape[1]))
+        self._conversions[(kernel, int(config.conversion))](grid, block, arguments)
+        return parts
+
+    def product(self, a: Any, b: Any, c: Any, precision: Precision) -> None:
+        """c = a @ b in `precision` on the current stream: 2-D C-contiguous CuPy float32 arrays."""
+        config = tensorcore.WGMMA_CONFIGS[precision]
+        (m, k), n = a.shape, b.shape[1]
+        if m == 0 or n == 0:
+            return
+        if k == 0:
+            c.fill(0)
+            return
+        if precision is Precision.TF32 and k % 4 == 0 and a.data.ptr % tensorcore.STRIDE_ALIGNMENT == 0:
+            # read as it is: the tensor cores take a float32's top 19 bits, TF32 truncated (kernels/precision.py's
+            # tf32 bound is the truncation's)
+            a_parts = [a]
+        else:
+            a_parts = self.converted(precision, a, transposed=False)
+        b_parts = self.converted(precision, b, transposed=True)
+
+        def matrix(part: Any, rows: int, box_rows: int) -> tma.Matrix2d:
+            return tma.Matrix2d(
+                address=part.data.ptr,
+                element_bytes=config.element_bytes,
+                rows=rows,
+                columns=k,
+                row_bytes=part.shape[1] * config.element_bytes,
+                box_rows=box_rows,
+                box_columns=config.tile_k,
+            )
+
+        maps = [tma.encode(matrix(part, m, tensorcore.BLOCK_M)) for part in a_parts]
+        maps += [tma.encode(matrix(part, n, config.block_n)) for part in b_parts]
+        device_maps = self._cp.asarray(np.frombuffer(b"".join(maps), np.uint8))
+        self._products[precision](
+            (config.blocks(m, n), 1, 1),
+            (tensorcore.THREADS, 1, 1),
+            (device_maps, c, np.int32(m), np.int32(n), np.int32(k)),
+            shared_mem=config.smem_bytes(),
         )

@@ -1,0 +1,311 @@
+// Tensor-core rung: Hopper's warpgroup MMA (wgmma, sm_90a) fed by the bulk tensor copy engine (TMA).
+//
+// What it changes, and why. The FP32 ladder ends at `fast`, near cuBLAS SGEMM on the FMA lanes (66.9 TFLOP/s on
+// an H100). The tensor cores do the same product at 495 TFLOP/s in TF32 and 989 in BF16/FP16, but on Hopper only
+// through `wgmma`: the older `mma.sync` issues at about half that rate. So this rung:
+//   - copies each operand tile global -> shared with one TMA instruction (cp.async.bulk.tensor), which writes it
+//     in the 128-byte swizzled layout the tensor cores read without bank conflicts, zero-fills past the matrix's
+//     edges (no bounds checks in the main loop) and signals an mbarrier when the bytes have landed;
+//   - lets one warp of a producer warpgroup issue those copies STAGES tiles ahead, while two consumer warpgroups
+//     each multiply a 64-row half of the block's 128 x BN tile with `wgmma.mma_async`, operands read straight from
+//     shared memory by descriptor, sums in float32 registers;
+//   - gives registers to the consumers (setmaxnreg): a 64 x 256 float32 accumulator is 128 registers a thread;
+//   - walks the tiles in groups of GROUP_M rows of tiles, so the blocks resident together share their A and B
+//     panels in L2.
+//
+// Operands: A is M x K and B is given as B^T, N x K, both "K-major" (K contiguous), the one layout every input
+// type of wgmma takes; kernels/operands.cu writes them so from the float32 operands (converting to bf16 or fp16,
+// rounding to TF32, or splitting for 3xTF32), with rows padded to 16 bytes as TMA requires. C is M x N float32,
+// row-major, written straight from the accumulators.
+//
+// SPLIT (3xTF32): each operand comes as a big and a small TF32 part, x = big + small. Per tile the consumers
+// compute big*big into one accumulator and big*small + small*big into another, and add the two at the end: the
+// small products' float32 sums do not round against the big ones' magnitude.
+
+typedef unsigned int u32;
+typedef unsigned long long u64;
+
+enum OperandKind { BF16 = 0, FP16 = 1, TF32 = 2 };
+
+constexpr int BM = 128;            // rows of C per block: two consumer warpgroups of 64
+constexpr int CONSUMERS = 2;
+constexpr int THREADS = 128 * (CONSUMERS + 1);
+constexpr int ROW_BYTES = 128;     // a tile row: one 128-byte swizzle span of K
+constexpr int GROUP_M = 8;
+constexpr int TENSOR_MAP_BYTES = 128;
+
+template <int KIND> struct Operand {
+    static constexpr int bytes = KIND == TF32 ? 4 : 2;
+    static constexpr int tile_k = ROW_BYTES / bytes;   // K per tile: 64 (16-bit) or 32 (TF32)
+    static constexpr int mma_k = 32 / bytes;           // K per wgmma: 16 or 8, 32 bytes of a row
+};
+
+__device__ __forceinline__ u32 shared_address(const void* pointer) {
+    return static_cast<u32>(__cvta_generic_to_shared(pointer));
+}
+
+// ---------------------------------------------------------------------------------------------- mbarriers
+
+__device__ __forceinline__ void barrier_init(u64* barrier, u32 count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(shared_address(barrier)), "r"(count));
+}
+
+__device__ __forceinline__ void barrier_expect_bytes(u64* barrier, u32 bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(shared_address(barrier)), "r"(bytes)
+                 : "memory");
+}
+
+__device__ __forceinline__ void barrier_arrive(u64* barrier) {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(shared_address(barrier)) : "memory");
+}
+
+__device__ __forceinline__ void barrier_wait(u64* barrier, u32 parity) {
+    asm volatile(
+        "{\n"
+        ".reg .pred done;\n"
+        "WAIT:\n"
+        "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+        "@!done bra WAIT;\n"
+        "}\n" ::"r"(shared_address(barrier)),
+        "r"(parity)
+        : "memory");
+}
+
+// -------------------------------------------------------------------------------------- bulk tensor copy
+
+// The box at element (x along K, y along rows) of the tensor `map` describes, into shared memory at `tile`;
+// `barrier` counts its bytes when they land.
+__device__ __forceinline__ void tma_load(void* tile, const unsigned char* map, u64* barrier, int x, int y) {
+    asm volatile(
+        "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4}], [%2];"
+        ::"r"(shared_address(tile)), "l"(map), "r"(shared_address(barrier)), "r"(x), "r"(y)
+        : "memory");
+}
+
+// ------------------------------------------------------------------------------------------------ wgmma
+
+// A shared-memory matrix descriptor for a K-major tile of 128-byte rows in the 128-byte swizzle: groups of 8 rows
+// 1024 bytes apart (the stride byte offset); the leading byte offset is unused in this layout.
+__device__ __forceinline__ u64 tile_descriptor(const void* tile) {
+    const u64 address = shared_address(tile);
+    return ((address & 0x3FFFF) >> 4) | (1ull << 16) | (static_cast<u64>(1024 >> 4) << 32) | (1ull << 62);
+}
+
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
+template <int PENDING> __device__ __forceinline__ void wgmma_wait() {
+    asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(PENDING) : "memory");
+}
+
+// Keeps the compiler from moving accumulator registers across an asynchronous wgmma.
+template <int COUNT> __device__ __forceinline__ void fence_registers(float (&d)[COUNT]) {
+#pragma unroll
+    for (int i = 0; i < COUNT; ++i) asm volatile("" : "+f"(d[i])::"memory");
+}
+
+// The accumulator of one warpgroup's 64 x N product: N / 2 float32 registers a thread, in the asm's operand list.
+#define WGMMA_D64 \
+    "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, " \
+    "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, " \
+    "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, " \
+    "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
+#define WGMMA_D128 \
+    "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, " \
+    "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, " \
+    "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, " \
+    "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, " \
+    "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, " \
+    "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, " \
+    "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, " \
+    "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127"
+#define WGMMA_F8(i) \
+    "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]), "+f"(d[i + 5]), "+f"(d[i + 6]), \
+        "+f"(d[i + 7])
+#define WGMMA_F64 \
+    WGMMA_F8(0), WGMMA_F8(8), WGMMA_F8(16), WGMMA_F8(24), WGMMA_F8(32), WGMMA_F8(40), WGMMA_F8(48), WGMMA_F8(56)
+#define WGMMA_F128 \
+    WGMMA_F64, WGMMA_F8(64), WGMMA_F8(72), WGMMA_F8(80), WGMMA_F8(88), WGMMA_F8(96), WGMMA_F8(104), WGMMA_F8(112), \
+        WGMMA_F8(120)
+// d = A (64 x K, descriptor a) @ B (K x N, descriptor b, K-major) + (accumulate ? d : 0). The 16-bit types take
+// two more immediates, the transposes, which are 0: both operands are K-major.
+#define WGMMA_ISSUE(SHAPE, TYPES, LIST, OPERANDS, A, B, P, TAIL)                                                   \
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, " P ", 0;\nwgmma.mma_async.sync.aligned." SHAPE ".f32." TYPES \
+                 " {" LIST "}, " A ", " B ", p, 1, 1" TAIL ";\n}\n"                                              \
+                 : OPERANDS                                                                                      \
+                 : "l"(a), "l"(b), "r"(accumulate))
+
+template <int KIND, int N> __device__ __forceinline__ void wgmma(float (&d)[N / 2], u64 a, u64 b, int accumulate) {
+    static_assert(N == 128 || N == 256, "a warpgroup tile is 64 x 128 or 64 x 256");
+    if constexpr (N == 128) {
+        if constexpr (KIND == BF16) {
+            WGMMA_ISSUE("m64n128k16", "bf16.bf16", WGMMA_D64, WGMMA_F64, "%64", "%65", "%66", ", 0, 0");
+        } else if constexpr (KIND == FP16) {
+            WGMMA_ISSUE("m64n128k16", "f16.f16", WGMMA_D64, WGMMA_F64, "%64", "%65", "%66", ", 0, 0");
+        } else {
+            WGMMA_ISSUE("m64n128k8", "tf32.tf32", WGMMA_D64, WGMMA_F64, "%64", "%65", "%66", "");
+        }
+    } else {
+        if constexpr (KIND == BF16) {
+            WGMMA_ISSUE("m64n256k16", "bf16.bf16", WGMMA_D128, WGMMA_F128, "%128", "%129", "%130", ", 0, 0");
+        } else if constexpr (KIND == FP16) {
+            WGMMA_ISSUE("m64n256k16", "f16.f16", WGMMA_D128, WGMMA_F128, "%128", "%129", "%130", ", 0, 0");
+        } else {
+            WGMMA_ISSUE("m64n256k8", "tf32.tf32", WGMMA_D128, WGMMA_F128, "%128", "%129", "%130", "");
+        }
+    }
+}
+
+// ------------------------------------------------------------------------------------------------ the kernel
+
+// The (row, column) of C's tile that block `block` computes: tiles taken GROUP_M rows of tiles at a time, column
+// by column within the group.
+__device__ __forceinline__ void tile_of(int block, int tiles_m, int tiles_n, int& tile_m, int& tile_n) {
+    const int per_group = GROUP_M * tiles_n;
+    const int first = (block / per_group) * GROUP_M;
+    const int rows = min(tiles_m - first, GROUP_M);
+    const int in_group = block % per_group;
+    tile_m = first + in_group % rows;
+    tile_n = in_group / rows;
+}
+
+// maps: the TMA tensor maps in global memory, 128 bytes each: A and B^T, or (SPLIT) A's big and small parts and
+// B^T's. Launched with THREADS threads, one block per tile of C (1-D grid), and `smem_bytes<...>()` bytes of
+// dynamic shared memory.
+template <int KIND, int BN, int STAGES, bool SPLIT>
+__global__ void __launch_bounds__(THREADS, 1)
+    matmul_wgmma(const unsigned char* __restrict__ maps, float* __restrict__ C, int M, int N, int K) {
+    using Op = Operand<KIND>;
+    constexpr int PARTS = SPLIT ? 2 : 1;
+    constexpr int A_BYTES = BM * ROW_BYTES;
+    constexpr int B_BYTES = BN * ROW_BYTES;
+    constexpr int STAGE_BYTES = PARTS * (A_BYTES + B_BYTES);
+    constexpr int MMAS = Op::tile_k / Op::mma_k;
+
+    extern __shared__ unsigned char shared_raw[];
+    // the 128-byte swizzle repeats every 1024 bytes, and the tensor cores expect each tile to start on it
+    unsigned char* shared = shared_raw + ((1024 - (shared_address(shared_raw) & 1023)) & 1023);
+    u64* full = reinterpret_cast<u64*>(shared + STAGES * STAGE_BYTES);
+    u64* empty = full + STAGES;
+
+    int tile_m, tile_n;
+    tile_of(blockIdx.x, (M + BM - 1) / BM, (N + BN - 1) / BN, tile_m, tile_n);
+    const int m0 = tile_m * BM, n0 = tile_n * BN;
+    const int k_tiles = (K + Op::tile_k - 1) / Op::tile_k;
+    const int warpgroup = threadIdx.x / 128;
+
+    if (threadIdx.x == 0) {
+        for (int s = 0; s < STAGES; ++s) {
+            barrier_init(&full[s], 1);
+            barrier_init(&empty[s], CONSUMERS * 128);
+        }
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    }
+    __syncthreads();
+
+    if (warpgroup == 0) {
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 40;");
+        if (threadIdx.x == 0) {
+            for (int kt = 0; kt < k_tiles; ++kt) {
+                const int s = kt % STAGES;
+                if (kt >= STAGES) barrier_wait(&empty[s], ((kt / STAGES) - 1) & 1);
+                unsigned char* stage = shared + s * STAGE_BYTES;
+                barrier_expect_bytes(&full[s], STAGE_BYTES);
+                const int k0 = kt * Op::tile_k;
+                for (int part = 0; part < PARTS; ++part) {
+                    tma_load(stage + part * A_BYTES, maps + part * TENSOR_MAP_BYTES, &full[s], k0, m0);
+                    tma_load(stage + PARTS * A_BYTES + part * B_BYTES, maps + (PARTS + part) * TENSOR_MAP_BYTES,
+                             &full[s], k0, n0);
+                }
+            }
+        }
+        return;
+    }
+
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 232;");
+    constexpr int SPLIT_REGISTERS = SPLIT ? BN / 2 : 1;
+    float d[BN / 2];
+    float d_small[SPLIT_REGISTERS];  // SPLIT: big*small + small*big, over all of K
+    float d_tile[SPLIT_REGISTERS];   // SPLIT: big*big over one tile of K
+#pragma unroll
+    for (int i = 0; i < BN / 2; ++i) d[i] = 0.0f;
+#pragma unroll
+    for (int i = 0; i < SPLIT_REGISTERS; ++i) d_small[i] = 0.0f;
+
+    const int half = (warpgroup - 1) * 64 * ROW_BYTES;  // this warpgroup's 64 rows of the A tile
+    for (int kt = 0; kt < k_tiles; ++kt) {
+        const int s = kt % STAGES;
+        barrier_wait(&full[s], (kt / STAGES) & 1);
+        const unsigned char* stage = shared + s * STAGE_BYTES;
+        const u64 a_big = tile_descriptor(stage + half);
+        const u64 b_big = tile_descriptor(stage + PARTS * A_BYTES);
+        fence_registers(d);
+        if constexpr (SPLIT) {
+            fence_registers(d_small);
+            fence_registers(d_tile);
+        }
+        wgmma_fence();
+#pragma unroll
+        for (int step = 0; step < MMAS; ++step) {
+            // a step is 32 bytes along K: 2 in the descriptor's address, which counts 16-byte units
+            if constexpr (SPLIT) {
+                const u64 a_small = tile_descriptor(stage + A_BYTES + half);
+                const u64 b_small = tile_descriptor(stage + 2 * A_BYTES + B_BYTES);
+                wgmma<KIND, BN>(d_small, a_big + 2 * step, b_small + 2 * step, 1);
+                wgmma<KIND, BN>(d_small, a_small + 2 * step, b_big + 2 * step, 1);
+                wgmma<KIND, BN>(d_tile, a_big + 2 * step, b_big + 2 * step, step > 0);
+            } else {
+                wgmma<KIND, BN>(d, a_big + 2 * step, b_big + 2 * step, 1);
+            }
+        }
+        wgmma_commit();
+        fence_registers(d);
+        if constexpr (SPLIT) {
+            // The tensor cores round their float32 sums toward zero: over all of K that bias grows with K (9.6e-6
+            // relative at 4096^3, 9x SGEMM's error). So the big products' sum of each tile is added here, rounded
+            // to nearest, and the tensor cores' sums stay one tile long. The small products' sum is 2^-11 of the
+            // big one's, so its bias is not worth the registers.
+            fence_registers(d_small);
+            fence_registers(d_tile);
+            wgmma_wait<0>();
+            fence_registers(d_tile);
+#pragma unroll
+            for (int i = 0; i < BN / 2; ++i) d[i] += d_tile[i];
+            barrier_arrive(&empty[s]);
+        } else {
+            // keep this tile's products running; the previous tile's are done, so its stage may be refilled
+            wgmma_wait<1>();
+            if (kt > 0) barrier_arrive(&empty[(kt - 1) % STAGES]);
+        }
+    }
+    wgmma_wait<0>();
+    fence_registers(d);
+    if constexpr (SPLIT) fence_registers(d_small);
+
+    // The accumulator layout of a 64 x BN wgmma: warp w of the warpgroup holds rows 16w..16w+15; lane l holds, for
+    // each 8 columns j, columns 8j + 2(l % 4) and the next, in rows l / 4 (registers 4j, 4j + 1) and l / 4 + 8
+    // (registers 4j + 2, 4j + 3).
+    const int lane = threadIdx.x % 32, warp = (threadIdx.x % 128) / 32;
+    const int row0 = m0 + (warpgroup - 1) * 64 + warp * 16 + lane / 4;
+    const int column0 = n0 + 2 * (lane % 4);
+    const bool pairs = (N % 2) == 0;  // rows of C start on 8 bytes: two floats per store
+#pragma unroll
+    for (int j = 0; j < BN / 8; ++j) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const int row = row0 + 8 * h, column = column0 + 8 * j;
+            float first = d[4 * j + 2 * h], second = d[4 * j + 2 * h + 1];
+            if constexpr (SPLIT) {
+                first += d_small[4 * j + 2 * h];
+                second += d_small[4 * j + 2 * h + 1];
+            }
+            if (row >= M || column >= N) continue;
+            float* out = C + static_cast<size_t>(row) * N + column;
+            if (pairs && column + 1 < N) {
+                *reinterpret_cast<float2*>(out) = make_float2(first, second);
+            } else {
+                out[0] = first;
+                if (column + 1 < N) out[1] = second;
+            }
+        }
+    }
+}

@@ -1,0 +1,61 @@
+"""The tensor-core kernels compile through NVRTC for sm_90a down to machine code, with no GPU and no driver (CI
+checks this), without spilling; and the geometry kernels/tensorcore.py derives for them."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from kernels import tensorcore
+from kernels.cuda import compile_tensor_core_source
+from kernels.precision import Precision
+from kernels.registry import MAX_DYNAMIC_SMEM
+from tests.kernels.test_kernel_sources import _nvrtc_missing
+
+SPILLS = re.compile(r"(?P<stores>\d+) bytes spill stores, (?P<loads>\d+) bytes spill loads")
+SOURCES = {
+    tensorcore.WGMMA_SOURCE: [config.expression() for config in tensorcore.WGMMA_CONFIGS.values()],
+    tensorcore.OPERANDS_SOURCE: tensorcore.conversion_expressions(),
+}
+
+
+@pytest.mark.skipif(_nvrtc_missing() is not None, reason=str(_nvrtc_missing()))
+@pytest.mark.parametrize("source", list(SOURCES))
+def test_compiles_for_sm90a_without_spilling(source: str) -> None:
+    expressions = SOURCES[source]
+    cubin, lowered, log = compile_tensor_core_source(source, expressions)
+    assert cubin[:4] == b"\x7fELF"
+    assert set(lowered) == set(expressions)
+    reports = SPILLS.findall(log)
+    assert len(reports) == len(expressions), log
+    assert all(stores == loads == "0" for stores, loads in reports), log
+
+
+def test_every_tensor_core_precision_has_an_instance_that_fits_in_shared_memory() -> None:
+    assert set(tensorcore.WGMMA_CONFIGS) == {precision for precision in Precision if precision is not Precision.FP32}
+    for config in tensorcore.WGMMA_CONFIGS.values():
+        assert config.smem_bytes() <= MAX_DYNAMIC_SMEM
+        # a tile row is one 128-byte swizzle span, and a TMA box has at most 256 rows
+        assert config.tile_k * config.element_bytes == tensorcore.ROW_BYTES
+        assert config.block_n <= 256 and tensorcore.BLOCK_M <= 256
+
+
+@pytest.mark.parametrize(
+    ("precision", "k", "padded"),
+    [(Precision.BF16, 1, 8), (Precision.FP16, 8, 8), (Precision.BF16, 4099, 4104), (Precision.TF32, 5, 8),
+     (Precision.TF32X3, 4096, 4096)],
+)  # fmt: skip
+def test_rows_are_padded_to_the_copy_engines_16_bytes(precision: Precision, k: int, padded: int) -> None:
+    config = tensorcore.WGMMA_CONFIGS[precision]
+    assert config.padded_k(k) == padded
+    assert (config.padded_k(k) * config.element_bytes) % tensorcore.STRIDE_ALIGNMENT == 0
+
+
+def test_one_block_per_tile_of_c() -> None:
+    bf16, split = tensorcore.WGMMA_CONFIGS[Precision.BF16], tensorcore.WGMMA_CONFIGS[Precision.TF32X3]
+    assert bf16.blocks(4096, 4096) == 32 * 16
+    assert bf16.blocks(129, 257) == 2 * 2
+    assert split.blocks(4093, 4099) == 32 * 33
+    assert bf16.expression() == "matmul_wgmma<0, 256, 4, false>"
+    assert split.expression() == "matmul_wgmma<2, 128, 3, true>"
