@@ -6,7 +6,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 
-from app.product import BackendName, MatmulMetadata
+from app.product import BackendName, MatmulMetadata, PrecisionName
 
 
 class ErrorBody(BaseModel):
@@ -37,11 +37,13 @@ class KernelModel(BaseModel):
     dtypes: list[str]
     tiles: list[int] = Field(description="Tile widths the request may choose with `tile`; empty if none.")
     default_tile: int | None
+    precisions: list[PrecisionName] = Field(description="The `precision`s it computes in.")
 
 
 class AutoChoiceModel(BaseModel):
     shape_class: str = Field(description="Products whose size, the cube root of m*n*k, is at most `up_to`.")
     up_to: int | None
+    precision: PrecisionName = Field(description="The precision these choices are for.")
     kernel: str = Field(description="What `auto` runs for this class: the fastest on the probe.")
     probe: list[int] = Field(description="The product timed at start-up for this class, [m, k, n].")
     probe_ms: dict[str, float] = Field(

@@ -384,7 +384,12 @@ class EngineServer:
             "http_workers": len(self._peers),
             "regions": self.regions.names(),
             "auto": [
-                {"shape_class": choice.shape_class.name, "kernel": choice.kernel, "probe_ms": choice.probe_ms}
+                {
+                    "shape_class": choice.shape_class.name,
+                    "precision": choice.precision,
+                    "kernel": choice.kernel,
+                    "probe_ms": choice.probe_ms,
+                }
                 for choice in self.engine.auto_choices()
             ],
         }

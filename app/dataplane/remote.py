@@ -153,7 +153,14 @@ class EngineLink:
                 self.on_restart()
             self.welcome = message
             self.kernels = [
-                KernelInfo(**{**info, "dtypes": tuple(info["dtypes"]), "tiles": tuple(info["tiles"])})
+                KernelInfo(
+                    **{
+                        **info,
+                        "dtypes": tuple(info["dtypes"]),
+                        "tiles": tuple(info["tiles"]),
+                        "precisions": tuple(info["precisions"]),
+                    }
+                )
                 for info in message["kernels"]
             ]
             self.peaks = DevicePeaks(message["peaks"]["flops_per_s"], message["peaks"]["dram_bytes_per_s"])
@@ -277,7 +284,12 @@ class RemoteEngine:
         status = next((link.status for link in self.links if link.status is not None), None)
         classes = {shape_class.name: shape_class for shape_class in SHAPE_CLASSES}
         return [
-            AutoChoice(shape_class=classes[choice["shape_class"]], kernel=choice["kernel"], probe_ms=choice["probe_ms"])
+            AutoChoice(
+                shape_class=classes[choice["shape_class"]],
+                kernel=choice["kernel"],
+                probe_ms=choice["probe_ms"],
+                precision=Precision(choice["precision"]),
+            )
             for choice in (status["auto"] if status else [])
         ]
 

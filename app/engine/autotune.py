@@ -11,6 +11,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from kernels.precision import Precision
+
 AUTO_REPEATS = 5
 """Launches timed per kernel and class, after one untimed warm-up launch."""
 
@@ -38,6 +40,8 @@ class AutoChoice:
     kernel: str
     probe_ms: Mapping[str, float]
     """Milliseconds per product of every kernel on the class's probe (a batched launch's over its products)."""
+    precision: Precision = Precision.FP32
+    """The precision the probe ran in: each precision has its own choices, among the kernels that compute in it."""
 
 
 def shape_class_of(m: int, n: int, k: int) -> ShapeClass:
@@ -45,7 +49,12 @@ def shape_class_of(m: int, n: int, k: int) -> ShapeClass:
     return next(c for c in SHAPE_CLASSES if c.up_to is None or size <= c.up_to)
 
 
-def pick_auto(choices: list[AutoChoice], m: int, n: int, k: int, fallback: str) -> str:
-    """The kernel `auto` runs for an m x k @ k x n product (`fallback` until the choices are measured)."""
+def pick_auto(
+    choices: list[AutoChoice], m: int, n: int, k: int, fallback: str, precision: Precision = Precision.FP32
+) -> str:
+    """The kernel `auto` runs for an m x k @ k x n product in `precision` (`fallback` where nothing was measured)."""
     wanted = shape_class_of(m, n, k)
-    return next((choice.kernel for choice in choices if choice.shape_class == wanted), fallback)
+    return next(
+        (choice.kernel for choice in choices if choice.shape_class == wanted and choice.precision is precision),
+        fallback,
+    )

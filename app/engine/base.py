@@ -41,6 +41,12 @@ class KernelInfo:
     dtypes: tuple[str, ...] = DTYPE_NAMES
     tiles: tuple[int, ...] = ()
     default_tile: int | None = None
+    precisions: tuple[str, ...] = (Precision.FP32,)
+    """The precisions it computes in (kernels/precision.py)."""
+
+
+ALL_PRECISIONS = tuple(Precision)
+TENSOR_CORE_PRECISIONS = tuple(precision for precision in Precision if precision is not Precision.FP32)
 
 
 @dataclass(frozen=True)

@@ -13,6 +13,7 @@ import numpy as np
 
 from app.engine.autotune import AutoChoice
 from app.engine.base import (
+    ALL_PRECISIONS,
     AUTO,
     CUBLAS,
     NUMPY,
@@ -45,7 +46,9 @@ class CpuBackend:
 
     def kernels(self) -> list[KernelInfo]:
         return [
-            KernelInfo(name=AUTO, kind="auto", summary="The fastest kernel this backend has: numpy."),
+            KernelInfo(
+                name=AUTO, kind="auto", summary="The fastest kernel this backend has: numpy.", precisions=ALL_PRECISIONS
+            ),
             *(
                 KernelInfo(
                     name=spec.name,
@@ -56,7 +59,12 @@ class CpuBackend:
                 )
                 for spec in (KERNELS[name] for name in EMULATIONS)
             ),
-            KernelInfo(name=NUMPY, kind="library", summary="numpy.matmul, through NumPy's BLAS."),
+            KernelInfo(
+                name=NUMPY,
+                kind="library",
+                summary="numpy.matmul, through NumPy's BLAS; the tensor-core precisions emulated.",
+                precisions=ALL_PRECISIONS,
+            ),
         ]
 
     def plan(

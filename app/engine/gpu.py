@@ -33,9 +33,11 @@ import numpy as np
 import kernels
 from app.engine.autotune import AUTO_REPEATS, SHAPE_CLASSES, AutoChoice, pick_auto
 from app.engine.base import (
+    ALL_PRECISIONS,
     AUTO,
     CUBLAS,
     DTYPE_NAMES,
+    TENSOR_CORE_PRECISIONS,
     DeviceTiming,
     Finished,
     KernelInfo,
@@ -54,8 +56,9 @@ from app.errors import (
     SharedMemoryError,
     UnknownKernel,
 )
+from kernels import tensorcore
 from kernels.cublas import cublas_product
-from kernels.cuda import KernelLibrary, device_attributes
+from kernels.cuda import KernelLibrary, TensorCoreLibrary, device_attributes
 from kernels.precision import Precision
 from kernels.reference import Reference
 from kernels.registry import KERNELS, KernelSpec, LaunchConfig, cdiv
@@ -297,6 +300,10 @@ class GpuBackend:
             initializer=self._use_device,
         )
         self._auto: list[AutoChoice] = []
+        self._has_tensor_core_kernels = (properties["major"], properties["minor"]) == tensorcore.COMPUTE_CAPABILITY
+        """Whether kernels/wgmma.cu (sm_90a machine code) runs here; elsewhere cuBLAS runs those precisions."""
+        self._tensor_cores: TensorCoreLibrary
+        """Compiled by `prepare` where the device runs it."""
         self._pinned_ranges: dict[int, int] = {}
         """Host memory given to `pin`: start address -> end address."""
 
@@ -305,7 +312,10 @@ class GpuBackend:
     def kernels(self) -> list[KernelInfo]:
         return [
             KernelInfo(
-                name=AUTO, kind="auto", summary="The kernel measured fastest at start-up for the shape's class."
+                name=AUTO,
+                kind="auto",
+                summary="The kernel measured fastest at start-up for the shape's class and the precision.",
+                precisions=ALL_PRECISIONS,
             ),
             *(
                 KernelInfo(
@@ -313,7 +323,26 @@ class GpuBackend:
                 )
                 for spec in KERNELS.values()
             ),
-            KernelInfo(name=CUBLAS, kind="library", summary="cupy.matmul (cuBLAS GEMM, TF32 off): the reference."),
+            *self._tensor_core_kernels(),
+            KernelInfo(
+                name=CUBLAS,
+                kind="library",
+                summary="cuBLAS: cupy.matmul in fp32 (TF32 off), GemmEx in the precision's types: the reference.",
+                precisions=ALL_PRECISIONS,
+            ),
+        ]
+
+    def _tensor_core_kernels(self) -> list[KernelInfo]:
+        if not self._has_tensor_core_kernels:
+            return []
+        return [
+            KernelInfo(
+                name=tensorcore.WGMMA,
+                kind="cuda",
+                summary=tensorcore.WGMMA_SUMMARY,
+                dtypes=("float32",),
+                precisions=TENSOR_CORE_PRECISIONS,
+            )
         ]
 
     def plan(
@@ -322,8 +351,9 @@ class GpuBackend:
         if kernel == FAULT_TRAP and self._fault_injection:
             return Plan(kernel=FAULT_TRAP)
         if kernel == AUTO:
-            # the other precisions run on cuBLAS until the tensor-core rungs of the ladder exist
-            kernel = pick_auto(self._auto, m, n, k, fallback=CUBLAS) if precision is Precision.FP32 else CUBLAS
+            kernel = pick_auto(self._auto, m, n, k, fallback=CUBLAS, precision=precision)
+        if kernel == tensorcore.WGMMA and self._has_tensor_core_kernels:
+            return self._tensor_core_plan(kernel, tile, precision)
         spec: KernelSpec | None = KERNELS.get(kernel)
         if spec is None and kernel != CUBLAS:
             offered = [info.name for info in self.kernels()]
@@ -343,6 +373,18 @@ class GpuBackend:
             raise ShapeMismatch(f"kernel '{kernel}' cannot cover this shape: {exc}", location=["a"]) from exc
         return Plan(kernel=kernel, tile=int(config.label) if spec.tiles else None, config=config)
 
+    @staticmethod
+    def _tensor_core_plan(kernel: str, tile: int | None, precision: Precision) -> Plan:
+        if tile is not None:
+            raise InvalidParameter(f"tile does not apply to kernel '{kernel}'", location=["tile"])
+        if precision is Precision.FP32:
+            offered = ", ".join(TENSOR_CORE_PRECISIONS)
+            raise InvalidParameter(
+                f"kernel '{kernel}' computes on the tensor cores: precision {offered}; fp32 runs on the others",
+                location=["precision"],
+            )
+        return Plan(kernel=kernel, precision=precision)
+
     # ------------------------------------------------------------------------------------ on the worker
 
     def prepare(self) -> None:
@@ -356,35 +398,49 @@ class GpuBackend:
             self._trap.compile()
         self._copy_in, self._compute, self._copy_out = (cp.cuda.Stream(non_blocking=True) for _ in range(3))
         self._library = KernelLibrary()
+        self._compiled_instances = len(DTYPE_NAMES) * sum(len(spec.configs) for spec in KERNELS.values())
+        if self._has_tensor_core_kernels:
+            self._tensor_cores = TensorCoreLibrary()
+            self._compiled_instances += len(tensorcore.WGMMA_CONFIGS)
         self._self_test()
         self._tune_auto()
-        self._compiled_instances = len(DTYPE_NAMES) * sum(len(spec.configs) for spec in KERNELS.values())
 
     def _instances(self) -> list[Plan]:
-        """A plan for every compiled instance, and cuBLAS."""
-        return [Plan(kernel=CUBLAS)] + [
-            Plan(kernel=spec.name, tile=int(config.label) if spec.tiles else None, config=config)
-            for spec in KERNELS.values()
-            for config in spec.configs
-        ]
+        """A plan for every compiled instance, and cuBLAS, in every precision each computes in."""
+        tensor_core_kernels = [CUBLAS] + [info.name for info in self._tensor_core_kernels()]
+        return (
+            [Plan(kernel=CUBLAS)]
+            + [
+                Plan(kernel=spec.name, tile=int(config.label) if spec.tiles else None, config=config)
+                for spec in KERNELS.values()
+                for config in spec.configs
+            ]
+            + [
+                Plan(kernel=kernel, precision=precision)
+                for precision in TENSOR_CORE_PRECISIONS
+                for kernel in tensor_core_kernels
+            ]
+        )
 
     def _self_test(self) -> None:
         """Run every kernel instance once (the warm-up), alone and, where it batches, as a batch of three, and
-        check every element of each product against a float64 one (kernels/reference.py's bound)."""
+        check every element of each product against a float64 one (kernels/reference.py's bound, in the plan's
+        precision)."""
         rng = np.random.default_rng(0)
         for plan in self._instances():
             m, k, n = _fitted(SELF_TEST_SHAPE, plan.config)
             pairs = [(rng.standard_normal((m, k)), rng.standard_normal((k, n))) for _ in range(3)]
-            for dtype in DTYPE_NAMES:
+            for dtype in DTYPE_NAMES if plan.precision is Precision.FP32 else ("float32",):
                 launches = [pairs[:1], pairs] if self.batchable(plan) else [pairs[:1]]
                 for launch in launches:
                     products, _ = self.submit(launch, np.dtype(dtype), plan, on_done=_nothing).result()
                     for (a, b), c in zip(launch, products, strict=True):
-                        problem = Reference.of(a, b, dtype).mismatch(c)
+                        problem = Reference.of(a, b, dtype, plan.precision).mismatch(c)
                         if problem is not None:
                             label = plan.config.label if plan.config else ""
                             raise RuntimeError(
-                                f"self-test failed: {plan.kernel}/{label}/{dtype}, batch of {len(launch)}: {problem}"
+                                f"self-test failed: {plan.kernel}/{label}/{dtype}/{plan.precision}, batch of "
+                                f"{len(launch)}: {problem}"
                             )
 
     def _tune_auto(self) -> None:
@@ -393,33 +449,44 @@ class GpuBackend:
         launch (at most AUTO_PROBE_ELEMENTS per operand stack). With batching on, small products share launches,
         and a kernel that cannot batch them pays a launch each: timed one at a time, `fast` won the 256^3 probe
         on some starts, and 64^2 products at 128 connections then ran 1,112/s in batches of 1, against 4,168/s in
-        batches of 25 when a batching kernel had won."""
+        batches of 25 when a batching kernel had won.
+
+        The tensor-core precisions have their own choices, between cuBLAS and kernels/wgmma.cu: its conversion
+        passes and launch cost more than cuBLAS's at small sizes, and less at large ones."""
+        candidates = {Precision.FP32: [CUBLAS, *KERNELS]}
+        if self._has_tensor_core_kernels:
+            candidates.update({precision: [CUBLAS, tensorcore.WGMMA] for precision in TENSOR_CORE_PRECISIONS})
+        choices = []
+        for precision, names in candidates.items():
+            for shape_class in SHAPE_CLASSES:
+                size = shape_class.probe
+                timings = {
+                    name: self._probe_ms(self.plan(name, None, size, size, size, precision), size) for name in names
+                }
+                fastest = min(timings, key=timings.__getitem__)
+                choices.append(
+                    AutoChoice(shape_class=shape_class, kernel=fastest, probe_ms=timings, precision=precision)
+                )
+        self._auto = choices
+        self._cp.get_default_memory_pool().free_all_blocks()
+
+    def _probe_ms(self, plan: Plan, size: int) -> float:
+        """Milliseconds per size^3 float32 product of `plan`, over AUTO_REPEATS launches after a warm-up one."""
         cp = self._cp
         start, stop = cp.cuda.Event(), cp.cuda.Event()
-        choices = []
-        for shape_class in SHAPE_CLASSES:
-            size = shape_class.probe
-            timings: dict[str, float] = {}
-            for name in [CUBLAS, *KERNELS]:
-                plan = self.plan(name, None, size, size, size)
-                batch = min(self._auto_batch, max(1, AUTO_PROBE_ELEMENTS // size**2)) if self.batchable(plan) else 1
-                shape = (batch, size, size) if batch > 1 else (size, size)
-                a = cp.random.standard_normal(shape, dtype=cp.float32)
-                b = cp.random.standard_normal(shape, dtype=cp.float32)
-                c = cp.empty(shape, dtype=cp.float32)
-                with self._compute as stream:
-                    self._launch(plan, a, b, c)
-                    start.record(stream)
-                    for _ in range(AUTO_REPEATS):
-                        self._launch(plan, a, b, c)
-                    stop.record(stream)
-                stop.synchronize()
-                timings[name] = cp.cuda.get_elapsed_time(start, stop) / (AUTO_REPEATS * batch)
-                del a, b, c
-            fastest = min(timings, key=timings.__getitem__)
-            choices.append(AutoChoice(shape_class=shape_class, kernel=fastest, probe_ms=timings))
-        self._auto = choices
-        cp.get_default_memory_pool().free_all_blocks()
+        batch = min(self._auto_batch, max(1, AUTO_PROBE_ELEMENTS // size**2)) if self.batchable(plan) else 1
+        shape = (batch, size, size) if batch > 1 else (size, size)
+        a = cp.random.standard_normal(shape, dtype=cp.float32)
+        b = cp.random.standard_normal(shape, dtype=cp.float32)
+        c = cp.empty(shape, dtype=cp.float32)
+        with self._compute as stream:
+            self._launch(plan, a, b, c)
+            start.record(stream)
+            for _ in range(AUTO_REPEATS):
+                self._launch(plan, a, b, c)
+            stop.record(stream)
+        stop.synchronize()
+        return float(cp.cuda.get_elapsed_time(start, stop)) / (AUTO_REPEATS * batch)
 
     def auto_choices(self) -> list[AutoChoice]:
         return list(self._auto)
@@ -639,6 +706,8 @@ class GpuBackend:
     def _launch(self, plan: Plan, a: Any, b: Any, c: Any) -> None:
         if plan.kernel == FAULT_TRAP:
             self._trap((1,), (1,), ())
+        elif plan.kernel == tensorcore.WGMMA:
+            self._tensor_cores.product(a, b, c, plan.precision)
         elif plan.precision is not Precision.FP32:
             cublas_product(a, b, c, plan.precision)
         elif plan.config is None:

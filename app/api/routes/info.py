@@ -23,6 +23,7 @@ def _kernel_models(engine: EngineFront) -> list[KernelModel]:
             dtypes=list(k.dtypes),
             tiles=list(k.tiles),
             default_tile=k.default_tile,
+            precisions=list(k.precisions),
         )
         for k in engine.kernels()
     ]
@@ -35,6 +36,7 @@ async def kernels(engine: EngineDep) -> KernelListing:
         AutoChoiceModel(
             shape_class=choice.shape_class.name,
             up_to=choice.shape_class.up_to,
+            precision=choice.precision,
             kernel=choice.kernel,
             probe=[choice.shape_class.probe] * 3,
             probe_ms=dict(choice.probe_ms),
