@@ -4,7 +4,9 @@ Each (kernel, shape, dtype) is first checked against a float64 product of the sa
 kernels/reference.py's bound, on an output poisoned with NaN beforehand, so an unwritten element fails), then timed:
 warm-up launches, then at least --repeats launches each between its own pair of CUDA events, with L2 flushed
 before each (a buffer twice the L2 size is rewritten) and the inputs rotated among several sets; the median
-is reported. GFLOP/s = 2*m*n*k / t; the ratio is to cuBLAS measured in the same run on the same inputs.
+is reported. GFLOP/s = 2*m*n*k / t; the ratio is to cuBLAS measured in the same run on the same inputs, in the same
+precision (--precisions: cuBLAS in the tensor-core modes, and `wgmma` in each where the device runs it), and
+`sgemm_ratio` is every row's to cuBLAS SGEMM.
 Prints a table, writes bench_kernels.json, bench_kernels.png (GFLOP/s against size, one line per kernel,
 cuBLAS dashed) and bench_kernels_roofline.png (GFLOP/s against arithmetic intensity, the FLOP/byte of the
 global-memory requests each kernel's access pattern makes, one point per kernel and shape, under the device's
@@ -13,6 +15,8 @@ compute and memory roofs; see docs/roofline.md) under --out.
     python scripts/bench_kernels.py                       # the whole sweep, both dtypes
     python scripts/bench_kernels.py --kernels fast --sizes 4096 --dtypes float32 --no-odd
     python scripts/bench_kernels.py --kernels fast --configs all --sizes 2048,4096   # every instance
+    python scripts/bench_kernels.py --kernels fast,wgmma --sizes 4096,8192 --dtypes float32 \
+        --precisions tf32,3xtf32,bf16,fp16                # the tensor-core ladder against cuBLAS in each mode
 """
 
 from __future__ import annotations
@@ -31,11 +35,12 @@ from typing import Any
 import numpy as np
 
 from kernels.cublas import cublas_product
-from kernels.cuda import KernelLibrary, device_attributes
+from kernels.cuda import KernelLibrary, TensorCoreLibrary, device_attributes
 from kernels.precision import Precision
 from kernels.reference import BOUND_CONSTANT, Reference
 from kernels.registry import KERNELS, KernelSpec, LaunchConfig
 from kernels.roofline import DevicePeaks, gpu_peaks, roofline
+from kernels.tensorcore import WGMMA
 
 CUBLAS = "cublas"
 SQUARE_SIZES = (256, 512, 1024, 2048, 4096, 8192)
@@ -66,7 +71,9 @@ class Result:
     """The largest |C - R| / (sqrt(k) u |A||B|) of the product (kernels/reference.py): wrong past BOUND_CONSTANT."""
     note: str = ""
     precision: str = "fp32"
-    """The mode the product ran in (kernels/precision.py); the ratio of a row in another mode is to cuBLAS SGEMM."""
+    """The mode the product ran in (kernels/precision.py); `ratio` is to cuBLAS in the same mode."""
+    sgemm_ratio: float | None = None
+    """cuBLAS SGEMM's time (the float32 product in fp32) over this row's; None for float64."""
     relative_error: float | None = None
     """||C - R|| / ||R|| (Frobenius) against the float64 product of the float32 operands."""
 
@@ -85,6 +92,7 @@ class Bench:
         l2 = int(cupy.cuda.Device().attributes["L2CacheSize"])
         self.flush = cupy.empty(2 * l2 // 4, dtype=cupy.float32)
         self.library = KernelLibrary()
+        self.tensor_cores = TensorCoreLibrary() if cupy.cuda.Device().compute_capability == "90" else None
 
     def inputs(self, m: int, n: int, k: int, dtype: str) -> tuple[list[tuple[Any, Any]], Reference]:
         """Fresh random input sets (standard normal) and the reference of the first, computed on the device."""
@@ -129,6 +137,11 @@ class Bench:
     def cublas_in(precision: Precision) -> Any:
         return lambda a, b, c: cublas_product(a, b, c, precision)
 
+    def wgmma_in(self, precision: Precision) -> Any:
+        tensor_cores = self.tensor_cores
+        assert tensor_cores is not None
+        return lambda a, b, c: tensor_cores.product(a, b, c, precision)
+
     def launcher(self, spec: KernelSpec | None, config: LaunchConfig | None) -> Any:
         if spec is None or config is None:
             return lambda a, b, c: self.cp.matmul(a, b, out=c)
@@ -161,20 +174,21 @@ def run_sweep(args: argparse.Namespace) -> tuple[list[Result], dict[str, Any]]:
                 cublas.gflops, cublas.ratio = flop / cublas.ms / 1e6, 1.0
             rows = [cublas]
             for precision in args.precisions if dtype == "float32" else []:
-                row = Result(CUBLAS, "", dtype, m, n, k, None, None, None, precision=precision)
-                rows.append(row)
-                run = bench.cublas_in(precision)
-                a, b = sets[0]
-                in_mode = Reference.of(a, b, dtype, precision)
-                row.error_ratio, row.relative_error = bench.error(run, sets, in_mode, dtype)
+                in_mode = Reference.of(*sets[0], dtype, precision)
+                library = Result(CUBLAS, "", dtype, m, n, k, None, None, None, precision=precision)
+                rows.append(library)
+                measure(bench, args, library, bench.cublas_in(precision), sets, in_mode, None)
+                if WGMMA in args.kernels and bench.tensor_cores is not None:
+                    own = Result(WGMMA, "", dtype, m, n, k, None, None, None, precision=precision)
+                    rows.append(own)
+                    measure(bench, args, own, bench.wgmma_in(precision), sets, in_mode, library.ms)
                 del in_mode
-                if not row.error_ratio <= BOUND_CONSTANT:
-                    row.note = "WRONG"
-                elif not args.check_only:
-                    row.ms = bench.time(run, sets, dtype)
-                    row.gflops = flop / row.ms / 1e6
-                    row.ratio = None if cublas.ms is None else cublas.ms / row.ms
-            for spec, config in plan(args.kernels, args.configs == "all", m, n, k):
+            for row in rows:
+                if dtype == "float32" and row.ms is not None and cublas.ms is not None:
+                    row.sgemm_ratio = cublas.ms / row.ms
+            for spec, config in plan(
+                [name for name in args.kernels if name in KERNELS], args.configs == "all", m, n, k
+            ):
                 row = Result(spec.name, config.label, dtype, m, n, k, None, None, None)
                 rows.append(row)
                 if spec.name in SLOW_KERNELS and flop > SLOW_FLOP_LIMIT[dtype] and not args.include_slow:
@@ -214,6 +228,26 @@ def run_sweep(args: argparse.Namespace) -> tuple[list[Result], dict[str, Any]]:
     return results, meta
 
 
+def measure(
+    bench: Bench,
+    args: argparse.Namespace,
+    row: Result,
+    run: Any,
+    sets: list[tuple[Any, Any]],
+    reference: Reference,
+    library_ms: float | None,
+) -> None:
+    """Check `run` against `reference`, then (unless --check-only) time it into `row`; its ratio is to
+    `library_ms`, cuBLAS's time in the same mode (None: the row is cuBLAS's own, 1.0)."""
+    row.error_ratio, row.relative_error = bench.error(run, sets, reference, row.dtype)
+    if not row.error_ratio <= BOUND_CONSTANT:
+        row.note = "WRONG"
+    elif not args.check_only:
+        row.ms = bench.time(run, sets, row.dtype)
+        row.gflops = 2 * row.m * row.n * row.k / row.ms / 1e6
+        row.ratio = 1.0 if library_ms is None else library_ms / row.ms
+
+
 def format_row(r: Result) -> str:
     def number(value: float | None, spec: str) -> str:
         return "-" if value is None else format(value, spec)
@@ -221,13 +255,15 @@ def format_row(r: Result) -> str:
     kernel = label(f"{r.kernel}/{r.config}" if r.config else r.kernel, r)
     return (
         f"{kernel:<40} {shape_name(r.m, r.n, r.k):<20} {r.dtype:<8} {number(r.ms, '10.3f')} "
-        f"{number(r.gflops, '10.1f')} {number(r.ratio, '7.2f')} {number(r.error_ratio, '9.3f')} "
+        f"{number(r.gflops, '10.1f')} {number(r.ratio, '7.2f')} {number(r.sgemm_ratio, '7.2f')} "
+        f"{number(r.error_ratio, '9.3f')} "
         f"{number(r.relative_error, '9.1e')}  {r.note}"
     )
 
 
 HEADER = (
-    f"{'kernel':<40} {'shape':<20} {'dtype':<8} {'ms':>10} {'GFLOP/s':>10} {'ratio':>7} {'err.ratio':>9} {'rel.err':>9}"
+    f"{'kernel':<40} {'shape':<20} {'dtype':<8} {'ms':>10} {'GFLOP/s':>10} {'ratio':>7} {'xSGEMM':>7} {'err.ratio':>9} "
+    f"{'rel.err':>9}"
 )
 
 
@@ -277,6 +313,8 @@ def write_plot(results: list[Result], meta: dict[str, Any], path: Path) -> bool:
             style = {"linestyle": "--", "color": "black"} if name == CUBLAS else {"linestyle": "-"}
             axis.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=name, **style)
         axis.set_xscale("log", base=2)
+        if any(r.precision != Precision.FP32 for r in square):
+            axis.set_yscale("log")  # the tensor cores' rates are 10-20x the FMA lanes'
         axis.set_xlabel("m = n = k")
         axis.grid(True, alpha=0.3)
 
@@ -292,7 +330,8 @@ def label(name: str, r: Result) -> str:
 
 def intensity(r: Result) -> float:
     """FLOPs per byte of the global-memory requests of the run's instance (cuBLAS: A, B read and C written once)."""
-    config = None if r.kernel == CUBLAS else next(c for c in KERNELS[r.kernel].configs if c.label == r.config)
+    # the libraries' and the tensor-core kernels' traffic: A, B read and C written once
+    config = next((c for c in KERNELS[r.kernel].configs if c.label == r.config), None) if r.kernel in KERNELS else None
     line = roofline(config, (r.m, r.n, r.k), np.dtype(r.dtype), 1, r.ms or 0.0, DevicePeaks())
     return line.flops / line.global_bytes
 
@@ -349,7 +388,11 @@ def replot(path: Path) -> int:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--kernels", default=",".join(KERNELS), help="comma-separated (default: all registered)")
+    parser.add_argument(
+        "--kernels",
+        default=",".join(KERNELS),
+        help=f"comma-separated (default: all registered); {WGMMA} runs in the --precisions on an H100 or H200",
+    )
     parser.add_argument("--sizes", default=",".join(map(str, SQUARE_SIZES)), help="square sides, comma-separated")
     parser.add_argument("--dtypes", default=",".join(DTYPES), help="float32, float64 or both")
     parser.add_argument("--no-odd", action="store_true", help="leave out the odd shapes")
@@ -362,8 +405,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--precisions",
         default="",
-        help="float32 only: cuBLAS also in these modes, comma-separated, of "
-        f"{[str(p) for p in Precision if p is not Precision.FP32]} (ratio to SGEMM)",
+        help="float32 only: cuBLAS (and wgmma) also in these modes, comma-separated, of "
+        f"{[str(p) for p in Precision if p is not Precision.FP32]}",
     )
     parser.add_argument("--check-only", action="store_true", help="check against the reference, time nothing")
     parser.add_argument("--include-slow", action="store_true", help="time the teaching kernels at every size")
@@ -373,7 +416,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--out", type=Path, default=Path("docs/bench"), help="directory for the JSON and PNG")
     args = parser.parse_args(argv)
     args.kernels = [name for name in args.kernels.split(",") if name]
-    unknown = [name for name in args.kernels if name not in KERNELS]
+    unknown = [name for name in args.kernels if name not in KERNELS and name != WGMMA]
     if unknown:
         parser.error(f"unknown kernels {unknown}; registered: {list(KERNELS)}")
     try:
