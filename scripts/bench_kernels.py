@@ -194,17 +194,7 @@ def run_sweep(args: argparse.Namespace) -> tuple[list[Result], dict[str, Any]]:
                 if spec.name in SLOW_KERNELS and flop > SLOW_FLOP_LIMIT[dtype] and not args.include_slow:
                     row.note = "skipped (slow)"
                     continue
-                run = bench.launcher(spec, config)
-                row.error_ratio, row.relative_error = bench.error(run, sets, reference, dtype)
-                if not row.error_ratio <= BOUND_CONSTANT:
-                    row.note = "WRONG"
-                    continue
-                if args.check_only:
-                    continue
-                row.ms = bench.time(run, sets, dtype)
-                row.gflops = flop / row.ms / 1e6
-                if cublas.ms is not None:
-                    row.ratio = cublas.ms / row.ms
+                measure(bench, args, row, bench.launcher(spec, config), sets, reference, cublas.ms)
             print_rows(rows)
             results.extend(rows)
             del sets, reference
@@ -238,7 +228,7 @@ def measure(
     library_ms: float | None,
 ) -> None:
     """Check `run` against `reference`, then (unless --check-only) time it into `row`; its ratio is to
-    `library_ms`, cuBLAS's time in the same mode (None: the row is cuBLAS's own, 1.0)."""
+    `library_ms`, cuBLAS's time in the same mode (None: the row is cuBLAS's own, 1.0; timed whenever a row is)."""
     row.error_ratio, row.relative_error = bench.error(run, sets, reference, row.dtype)
     if not row.error_ratio <= BOUND_CONSTANT:
         row.note = "WRONG"
