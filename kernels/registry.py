@@ -22,11 +22,26 @@ from typing import TypedDict, Unpack
 
 KERNEL_DIR = Path(__file__).resolve().parent
 LOCAL_INCLUDE = re.compile(r'^#include "(?P<header>[\w.]+\.cuh)"$', re.MULTILINE)
-"""An include of a header of this folder (kernels/common.cuh), which `KernelSpec.read_source` puts in place."""
+"""An include of a header of this folder (kernels/common.cuh), which `read_kernel_source` puts in place."""
 CTYPES = MappingProxyType({"float32": "float", "float64": "double"})
 MAX_THREADS_PER_BLOCK = 1024
 MAX_GRID_Y = 65535
 STATIC_SMEM_LIMIT = 48 * 1024
+
+
+def read_kernel_source(source: str) -> str:
+    """kernels/<source> with each `#include "<name>.cuh"` of this folder replaced by that header's text, between
+    `#line` directives so that compiler messages still name the right file and line. NVRTC then needs no include
+    path, and the text CuPy keys its kernel cache on (a volume that outlives images) changes when a header does,
+    which an include path would hide from it."""
+    text = (KERNEL_DIR / source).read_text(encoding="utf-8")
+
+    def header_text(include: re.Match[str]) -> str:
+        line = text.count("\n", 0, include.start()) + 1
+        header = (KERNEL_DIR / include["header"]).read_text(encoding="utf-8")
+        return f'#line 1 "{include["header"]}"\n{header}#line {line + 1} "{source}"'
+
+    return LOCAL_INCLUDE.sub(header_text, text)
 
 
 def cdiv(a: int, b: int) -> int:
@@ -116,18 +131,7 @@ class KernelSpec:
         return KERNEL_DIR / self.source
 
     def read_source(self) -> str:
-        """The source with each `#include "<name>.cuh"` of this folder replaced by that header's text, between
-        `#line` directives so that compiler messages still name the right file and line. NVRTC then needs no
-        include path, and the text CuPy keys its kernel cache on (a volume that outlives images) changes when a
-        header does, which an include path would hide from it."""
-        source = self.path.read_text(encoding="utf-8")
-
-        def header_text(include: re.Match[str]) -> str:
-            line = source.count("\n", 0, include.start()) + 1
-            text = (KERNEL_DIR / include["header"]).read_text(encoding="utf-8")
-            return f'#line 1 "{include["header"]}"\n{text}#line {line + 1} "{self.source}"'
-
-        return LOCAL_INCLUDE.sub(header_text, source)
+        return read_kernel_source(self.source)
 
     def name_expression(self, dtype: str, config: LaunchConfig) -> str:
         args = ", ".join([CTYPES[dtype], *(str(a) for a in config.template_args)])

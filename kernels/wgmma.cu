@@ -22,6 +22,9 @@
 // compute big*big into one accumulator and big*small + small*big into another, and add the two at the end: the
 // small products' float32 sums do not round against the big ones' magnitude.
 
+#include "async_copy.cuh"
+#include "tile_order.cuh"
+
 typedef unsigned int u32;
 typedef unsigned long long u64;
 
@@ -31,7 +34,6 @@ constexpr int BM = 128;            // rows of C per block: two consumer warpgrou
 constexpr int CONSUMERS = 2;
 constexpr int THREADS = 128 * (CONSUMERS + 1);
 constexpr int ROW_BYTES = 128;     // a tile row: one 128-byte swizzle span of K
-constexpr int GROUP_M = 8;
 constexpr int TENSOR_MAP_BYTES = 128;
 
 template <int KIND> struct Operand {
@@ -40,9 +42,6 @@ template <int KIND> struct Operand {
     static constexpr int mma_k = 32 / bytes;           // K per wgmma: 16 or 8, 32 bytes of a row
 };
 
-__device__ __forceinline__ u32 shared_address(const void* pointer) {
-    return static_cast<u32>(__cvta_generic_to_shared(pointer));
-}
 
 // ---------------------------------------------------------------------------------------------- mbarriers
 
@@ -156,17 +155,6 @@ template <int KIND, int N> __device__ __forceinline__ void wgmma(float (&d)[N / 
 }
 
 // ------------------------------------------------------------------------------------------------ the kernel
-
-// The (row, column) of C's tile that block `block` computes: tiles taken GROUP_M rows of tiles at a time, column
-// by column within the group.
-__device__ __forceinline__ void tile_of(int block, int tiles_m, int tiles_n, int& tile_m, int& tile_n) {
-    const int per_group = GROUP_M * tiles_n;
-    const int first = (block / per_group) * GROUP_M;
-    const int rows = min(tiles_m - first, GROUP_M);
-    const int in_group = block % per_group;
-    tile_m = first + in_group % rows;
-    tile_n = in_group / rows;
-}
 
 // maps: the TMA tensor maps in global memory, 128 bytes each: A and B^T, or (SPLIT) A's big and small parts and
 // B^T's. Launched with THREADS threads, one block per tile of C (1-D grid), and `smem_bytes<...>()` bytes of

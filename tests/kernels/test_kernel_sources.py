@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import re
 
 import pytest
@@ -69,8 +70,10 @@ def test_each_source_opens_with_its_comment_and_gets_its_headers_in_place(spec: 
     assert not LOCAL_INCLUDE.search(source)
     lines = source.splitlines()
     directives = [(i, match) for i, line in enumerate(lines) if (match := re.fullmatch(r'#line (\d+) "(.+)"', line))]
-    assert [match[2] for _, match in directives] == ["common.cuh", spec.source]
+    included = LOCAL_INCLUDE.findall(spec.path.read_text())
+    assert [match[2] for _, match in directives] == [name for header in included for name in (header, spec.source)]
+    assert "common.cuh" in included
     for i, match in directives:
         original = (KERNEL_DIR / match[2]).read_text().splitlines()
-        following = lines[i + 1 : i + 4]
-        assert following == original[int(match[1]) - 1 : int(match[1]) + 2]
+        following = list(itertools.takewhile(lambda line: not line.startswith("#line "), lines[i + 1 : i + 4]))
+        assert following == original[int(match[1]) - 1 : int(match[1]) - 1 + len(following)]
