@@ -8,18 +8,19 @@ the roofline's peaks are computed from (kernels/roofline.py).
 from __future__ import annotations
 
 import tempfile
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from types import MappingProxyType
-from typing import Any
+from typing import Any, Protocol, TypeVar
 
 import numpy as np
 
 from kernels import tensorcore, tma
 from kernels.precision import Precision
-from kernels.registry import KERNEL_DIR, KERNELS, STATIC_SMEM_LIMIT, KernelSpec, LaunchConfig, cdiv
+from kernels.registry import KERNELS, STATIC_SMEM_LIMIT, KernelSpec, LaunchConfig, cdiv, read_kernel_source
 
 COMPILE_OPTIONS = ("-std=c++17",)
+Key = TypeVar("Key")
 DEVICE_ATTRIBUTES = MappingProxyType(
     {"multiprocessors": 16, "clock_khz": 13, "memory_clock_khz": 36, "memory_bus_width_bits": 37}
 )
@@ -67,8 +68,7 @@ def compile_tensor_core_source(source: str, expressions: list[str]) -> tuple[byt
     cannot go through PTX that the driver compiles for plain sm_90): the cubin, the lowered names, and ptxas's
     resource report (registers, spills) as the log."""
     options = [f"--gpu-architecture={tensorcore.ARCH}", *COMPILE_OPTIONS, "--ptxas-options=-v"]
-    text = (KERNEL_DIR / source).read_text(encoding="utf-8")
-    return _nvrtc(source, text, expressions, options, lambda nvrtc, p: nvrtc.getCUBIN(p))
+    return _nvrtc(source, read_kernel_source(source), expressions, options, lambda nvrtc, p: nvrtc.getCUBIN(p))
 
 
 def device_attributes(cupy: Any, device: int) -> dict[str, int | None]:
@@ -130,25 +130,33 @@ class KernelLibrary:
         )
 
 
+class _Instance(Protocol):
+    """What loading a kernel instance needs of its config."""
+
+    def expression(self) -> str: ...
+
+    def smem_bytes(self) -> int: ...
+
+
 class TensorCoreLibrary:
-    """kernels/wgmma.cu and kernels/operands.cu, compiled for sm_90a and loaded on the current CuPy device (a
-    compute capability 9.0 one): float32 products in the tensor-core precisions."""
+    """The tensor-core kernels (kernels/tensorcore.py), compiled for sm_90a and loaded on the current CuPy device (a
+    compute capability 9.0 one): float32 products in the tensor-core precisions through wgmma and mma.sync, and
+    float64 products on the FP64 tensor cores."""
 
     def __init__(self) -> None:
         import cupy
 
         self._cp = cupy
-        self._products: dict[Precision, Any] = {}
+        self._wgmma: dict[Precision, Any] = {}
+        self._mma_sync: dict[Precision, Any] = {}
+        self._dmma: dict[bool, Any] = {}
         self._conversions: dict[tuple[str, int], Any] = {}
         with tempfile.TemporaryDirectory(prefix="matmul-tensorcore-") as folder:
-            products = self._load(
-                Path(folder), tensorcore.WGMMA_SOURCE, [c.expression() for c in tensorcore.WGMMA_CONFIGS.values()]
-            )
-            for precision, config in tensorcore.WGMMA_CONFIGS.items():
-                function = products[config.expression()]
-                function.max_dynamic_shared_size_bytes = config.smem_bytes()
-                self._products[precision] = function
-            conversions = self._load(Path(folder), tensorcore.OPERANDS_SOURCE, tensorcore.conversion_expressions())
+            place = Path(folder)
+            self._wgmma = self._load_instances(place, tensorcore.WGMMA_SOURCE, tensorcore.WGMMA_CONFIGS)
+            self._mma_sync = self._load_instances(place, tensorcore.MMA_SYNC_SOURCE, tensorcore.MMA_SYNC_CONFIGS)
+            self._dmma = self._load_instances(place, tensorcore.DMMA_SOURCE, tensorcore.DMMA_CONFIGS)
+            conversions = self._load(place, tensorcore.OPERANDS_SOURCE, tensorcore.conversion_expressions())
             for expression, function in conversions.items():
                 kernel, conversion = expression.removesuffix(">").split("<")
                 self._conversions[(kernel, int(conversion))] = function
@@ -161,9 +169,19 @@ class TensorCoreLibrary:
         module = self._cp.RawModule(path=str(path))
         return {expression: module.get_function(name) for expression, name in lowered.items()}
 
+    def _load_instances(self, folder: Path, source: str, configs: Mapping[Key, _Instance]) -> dict[Key, Any]:
+        """Each config's kernel, allowed the dynamic shared memory it asks for."""
+        functions = self._load(folder, source, [config.expression() for config in configs.values()])
+        loaded = {}
+        for key, config in configs.items():
+            function = functions[config.expression()]
+            function.max_dynamic_shared_size_bytes = config.smem_bytes()
+            loaded[key] = function
+        return loaded
+
     def converted(self, precision: Precision, x: Any, *, transposed: bool) -> list[Any]:
-        """x (float32, 2-D, C-contiguous) as kernels/wgmma.cu reads it in `precision`: K-major rows (x's rows, or
-        its columns when `transposed`) in the kernel's input type (uint16 bits for bf16 and fp16), padded to the
+        """x (float32, 2-D, C-contiguous) as the tensor-core kernels read it in `precision`: K-major rows (x's rows,
+        or its columns when `transposed`) in the kernel's input type (uint16 bits for bf16 and fp16), padded to the
         stride alignment; the big and the small part for 3xtf32."""
         config = tensorcore.WGMMA_CONFIGS[precision]
         height, width = x.shape
@@ -179,14 +197,12 @@ class TensorCoreLibrary:
         self._conversions[(kernel, int(config.conversion))](grid, block, arguments)
         return parts
 
-    def product(self, a: Any, b: Any, c: Any, precision: Precision) -> None:
-        """c = a @ b in `precision` on the current stream: 2-D C-contiguous CuPy float32 arrays."""
+    def wgmma(self, a: Any, b: Any, c: Any, precision: Precision) -> None:
+        """c = a @ b in `precision` on the current stream through kernels/wgmma.cu: 2-D C-contiguous CuPy float32
+        arrays."""
         config = tensorcore.WGMMA_CONFIGS[precision]
         (m, k), n = a.shape, b.shape[1]
-        if m == 0 or n == 0:
-            return
-        if k == 0:
-            c.fill(0)
+        if _nothing_to_multiply(c, k):
             return
         if precision is Precision.TF32 and k % 4 == 0 and a.data.ptr % tensorcore.STRIDE_ALIGNMENT == 0:
             # read as it is: the tensor cores take a float32's top 19 bits, TF32 truncated (kernels/precision.py's
@@ -210,9 +226,48 @@ class TensorCoreLibrary:
         maps = [tma.encode(matrix(part, m, tensorcore.BLOCK_M)) for part in a_parts]
         maps += [tma.encode(matrix(part, n, config.block_n)) for part in b_parts]
         device_maps = self._cp.asarray(np.frombuffer(b"".join(maps), np.uint8))
-        self._products[precision](
+        self._wgmma[precision](
             (config.blocks(m, n), 1, 1),
             (tensorcore.THREADS, 1, 1),
             (device_maps, c, np.int32(m), np.int32(n), np.int32(k)),
             shared_mem=config.smem_bytes(),
         )
+
+    def mma_sync(self, a: Any, b: Any, c: Any, precision: Precision) -> None:
+        """c = a @ b in `precision` (tf32, bf16 or fp16) on the current stream through kernels/mma_sync.cu: 2-D
+        C-contiguous CuPy float32 arrays. Both operands are converted (TF32 rounded, not read as they are)."""
+        config = tensorcore.MMA_SYNC_CONFIGS[precision]
+        (m, k), n = a.shape, b.shape[1]
+        if _nothing_to_multiply(c, k):
+            return
+        (a_part,) = self.converted(precision, a, transposed=False)
+        (b_part,) = self.converted(precision, b, transposed=True)
+        self._mma_sync[precision](
+            (config.blocks(m, n), 1, 1),
+            (tensorcore.MMA_THREADS, 1, 1),
+            (a_part, b_part, c, np.int32(m), np.int32(n), np.int32(k), np.int32(a_part.shape[1])),
+            shared_mem=config.smem_bytes(),
+        )
+
+    def dmma(self, a: Any, b: Any, c: Any) -> None:
+        """c = a @ b on the current stream through kernels/dmma.cu: 2-D C-contiguous CuPy float64 arrays."""
+        (m, k), n = a.shape, b.shape[1]
+        if _nothing_to_multiply(c, k):
+            return
+        config = tensorcore.dmma_config(n, k)
+        self._dmma[config.vec](
+            (config.blocks(m, n), 1, 1),
+            (config.threads, 1, 1),
+            (a, b, c, np.int32(m), np.int32(n), np.int32(k)),
+            shared_mem=config.smem_bytes(),
+        )
+
+
+def _nothing_to_multiply(c: Any, k: int) -> bool:
+    """Whether c = a @ b needs no kernel: C is empty, or k = 0 (C is then zeros, written here)."""
+    if c.size == 0:
+        return True
+    if k == 0:
+        c.fill(0)
+        return True
+    return False

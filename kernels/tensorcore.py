@@ -1,8 +1,11 @@
-"""The tensor-core kernels: kernels/wgmma.cu (the product) and kernels/operands.cu (the operands as it reads them),
-per precision. Nothing here needs a GPU or CuPy: kernels/cuda.py's `TensorCoreLibrary` compiles and launches them.
+"""The tensor-core kernels and their instances: kernels/mma_sync.cu (warp-level mma.sync) and kernels/wgmma.cu
+(Hopper's warpgroup MMA) per precision, with kernels/operands.cu writing the operands as they read them; and
+kernels/dmma.cu, float64 products on the FP64 tensor cores. Nothing here needs a GPU or CuPy: kernels/cuda.py's
+`TensorCoreLibrary` compiles and launches them.
 
-They use Hopper's `wgmma` and `setmaxnreg`, so they are compiled for sm_90a, which only a compute capability 9.0
-device (H100, H200) runs; elsewhere the tensor-core precisions run on cuBLAS alone.
+wgmma and setmaxnreg exist only on sm_90a, and dmma.cu's m16n8k8 f64 instruction only from sm_90, so all of them are
+compiled for sm_90a, which only a compute capability 9.0 device (H100, H200) runs; elsewhere the tensor-core
+precisions run on cuBLAS alone, and float64 on the FMA kernels and cuBLAS.
 """
 
 from __future__ import annotations
@@ -104,6 +107,105 @@ WGMMA_CONFIGS: MappingProxyType[Precision, WgmmaConfig] = MappingProxyType(
         Precision.TF32X3: WgmmaConfig(OperandKind.TF32, 128, 3, True, Conversion.SPLIT_TF32),
     }
 )
+
+
+MMA_SYNC = "mma_sync"
+MMA_SYNC_SUMMARY = (
+    "Tensor cores, warp-level mma.sync (m16n8k16 bf16/fp16, m16n8k8 tf32): ldmatrix from swizzled shared memory, a "
+    "4-stage cp.async pipeline; operands converted on the device first. Precisions tf32, bf16, fp16."
+)
+MMA_SYNC_SOURCE = "mma_sync.cu"
+MMA_THREADS = 256
+"""Eight warps, 2 x 4 (kernels/mma_sync.cu's MMA_THREADS)."""
+
+
+@dataclass(frozen=True)
+class MmaSyncConfig:
+    """One instance of kernels/mma_sync.cu's template. It reads the operands as `WGMMA_CONFIGS[precision]` converts
+    them (K-major, rows padded to 16 bytes), which is also the layout mma.sync's row.col form takes."""
+
+    kind: OperandKind
+    block_n: int
+    stages: int
+
+    def expression(self) -> str:
+        return f"matmul_mma<{int(self.kind)}, {self.block_n}, {self.stages}>"
+
+    def smem_bytes(self) -> int:
+        return self.stages * (BLOCK_M + self.block_n) * ROW_BYTES
+
+    def blocks(self, m: int, n: int) -> int:
+        return cdiv(m, BLOCK_M) * cdiv(n, self.block_n)
+
+
+MMA_SYNC_CONFIGS: MappingProxyType[Precision, MmaSyncConfig] = MappingProxyType(
+    {
+        # 128 x 256 tiles, 4 stages: the fastest of 128/256 wide and 3/4 deep on the H100 (docs/tensor-cores.md)
+        Precision.TF32: MmaSyncConfig(OperandKind.TF32, 256, 4),
+        Precision.BF16: MmaSyncConfig(OperandKind.BF16, 256, 4),
+        Precision.FP16: MmaSyncConfig(OperandKind.FP16, 256, 4),
+    }
+)
+
+DMMA = "dmma"
+DMMA_SUMMARY = (
+    "float64 on the FP64 tensor cores (mma.sync m16n8k8 f64, DMMA): 16-byte fragment loads from swizzled shared "
+    "memory, a 4-stage cp.async pipeline."
+)
+DMMA_SOURCE = "dmma.cu"
+DMMA_WARP_N = 32
+"""Columns of a warp's tile (kernels/dmma.cu's DMMA_WN)."""
+
+
+@dataclass(frozen=True)
+class DmmaConfig:
+    """One instance of kernels/dmma.cu's template: block tile, warp rows, pipeline depth, copy width, instruction."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    warp_m: int
+    stages: int
+    vec: bool
+    """16-byte copies and stores, which need K and N even."""
+    mma_k: int
+    """The instruction: m8n8k4 (4), m16n8k8 (8) or m16n8k16 (16)."""
+
+    @property
+    def threads(self) -> int:
+        return (self.block_m // self.warp_m) * (self.block_n // DMMA_WARP_N) * 32
+
+    def expression(self) -> str:
+        vec = "true" if self.vec else "false"
+        return (
+            f"matmul_dmma<{self.block_m}, {self.block_n}, {self.block_k}, {self.warp_m}, {self.stages}, {vec}, "
+            f"{self.mma_k}>"
+        )
+
+    def smem_bytes(self) -> int:
+        return self.stages * (self.block_m + self.block_n) * self.block_k * 8
+
+    def blocks(self, m: int, n: int) -> int:
+        return cdiv(m, self.block_m) * cdiv(n, self.block_n)
+
+
+DMMA_CONFIGS: MappingProxyType[bool, DmmaConfig] = MappingProxyType(
+    {
+        # Keyed by `vec`. Measured on the H100 among 64-256 wide tiles, 2-5 stages and the three instructions
+        # (docs/tensor-cores.md): 128 x 64 with two blocks an SM for 16-byte copies, 128 x 128 for 8-byte ones.
+        True: DmmaConfig(128, 64, 16, 64, 4, vec=True, mma_k=8),
+        False: DmmaConfig(128, 128, 16, 64, 4, vec=False, mma_k=8),
+    }
+)
+
+
+def dmma_config(n: int, k: int) -> DmmaConfig:
+    """The instance for rows of A of k and of B and C of n doubles: 16-byte copies when both are even."""
+    return DMMA_CONFIGS[n % 2 == 0 and k % 2 == 0]
+
+
+KERNEL_NAMES = (MMA_SYNC, WGMMA, DMMA)
+"""The kernels a request may name that run only where these compile (compute capability 9.0)."""
 
 
 def conversion_expressions() -> list[str]:

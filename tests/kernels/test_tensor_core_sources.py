@@ -10,12 +10,14 @@ import pytest
 from kernels import tensorcore
 from kernels.cuda import compile_tensor_core_source
 from kernels.precision import Precision
-from kernels.registry import MAX_DYNAMIC_SMEM
+from kernels.registry import MAX_DYNAMIC_SMEM, cdiv
 from tests.kernels.test_kernel_sources import _nvrtc_missing
 
 SPILLS = re.compile(r"(?P<stores>\d+) bytes spill stores, (?P<loads>\d+) bytes spill loads")
 SOURCES = {
     tensorcore.WGMMA_SOURCE: [config.expression() for config in tensorcore.WGMMA_CONFIGS.values()],
+    tensorcore.MMA_SYNC_SOURCE: [config.expression() for config in tensorcore.MMA_SYNC_CONFIGS.values()],
+    tensorcore.DMMA_SOURCE: [config.expression() for config in tensorcore.DMMA_CONFIGS.values()],
     tensorcore.OPERANDS_SOURCE: tensorcore.conversion_expressions(),
 }
 
@@ -59,3 +61,33 @@ def test_one_block_per_tile_of_c() -> None:
     assert split.blocks(4093, 4099) == 32 * 33
     assert bf16.expression() == "matmul_wgmma<0, 256, 4, false>"
     assert split.expression() == "matmul_wgmma<2, 128, 3, true>"
+
+
+def test_every_mma_sync_and_dmma_instance_fits_in_shared_memory() -> None:
+    assert set(tensorcore.MMA_SYNC_CONFIGS) == {Precision.TF32, Precision.BF16, Precision.FP16}
+    for mma in tensorcore.MMA_SYNC_CONFIGS.values():
+        assert mma.smem_bytes() <= MAX_DYNAMIC_SMEM
+        # eight warps of 64 x block_n / 4, each ldmatrix.x4 of B covering two blocks of 8 columns
+        assert mma.block_n % (4 * 16) == 0
+    for dmma in tensorcore.DMMA_CONFIGS.values():
+        assert dmma.smem_bytes() * (2 if dmma.threads <= 128 else 1) <= MAX_DYNAMIC_SMEM
+        assert dmma.block_m % dmma.warp_m == 0 and dmma.block_n % tensorcore.DMMA_WARP_N == 0
+        assert dmma.mma_k in (4, 8, 16) and dmma.block_k % 16 == 0
+
+
+@pytest.mark.parametrize(
+    ("n", "k", "vec"), [(4096, 4096, True), (4099, 4096, False), (4096, 4097, False), (1, 1, False), (2, 2, True)]
+)
+def test_dmma_copies_16_bytes_only_where_every_row_starts_on_16_bytes(n: int, k: int, vec: bool) -> None:
+    config = tensorcore.dmma_config(n, k)
+    assert config.vec is vec
+    assert config.expression().startswith(f"matmul_dmma<{config.block_m}, {config.block_n}, ")
+
+
+def test_one_mma_sync_or_dmma_block_per_tile_of_c() -> None:
+    mma = tensorcore.MMA_SYNC_CONFIGS[Precision.BF16]
+    assert mma.blocks(4096, 4096) == 32 * cdiv(4096, mma.block_n)
+    assert mma.expression() == f"matmul_mma<0, {mma.block_n}, {mma.stages}>"
+    dmma = tensorcore.dmma_config(4096, 4096)
+    assert dmma.blocks(4097, 4096) == cdiv(4097, dmma.block_m) * cdiv(4096, dmma.block_n)
+    assert dmma.threads == (dmma.block_m // dmma.warp_m) * (dmma.block_n // tensorcore.DMMA_WARP_N) * 32
