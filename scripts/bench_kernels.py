@@ -5,8 +5,8 @@ kernels/reference.py's bound, on an output poisoned with NaN beforehand, so an u
 warm-up launches, then at least --repeats launches each between its own pair of CUDA events, with L2 flushed
 before each (a buffer twice the L2 size is rewritten) and the inputs rotated among several sets; the median
 is reported. GFLOP/s = 2*m*n*k / t; the ratio is to cuBLAS measured in the same run on the same inputs, in the same
-precision (--precisions: cuBLAS in the tensor-core modes, and `wgmma` in each where the device runs it), and
-`sgemm_ratio` is every row's to cuBLAS SGEMM.
+precision (--precisions: cuBLAS in the tensor-core modes, and `mma_sync` and `wgmma` in each where the device runs
+them; `dmma` against cuBLAS DGEMM in float64), and `sgemm_ratio` is every row's to cuBLAS SGEMM.
 Prints a table, writes bench_kernels.json, bench_kernels.png (GFLOP/s against size, one line per kernel,
 cuBLAS dashed) and bench_kernels_roofline.png (GFLOP/s against arithmetic intensity, the FLOP/byte of the
 global-memory requests each kernel's access pattern makes, one point per kernel and shape, under the device's
@@ -15,7 +15,7 @@ compute and memory roofs; see docs/roofline.md) under --out.
     python scripts/bench_kernels.py                       # the whole sweep, both dtypes
     python scripts/bench_kernels.py --kernels fast --sizes 4096 --dtypes float32 --no-odd
     python scripts/bench_kernels.py --kernels fast --configs all --sizes 2048,4096   # every instance
-    python scripts/bench_kernels.py --kernels fast,wgmma --sizes 4096,8192 --dtypes float32 \
+    python scripts/bench_kernels.py --kernels fast,mma_sync,wgmma,dmma --sizes 4096,8192 \
         --precisions tf32,3xtf32,bf16,fp16                # the tensor-core ladder against cuBLAS in each mode
 """
 
@@ -40,7 +40,7 @@ from kernels.precision import Precision
 from kernels.reference import BOUND_CONSTANT, Reference
 from kernels.registry import KERNELS, KernelSpec, LaunchConfig
 from kernels.roofline import DevicePeaks, gpu_peaks, roofline
-from kernels.tensorcore import WGMMA
+from kernels.tensorcore import DMMA, KERNEL_NAMES, MMA_SYNC, MMA_SYNC_CONFIGS, WGMMA
 
 CUBLAS = "cublas"
 SQUARE_SIZES = (256, 512, 1024, 2048, 4096, 8192)
@@ -137,10 +137,14 @@ class Bench:
     def cublas_in(precision: Precision) -> Any:
         return lambda a, b, c: cublas_product(a, b, c, precision)
 
-    def wgmma_in(self, precision: Precision) -> Any:
+    def tensor_core_kernel(self, name: str, precision: Precision) -> Any:
+        """kernels/tensorcore.py's kernel `name` (wgmma, mma_sync) in `precision`, or dmma (float64, fp32)."""
         tensor_cores = self.tensor_cores
         assert tensor_cores is not None
-        return lambda a, b, c: tensor_cores.product(a, b, c, precision)
+        if name == DMMA:
+            return tensor_cores.dmma
+        launch = getattr(tensor_cores, name)
+        return lambda a, b, c: launch(a, b, c, precision)
 
     def launcher(self, spec: KernelSpec | None, config: LaunchConfig | None) -> Any:
         if spec is None or config is None:
@@ -178,11 +182,16 @@ def run_sweep(args: argparse.Namespace) -> tuple[list[Result], dict[str, Any]]:
                 library = Result(CUBLAS, "", dtype, m, n, k, None, None, None, precision=precision)
                 rows.append(library)
                 measure(bench, args, library, bench.cublas_in(precision), sets, in_mode, None)
-                if WGMMA in args.kernels and bench.tensor_cores is not None:
-                    own = Result(WGMMA, "", dtype, m, n, k, None, None, None, precision=precision)
-                    rows.append(own)
-                    measure(bench, args, own, bench.wgmma_in(precision), sets, in_mode, library.ms)
+                for name in (MMA_SYNC, WGMMA) if bench.tensor_cores is not None else ():
+                    if name in args.kernels and (name == WGMMA or precision in MMA_SYNC_CONFIGS):
+                        own = Result(name, "", dtype, m, n, k, None, None, None, precision=precision)
+                        rows.append(own)
+                        measure(bench, args, own, bench.tensor_core_kernel(name, precision), sets, in_mode, library.ms)
                 del in_mode
+            if dtype == "float64" and DMMA in args.kernels and bench.tensor_cores is not None:
+                own = Result(DMMA, "", dtype, m, n, k, None, None, None)
+                rows.append(own)
+                measure(bench, args, own, bench.tensor_core_kernel(DMMA, Precision.FP32), sets, reference, cublas.ms)
             for row in rows:
                 if dtype == "float32" and row.ms is not None and cublas.ms is not None:
                     row.sgemm_ratio = cublas.ms / row.ms
@@ -381,7 +390,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--kernels",
         default=",".join(KERNELS),
-        help=f"comma-separated (default: all registered); {WGMMA} runs in the --precisions on an H100 or H200",
+        help=f"comma-separated (default: all registered); {', '.join(KERNEL_NAMES)} run on an H100 or H200: "
+        f"{MMA_SYNC} and {WGMMA} in the --precisions, {DMMA} in float64",
     )
     parser.add_argument("--sizes", default=",".join(map(str, SQUARE_SIZES)), help="square sides, comma-separated")
     parser.add_argument("--dtypes", default=",".join(DTYPES), help="float32, float64 or both")
@@ -406,7 +416,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--out", type=Path, default=Path("docs/bench"), help="directory for the JSON and PNG")
     args = parser.parse_args(argv)
     args.kernels = [name for name in args.kernels.split(",") if name]
-    unknown = [name for name in args.kernels if name not in KERNELS and name != WGMMA]
+    unknown = [name for name in args.kernels if name not in KERNELS and name not in KERNEL_NAMES]
     if unknown:
         parser.error(f"unknown kernels {unknown}; registered: {list(KERNELS)}")
     try:

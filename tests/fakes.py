@@ -65,12 +65,19 @@ class SteeredBackend(CpuBackend):
         return [*super().kernels(), KernelInfo(name=BLAS, kind="library", summary="numpy.matmul under another name")]
 
     def plan(
-        self, kernel: str, tile: int | None, m: int, n: int, k: int, precision: Precision = Precision.FP32
+        self,
+        kernel: str,
+        tile: int | None,
+        m: int,
+        n: int,
+        k: int,
+        precision: Precision = Precision.FP32,
+        dtype: str = "float32",
     ) -> Plan:
         self.planned.append((m, n, k))
         if kernel == BLAS and tile is None:
             return Plan(kernel=BLAS, precision=precision)
-        return super().plan(kernel, tile, m, n, k, precision)
+        return super().plan(kernel, tile, m, n, k, precision, dtype)
 
     def batchable(self, plan: Plan) -> bool:
         self.asked_to_batch.append(plan.kernel)

@@ -6,7 +6,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 
-from app.product import BackendName, MatmulMetadata, PrecisionName
+from app.product import BackendName, DtypeName, MatmulMetadata, PrecisionName
 
 
 class ErrorBody(BaseModel):
@@ -44,10 +44,14 @@ class AutoChoiceModel(BaseModel):
     shape_class: str = Field(description="Products whose size, the cube root of m*n*k, is at most `up_to`.")
     up_to: int | None
     precision: PrecisionName = Field(description="The precision these choices are for.")
+    dtype: DtypeName = Field(
+        description="The dtype these choices are for: float64 has its own where a kernel computes in float64 alone "
+        "(dmma); elsewhere float64 products take float32's."
+    )
     kernel: str = Field(description="What `auto` runs for this class: the fastest on the probe.")
     probe: list[int] = Field(description="The product timed at start-up for this class, [m, k, n].")
     probe_ms: dict[str, float] = Field(
-        description="Milliseconds per product of every kernel on the probe (float32); with MATMUL_BATCHING on, a "
+        description="Milliseconds per product of every kernel on the probe (in `dtype`); with MATMUL_BATCHING on, a "
         "kernel that batches is timed on a batch of up to MATMUL_MAX_BATCH_SIZE products in one launch."
     )
 

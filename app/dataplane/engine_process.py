@@ -387,6 +387,7 @@ class EngineServer:
                 {
                     "shape_class": choice.shape_class.name,
                     "precision": choice.precision,
+                    "dtype": choice.dtype,
                     "kernel": choice.kernel,
                     "probe_ms": choice.probe_ms,
                 }

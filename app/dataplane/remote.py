@@ -289,6 +289,7 @@ class RemoteEngine:
                 kernel=choice["kernel"],
                 probe_ms=choice["probe_ms"],
                 precision=Precision(choice["precision"]),
+                dtype=choice["dtype"],
             )
             for choice in (status["auto"] if status else [])
         ]

@@ -42,6 +42,8 @@ class AutoChoice:
     """Milliseconds per product of every kernel on the class's probe (a batched launch's over its products)."""
     precision: Precision = Precision.FP32
     """The precision the probe ran in: each precision has its own choices, among the kernels that compute in it."""
+    dtype: str = "float32"
+    """The dtype the probe ran in: float64 has its own choices where a kernel computes in float64 alone."""
 
 
 def shape_class_of(m: int, n: int, k: int) -> ShapeClass:
@@ -50,11 +52,20 @@ def shape_class_of(m: int, n: int, k: int) -> ShapeClass:
 
 
 def pick_auto(
-    choices: list[AutoChoice], m: int, n: int, k: int, fallback: str, precision: Precision = Precision.FP32
+    choices: list[AutoChoice],
+    m: int,
+    n: int,
+    k: int,
+    fallback: str,
+    precision: Precision = Precision.FP32,
+    dtype: str = "float32",
 ) -> str:
-    """The kernel `auto` runs for an m x k @ k x n product in `precision` (`fallback` where nothing was measured)."""
+    """The kernel `auto` runs for an m x k @ k x n product in `precision` and `dtype`: the one measured fastest for
+    the shape's class in that dtype, else in float32 (where float64 was not measured apart), else `fallback`."""
     wanted = shape_class_of(m, n, k)
-    return next(
-        (choice.kernel for choice in choices if choice.shape_class == wanted and choice.precision is precision),
-        fallback,
-    )
+    measured = {
+        choice.dtype: choice.kernel
+        for choice in choices
+        if choice.shape_class == wanted and choice.precision is precision
+    }
+    return measured.get(dtype, measured.get("float32", fallback))

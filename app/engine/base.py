@@ -145,10 +145,17 @@ class Backend(Protocol):
     def kernels(self) -> list[KernelInfo]: ...
 
     def plan(
-        self, kernel: str, tile: int | None, m: int, n: int, k: int, precision: Precision = Precision.FP32
+        self,
+        kernel: str,
+        tile: int | None,
+        m: int,
+        n: int,
+        k: int,
+        precision: Precision = Precision.FP32,
+        dtype: str = "float32",
     ) -> Plan:
-        """Resolve `auto` and check the kernel and tile (and that the kernel computes in `precision`); raises
-        UnknownKernel or InvalidParameter."""
+        """Resolve `auto` and check the kernel and tile (and that the kernel computes in `precision` and `dtype`);
+        raises UnknownKernel or InvalidParameter."""
         ...
 
     def prepare(self) -> None:

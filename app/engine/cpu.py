@@ -27,6 +27,7 @@ from app.engine.base import (
 )
 from app.engine.staging import cast_into
 from app.errors import InvalidParameter, SharedMemoryError, UnknownKernel
+from kernels import tensorcore
 from kernels.emulation import EMULATIONS
 from kernels.precision import Precision, float32_emulation
 from kernels.registry import KERNELS
@@ -68,7 +69,14 @@ class CpuBackend:
         ]
 
     def plan(
-        self, kernel: str, tile: int | None, m: int, n: int, k: int, precision: Precision = Precision.FP32
+        self,
+        kernel: str,
+        tile: int | None,
+        m: int,
+        n: int,
+        k: int,
+        precision: Precision = Precision.FP32,
+        dtype: str = "float32",
     ) -> Plan:
         if kernel in EMULATIONS:
             check_fp32_kernel(kernel, precision, NUMPY)
@@ -80,7 +88,7 @@ class CpuBackend:
             return Plan(kernel=kernel, tile=int(config.label) if spec.tiles else None, config=config)
         if kernel not in (AUTO, NUMPY):
             offered = [info.name for info in self.kernels()]
-            needs_gpu = kernel in KERNELS or kernel == CUBLAS
+            needs_gpu = kernel in KERNELS or kernel in (CUBLAS, *tensorcore.KERNEL_NAMES)
             raise UnknownKernel(
                 f"kernel '{kernel}' "
                 + ("needs the GPU backend, but this server runs on the CPU" if needs_gpu else "does not exist")

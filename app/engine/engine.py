@@ -183,5 +183,5 @@ class Engine:
             raise NotReady("no device is ready")
         worker = min(ready, key=lambda w: w.load)
         (m, k), n = a.shape, b.shape[1]
-        plan = worker.backend.plan(kernel, tile, m, n, k, precision)
+        plan = worker.backend.plan(kernel, tile, m, n, k, precision, dtype.name)
         return await worker.matmul(a, b, dtype, plan, timeout_s=timeout_s, out=out)

@@ -301,7 +301,8 @@ class GpuBackend:
         )
         self._auto: list[AutoChoice] = []
         self._has_tensor_core_kernels = (properties["major"], properties["minor"]) == tensorcore.COMPUTE_CAPABILITY
-        """Whether kernels/wgmma.cu (sm_90a machine code) runs here; elsewhere cuBLAS runs those precisions."""
+        """Whether the tensor-core kernels (sm_90a machine code, kernels/tensorcore.py) run here; elsewhere cuBLAS
+        runs the tensor-core precisions, and the FMA kernels and cuBLAS float64."""
         self._tensor_cores: TensorCoreLibrary
         """Compiled by `prepare` where the device runs it."""
         self._pinned_ranges: dict[int, int] = {}
@@ -337,23 +338,38 @@ class GpuBackend:
             return []
         return [
             KernelInfo(
+                name=tensorcore.MMA_SYNC,
+                kind="cuda",
+                summary=tensorcore.MMA_SYNC_SUMMARY,
+                dtypes=("float32",),
+                precisions=tuple(tensorcore.MMA_SYNC_CONFIGS),
+            ),
+            KernelInfo(
                 name=tensorcore.WGMMA,
                 kind="cuda",
                 summary=tensorcore.WGMMA_SUMMARY,
                 dtypes=("float32",),
                 precisions=TENSOR_CORE_PRECISIONS,
-            )
+            ),
+            KernelInfo(name=tensorcore.DMMA, kind="cuda", summary=tensorcore.DMMA_SUMMARY, dtypes=("float64",)),
         ]
 
     def plan(
-        self, kernel: str, tile: int | None, m: int, n: int, k: int, precision: Precision = Precision.FP32
+        self,
+        kernel: str,
+        tile: int | None,
+        m: int,
+        n: int,
+        k: int,
+        precision: Precision = Precision.FP32,
+        dtype: str = "float32",
     ) -> Plan:
         if kernel == FAULT_TRAP and self._fault_injection:
             return Plan(kernel=FAULT_TRAP)
         if kernel == AUTO:
-            kernel = pick_auto(self._auto, m, n, k, fallback=CUBLAS, precision=precision)
-        if kernel == tensorcore.WGMMA and self._has_tensor_core_kernels:
-            return self._tensor_core_plan(kernel, tile, precision)
+            kernel = pick_auto(self._auto, m, n, k, fallback=CUBLAS, precision=precision, dtype=dtype)
+        if kernel in tensorcore.KERNEL_NAMES and self._has_tensor_core_kernels:
+            return self._tensor_core_plan(kernel, tile, precision, dtype)
         spec: KernelSpec | None = KERNELS.get(kernel)
         if spec is None and kernel != CUBLAS:
             offered = [info.name for info in self.kernels()]
@@ -373,14 +389,19 @@ class GpuBackend:
             raise ShapeMismatch(f"kernel '{kernel}' cannot cover this shape: {exc}", location=["a"]) from exc
         return Plan(kernel=kernel, tile=int(config.label) if spec.tiles else None, config=config)
 
-    @staticmethod
-    def _tensor_core_plan(kernel: str, tile: int | None, precision: Precision) -> Plan:
+    def _tensor_core_plan(self, kernel: str, tile: int | None, precision: Precision, dtype: str) -> Plan:
+        """A plan for one of the kernels only compute capability 9.0 runs, checked against what it computes in."""
         if tile is not None:
             raise InvalidParameter(f"tile does not apply to kernel '{kernel}'", location=["tile"])
-        if precision is Precision.FP32:
-            offered = ", ".join(TENSOR_CORE_PRECISIONS)
+        info = next(info for info in self._tensor_core_kernels() if info.name == kernel)
+        if dtype not in info.dtypes:
             raise InvalidParameter(
-                f"kernel '{kernel}' computes on the tensor cores: precision {offered}; fp32 runs on the others",
+                f"kernel '{kernel}' computes in {', '.join(info.dtypes)}; this product's dtype is {dtype}",
+                location=["dtype"],
+            )
+        if precision not in info.precisions:
+            raise InvalidParameter(
+                f"kernel '{kernel}' computes in precision {', '.join(info.precisions)}, not {precision}",
                 location=["precision"],
             )
         return Plan(kernel=kernel, precision=precision)
@@ -401,36 +422,39 @@ class GpuBackend:
         self._compiled_instances = len(DTYPE_NAMES) * sum(len(spec.configs) for spec in KERNELS.values())
         if self._has_tensor_core_kernels:
             self._tensor_cores = TensorCoreLibrary()
-            self._compiled_instances += len(tensorcore.WGMMA_CONFIGS)
+            self._compiled_instances += sum(
+                len(configs)
+                for configs in (tensorcore.WGMMA_CONFIGS, tensorcore.MMA_SYNC_CONFIGS, tensorcore.DMMA_CONFIGS)
+            )
         self._self_test()
         self._tune_auto()
 
-    def _instances(self) -> list[Plan]:
-        """A plan for every compiled instance, and cuBLAS, in every precision each computes in."""
-        tensor_core_kernels = [CUBLAS] + [info.name for info in self._tensor_core_kernels()]
-        return (
-            [Plan(kernel=CUBLAS)]
-            + [
-                Plan(kernel=spec.name, tile=int(config.label) if spec.tiles else None, config=config)
-                for spec in KERNELS.values()
-                for config in spec.configs
-            ]
-            + [
-                Plan(kernel=kernel, precision=precision)
-                for precision in TENSOR_CORE_PRECISIONS
-                for kernel in tensor_core_kernels
-            ]
-        )
+    def _instances(self) -> list[tuple[Plan, tuple[str, ...]]]:
+        """A plan for every compiled instance, and cuBLAS, in every precision each computes in, with the dtypes it
+        computes in."""
+        fma = [Plan(kernel=CUBLAS)] + [
+            Plan(kernel=spec.name, tile=int(config.label) if spec.tiles else None, config=config)
+            for spec in KERNELS.values()
+            for config in spec.configs
+        ]
+        float32: tuple[str, ...] = ("float32",)
+        both: tuple[str, ...] = DTYPE_NAMES
+        tensor_core = [(Plan(kernel=CUBLAS, precision=precision), float32) for precision in TENSOR_CORE_PRECISIONS] + [
+            (Plan(kernel=info.name, precision=Precision(precision)), info.dtypes)
+            for info in self._tensor_core_kernels()
+            for precision in info.precisions
+        ]
+        return [(plan, both) for plan in fma] + tensor_core
 
     def _self_test(self) -> None:
         """Run every kernel instance once (the warm-up), alone and, where it batches, as a batch of three, and
         check every element of each product against a float64 one (kernels/reference.py's bound, in the plan's
         precision)."""
         rng = np.random.default_rng(0)
-        for plan in self._instances():
+        for plan, dtypes in self._instances():
             m, k, n = _fitted(SELF_TEST_SHAPE, plan.config)
             pairs = [(rng.standard_normal((m, k)), rng.standard_normal((k, n))) for _ in range(3)]
-            for dtype in DTYPE_NAMES if plan.precision is Precision.FP32 else ("float32",):
+            for dtype in dtypes:
                 launches = [pairs[:1], pairs] if self.batchable(plan) else [pairs[:1]]
                 for launch in launches:
                     products, _ = self.submit(launch, np.dtype(dtype), plan, on_done=_nothing).result()
@@ -451,34 +475,48 @@ class GpuBackend:
         on some starts, and 64^2 products at 128 connections then ran 1,112/s in batches of 1, against 4,168/s in
         batches of 25 when a batching kernel had won.
 
-        The tensor-core precisions have their own choices, between cuBLAS and kernels/wgmma.cu: its conversion
-        passes and launch cost more than cuBLAS's at small sizes, and less at large ones."""
-        candidates = {Precision.FP32: [CUBLAS, *KERNELS]}
+        The tensor-core precisions have their own choices, between cuBLAS and the tensor-core kernels: their
+        conversion passes and launches cost more than cuBLAS's at small sizes, and less at large ones. So has float64
+        where kernels/dmma.cu runs (elsewhere it takes float32's choices, as the FMA kernels rank alike in both)."""
+        candidates: dict[tuple[Precision, str], list[str]] = {(Precision.FP32, "float32"): [CUBLAS, *KERNELS]}
         if self._has_tensor_core_kernels:
-            candidates.update({precision: [CUBLAS, tensorcore.WGMMA] for precision in TENSOR_CORE_PRECISIONS})
+            candidates.update(
+                {
+                    (precision, "float32"): [
+                        CUBLAS,
+                        *(info.name for info in self._tensor_core_kernels() if precision in info.precisions),
+                    ]
+                    for precision in TENSOR_CORE_PRECISIONS
+                }
+            )
+            # float64 has a kernel of its own here (kernels/dmma.cu), so its choices are measured apart
+            candidates[(Precision.FP32, "float64")] = [CUBLAS, *KERNELS, tensorcore.DMMA]
         choices = []
-        for precision, names in candidates.items():
+        for (precision, dtype), names in candidates.items():
             for shape_class in SHAPE_CLASSES:
                 size = shape_class.probe
                 timings = {
-                    name: self._probe_ms(self.plan(name, None, size, size, size, precision), size) for name in names
+                    name: self._probe_ms(self.plan(name, None, size, size, size, precision, dtype), size, dtype)
+                    for name in names
                 }
                 fastest = min(timings, key=timings.__getitem__)
                 choices.append(
-                    AutoChoice(shape_class=shape_class, kernel=fastest, probe_ms=timings, precision=precision)
+                    AutoChoice(
+                        shape_class=shape_class, kernel=fastest, probe_ms=timings, precision=precision, dtype=dtype
+                    )
                 )
         self._auto = choices
         self._cp.get_default_memory_pool().free_all_blocks()
 
-    def _probe_ms(self, plan: Plan, size: int) -> float:
-        """Milliseconds per size^3 float32 product of `plan`, over AUTO_REPEATS launches after a warm-up one."""
+    def _probe_ms(self, plan: Plan, size: int, dtype: str) -> float:
+        """Milliseconds per size^3 product of `plan` in `dtype`, over AUTO_REPEATS launches after a warm-up one."""
         cp = self._cp
         start, stop = cp.cuda.Event(), cp.cuda.Event()
         batch = min(self._auto_batch, max(1, AUTO_PROBE_ELEMENTS // size**2)) if self.batchable(plan) else 1
         shape = (batch, size, size) if batch > 1 else (size, size)
-        a = cp.random.standard_normal(shape, dtype=cp.float32)
-        b = cp.random.standard_normal(shape, dtype=cp.float32)
-        c = cp.empty(shape, dtype=cp.float32)
+        a = cp.random.standard_normal(shape, dtype=dtype)
+        b = cp.random.standard_normal(shape, dtype=dtype)
+        c = cp.empty(shape, dtype=dtype)
         with self._compute as stream:
             self._launch(plan, a, b, c)
             start.record(stream)
@@ -707,7 +745,11 @@ class GpuBackend:
         if plan.kernel == FAULT_TRAP:
             self._trap((1,), (1,), ())
         elif plan.kernel == tensorcore.WGMMA:
-            self._tensor_cores.product(a, b, c, plan.precision)
+            self._tensor_cores.wgmma(a, b, c, plan.precision)
+        elif plan.kernel == tensorcore.MMA_SYNC:
+            self._tensor_cores.mma_sync(a, b, c, plan.precision)
+        elif plan.kernel == tensorcore.DMMA:
+            self._tensor_cores.dmma(a, b, c)
         elif plan.precision is not Precision.FP32:
             cublas_product(a, b, c, plan.precision)
         elif plan.config is None:

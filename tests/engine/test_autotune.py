@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from app.engine.autotune import SHAPE_CLASSES, AutoChoice, pick_auto, shape_class_of
+from kernels.precision import Precision
 
 
 @pytest.mark.parametrize(
@@ -26,3 +27,15 @@ def test_every_size_has_a_class_and_probes_lie_inside_their_class() -> None:
     assert SHAPE_CLASSES[-1].up_to is None
     for shape_class in SHAPE_CLASSES:
         assert shape_class_of(shape_class.probe, shape_class.probe, shape_class.probe) == shape_class
+
+
+def test_float64_takes_its_own_choices_where_measured_and_float32_s_where_not() -> None:
+    medium = SHAPE_CLASSES[1]
+    float32 = AutoChoice(shape_class=medium, kernel="fast", probe_ms={})
+    float64 = AutoChoice(shape_class=medium, kernel="dmma", probe_ms={}, dtype="float64")
+    bf16 = AutoChoice(shape_class=medium, kernel="wgmma", probe_ms={}, precision=Precision.BF16)
+    assert pick_auto([float32, float64, bf16], 1024, 1024, 1024, "cublas", dtype="float64") == "dmma"
+    assert pick_auto([float32, float64, bf16], 1024, 1024, 1024, "cublas", dtype="float32") == "fast"
+    assert pick_auto([float32, bf16], 1024, 1024, 1024, "cublas", dtype="float64") == "fast"
+    assert pick_auto([float32, float64, bf16], 1024, 1024, 1024, "cublas", precision=Precision.BF16) == "wgmma"
+    assert pick_auto([float64], 1024, 1024, 1024, "cublas", precision=Precision.TF32, dtype="float64") == "cublas"

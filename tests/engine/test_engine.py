@@ -47,7 +47,14 @@ class GatedBackend:
         return [KernelInfo(name="numpy", kind="library", summary="test")]
 
     def plan(
-        self, kernel: str, tile: int | None, m: int, n: int, k: int, precision: Precision = Precision.FP32
+        self,
+        kernel: str,
+        tile: int | None,
+        m: int,
+        n: int,
+        k: int,
+        precision: Precision = Precision.FP32,
+        dtype: str = "float32",
     ) -> Plan:
         return Plan(kernel="numpy", precision=precision)
 

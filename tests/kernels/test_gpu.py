@@ -368,10 +368,10 @@ async def test_the_service_on_the_gpu_backend(gpu_client: httpx.AsyncClient) -> 
     device = info["devices"][0]
     assert device["compute_capability"] and device["memory_total_bytes"] > 0 and device["state"] == "ready"
     listing = (await gpu_client.get("/v1/kernels")).json()
-    # the fp32 kernels; wgmma computes in the tensor-core precisions only (tests/kernels/test_tensor_core_gpu.py)
-    names = [k["name"] for k in listing["kernels"] if "fp32" in k["precisions"]]
+    # the fp32 kernels of float32 products; the tensor-core kernels are tests/kernels/test_tensor_core_gpu.py's
+    names = [k["name"] for k in listing["kernels"] if "fp32" in k["precisions"] and "float32" in k["dtypes"]]
     assert {"auto", "naive", "tiled", "cublas", *KERNELS} == set(names)
-    fp32_choices = [choice for choice in listing["auto"] if choice["precision"] == "fp32"]
+    fp32_choices = [c for c in listing["auto"] if c["precision"] == "fp32" and c["dtype"] == "float32"]
     assert [choice["shape_class"] for choice in fp32_choices] == ["small", "medium", "large", "huge"]
     for choice in listing["auto"]:
         assert choice["probe_ms"][choice["kernel"]] == min(choice["probe_ms"].values())

@@ -1,6 +1,7 @@
-"""On an H100 or H200: kernels/wgmma.cu in each tensor-core precision against a float64 product, within the bound
-kernels/precision.py derives per mode, on square, odd and degenerate shapes; kernels/operands.cu's conversions bit
-for bit against kernels/precision.py's; own 3xTF32 as accurate as SGEMM; and the service running them."""
+"""On an H100 or H200: kernels/wgmma.cu and kernels/mma_sync.cu in each of their tensor-core precisions against a
+float64 product, within the bound kernels/precision.py derives per mode, and kernels/dmma.cu's float64 products within
+float64's, on square, odd and degenerate shapes; kernels/operands.cu's conversions bit for bit against
+kernels/precision.py's; own 3xTF32 as accurate as SGEMM; and the service running them."""
 
 from __future__ import annotations
 
@@ -13,11 +14,15 @@ import pytest
 from kernels import tensorcore
 from kernels.precision import Precision, bf16_bits, split_tf32, to_fp16, to_tf32
 from kernels.reference import Reference
+from kernels.registry import KERNELS
 from tests.conftest import EDGE_SHAPES
 
 pytestmark = pytest.mark.gpu
 
 TENSOR_CORE_PRECISIONS = list(tensorcore.WGMMA_CONFIGS)
+KERNEL_PRECISIONS = [(tensorcore.WGMMA, precision) for precision in tensorcore.WGMMA_CONFIGS] + [
+    (tensorcore.MMA_SYNC, precision) for precision in tensorcore.MMA_SYNC_CONFIGS
+]
 # the edge shapes; k = 0; k a multiple of 4 (TF32 reads A as it is) and not; several tiles with ragged edges
 SHAPES = [*EDGE_SHAPES, (67, 0, 39), (256, 256, 256), (129, 4099, 257), (1000, 1024, 999), (2048, 2048, 2048)]
 
@@ -27,37 +32,64 @@ def tensor_cores() -> Any:
     import cupy as cp
 
     if cp.cuda.Device().compute_capability != "90":
-        pytest.skip("kernels/wgmma.cu is sm_90a machine code: it runs on compute capability 9.0 only")
+        pytest.skip("the tensor-core kernels are sm_90a machine code: they run on compute capability 9.0 only")
     from kernels.cuda import TensorCoreLibrary
 
     return TensorCoreLibrary()
 
 
-@pytest.mark.parametrize("precision", TENSOR_CORE_PRECISIONS)
+@pytest.mark.parametrize(("kernel", "precision"), KERNEL_PRECISIONS, ids=str)
 @pytest.mark.parametrize(("m", "k", "n"), SHAPES, ids=str)
 def test_every_element_is_within_the_precisions_bound(
-    tensor_cores: Any, precision: Precision, m: int, k: int, n: int
+    tensor_cores: Any, kernel: str, precision: Precision, m: int, k: int, n: int
 ) -> None:
     import cupy as cp
 
     rng = cp.random.default_rng(m * 7 + k * 3 + n)
     a, b = rng.standard_normal((m, k), dtype=cp.float32), rng.standard_normal((k, n), dtype=cp.float32)
     c = cp.full((m, n), cp.nan, dtype=cp.float32)  # an element never written stays NaN and fails
-    tensor_cores.product(a, b, c, precision)
+    getattr(tensor_cores, kernel)(a, b, c, precision)
     problem = Reference.of(a, b, np.float32, precision).mismatch(c)
     assert problem is None, problem
 
 
-@pytest.mark.parametrize("precision", TENSOR_CORE_PRECISIONS)
-def test_a_product_missing_one_term_fails_the_bound(tensor_cores: Any, precision: Precision) -> None:
+@pytest.mark.parametrize(("kernel", "precision"), KERNEL_PRECISIONS, ids=str)
+def test_a_product_missing_one_term_fails_the_bound(tensor_cores: Any, kernel: str, precision: Precision) -> None:
     """The bound is tight enough to catch a kernel that skips one k step: the check above can fail."""
     import cupy as cp
 
     rng = cp.random.default_rng(3)
     a, b = rng.standard_normal((256, 512), dtype=cp.float32), rng.standard_normal((512, 256), dtype=cp.float32)
     short = cp.empty((256, 256), cp.float32)
-    tensor_cores.product(a[:, 1:].copy(), b[1:].copy(), short, precision)
+    getattr(tensor_cores, kernel)(a[:, 1:].copy(), b[1:].copy(), short, precision)
     assert Reference.of(a, b, np.float32, precision).mismatch(short) is not None
+
+
+# odd k or n take the 8-byte copies, even both the 16-byte ones; several tiles of either instance
+FLOAT64_SHAPES = [*EDGE_SHAPES, (67, 0, 39), (130, 17, 258), (300, 2, 301), (257, 64, 129), (1000, 1001, 999)]
+
+
+@pytest.mark.parametrize(("m", "k", "n"), FLOAT64_SHAPES, ids=str)
+def test_dmma_float64_products_are_within_float64s_bound(tensor_cores: Any, m: int, k: int, n: int) -> None:
+    import cupy as cp
+
+    rng = cp.random.default_rng(m * 5 + k * 3 + n)
+    a, b = rng.standard_normal((m, k)), rng.standard_normal((k, n))
+    c = cp.full((m, n), cp.nan)
+    tensor_cores.dmma(a, b, c)
+    problem = Reference.of(a, b, np.float64).mismatch(c)
+    assert problem is None, problem
+
+
+@pytest.mark.parametrize("k", [512, 511])
+def test_a_dmma_product_missing_one_term_fails_float64s_bound(tensor_cores: Any, k: int) -> None:
+    import cupy as cp
+
+    rng = cp.random.default_rng(k)
+    a, b = rng.standard_normal((256, k)), rng.standard_normal((k, 256))
+    short = cp.empty((256, 256))
+    tensor_cores.dmma(a[:, 1:].copy(), b[1:].copy(), short)
+    assert Reference.of(a, b, np.float64).mismatch(short) is not None
 
 
 @pytest.mark.parametrize("precision", TENSOR_CORE_PRECISIONS)
@@ -102,41 +134,61 @@ def test_own_3xtf32_is_as_accurate_as_sgemm(tensor_cores: Any) -> None:
     a, b = rng.standard_normal((2048, 2048), dtype=cp.float32), rng.standard_normal((2048, 2048), dtype=cp.float32)
     reference = Reference.of(a, b, np.float32)
     own = cp.empty((2048, 2048), cp.float32)
-    tensor_cores.product(a, b, own, Precision.TF32X3)
+    tensor_cores.wgmma(a, b, own, Precision.TF32X3)
     sgemm_error = reference.relative_error(cp.matmul(a, b))
     assert reference.relative_error(own) <= 2 * sgemm_error
 
 
 @pytest.mark.anyio
-async def test_the_service_runs_wgmma_and_auto_chooses_per_precision(gpu_client: httpx.AsyncClient) -> None:
+async def test_the_service_runs_the_tensor_core_kernels_and_auto_chooses_per_precision_and_dtype(
+    gpu_client: httpx.AsyncClient,
+) -> None:
     import cupy as cp
 
     if cp.cuda.Device().compute_capability != "90":
-        pytest.skip("kernels/wgmma.cu runs on compute capability 9.0 only")
+        pytest.skip("the tensor-core kernels run on compute capability 9.0 only")
     listing = (await gpu_client.get("/v1/kernels")).json()
-    wgmma = next(kernel for kernel in listing["kernels"] if kernel["name"] == "wgmma")
-    assert wgmma["precisions"] == ["tf32", "3xtf32", "bf16", "fp16"] and wgmma["dtypes"] == ["float32"]
-    for precision in ["fp32", "tf32", "3xtf32", "bf16", "fp16"]:
-        choices = [choice for choice in listing["auto"] if choice["precision"] == precision]
-        assert len(choices) == 4
-        if precision != "fp32":
-            assert all(set(choice["probe_ms"]) == {"cublas", "wgmma"} for choice in choices)
+    offered = {kernel["name"]: kernel for kernel in listing["kernels"]}
+    assert offered["wgmma"]["precisions"] == ["tf32", "3xtf32", "bf16", "fp16"]
+    assert offered["mma_sync"]["precisions"] == ["tf32", "bf16", "fp16"]
+    assert offered["wgmma"]["dtypes"] == offered["mma_sync"]["dtypes"] == ["float32"]
+    assert offered["dmma"]["dtypes"] == ["float64"] and offered["dmma"]["precisions"] == ["fp32"]
+    for precision, dtype, kernels in [
+        ("tf32", "float32", {"cublas", "mma_sync", "wgmma"}),
+        ("3xtf32", "float32", {"cublas", "wgmma"}),
+        ("bf16", "float32", {"cublas", "mma_sync", "wgmma"}),
+        ("fp16", "float32", {"cublas", "mma_sync", "wgmma"}),
+        ("fp32", "float64", {"cublas", "dmma", *KERNELS}),
+    ]:
+        choices = [c for c in listing["auto"] if c["precision"] == precision and c["dtype"] == dtype]
+        assert [c["shape_class"] for c in choices] == ["small", "medium", "large", "huge"]
+        assert all(set(c["probe_ms"]) == kernels for c in choices)
 
     rng = np.random.default_rng(2)
     a, b = rng.standard_normal((130, 70)).astype(np.float32), rng.standard_normal((70, 260)).astype(np.float32)
-    for precision in ["tf32", "3xtf32", "bf16", "fp16"]:
-        r = await gpu_client.post(
-            "/matmul", params={"kernel": "wgmma", "precision": precision}, json={"a": a.tolist(), "b": b.tolist()}
-        )
+    operands = {"a": a.tolist(), "b": b.tolist()}
+    for kernel, precision in KERNEL_PRECISIONS:
+        r = await gpu_client.post("/matmul", params={"kernel": kernel, "precision": precision}, json=operands)
         assert r.status_code == 200, r.text
         body = r.json()
-        assert body["kernel"] == "wgmma" and body["precision"] == precision
+        assert body["kernel"] == kernel and body["precision"] == precision
         c = np.array(body["result"], dtype=np.float32)
-        assert Reference.of(a, b, np.float32, Precision(precision)).mismatch(c) is None
-    r = await gpu_client.post("/matmul", params={"kernel": "wgmma"}, json={"a": a.tolist(), "b": b.tolist()})
-    assert r.status_code == 422 and r.json()["location"] == ["precision"]
-    assert "computes on the tensor cores" in r.json()["message"]
-    r = await gpu_client.post(
-        "/matmul", params={"kernel": "wgmma", "precision": "bf16", "tile": 16}, json={"a": [[1]], "b": [[1]]}
-    )
-    assert r.status_code == 422 and r.json()["location"] == ["tile"]
+        assert Reference.of(a, b, np.float32, precision).mismatch(c) is None
+    for dtype_kernel in ["dmma", "auto"]:
+        r = await gpu_client.post("/matmul", params={"kernel": dtype_kernel, "dtype": "float64"}, json=operands)
+        assert r.status_code == 200, r.text
+        body = r.json()
+        assert body["dtype"] == "float64" and body["kernel"] in offered
+        c = np.array(body["result"], dtype=np.float64)
+        assert Reference.of(a.astype(np.float64), b.astype(np.float64), np.float64).mismatch(c) is None
+
+    for params, location, message in [
+        ({"kernel": "wgmma"}, "precision", "computes in precision tf32, 3xtf32, bf16, fp16, not fp32"),
+        ({"kernel": "mma_sync", "precision": "3xtf32"}, "precision", "computes in precision tf32, bf16, fp16"),
+        ({"kernel": "dmma"}, "dtype", "kernel 'dmma' computes in float64; this product's dtype is float32"),
+        ({"kernel": "wgmma", "precision": "tf32", "dtype": "float64"}, "precision", "computes from float32"),
+        ({"kernel": "wgmma", "precision": "bf16", "tile": 16}, "tile", "tile does not apply"),
+    ]:
+        r = await gpu_client.post("/matmul", params=params, json={"a": [[1]], "b": [[1]]})
+        assert r.status_code == 422, (params, r.text)
+        assert r.json()["location"] == [location] and message in r.json()["message"], r.text

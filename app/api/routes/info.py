@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from typing import cast
 
 from fastapi import APIRouter
 
@@ -10,6 +11,7 @@ from app import __version__
 from app.api.deps import EngineDep, SettingsDep
 from app.api.schemas import AutoChoiceModel, InfoResponse, KernelListing, KernelModel, QueueModel, SlabModel
 from app.engine import EngineFront
+from app.product import DtypeName
 
 router = APIRouter(prefix="/v1", tags=["info"])
 
@@ -37,6 +39,7 @@ async def kernels(engine: EngineDep) -> KernelListing:
             shape_class=choice.shape_class.name,
             up_to=choice.shape_class.up_to,
             precision=choice.precision,
+            dtype=cast(DtypeName, choice.dtype),
             kernel=choice.kernel,
             probe=[choice.shape_class.probe] * 3,
             probe_ms=dict(choice.probe_ms),
