@@ -26,6 +26,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from time import perf_counter
+from types import MappingProxyType
 from typing import Any, Final
 
 import numpy as np
@@ -250,6 +251,30 @@ class _GpuLaunch:
         return self.backend._collect(self)
 
 
+TENSOR_CORE_KERNELS: Final = MappingProxyType(
+    {
+        info.name: info
+        for info in (
+            KernelInfo(
+                name=tensorcore.MMA_SYNC,
+                kind="cuda",
+                summary=tensorcore.MMA_SYNC_SUMMARY,
+                dtypes=("float32",),
+                precisions=tuple(tensorcore.MMA_SYNC_CONFIGS),
+            ),
+            KernelInfo(
+                name=tensorcore.WGMMA,
+                kind="cuda",
+                summary=tensorcore.WGMMA_SUMMARY,
+                dtypes=("float32",),
+                precisions=TENSOR_CORE_PRECISIONS,
+            ),
+            KernelInfo(name=tensorcore.DMMA, kind="cuda", summary=tensorcore.DMMA_SUMMARY, dtypes=("float64",)),
+        )
+    }
+)
+"""The kernels only compute capability 9.0 runs (kernels/tensorcore.py), by name, with what each computes in."""
+
 AUTO_PROBE_ELEMENTS = 1 << 24
 """Most elements in one operand stack of auto's batched probe (64 MiB of float32): 32 products of the 256^2
 probe, 16 of 1024^2, 4 of 2048^2, one of 4096^2."""
@@ -334,25 +359,7 @@ class GpuBackend:
         ]
 
     def _tensor_core_kernels(self) -> list[KernelInfo]:
-        if not self._has_tensor_core_kernels:
-            return []
-        return [
-            KernelInfo(
-                name=tensorcore.MMA_SYNC,
-                kind="cuda",
-                summary=tensorcore.MMA_SYNC_SUMMARY,
-                dtypes=("float32",),
-                precisions=tuple(tensorcore.MMA_SYNC_CONFIGS),
-            ),
-            KernelInfo(
-                name=tensorcore.WGMMA,
-                kind="cuda",
-                summary=tensorcore.WGMMA_SUMMARY,
-                dtypes=("float32",),
-                precisions=TENSOR_CORE_PRECISIONS,
-            ),
-            KernelInfo(name=tensorcore.DMMA, kind="cuda", summary=tensorcore.DMMA_SUMMARY, dtypes=("float64",)),
-        ]
+        return list(TENSOR_CORE_KERNELS.values()) if self._has_tensor_core_kernels else []
 
     def plan(
         self,
@@ -389,11 +396,12 @@ class GpuBackend:
             raise ShapeMismatch(f"kernel '{kernel}' cannot cover this shape: {exc}", location=["a"]) from exc
         return Plan(kernel=kernel, tile=int(config.label) if spec.tiles else None, config=config)
 
-    def _tensor_core_plan(self, kernel: str, tile: int | None, precision: Precision, dtype: str) -> Plan:
+    @staticmethod
+    def _tensor_core_plan(kernel: str, tile: int | None, precision: Precision, dtype: str) -> Plan:
         """A plan for one of the kernels only compute capability 9.0 runs, checked against what it computes in."""
         if tile is not None:
             raise InvalidParameter(f"tile does not apply to kernel '{kernel}'", location=["tile"])
-        info = next(info for info in self._tensor_core_kernels() if info.name == kernel)
+        info = TENSOR_CORE_KERNELS[kernel]
         if dtype not in info.dtypes:
             raise InvalidParameter(
                 f"kernel '{kernel}' computes in {', '.join(info.dtypes)}; this product's dtype is {dtype}",
@@ -495,10 +503,17 @@ class GpuBackend:
         for (precision, dtype), names in candidates.items():
             for shape_class in SHAPE_CLASSES:
                 size = shape_class.probe
-                timings = {
-                    name: self._probe_ms(self.plan(name, None, size, size, size, precision, dtype), size, dtype)
-                    for name in names
-                }
+                timings = {}
+                for name in names:
+                    plan = self.plan(name, None, size, size, size, precision, dtype)
+                    try:
+                        timings[name] = self._probe_ms(plan, size, dtype)
+                    except self._cp.cuda.memory.OutOfMemoryError:
+                        # the probe and its conversions do not fit in the memory the engine may use (a device
+                        # memory limit): the kernel is no candidate for this class
+                        self._cp.get_default_memory_pool().free_all_blocks()
+                if not timings:
+                    continue
                 fastest = min(timings, key=timings.__getitem__)
                 choices.append(
                     AutoChoice(
