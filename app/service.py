@@ -23,17 +23,22 @@ from app.product import BackendName, DtypeName, ErrorBound, MatmulMetadata, Roof
 from app.shared_memory import Matrix, SharedOutput
 from kernels.precision import Precision, float32_sums, input_error
 from kernels.reference import BOUND_CONSTANT, unit_roundoff
-from kernels.roofline import DevicePeaks, roofline
+from kernels.roofline import roofline
 
 WORKING_DTYPES: dict[str, np.dtype] = {"float32": np.dtype(np.float32), "float64": np.dtype(np.float64)}
 DEFAULT_DTYPE = "float32"
 
 
-def requested_precision(requested: str | None, working: np.dtype) -> Precision:
-    """The precision asked for (fp32 when none), which must be one of kernels/precision.py's; the tensor-core
-    ones take float32 operands."""
+def requested_precision(requested: str | None, working: np.dtype, operands: Operands) -> Precision:
+    """The precision asked for, which must be one of kernels/precision.py's; the tensor-core ones take float32
+    operands. When none is asked for: fp16 for two float16 operands multiplied in float32 (their natural precision,
+    in which rounding them changes nothing), else fp32."""
     if requested is None:
-        return Precision.FP32
+        float16 = np.dtype(np.float16)
+        natural = working == np.dtype(np.float32) and all(
+            m.dtype.newbyteorder("=") == float16 for m in (operands.a, operands.b)
+        )
+        return Precision.FP16 if natural else Precision.FP32
     try:
         precision = Precision(requested)
     except ValueError:
@@ -196,15 +201,21 @@ class MatmulService:
         a, b = operands.a, operands.b
         check_product(a, b, self.limits)
         working = working_dtype(options.dtype, operands)
-        precision = requested_precision(options.precision, working)
+        precision = requested_precision(options.precision, working, operands)
         (m, k), n = a.shape, b.shape[1]
         queue_s = self.max_queue_s if deadline_s is None else min(deadline_s, self.max_queue_s)
         kernel = options.kernel or "auto"
         outcome = await self.engine.matmul(a, b, working, kernel, options.tile, queue_s, into=into, precision=precision)
         clock.computed = perf_counter()
-        # the peaks are the FMA lanes'; a tensor-core precision's roof is not known to the roofline yet
-        peaks = outcome.peaks if precision is Precision.FP32 else DevicePeaks({}, outcome.peaks.dram_bytes_per_s)
-        line = roofline(outcome.plan.config, (m, n, k), working, outcome.batch_size, outcome.device.kernel_ms, peaks)
+        line = roofline(
+            outcome.plan.config,
+            (m, n, k),
+            working,
+            outcome.batch_size,
+            kernel_ms=outcome.device.kernel_ms,
+            peaks=outcome.peaks,
+            precision=precision,
+        )
         return Product(
             outcome=outcome,
             dtype=working,

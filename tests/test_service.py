@@ -108,6 +108,25 @@ def test_working_dtype(requested: str | None, a: str, b: str, typed: bool, expec
     assert service.working_dtype(requested, operands) == np.dtype(expected)
 
 
+@pytest.mark.parametrize(
+    ("requested", "a", "b", "working", "expected"),
+    [
+        (None, "float16", ">f2", "float32", Precision.FP16),
+        (None, "float16", "float32", "float32", Precision.FP32),
+        (None, "float16", "int8", "float32", Precision.FP32),
+        (None, "float16", "float16", "float64", Precision.FP32),
+        ("fp32", "float16", "float16", "float32", Precision.FP32),
+        ("bf16", "float16", "float16", "float32", Precision.BF16),
+        (None, "float32", "float32", "float32", Precision.FP32),
+    ],
+)
+def test_two_float16_operands_default_to_their_natural_precision(
+    requested: str | None, a: str, b: str, working: str, expected: Precision
+) -> None:
+    operands = Operands(a=np.ones((1, 1), a), b=np.ones((1, 1), b))
+    assert service.requested_precision(requested, np.dtype(working), operands) is expected
+
+
 def test_an_unsupported_dtype_names_the_choices() -> None:
     with pytest.raises(InvalidParameter) as caught:
         service.working_dtype("float16", Operands(a=np.ones((1, 1)), b=np.ones((1, 1))))

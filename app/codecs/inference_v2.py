@@ -20,12 +20,13 @@ from app.codecs.json import json_type
 from app.codecs.operands import Limits, Operands, RequestOptions, check_shape
 from app.errors import BadRequest, InvalidMatrix, InvalidParameter, MalformedPayload, SharedMemoryError
 from app.shared_memory import Matrix, SharedOutput, SharedTensor
+from kernels.precision import Precision
 
 HEADER_LENGTH = "Inference-Header-Content-Length"
 BINARY_MEDIA_TYPE = "application/octet-stream"
 INPUTS = ("A", "B")
 OUTPUT = "C"
-DATATYPES: dict[str, np.dtype] = {"FP32": np.dtype("<f4"), "FP64": np.dtype("<f8")}
+DATATYPES: dict[str, np.dtype] = {"FP16": np.dtype("<f2"), "FP32": np.dtype("<f4"), "FP64": np.dtype("<f8")}
 DATATYPE_OF = {"float32": "FP32", "float64": "FP64"}
 
 
@@ -54,6 +55,8 @@ def _options(parameters: Mapping[str, Any], declared: list[str]) -> RequestOptio
     if tile is not None and (isinstance(tile, bool) or not isinstance(tile, int)):
         raise InvalidParameter("parameters.tile must be an integer", location=["parameters", "tile"])
     dtype = "float64" if "FP64" in declared else "float32"
+    if precision is None and set(declared) == {"FP16"}:
+        precision = Precision.FP16.value  # FP16 tensors' natural precision, whether sent as binary or JSON data
     return RequestOptions(kernel=kernel, tile=tile, dtype=dtype, precision=precision)
 
 

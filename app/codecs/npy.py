@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from app.codecs.operands import Limits, Operands, check_dtype, check_shape, require_operands
+from app.codecs.operands import SUPPORTED_DTYPES, Limits, Operands, check_dtype, check_shape, require_operands
 from app.errors import InvalidMatrix, MalformedPayload
 
 MEDIA_TYPE = "application/x-npy"
@@ -110,8 +110,7 @@ class _NpyHeaderText:
         kind, value = self.token()
         if key == "descr" and kind == "list":
             raise InvalidMatrix(
-                f"matrix '{self.name}' has a structured dtype (a list of fields); supported are float32, float64 "
-                "and integers",
+                f"matrix '{self.name}' has a structured dtype (a list of fields); {SUPPORTED_DTYPES}",
                 location=[self.name],
             )
         if key == "descr" and kind == "quoted":

@@ -18,6 +18,7 @@ from app.errors import InvalidMatrix, InvalidParameter, ShapeMismatch
 from app.shared_memory import Matrix
 
 OPERANDS = ("a", "b")
+SUPPORTED_DTYPES = "supported are float16, float32, float64 and integers"
 
 
 @dataclass(frozen=True)
@@ -67,7 +68,7 @@ def _kind_name(dtype: np.dtype) -> str:
 
 
 def check_matrix(array: np.ndarray, name: str, limits: Limits) -> np.ndarray:
-    """A 2-D matrix of integers or float32/float64 within the limits, or InvalidMatrix/ShapeMismatch."""
+    """A 2-D matrix of integers or float16/32/64 within the limits, or InvalidMatrix/ShapeMismatch."""
     if array.ndim != 2:
         raise InvalidMatrix(
             f"matrix '{name}' must be 2-D, got {array.ndim}-D with shape {list(array.shape)}", location=[name]
@@ -81,11 +82,11 @@ def check_dtype(dtype: np.dtype, name: str) -> None:
     if (
         dtype.names is not None
         or dtype.hasobject
-        or not (dtype.kind in "iu" or (dtype.kind == "f" and dtype.itemsize in (4, 8)))
+        or not (dtype.kind in "iu" or (dtype.kind == "f" and dtype.itemsize in (2, 4, 8)))
     ):
         raise InvalidMatrix(
-            f"matrix '{name}' has dtype {_kind_name(dtype)}; supported are float32, float64 and integers "
-            "(converted to the requested float dtype)",
+            f"matrix '{name}' has dtype {_kind_name(dtype)}; {SUPPORTED_DTYPES} (converted to the requested float "
+            "dtype)",
             location=[name],
         )
 

@@ -9,11 +9,12 @@ from typing import Any
 
 import httpx
 import numpy as np
+import orjson
 import pytest
 
 from kernels.precision import Precision, input_error
 from kernels.reference import BOUND_CONSTANT, Reference
-from matmul_tools.bodies import MULTIPART_CONTENT_TYPE, load_npy, multipart_body, npy_bytes
+from matmul_tools.bodies import MULTIPART_CONTENT_TYPE, inference_v2_body, load_npy, multipart_body, npy_bytes
 
 pytestmark = pytest.mark.anyio
 
@@ -72,6 +73,42 @@ async def test_npy_operands_and_answer_in_a_precision(client: httpx.AsyncClient)
     assert answer.status_code == 200, answer.text
     assert answer.headers["x-matmul-precision"] == "fp16"
     assert Reference.of(a, b, F32, Precision.FP16).mismatch(load_npy(answer.content)) is None
+
+
+async def _float16_npy_product(client: httpx.AsyncClient, ask: str) -> tuple[np.ndarray, np.ndarray, httpx.Response]:
+    a, b = (x.astype(np.float16) for x in _operands(10, 17, 300, 5))
+    answer = await client.post(
+        f"/matmul{ask}",
+        content=multipart_body([("a", npy_bytes(a)), ("b", npy_bytes(b))]),
+        headers={"content-type": MULTIPART_CONTENT_TYPE, "accept": "application/x-npy"},
+    )
+    assert answer.status_code == 200, answer.text
+    return a.astype(np.float32), b.astype(np.float32), answer
+
+
+@pytest.mark.parametrize(("ask", "precision"), [("", Precision.FP16), ("?precision=fp32", Precision.FP32)])
+async def test_float16_npy_operands_run_in_fp16_unless_told_otherwise(
+    client: httpx.AsyncClient, ask: str, precision: Precision
+) -> None:
+    a, b, answer = await _float16_npy_product(client, ask)
+    assert answer.headers["x-matmul-precision"] == precision and answer.headers["x-matmul-dtype"] == "float32"
+    c = load_npy(answer.content)
+    assert c.dtype == F32 and Reference.of(a, b, F32, precision).mismatch(c) is None
+
+
+async def test_v2_fp16_inputs_run_in_fp16_and_answer_fp32(client: httpx.AsyncClient) -> None:
+    a, b = (x.astype(np.float16) for x in _operands(11, 8, 64, 4))
+    body, header_length = inference_v2_body(a, b)
+    answer = await client.post(
+        "/v2/models/matmul/infer",
+        content=body,
+        headers={"content-type": "application/octet-stream", "inference-header-content-length": str(header_length)},
+    )
+    assert answer.status_code == 200, answer.text
+    header = orjson.loads(answer.content[: int(answer.headers["inference-header-content-length"])])
+    assert header["parameters"]["precision"] == "fp16" and header["outputs"][0]["datatype"] == "FP32"
+    c = np.frombuffer(answer.content[len(answer.content) - 32 * 4 :], "<f4").reshape(8, 4)
+    assert Reference.of(a.astype(np.float32), b.astype(np.float32), F32, Precision.FP16).mismatch(c) is None
 
 
 @pytest.mark.parametrize(
@@ -155,6 +192,13 @@ async def test_on_the_gpu_each_precision_runs_on_cublas(
         computing = {k["name"] for k in listing["kernels"] if precision in k["precisions"] and k["name"] != "auto"}
         assert body["kernel"] == "cublas" if kernel == "cublas" else body["kernel"] in computing
     assert Reference.of(a, b, F32, precision).mismatch(np.array(body["result"], np.float32)) is None
+
+
+@pytest.mark.gpu
+async def test_on_the_gpu_float16_npy_operands_run_in_fp16(gpu_client: httpx.AsyncClient) -> None:
+    a, b, answer = await _float16_npy_product(gpu_client, "")
+    assert answer.headers["x-matmul-precision"] == "fp16"
+    assert Reference.of(a, b, F32, Precision.FP16).mismatch(load_npy(answer.content)) is None
 
 
 @pytest.mark.gpu

@@ -34,7 +34,7 @@ pytestmark = pytest.mark.anyio
 
 KNOWN = DeviceTiming(h2d_ms=0.25, kernel_ms=0.002, d2h_ms=0.125)
 """What the backend says its device took, in milliseconds."""
-PEAKS = DevicePeaks(flops_per_s={"float32": 2e12, "float64": 1e12}, dram_bytes_per_s=3e12)
+PEAKS = DevicePeaks(flops_per_s={"float32": 2e12, "float64": 1e12, "bf16": 16e12}, dram_bytes_per_s=3e12)
 M, K, N = 10, 30, 20
 FLOPS = 2 * M * N * K
 GFLOPS = FLOPS / (KNOWN.kernel_ms * 1e6)
@@ -141,6 +141,15 @@ async def test_a_json_answer_reports_the_device_times_in_milliseconds_in_its_bod
     assert _server_timing(r) == pytest.approx({name: round(value, 3) for name, value in timing.items()}, abs=5e-4)
     assert doc["gflops"] == pytest.approx(GFLOPS, rel=1e-12) and r.headers["x-matmul-gflops"] == "6.000"
     _check_roofline(doc["roofline"], timing["kernel_ms"], doc["roofline"]["global_bytes"])
+
+
+async def test_a_tensor_core_precision_is_rated_against_its_own_roof(known: httpx.AsyncClient) -> None:
+    a, b = _operands()
+    r = await known.post("/matmul?precision=bf16", json={"a": a.tolist(), "b": b.tolist()})
+    assert r.status_code == 200, r.text
+    line = r.json()["roofline"]
+    assert line["peak_gflops"] == pytest.approx(16000.0)
+    assert line["peak_fraction"] == pytest.approx(GFLOPS / 16000.0, rel=1e-6)
 
 
 async def test_a_npy_answer_carries_the_same_figures_in_its_headers(known: httpx.AsyncClient) -> None:

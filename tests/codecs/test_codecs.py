@@ -85,7 +85,7 @@ class TestJson:
 
 
 class TestNpy:
-    @pytest.mark.parametrize("dtype", ["<f4", ">f4", "<f8", ">f8", "<i8", "u1", "<i2"])
+    @pytest.mark.parametrize("dtype", ["<f2", ">f2", "<f4", ">f4", "<f8", ">f8", "<i8", "u1", "<i2"])
     @pytest.mark.parametrize("order", ["C", "F"])
     def test_any_byte_order_and_layout_round_trips(self, dtype: str, order: str) -> None:
         array = np.asarray(np.arange(12).reshape(3, 4), dtype=dtype, order=order)
@@ -105,9 +105,8 @@ class TestNpy:
             (np.array(1.0), "must be 2-D, got 0-D"),
             (np.ones((2, 2), np.complex64), "dtype complex64"),
             (np.ones((2, 2), np.bool_), "dtype bool"),
-            (np.ones((2, 2), np.float16), "dtype float16"),
             (np.array([["ab"]]), "dtype <U2"),
-            (np.zeros((2, 2), dtype=[("x", "<f4")]), "supported are float32"),
+            (np.zeros((2, 2), dtype=[("x", "<f4")]), "supported are float16, float32"),
             (np.ones((2, 2000)), "over the limit of 1000"),
         ],
     )

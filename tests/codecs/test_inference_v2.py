@@ -45,6 +45,35 @@ def test_options_from_the_parameters_and_the_datatypes() -> None:
 
 
 @pytest.mark.parametrize(
+    ("datatypes", "parameters", "expected"),
+    [
+        (("FP16", "FP16"), {}, RequestOptions(dtype="float32", precision="fp16")),
+        (("FP16", "FP16"), {"precision": "fp32"}, RequestOptions(dtype="float32", precision="fp32")),
+        (("FP16", "FP32"), {}, RequestOptions(dtype="float32")),
+        (("FP16", "FP64"), {}, RequestOptions(dtype="float64")),
+    ],
+)
+def test_two_fp16_inputs_ask_for_their_natural_precision_unless_one_is_named(
+    datatypes: tuple[str, str], parameters: dict[str, str], expected: RequestOptions
+) -> None:
+    inputs = ({**A, "datatype": datatypes[0]}, {**B, "datatype": datatypes[1]})
+    assert decode_infer(doc(*inputs, parameters=parameters), None, LIMITS).operands.options == expected
+
+
+def test_fp16_binary_inputs_are_read_as_float16() -> None:
+    a, b = np.array([[0.1, 2.0, -3.5]], np.float16), np.array([[1.0], [65504.0], [2.0**-24]], np.float16)
+    inputs = [
+        {"name": name, "datatype": "FP16", "shape": list(x.shape), "parameters": {"binary_data_size": x.nbytes}}
+        for name, x in (("A", a), ("B", b))
+    ]
+    header = orjson.dumps({"inputs": inputs})
+    request = decode_infer(header + a.astype("<f2").tobytes() + b.astype("<f2").tobytes(), str(len(header)), LIMITS)
+    for decoded, sent in ((request.operands.a, a), (request.operands.b, b)):
+        assert decoded.dtype == np.dtype("<f2")
+        np.testing.assert_array_equal(decoded, sent)
+
+
+@pytest.mark.parametrize(
     ("parameters", "outputs", "binary"),
     [
         ({}, None, False),
@@ -143,7 +172,7 @@ def test_true_in_a_string_does_not_refuse_numbers() -> None:
         ),
         (
             doc(A, {**B, "datatype": "INT32"}),
-            ("invalid_matrix", "input 'B' has datatype 'INT32'; this model takes ['FP32', 'FP64']", ["B"]),
+            ("invalid_matrix", "input 'B' has datatype 'INT32'; this model takes ['FP16', 'FP32', 'FP64']", ["B"]),
         ),
         (
             doc(A, {k: v for k, v in B.items() if k != "data"}),

@@ -183,7 +183,7 @@ def test_the_pickled_objects_dtype_is_named_as_such() -> None:
     with pytest.raises(InvalidMatrix) as caught:
         check_dtype(np.dtype(object), "a")
     assert caught.value.message == (
-        "matrix 'a' has dtype pickled Python objects; supported are float32, float64 and integers "
+        "matrix 'a' has dtype pickled Python objects; supported are float16, float32, float64 and integers "
         "(converted to the requested float dtype)"
     )
     assert caught.value.location == ["a"]

@@ -112,7 +112,7 @@ def test_a_structured_dtype_is_refused_by_name() -> None:
     text = "{'descr': [('x', '<f4')], 'fortran_order': False, 'shape': (2, 3)}"
     assert refusal(npy_with_header(text)) == (
         "invalid_matrix",
-        "matrix 'b' has a structured dtype (a list of fields); supported are float32, float64 and integers",
+        "matrix 'b' has a structured dtype (a list of fields); supported are float16, float32, float64 and integers",
         ["b"],
     )
 

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from kernels.cuda import device_attributes
+from kernels.precision import Precision
 from kernels.registry import KERNELS, minimum_global_elements
 from kernels.roofline import DevicePeaks, gpu_peaks, roofline
 from matmul_tools.bodies import npy_bytes
@@ -60,7 +61,10 @@ H100 = {"multiprocessors": 132, "clock_khz": 1_980_000, "memory_clock_khz": 2_61
 def test_the_peaks_of_an_h100_from_its_attributes() -> None:
     peaks = gpu_peaks((9, 0), **H100)
     assert peaks.flops_per_s["float32"] == pytest.approx(66.9e12, rel=1e-3)  # 132 x 128 x 2 x 1.98 GHz
-    assert peaks.flops_per_s["float64"] == pytest.approx(33.45e12, rel=1e-3)  # 64 FP64 lanes per SM
+    assert peaks.flops_per_s["float64"] == pytest.approx(66.9e12, rel=1e-3)  # DMMA: 128 per SM, twice the lanes'
+    assert peaks.flops_per_s["tf32"] == pytest.approx(535.3e12, rel=1e-3)  # 132 x 1024 x 2 x 1.98 GHz
+    assert peaks.flops_per_s["3xtf32"] == pytest.approx(535.3e12 / 3, rel=1e-3)  # three TF32 products per product
+    assert peaks.flops_per_s["bf16"] == peaks.flops_per_s["fp16"] == pytest.approx(1070.5e12, rel=1e-3)
     assert peaks.dram_bytes_per_s == pytest.approx(3.352e12, rel=1e-3)  # 2.619 GHz x 640 bytes x 2
 
 
@@ -69,8 +73,19 @@ def test_an_a100_has_half_the_float32_lanes_per_sm() -> None:
         (8, 0), multiprocessors=108, clock_khz=1_410_000, memory_clock_khz=1_215_000, memory_bus_width_bits=5120
     )
     assert peaks.flops_per_s["float32"] == pytest.approx(19.5e12, rel=1e-2)
-    assert peaks.flops_per_s["float64"] == pytest.approx(9.7e12, rel=1e-2)
+    assert peaks.flops_per_s["float64"] == pytest.approx(19.5e12, rel=1e-2)  # DMMA, twice the 9.7 of the lanes
+    assert peaks.flops_per_s["tf32"] == pytest.approx(156e12, rel=1e-2)  # the A100 whitepaper's dense figures
+    assert peaks.flops_per_s["bf16"] == peaks.flops_per_s["fp16"] == pytest.approx(312e12, rel=1e-2)
     assert peaks.dram_bytes_per_s == pytest.approx(1.555e12, rel=1e-2)
+
+
+def test_where_no_tensor_core_does_float64_its_roof_is_the_lanes() -> None:
+    peaks = gpu_peaks(
+        (7, 0), multiprocessors=80, clock_khz=1_530_000, memory_clock_khz=None, memory_bus_width_bits=None
+    )
+    assert peaks.flops_per_s["float64"] == pytest.approx(7.8e12, rel=1e-2)  # a V100's 32 lanes per SM
+    assert peaks.flops_per_s["fp16"] == pytest.approx(125e12, rel=1e-2)
+    assert peaks.flops_per_s["bf16"] is None and peaks.flops_per_s["tf32"] is None  # it has neither
 
 
 @pytest.mark.parametrize("missing", ["multiprocessors", "clock_khz", "memory_clock_khz", "memory_bus_width_bits"])
@@ -84,7 +99,8 @@ def test_a_missing_or_zero_attribute_leaves_out_what_needs_it(missing: str, as_:
 
 def test_an_unknown_compute_capability_has_no_flops_peak() -> None:
     peaks = gpu_peaks((99, 0), **H100)
-    assert peaks.flops_per_s == {"float32": None, "float64": None} and peaks.dram_bytes_per_s is not None
+    assert set(peaks.flops_per_s) == {"float32", "float64", *(p.value for p in Precision if p is not Precision.FP32)}
+    assert set(peaks.flops_per_s.values()) == {None} and peaks.dram_bytes_per_s is not None
 
 
 def test_the_roofline_of_tiled_against_an_h100() -> None:
@@ -98,6 +114,27 @@ def test_the_roofline_of_tiled_against_an_h100() -> None:
     assert line.peak_fraction == pytest.approx(2 * 4096**3 / 16e-3 / 66.9082e12, rel=1e-6)
     assert line.global_gbps == pytest.approx(line.global_bytes / 16e-3 / 1e9)
     assert line.dram_gbps == pytest.approx(3352.3, abs=0.1)
+
+
+@pytest.mark.parametrize(
+    ("dtype", "precision", "roof"),
+    [
+        (np.float32, Precision.FP32, "float32"),
+        (np.float64, Precision.FP32, "float64"),
+        (np.float32, Precision.TF32, "tf32"),
+        (np.float32, Precision.TF32X3, "3xtf32"),
+        (np.float32, Precision.BF16, "bf16"),
+        (np.float32, Precision.FP16, "fp16"),
+    ],
+)
+def test_a_product_is_rated_against_its_arithmetics_roof(
+    dtype: type[np.floating], precision: Precision, roof: str
+) -> None:
+    peaks = gpu_peaks((9, 0), **H100)
+    line = roofline(None, (4096, 4096, 4096), np.dtype(dtype), 1, kernel_ms=1.0, peaks=peaks, precision=precision)
+    peak = peaks.flops_per_s[roof]
+    assert peak is not None and line.peak_gflops == pytest.approx(peak / 1e9)
+    assert line.peak_fraction == pytest.approx(2 * 4096**3 / 1e-3 / peak)
 
 
 def test_a_batch_is_rated_over_the_launch_and_a_library_at_the_minimum() -> None:

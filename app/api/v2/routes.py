@@ -123,7 +123,8 @@ async def all_statistics(catalogue: CatalogueDep, statistics: StatisticsDep) -> 
 
 @_model_route("GET", "", "Model metadata", "Model version metadata", _MODEL_ERRORS)
 async def model_metadata(model: ModelName, catalogue: CatalogueDep) -> dict[str, Any]:
-    """Inputs A (m x k) and B (k x n), output C (m x n), FP32 or FP64; -1 marks a variable dimension."""
+    """Inputs A (m x k) and B (k x n), FP16, FP32 or FP64; output C (m x n), FP32 or FP64; -1 marks a variable
+    dimension."""
     catalogue.kernel_of(model)
     return catalogue.metadata(model)
 
