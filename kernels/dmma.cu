@@ -1,28 +1,32 @@
 // FP64 rung: float64 products on the tensor cores' DMMA units (`mma.sync` with f64 operands).
 //
-// What it changes, and why. `fast` computes float64 on the FMA lanes, which on an H100 run doubles at the same
-// 67 TFLOP/s peak as the DMMA units, but an FMA lane does one multiply-add per instruction and a DMMA m8n8k4 does
-// 256 for a warp: `fast` spends its issue slots and its shared-memory bandwidth on feeding FMAs and reaches 0.37-0.51
+// What it changes, and why. `fast` computes float64 on the FMA lanes, which on an H100 run doubles at half the
+// 67 TFLOP/s of the DMMA units, and an FMA lane does one multiply-add per instruction where a DMMA m16n8k8 does 1024
+// for a warp: `fast` spends its issue slots and its shared-memory bandwidth on feeding FMAs and reaches 0.37-0.51
 // of cuBLAS DGEMM, which uses the DMMA units. This kernel keeps `fast`'s pipeline and hands the arithmetic to DMMA:
-//   - a block computes a BM x BN tile of C with (BM / WM) x (BN / 32) warps, each a WM x 32 tile held in registers
-//     as 8 x 8 blocks of the instruction's accumulator layout (two doubles a lane per block);
-//   - tiles of A (BM x 16) and B (16 x BN) travel global -> shared with cp.async, STAGES deep, one barrier a step;
-//   - MMA_K picks the instruction: m8n8k4 (sm_80's DMMA, an 8 x 8 x 4 block), or sm_90's m16n8k8 and m16n8k16,
-//     which do 4 and 8 times its work from the same fragment positions, so the same loads feed all three.
-//     Measured on the H100 (docs/tensor-cores.md): m8n8k4 reaches about 0.5 of cuBLAS DGEMM, the sm_90 forms 0.8;
-//     the service runs m16n8k8, the form cuBLAS's own DGEMM kernel uses.
+//   - a block computes a BM x BN tile of C with (BM / WM) x (BN / 32) warps, each a WM x 32 tile held in registers;
+//   - tiles of A (BM x BK) and B (BK x BN) travel global -> shared with cp.async, STAGES deep, one barrier a step;
+//   - MMA_K picks the instruction, sm_90's m16n8k8 or m16n8k16 (the service runs m16n8k8, the form cuBLAS's own
+//     DGEMM kernel uses). sm_80's m8n8k4, a quarter of m16n8k8's work an instruction, reached half of cuBLAS here
+//     (docs/tensor-cores.md).
 //
-// Fragments in 16-byte loads. The instructions want, from lane (g, t) = (lane / 4, lane % 4), A[g][t + 4 s] and
-// B[t + 4 s][g] for s = 0..3 of a 16-deep tile: doubles 4 apart along K, 8 apart along N, one 8-byte load each.
-// But a product does not care in which order it takes K, nor which columns of B it puts in which block, as long
-// as C's columns follow. So logical k = t + 4 s is read from the tile's column (row of B) 4 t + s, and the warp's
-// 8 x 8 block j takes its logical column x from column 4 x + j of the warp's 32: a lane's A values are then four
-// neighbours in a row, its B values four neighbours in each of four rows, and its outputs, columns 4 (2 t + e) + j,
-// eight neighbours in a row. Every fragment is two 16-byte loads instead of four 8-byte ones.
+// C transposed, so that shared memory hands the instruction its registers as they are. A DMMA.16x8x8 reads its
+// A operand from four consecutive register pairs, (a0, a1, a2, a3) = rows g and g + 8 at k slot t, then the same
+// rows at slot t + 4, for lane (g, t) = (lane / 4, lane % 4), and its B operand (b0, b1) = column g at slots t and
+// t + 4. A 16-byte load from a row-major tile brings two neighbours of one row; fed A and B as they are, every
+// fragment had to be reassembled, and the compiler spent ten moves a DMMA on it (ptxas's machine code: 319 moves
+// and 32 DMMAs a 16-deep step, two and a half times cuBLAS's instructions). So each warp computes C^T = B^T A^T:
+// the instruction's A operand comes from B's tile, whose rows hold neighbouring columns of C, and its B operand
+// from A's tile, whose rows hold neighbouring k. The instruction's rows g and g + 8 are C's columns 2g and 2g + 1,
+// its columns C's rows, and lane t takes the tile's k 2t and 2t + 1 (4t .. 4t + 3 for m16n8k16) as its slots
+// t and t + 4 (t + 8, t + 12): the order of the terms of a sum does not matter, as long as A and B agree. Then
+// (a0, a1) is one 16-byte load of B's row 2t, (a2, a3) one of row 2t + 1, and (b0, b1) one of A's row g.
 //
-// Shared memory is swizzled so that each 16-byte load of a quarter warp (8 lanes, 128 bytes) touches every bank
-// once: A's rows (128 bytes, all 32 banks) have their 16-byte units XORed with the row's parity (the two rows a
-// quarter warp reads), B's rows with bits 2 and 3 of the row mapped to 1 and 4 (the four rows it reads are 4 apart).
+// Shared memory is swizzled per 16-byte unit so that the eight lanes of a quarter warp, which a 16-byte load
+// serves together, touch every bank once. A's rows (16 doubles, 128 bytes, all 32 banks): a quarter warp reads
+// rows g = 0, 1 at units t (Q = MMA_K / 4 doubles a lane: Q / 2 units from unit Q t / 2), so odd rows have their
+// units XORed with 4 (m16n8k8) or 1 (m16n8k16). B's rows: a quarter warp reads two units of each of four rows
+// Q t + q, which XORing their units with 2 x (row / Q mod 4) puts on four different pairs of unit positions.
 //
 // Edges: a copy of an element outside A or B reads nothing and writes zeros (cp.async with source size 0), so
 // partial tiles multiply as if padded; only the stores are guarded. VEC copies 16 bytes (two doubles) at a time,
@@ -44,47 +48,47 @@ __host__ __device__ constexpr int dmma_smem_bytes() {
     return STAGES * (BM + BN) * BK * static_cast<int>(sizeof(double));
 }
 
-constexpr int DMMA_WN = 32;  // columns of a warp's tile: four 8 x 8 blocks, interleaved (see above)
+constexpr int DMMA_WN = 32;  // columns of a warp's tile: two 16-column tiles of the instruction's rows
 
-// Index of A's tile element (row, col) in shared memory: 16-byte units of a row XORed with the row's parity.
-template <int BK>
+// Index of A's tile element (row, col) in shared memory: 16-byte units of odd rows XORed with 4 (Q = 2) or 1 (Q = 4).
+template <int BK, int Q>
 __device__ __forceinline__ int a_offset(int row, int col) {
-    return row * BK + ((((col >> 1) ^ (row & 1)) << 1) | (col & 1));
+    constexpr int FLIP = Q == 2 ? 4 : 1;
+    return row * BK + ((((col >> 1) ^ ((row & 1) * FLIP)) << 1) | (col & 1));
 }
 
-// Index of B's tile element (k, col) in a BN-wide tile: 16-byte units XORed with bit 2 of k as 1, bit 3 as 4.
-__device__ __forceinline__ int b_swizzle(int k) { return ((k >> 2) & 1) | ((k >> 1) & 4); }
-
-template <int BN>
+// Index of B's tile element (k, col) in a BN-wide tile: 16-byte units XORed with 2 x (k / Q mod 4).
+template <int BN, int Q>
 __device__ __forceinline__ int b_offset(int k, int col) {
-    return k * BN + ((((col >> 1) ^ b_swizzle(k)) << 1) | (col & 1));
+    return k * BN + ((((col >> 1) ^ (((k / Q) & 3) << 1)) << 1) | (col & 1));
 }
 
-// c (8 x 8, rows g, columns 2t and 2t + 1) += a (8 x 4: A[g][t]) * b (4 x 8: B[t][g])
-__device__ __forceinline__ void dmma_m8n8k4(double (&c)[2], double a, double b) {
-    asm volatile("mma.sync.aligned.m8n8k4.row.col.f64.f64.f64.f64 {%0, %1}, {%2}, {%3}, {%0, %1};"
-                 : "+d"(c[0]), "+d"(c[1])
-                 : "d"(a), "d"(b));
-}
-
-// top, bottom (the 8 x 8 blocks at rows g and g + 8) += a (16 x 8: a[i] = A[g + 8 (i % 2)][t + 4 (i / 2)])
-// * b (8 x 8: b[i] = B[t + 4 i][g])
-__device__ __forceinline__ void dmma_m16n8k8(double (&top)[2], double (&bottom)[2], const double* a, const double* b) {
+// d (rows g, g + 8 of a 16 x 8 tile; columns 2t, 2t + 1) += a (16 x 8: a[2 i + h] = row g + 8 h, slot t + 4 i)
+// * b (8 x 8: b[i] = slot t + 4 i, column g)
+__device__ __forceinline__ void dmma_m16n8k8(double (&d)[4], const double (&a)[4], const double (&b)[2]) {
     asm volatile("mma.sync.aligned.m16n8k8.row.col.f64.f64.f64.f64 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
                  "{%0, %1, %2, %3};"
-                 : "+d"(top[0]), "+d"(top[1]), "+d"(bottom[0]), "+d"(bottom[1])
+                 : "+d"(d[0]), "+d"(d[1]), "+d"(d[2]), "+d"(d[3])
                  : "d"(a[0]), "d"(a[1]), "d"(a[2]), "d"(a[3]), "d"(b[0]), "d"(b[1]));
 }
 
-// the same, 16 deep: a (16 x 16, a[i] as above for i = 0..7), b (16 x 8, b[i] for i = 0..3)
-__device__ __forceinline__ void dmma_m16n8k16(double (&top)[2], double (&bottom)[2], const double (&a)[8],
-                                              const double (&b)[4]) {
+// the same, 16 deep: a (16 x 16, a[2 i + h] for i = 0..3), b (16 x 8, b[i] for i = 0..3)
+__device__ __forceinline__ void dmma_m16n8k16(double (&d)[4], const double (&a)[8], const double (&b)[4]) {
     asm volatile(
         "mma.sync.aligned.m16n8k16.row.col.f64.f64.f64.f64 {%0, %1, %2, %3}, {%4, %5, %6, %7, %8, %9, %10, %11}, "
         "{%12, %13, %14, %15}, {%0, %1, %2, %3};"
-        : "+d"(top[0]), "+d"(top[1]), "+d"(bottom[0]), "+d"(bottom[1])
+        : "+d"(d[0]), "+d"(d[1]), "+d"(d[2]), "+d"(d[3])
         : "d"(a[0]), "d"(a[1]), "d"(a[2]), "d"(a[3]), "d"(a[4]), "d"(a[5]), "d"(a[6]), "d"(a[7]), "d"(b[0]),
           "d"(b[1]), "d"(b[2]), "d"(b[3]));
+}
+
+template <int MMA_K>
+__device__ __forceinline__ void dmma(double (&d)[4], const double (&a)[MMA_K / 2], const double (&b)[MMA_K / 4]) {
+    if constexpr (MMA_K == 16) {
+        dmma_m16n8k16(d, a, b);
+    } else {
+        dmma_m16n8k8(d, a, b);
+    }
 }
 
 template <int BM, int BN, int BK, int WM, int STAGES, bool VEC, int MMA_K>
@@ -94,14 +98,16 @@ __global__ void __launch_bounds__((BM / WM) * (BN / DMMA_WN) * 32, dmma_blocks_p
     constexpr int WARPS_N = BN / DMMA_WN;
     constexpr int NT = (BM / WM) * WARPS_N * 32;
     constexpr int W = VEC ? 2 : 1;                   // doubles per copy
+    constexpr int Q = MMA_K / 4;                     // k of a slice per lane
     constexpr int A_STAGE = BM * BK;
     constexpr int B_STAGE = BK * BN;
     constexpr int A_COPIES = A_STAGE / W / NT;       // per thread and stage
     constexpr int B_COPIES = B_STAGE / W / NT;
-    constexpr int PAIRS = WM / 16;                   // 16-row slabs of a warp's tile
-    constexpr int FN = DMMA_WN / 8;                  // 8 x 8 blocks across it
+    constexpr int MI = WM / 8;                       // 8-row tiles of C in a warp's: the instruction's columns
+    constexpr int NJ = DMMA_WN / 16;                 // 16-column tiles of C in it: the instruction's rows
+    static_assert(MMA_K == 8 || MMA_K == 16, "the instructions are m16n8k8 and m16n8k16");
     static_assert(A_STAGE / W % NT == 0 && B_STAGE / W % NT == 0, "copies divide evenly among the threads");
-    static_assert(WM % 16 == 0 && BM % WM == 0 && BN % DMMA_WN == 0, "warps tile the block in 16 x 32 slabs");
+    static_assert(WM % 8 == 0 && BM % WM == 0 && BN % DMMA_WN == 0 && BK % 16 == 0, "warps tile the block");
 
     extern __shared__ __align__(16) unsigned char shared_raw[];
     double* const As = reinterpret_cast<double*>(shared_raw);  // [STAGES][BM][BK], swizzled
@@ -116,7 +122,8 @@ __global__ void __launch_bounds__((BM / WM) * (BN / DMMA_WN) * 32, dmma_blocks_p
     // A_ROW_STEP, column a_col, so consecutive threads read consecutive bytes of a row; likewise for B. The bases
     // and strides are fixed for the whole loop, so a copy costs one address and a cp.async.
     constexpr int A_ROW_STEP = NT / (BK / W), B_ROW_STEP = NT / (BN / W);
-    static_assert(NT % (BK / W) == 0 && NT % (BN / W) == 0 && A_ROW_STEP % 2 == 0, "rows of copies keep a swizzle");
+    static_assert(NT % (BK / W) == 0 && NT % (BN / W) == 0, "rows of copies divide the threads");
+    static_assert(A_ROW_STEP % 2 == 0, "a thread's rows of copies of A share a swizzle");
     const int a_row = tid / (BK / W), a_col = tid % (BK / W) * W;
     const int b_row = tid / (BN / W), b_col = tid % (BN / W) * W;
     unsigned a_rows_in = 0;  // bit i: row a_row + i * A_ROW_STEP lies inside A
@@ -126,7 +133,7 @@ __global__ void __launch_bounds__((BM / WM) * (BN / DMMA_WN) * 32, dmma_blocks_p
     const double* const a_src = A + static_cast<size_t>(a_rows_in & 1u ? m0 + a_row : 0) * K + a_col;
     const double* const b_src = B + static_cast<size_t>(b_row) * N + (b_col_in ? n0 + b_col : 0);
     const size_t a_stride = static_cast<size_t>(A_ROW_STEP) * K, b_stride = static_cast<size_t>(B_ROW_STEP) * N;
-    const int a_dst = a_offset<BK>(a_row, a_col);
+    const int a_dst = a_offset<BK, Q>(a_row, a_col);
     // Only blocks on the bottom or right edge of C, and the last step when BK does not divide K, hold elements to
     // skip; every other step copies without a guard: one address and one cp.async a copy (as in fast.cu).
     auto copy_tile = [&](bool guarded, int stage, int k0) {
@@ -139,10 +146,10 @@ __global__ void __launch_bounds__((BM / WM) * (BN / DMMA_WN) * 32, dmma_blocks_p
         }
 #pragma unroll
         for (int i = 0; i < B_COPIES; ++i) {
-            const int k = b_row + i * B_ROW_STEP;
-            const bool in = b_col_in && k0 + k < K;
+            const bool in = b_col_in && k0 + b_row + i * B_ROW_STEP < K;
             const double* src = b_src + static_cast<size_t>(k0) * N + i * b_stride;
-            copy_async<W * 8>(Bs + stage * B_STAGE + b_offset<BN>(k, b_col), guarded && !in ? B : src, guarded, in);
+            copy_async<W * 8>(Bs + stage * B_STAGE + b_offset<BN, Q>(b_row + i * B_ROW_STEP, b_col),
+                              guarded && !in ? B : src, guarded, in);
         }
     };
     const bool edge_block = m0 + BM > M || n0 + BN > N;
@@ -158,15 +165,20 @@ __global__ void __launch_bounds__((BM / WM) * (BN / DMMA_WN) * 32, dmma_blocks_p
     const int g = lane / 4, t = lane % 4;
     const int wm = (warp / WARPS_N) * WM;  // the warp's tile within the block's
     const int wn = (warp % WARPS_N) * DMMA_WN;
-    // Where this lane's fragments lie in a stage: A's row g (then + 8, + 16, ...), columns 4t..4t+3; B's rows 4t..4t+3,
-    // columns wn + 4g..4g+3. Each as two 16-byte units; the swizzle depends on the lane only, as every row the lane
-    // reads has the parity of g (A) or bits 2-3 of 4t (B).
-    const int a_lane = a_offset<BK>(wm + g, 4 * t);
-    const int a_lane2 = a_offset<BK>(wm + g, 4 * t + 2);
-    const int b_lane = b_offset<BN>(4 * t, wn + 4 * g);
-    const int b_lane2 = b_offset<BN>(4 * t, wn + 4 * g + 2);
+    // Where this lane's fragments lie in a stage: A's row wm + g (then every 8 rows), k Q t .. Q t + Q - 1 of each
+    // slice, in Q / 2 units; B's rows Q t .. Q t + Q - 1 of each slice, columns wn + 2g, + 1 (then every 16 columns).
+    // The swizzles repeat every 8 rows of A, every 4 Q rows of B and every 8 units of a row of B, so the offsets
+    // of a stage's first fragments serve the others.
+    constexpr int SLICES = BK / MMA_K;
+    int a_lane[SLICES][Q / 2];
+#pragma unroll
+    for (int slice = 0; slice < SLICES; ++slice) {
+#pragma unroll
+        for (int u = 0; u < Q / 2; ++u) a_lane[slice][u] = a_offset<BK, Q>(wm + g, MMA_K * slice + Q * t + 2 * u);
+    }
+    const int b_lane = b_offset<BN, Q>(Q * t, wn + 2 * g);
 
-    double acc[2 * PAIRS][FN][2] = {};
+    double acc[NJ][MI][4] = {};  // acc[j][i]: the instruction's 16 x 8 tile of C^T at columns wn + 16 j, rows wm + 8 i
 
     const int steps = (K + BK - 1) / BK;
     // As in fast.cu: a group is committed even when empty, so that the wait below counts right on the last steps.
@@ -181,73 +193,52 @@ __global__ void __launch_bounds__((BM / WM) * (BN / DMMA_WN) * 32, dmma_blocks_p
         if (step + STAGES - 1 < steps) issue_tile((step + STAGES - 1) % STAGES, (step + STAGES - 1) * BK);
         copy_async_commit();
 
-        // the stage in slices of 16 of K: the swizzles repeat every 16 rows of B and 8 units of a row of A
+        // the stage in slices of MMA_K of K; the swizzles repeat within a slice's rows of B and units of A
 #pragma unroll
-        for (int slice = 0; slice < BK / 16; ++slice) {
-            const double* as = As + (step % STAGES) * A_STAGE + 16 * slice;
-            const double* bs = Bs + (step % STAGES) * B_STAGE + 16 * slice * BN;
-            double b[FN][4];  // b[j][s]: B[logical k t + 4 s][block j's column g]
+        for (int slice = 0; slice < SLICES; ++slice) {
+            const double* as = As + (step % STAGES) * A_STAGE;
+            const double* bs = Bs + (step % STAGES) * B_STAGE + MMA_K * slice * BN + b_lane;
+            double a_op[NJ][2 * Q];  // from B: a_op[j][2 q + h] = B[Q t + q][wn + 16 j + 2 g + h]
 #pragma unroll
-            for (int s = 0; s < 4; ++s) {
-                const double2 low = *reinterpret_cast<const double2*>(bs + s * BN + b_lane);
-                const double2 high = *reinterpret_cast<const double2*>(bs + s * BN + b_lane2);
-                b[0][s] = low.x, b[1][s] = low.y, b[2][s] = high.x, b[3][s] = high.y;
+            for (int j = 0; j < NJ; ++j) {
+#pragma unroll
+                for (int q = 0; q < Q; ++q) {
+                    // the swizzle of a column 16 j further is the same, XORed below the 16 (8 units)
+                    const double2 pair = *reinterpret_cast<const double2*>(bs + q * BN + 16 * j);
+                    a_op[j][2 * q] = pair.x, a_op[j][2 * q + 1] = pair.y;
+                }
             }
 #pragma unroll
-            for (int p = 0; p < PAIRS; ++p) {
-                // slab[h + 2 s]: A[row g + 8 h of the slab][logical k t + 4 s], the order m16n8k16 takes it in
-                double slab[8];
+            for (int i = 0; i < MI; ++i) {
+                double b_op[Q];  // from A: b_op[q] = A[wm + 8 i + g][Q t + q]
 #pragma unroll
-                for (int h = 0; h < 2; ++h) {
-                    const int row = (16 * p + 8 * h) * BK;
-                    const double2 low = *reinterpret_cast<const double2*>(as + row + a_lane);
-                    const double2 high = *reinterpret_cast<const double2*>(as + row + a_lane2);
-                    slab[h] = low.x, slab[h + 2] = low.y, slab[h + 4] = high.x, slab[h + 6] = high.y;
+                for (int u = 0; u < Q / 2; ++u) {
+                    const double2 pair = *reinterpret_cast<const double2*>(as + a_lane[slice][u] + 8 * i * BK);
+                    b_op[2 * u] = pair.x, b_op[2 * u + 1] = pair.y;
                 }
-                if constexpr (MMA_K == 16) {
 #pragma unroll
-                    for (int j = 0; j < FN; ++j) dmma_m16n8k16(acc[2 * p][j], acc[2 * p + 1][j], slab, b[j]);
-                } else if constexpr (MMA_K == 8) {
-#pragma unroll
-                    for (int half = 0; half < 2; ++half) {
-#pragma unroll
-                        for (int j = 0; j < FN; ++j)
-                            dmma_m16n8k8(acc[2 * p][j], acc[2 * p + 1][j], slab + 4 * half, b[j] + 2 * half);
-                    }
-                } else {
-                    static_assert(MMA_K == 4, "the instructions are m8n8k4, m16n8k8 and m16n8k16");
-#pragma unroll
-                    for (int s = 0; s < 4; ++s) {
-#pragma unroll
-                        for (int h = 0; h < 2; ++h) {
-#pragma unroll
-                            for (int j = 0; j < FN; ++j) dmma_m8n8k4(acc[2 * p + h][j], slab[h + 2 * s], b[j][s]);
-                        }
-                    }
-                }
+                for (int j = 0; j < NJ; ++j) dmma<MMA_K>(acc[j][i], a_op[j], b_op);
             }
         }
     }
 
-    // Epilogue: acc[i][j][e] is C[wm + 8 i + g][wn + 4 (2 t + e) + j]: for each e, four neighbours j = 0..3. With
-    // VEC, N is even, so each pair of them is one aligned 16-byte store, wholly inside C or wholly outside.
+    // Epilogue: acc[j][i] holds C[r][c] for rows r = wm + 8 i + 2t + e and columns c = wn + 16 j + 2g + h at index
+    // e + 2 h: the two columns of a row are neighbours, one aligned 16-byte store when N is even (VEC).
 #pragma unroll
-    for (int i = 0; i < 2 * PAIRS; ++i) {
-        const int row = m0 + wm + 8 * i + g;
-        if (row >= M) continue;
-        double* c_row = C + static_cast<size_t>(row) * N;
+    for (int i = 0; i < MI; ++i) {
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
-            const int col = n0 + wn + 4 * (2 * t + e);
+            const int row = m0 + wm + 8 * i + 2 * t + e;
+            if (row >= M) continue;
+            double* c_row = C + static_cast<size_t>(row) * N;
 #pragma unroll
-            for (int j = 0; j < FN; j += 2) {
+            for (int j = 0; j < NJ; ++j) {
+                const int col = n0 + wn + 16 * j + 2 * g;
                 if (VEC) {
-                    if (col + j < N) {
-                        *reinterpret_cast<double2*>(c_row + col + j) = make_double2(acc[i][j][e], acc[i][j + 1][e]);
-                    }
+                    if (col < N) *reinterpret_cast<double2*>(c_row + col) = make_double2(acc[j][i][e], acc[j][i][e + 2]);
                 } else {
-                    if (col + j < N) c_row[col + j] = acc[i][j][e];
-                    if (col + j + 1 < N) c_row[col + j + 1] = acc[i][j + 1][e];
+                    if (col < N) c_row[col] = acc[j][i][e];
+                    if (col + 1 < N) c_row[col + 1] = acc[j][i][e + 2];
                 }
             }
         }

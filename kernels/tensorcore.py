@@ -169,7 +169,7 @@ class DmmaConfig:
     vec: bool
     """16-byte copies and stores, which need K and N even."""
     mma_k: int
-    """The instruction: m8n8k4 (4), m16n8k8 (8) or m16n8k16 (16)."""
+    """The instruction: m16n8k8 (8) or m16n8k16 (16)."""
 
     @property
     def threads(self) -> int:
@@ -191,10 +191,10 @@ class DmmaConfig:
 
 DMMA_CONFIGS: MappingProxyType[bool, DmmaConfig] = MappingProxyType(
     {
-        # Keyed by `vec`. Measured on the H100 among 64-256 wide tiles, 2-5 stages and the three instructions
-        # (docs/tensor-cores.md): 128 x 64 with two blocks an SM for 16-byte copies, 128 x 128 for 8-byte ones.
+        # Keyed by `vec`. Measured on the H100 among 64-256 wide tiles, 2-5 stages and the instructions
+        # (docs/tensor-cores.md): 128 x 64 with two blocks an SM, for 16-byte copies and 8-byte ones alike.
         True: DmmaConfig(128, 64, 16, 64, 4, vec=True, mma_k=8),
-        False: DmmaConfig(128, 128, 16, 64, 4, vec=False, mma_k=8),
+        False: DmmaConfig(128, 64, 16, 64, 4, vec=False, mma_k=8),
     }
 )
 

@@ -72,7 +72,7 @@ def test_every_mma_sync_and_dmma_instance_fits_in_shared_memory() -> None:
     for dmma in tensorcore.DMMA_CONFIGS.values():
         assert dmma.smem_bytes() * (2 if dmma.threads <= 128 else 1) <= MAX_DYNAMIC_SMEM
         assert dmma.block_m % dmma.warp_m == 0 and dmma.block_n % tensorcore.DMMA_WARP_N == 0
-        assert dmma.mma_k in (4, 8, 16) and dmma.block_k % 16 == 0
+        assert dmma.mma_k in (8, 16) and dmma.block_k % 16 == 0
 
 
 @pytest.mark.parametrize(
