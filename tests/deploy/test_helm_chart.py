@@ -215,6 +215,7 @@ def test_the_image_is_the_service_at_the_charts_app_version() -> None:
     [
         "settings.MATMUL_DEVICES=0",  # the chart derives it from gpus
         "settings.MATMUL_API_KEYS=in-a-configmap",  # keys belong in the Secret
+        "resources.limits.nvidia\\.com/gpu=2",  # the chart derives it from gpus
         "settings.QUEUE_SIZE=64",  # not a MATMUL_* variable
         "gpus=0",
         "autoscaling.mode=vpa",
