@@ -131,7 +131,8 @@ class Pod:
 
     @property
     def container(self) -> dict[str, Any]:
-        [container] = self.spec["containers"]
+        containers: list[dict[str, Any]] = self.spec["containers"]
+        [container] = containers
         return container
 
     def _data(self, kind: str, name: str) -> dict[str, str] | None:
@@ -175,7 +176,7 @@ def settings_of(pod: Pod) -> Settings:
     """The settings the service builds in this pod, from its MATMUL_* variables alone (no .env file)."""
     outside = {name: value for name, value in os.environ.items() if not name.upper().startswith(ENV_PREFIX)}
     with mock.patch.dict(os.environ, {**outside, **pod.environment()}, clear=True):
-        return Settings(_env_file=None)  # type: ignore[call-arg]
+        return Settings(_env_file=None)
 
 
 def graceful_shutdown_s(pod: Pod) -> int | None:
