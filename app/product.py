@@ -53,7 +53,8 @@ class RooflineModel(BaseModel):
     )
     intensity: float | None = Field(description="flops / global_bytes: FLOPs per byte requested.")
     peak_gflops: float | None = Field(
-        description="The device's peak in the working dtype: SMs x FMA lanes per SM x 2 x clock. Null on the CPU."
+        description="The device's peak for the product's arithmetic (its dtype, or its tensor-core precision): SMs x "
+        "multiply-adds per clock per SM x 2 x clock. Null on the CPU."
     )
     peak_fraction: float | None = Field(description="gflops / peak_gflops.")
     global_gbps: float | None = Field(

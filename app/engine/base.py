@@ -139,7 +139,8 @@ class Backend(Protocol):
 
     @property
     def peaks(self) -> DevicePeaks:
-        """The device's peak FLOP/s per dtype and DRAM bandwidth, where known."""
+        """The device's peak FLOP/s per arithmetic (kernels/roofline.py's `roof_name`) and DRAM bandwidth, where
+        known."""
         ...
 
     def kernels(self) -> list[KernelInfo]: ...

@@ -498,7 +498,11 @@ class GpuBackend:
                 }
             )
             # float64 has a kernel of its own here (kernels/dmma.cu), so its choices are measured apart
-            candidates[(Precision.FP32, "float64")] = [CUBLAS, *KERNELS, tensorcore.DMMA]
+            candidates[(Precision.FP32, "float64")] = [
+                CUBLAS,
+                *KERNELS,
+                *(info.name for info in self._tensor_core_kernels() if "float64" in info.dtypes),
+            ]
         choices = []
         for (precision, dtype), names in candidates.items():
             for shape_class in SHAPE_CLASSES:
@@ -787,7 +791,7 @@ class GpuBackend:
             "memory_total_bytes": total,
             "memory_free_bytes": free,
             "peak_gflops": {
-                dtype: None if flops is None else flops / 1e9 for dtype, flops in self.peaks.flops_per_s.items()
+                roof: None if flops is None else flops / 1e9 for roof, flops in self.peaks.flops_per_s.items()
             },
             "dram_gbps": None if self.peaks.dram_bytes_per_s is None else self.peaks.dram_bytes_per_s / 1e9,
             "cupy_version": cp.__version__,
