@@ -18,6 +18,7 @@ from fastapi import Request
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import ClientDisconnect
 
+from app.awaiting import settled
 from app.config import Settings
 from app.errors import ClientGone, InvalidParameter, MalformedPayload, PayloadTooLarge
 
@@ -154,7 +155,8 @@ async def _until_disconnected(request: Request) -> None:
 
 async def unless_disconnected(request: Request, work: Coroutine[Any, Any, T]) -> T:
     """What `work` returns; a client that disconnects first cancels it (a product waiting in the queue leaves it)
-    and gets ClientGone."""
+    and gets ClientGone. Either way `work` has ended when this returns or raises: it reads the request's body,
+    which is given back after."""
     done = asyncio.ensure_future(work)
     disconnect = asyncio.ensure_future(_until_disconnected(request))
     try:
@@ -163,6 +165,7 @@ async def unless_disconnected(request: Request, work: Coroutine[Any, Any, T]) ->
         disconnect.cancel()
         if not done.done():
             done.cancel()
-    if not done.done() or done.cancelled():
+            await settled(done)
+    if done.cancelled():
         raise ClientGone("the client disconnected before its product was computed")
     return done.result()

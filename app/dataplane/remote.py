@@ -3,7 +3,8 @@
 `RemoteEngine` is what the service and the routes call (`app.engine.EngineFront`). A product reserves a slab of
 this worker's arena, its operands are converted into the working dtype straight into the slab (one pass, off the
 event loop when large), and a descriptor goes to the least-loaded ready engine; the answer's C is a view of the
-slab, released once the answer has been sent. Nothing here imports CuPy.
+slab, whose bytes go back to the arena once the request has released it and the answer no longer reads them
+(`app.dataplane.slab`). Nothing here imports CuPy.
 
 Each `EngineLink` keeps its connection: it connects (again, after an engine process restarted) with the arena's
 file descriptor, keeps the engine's last status, and settles its requests from the engine's replies. When the
@@ -25,6 +26,7 @@ from typing import Any, Literal, cast
 
 import numpy as np
 
+from app.awaiting import in_thread
 from app.config import Settings
 from app.dataplane import wire
 from app.dataplane.slab import Arena, Placement, Slab, aligned
@@ -382,7 +384,7 @@ class RemoteEngine:
         if isinstance(operand, SharedTensor):
             return _in_region(operand, operand.shape, operand.dtype)
         at = slab.place(operand.shape, dtype)
-        await self._stage(operand, at, name)
+        await self._stage(operand, slab.array(at), name)
         return [at.offset, *at.shape]
 
     # ------------------------------------------------------------------- clients' shared memory regions
@@ -463,13 +465,13 @@ class RemoteEngine:
         holding = [link for link in ready if link.status is not None and regions <= set(link.status["regions"])]
         return min(holding or ready, key=lambda link: link.load)
 
-    async def _stage(self, operand: np.ndarray, at: Placement, name: str) -> None:
-        """Convert the operand into its place in the slab: on the event loop when small, else in a thread."""
-        target = self.arena.array(at)
+    async def _stage(self, operand: np.ndarray, target: np.ndarray, name: str) -> None:
+        """Convert the operand into its place in the slab: on the event loop when small, else in a thread, which a
+        cancellation waits for (the operand is a view of a request body that is given back once this returns)."""
         if target.nbytes <= self.inline_bytes:
             cast_into(target, operand, name)
-        else:
-            await asyncio.to_thread(cast_into, target, operand, name)
+            return
+        await in_thread(cast_into, target, operand, name)
 
     async def _answer(
         self,
@@ -512,7 +514,7 @@ class RemoteEngine:
         config = next((c for c in spec.configs if c.label == message["label"]), None) if spec else None
         engine_ms = message["queue_ms"] + device.h2d_ms + device.kernel_ms + device.d2h_ms
         return Outcome(
-            c=None if c_at is None else self.arena.array(c_at),
+            c=None if c_at is None else slab.array(c_at),
             plan=Plan(kernel=message["kernel"], tile=message["tile"], config=config, precision=precision),
             queue_ms=message["queue_ms"],
             device=device,

@@ -11,6 +11,16 @@ A request reserves one slab for A, B and C back to back, each aligned to `ALIGNM
 first-fit, in the order requests asked: one that does not fit now waits for others to be released, until its
 deadline (then 503 with Retry-After); one larger than the whole arena is refused at once (413). Everything here
 runs on the HTTP worker's event loop.
+
+When a slab's bytes go back to the arena: once its owner has released it *and* no array or memoryview of them is
+left. The owner (the request) releases it when it no longer needs the slab, but readers it handed the memory to
+may outlive that: the server's transport keeps views of an `.npy` answer it could not send at once after `send`
+returns, and a staging thread may still be writing when its request is cancelled. Every view of a slab is made
+from the slab's own array of bytes (`Slab.array`), and every view of a view, NumPy's or a memoryview, keeps that
+array alive, so it lives exactly as long as the last of them, whoever holds it; a finalizer on it hands the bytes
+back on the event loop. (A memoryview would not do as that root: memoryviews made from one share its buffer, not
+itself.) Giving the bytes back when a call returned let the next request's operands and product overwrite an
+answer still being sent.
 """
 
 from __future__ import annotations
@@ -21,6 +31,7 @@ import collections
 import contextlib
 import mmap
 import os
+import weakref
 from dataclasses import dataclass
 
 import numpy as np
@@ -49,8 +60,8 @@ class Placement:
 
 
 def view(memory: np.ndarray, placement: Placement) -> np.ndarray:
-    """The matrix `placement` describes, as a view of `memory` (an arena's bytes, mapped in this process);
-    ValueError when it does not lie wholly inside."""
+    """The matrix `placement` describes, as a view of `memory` (bytes of an arena, mapped in this process), which
+    it keeps alive; ValueError when it does not lie wholly inside."""
     offset, nbytes = placement.offset, placement.nbytes
     if offset < 0 or min(placement.shape) < 0 or offset + nbytes > memory.nbytes:
         raise ValueError(f"a {placement.shape} {placement.dtype} matrix at {offset} is outside the arena")
@@ -66,23 +77,22 @@ class Arena:
         self.fd = os.memfd_create(name, os.MFD_CLOEXEC)
         os.ftruncate(self.fd, self.capacity)
         self._map = mmap.mmap(self.fd, self.capacity)
-        self.memory = np.frombuffer(self._map, np.uint8)
+        self._bytes = memoryview(self._map)
         self._free: list[tuple[int, int]] = [(0, self.capacity)]
         """Free extents (offset, size), sorted by offset, never adjacent (merged on release)."""
         self._waiters: collections.deque[tuple[int, asyncio.Future[int]]] = collections.deque()
         self.used_bytes = 0
+        self._loop: asyncio.AbstractEventLoop | None = None
+        """The loop whose requests reserve slabs: the one a slab's bytes are handed back on."""
 
     @property
     def waiting(self) -> int:
         return len(self._waiters)
 
-    def array(self, placement: Placement) -> np.ndarray:
-        """A view of the arena where `placement` says a matrix lies."""
-        return view(self.memory, placement)
-
     async def reserve(self, nbytes: int, timeout_s: float) -> Slab:
         """A slab of `nbytes`, once one is free: PayloadTooLarge at once when no arena could hold it, Overloaded
         when none came free within `timeout_s`."""
+        self._loop = asyncio.get_running_loop()
         size = aligned(max(nbytes, 1))
         if size > self.capacity:
             raise PayloadTooLarge(
@@ -119,6 +129,13 @@ class Arena:
                 return offset
         return None
 
+    def _unviewed(self, offset: int, size: int) -> None:
+        """The last view of a released slab is gone (in whichever thread let go of it): its bytes come back on the
+        loop, never in the middle of whatever the loop was doing when the view was dropped."""
+        if self._loop is not None:
+            with contextlib.suppress(RuntimeError):  # the loop is closed, and the arena with it
+                self._loop.call_soon_threadsafe(self._give_back, offset, size)
+
     def _give_back(self, offset: int, size: int) -> None:
         self.used_bytes -= size
         i = bisect.bisect(self._free, (offset, size))
@@ -147,31 +164,41 @@ class Arena:
     def close(self) -> None:
         """Close the file and unmap it (now, or with the last array that still views it); engine processes keep
         their own mappings until they close theirs."""
-        del self.memory
-        with contextlib.suppress(BufferError):
+        with contextlib.suppress(BufferError):  # a slab's array still views it: the mapping goes with the last
+            self._bytes.release()
             self._map.close()
         os.close(self.fd)
 
 
 class Slab:
-    """A reserved run of an arena, released exactly once."""
+    """A reserved run of an arena: its bytes go back once it is released and none of its views is left."""
 
     def __init__(self, arena: Arena, offset: int, size: int) -> None:
         self.arena = arena
         self.offset = offset
         self.size = size
         self._end = offset
-        self._released = False
+        self._memory: np.ndarray | None = np.frombuffer(arena._bytes, np.uint8, count=size, offset=offset)
+        """Every view of the slab derives from this array, so it lives as long as the last of them."""
+        returned = weakref.finalize(self._memory, arena._unviewed, offset, size)
+        returned.atexit = False
 
     def place(self, shape: tuple[int, int], dtype: np.dtype) -> Placement:
-        """The next matrix of the slab: where it lies (its view is `arena.array(placement)`)."""
+        """The next matrix of the slab: where it lies (its view is `array(placement)`)."""
         placement = Placement(self._end, shape, dtype.name)
         if self._end + placement.nbytes > self.offset + self.size:
             raise ValueError(f"a {shape} {dtype} matrix does not fit in the rest of a {self.size}-byte slab")
         self._end += aligned(placement.nbytes)
         return placement
 
+    def array(self, placement: Placement) -> np.ndarray:
+        """The matrix `placement` describes, as a view of this slab (which keeps the slab's bytes from going back
+        while it lives); ValueError when it does not lie wholly inside."""
+        if self._memory is None:
+            raise RuntimeError("the slab was released")
+        return view(self._memory, Placement(placement.offset - self.offset, placement.shape, placement.dtype))
+
     def release(self) -> None:
-        if not self._released:
-            self._released = True
-            self.arena._give_back(self.offset, self.size)
+        """The owner is done with the slab (once; again is nothing): its bytes go back to the arena as soon as no
+        view of them is left, which is at once unless a reader still holds one."""
+        self._memory = None

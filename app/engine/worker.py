@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import contextlib
 import logging
 import queue
 import threading
@@ -36,6 +35,7 @@ from time import perf_counter
 
 import numpy as np
 
+from app.awaiting import settled
 from app.engine.base import Backend, Launch, Outcome, Plan
 from app.errors import (
     DeadlineExceeded,
@@ -259,13 +259,13 @@ class Worker:
                 ) from None
         except asyncio.CancelledError:
             if not job.drop():
-                await _launch_ended(job.future)
+                await settled(job.future)
             raise
         # past its deadline but running: its launch is waited for, and a cancellation waits for it to end too
         try:
             return await asyncio.shield(job.future)
         except asyncio.CancelledError:
-            await _launch_ended(job.future)
+            await settled(job.future)
             raise
 
     def overloaded(self) -> Overloaded:
@@ -411,8 +411,8 @@ class Worker:
         by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Future[Outcome], Outcome | BaseException]]] = {}
         for job, result in zip(jobs, results, strict=True):
             by_loop.setdefault(job.loop, []).append((job.future, result))
-        for loop, settled in by_loop.items():
-            loop.call_soon_threadsafe(_settle_all, settled)
+        for loop, outcomes in by_loop.items():
+            loop.call_soon_threadsafe(_settle_all, outcomes)
 
     def _fail_queued(self) -> None:
         """After the device is lost: answer every queued job with 503, then tell the process."""
@@ -431,13 +431,6 @@ def _where(a: np.ndarray, b: np.ndarray, out: np.ndarray | None) -> tuple[bool, 
     """Whether A, B and C lie in host memory (else a client's device memory; C: None when the backend allocates it),
     part of a job's batch key: one launch copies all of its A, B and C one way."""
     return isinstance(a, np.ndarray), isinstance(b, np.ndarray), None if out is None else isinstance(out, np.ndarray)
-
-
-async def _launch_ended(future: asyncio.Future[Outcome]) -> None:
-    """Wait, through further cancellations, until a started job's launch has been answered."""
-    while not future.done():
-        with contextlib.suppress(asyncio.CancelledError):
-            await asyncio.wait([future])
 
 
 def _settle_all(settled: list[tuple[asyncio.Future[Outcome], Outcome | BaseException]]) -> None:

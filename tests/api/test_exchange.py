@@ -241,3 +241,23 @@ async def test_a_client_that_leaves_cancels_the_work() -> None:
         await asyncio.wait_for(exchange.unless_disconnected(leaves, work()), GUARD_S)
     assert caught.value.message == "the client disconnected before its product was computed"
     await asyncio.wait_for(cancelled.wait(), GUARD_S)
+
+
+async def test_a_client_that_leaves_gets_its_answer_only_once_the_work_has_unwound() -> None:
+    """The work reads the request's body, which is given back when unless_disconnected returns: a cancelled work that
+    takes time to let go (a staging thread it waits for) has let go by then."""
+    unwound = asyncio.Event()
+
+    async def work() -> str:
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            await asyncio.to_thread(threading.Event().wait, 0.2)  # the thread it lent the body to
+            unwound.set()
+            raise
+        return "never"
+
+    leaves = request(receiving({"type": "http.request", "body": b"", "more_body": False}, {"type": "http.disconnect"}))
+    with pytest.raises(ClientGone):
+        await asyncio.wait_for(exchange.unless_disconnected(leaves, work()), GUARD_S)
+    assert unwound.is_set()

@@ -1,0 +1,37 @@
+"""Waiting for work that goes on whether or not its caller does: a worker thread, a device's launch, a task whose
+memory is given back after it.
+
+Cancelling a task that awaits `asyncio.to_thread` (or anyio's) lets the task go on at once while the thread keeps
+running; cancelling a task that awaits a launch does not stop the device. Memory such work reads or writes may be
+given back only once it has ended, so a caller that lends memory to it waits for it with `settled`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+
+
+async def settled(future: asyncio.Future[Any]) -> None:
+    """Return once `future` is done (its result or exception stays in it), however often the caller is cancelled
+    meanwhile; a cancellation of the caller is raised then, not before. `future` itself is never cancelled here."""
+    cancelled = False
+    while not future.done():
+        try:
+            await asyncio.wait({future})
+        except asyncio.CancelledError:
+            cancelled = True
+    if cancelled:
+        raise asyncio.CancelledError
+
+
+async def in_thread(function: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+    """function(*args, **kwargs) in a worker thread of the loop's executor, waited for to its end (`settled`)
+    even when the caller is cancelled: whatever it reads or writes stays in use until this returns or raises."""
+    thread = asyncio.get_running_loop().run_in_executor(None, functools.partial(function, *args, **kwargs))
+    await settled(thread)
+    return thread.result()

@@ -1,0 +1,448 @@
+"""Checked load: client processes, each with operands of its own, every answer compared with the float64 product of
+its own request's operands. The failure that matters most under load is a 200 whose matrix belongs to another
+request (memory given back while an answer still needed it), so nothing is sampled: every answer is checked.
+
+A client process sends its products in a closed loop, cycling through the ways it is given (a route, a request
+encoding and an answer encoding, sent by the project's client, Triton's client or raw HTTP; WAYS) and through the
+shapes, with fresh random operands each time. Raw answers are read slowly through a small receive buffer, so that
+the server still holds most of an answer after its last `send` returned: where it gives that memory back too
+early, the next request's operands and product land in an answer still being sent.
+
+`checked_load` runs the clients in processes of their own and adds up their tallies: per way, the answers checked
+and those wrong (each described with its relative error), and every other outcome by status, or `closed` where the
+connection ended without a whole answer.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+import uuid
+from collections import Counter
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ProcessPoolExecutor
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass, field
+from multiprocessing import get_context
+from typing import Any
+from urllib.parse import urlsplit
+
+import httpx
+import numpy as np
+import orjson
+
+from app.client import MatmulClient, RequestFormat, encode_payload
+from kernels.reference import Reference
+from matmul_tools.bodies import inference_v2_body, load_npy, npz_bytes
+
+Shape = tuple[int, int, int]
+MODEL = "matmul"
+SLOW_RECEIVE_BUFFER = 16 << 10
+"""The receive buffer of a slow raw reader: small, so that the server cannot hand the answer to the kernel at once."""
+SLOW_PAUSE_S = 0.02
+"""A slow raw reader's pause after the answer's head and first piece: long enough for other requests to be served
+meanwhile."""
+PIECE = 256 << 10
+TIMEOUT_S = 120.0
+
+
+class Closed(Exception):
+    """The connection ended before a whole answer came."""
+
+
+@dataclass
+class Tally:
+    """What one client process, or all of them, saw."""
+
+    checked: Counter[str] = field(default_factory=Counter)
+    """200 answers compared with their own product, by way."""
+    wrong: list[str] = field(default_factory=list)
+    """Each 200 answer that was not its request's product: the way, the shape and how far off it was."""
+    other: Counter[str] = field(default_factory=Counter)
+    """Every other outcome, as `way status` (`way closed` for a connection that ended without an answer)."""
+    messages: Counter[str] = field(default_factory=Counter)
+    """The error codes of the answers that were not 200, by status: what a failing run needs to say."""
+
+    def add(self, other: Tally) -> None:
+        self.checked.update(other.checked)
+        self.wrong.extend(other.wrong)
+        self.other.update(other.other)
+        self.messages.update(other.messages)
+
+    @property
+    def answers(self) -> int:
+        return sum(self.checked.values())
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "wrong": len(self.wrong),
+            "checked": self.answers,
+            "checked_by_way": dict(self.checked),
+            "other_outcomes": dict(self.other),
+            "error_codes": dict(self.messages),
+            "wrong_answers": self.wrong,
+        }
+
+
+class Refused(Exception):
+    """An answer that is not 200: its status and the error code the body names."""
+
+    def __init__(self, status: int, code: str) -> None:
+        super().__init__(f"{status} {code}")
+        self.status = status
+        self.code = code
+
+
+def _refused(status: int, body: bytes) -> Refused:
+    try:
+        parsed = orjson.loads(body)
+        code = str(parsed.get("code") or parsed.get("error", ""))[:60]
+    except (orjson.JSONDecodeError, AttributeError):
+        code = body[:60].decode("latin-1")
+    return Refused(status, code)
+
+
+# ------------------------------------------------------------------------------------------------ raw HTTP
+
+
+def _raw_exchange(url: str, head: dict[str, str], path: str, body: bytes) -> tuple[dict[str, str], bytes]:
+    """One request over a new connection with a small receive buffer, the answer read slowly: its headers (lower
+    case) and body; Refused when it is not 200, Closed when the connection ends first."""
+    where = urlsplit(url)
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, SLOW_RECEIVE_BUFFER)
+    sock.settimeout(TIMEOUT_S)
+    try:
+        sock.connect((where.hostname or "127.0.0.1", where.port or 80))
+        lines = [f"POST {path} HTTP/1.1", f"Host: {where.netloc}", f"Content-Length: {len(body)}", "Connection: close"]
+        lines += [f"{name}: {value}" for name, value in head.items()]
+        sock.sendall(("\r\n".join(lines) + "\r\n\r\n").encode("latin-1"))
+        sock.sendall(body)
+        status, headers, answer = _read_answer(sock)
+    except OSError as exc:
+        raise Closed(str(exc)) from None
+    finally:
+        sock.close()
+    if status != 200:
+        raise _refused(status, answer)
+    return headers, answer
+
+
+def _read_answer(sock: socket.socket) -> tuple[int, dict[str, str], bytes]:
+    received = bytearray()
+    while b"\r\n\r\n" not in received:
+        piece = sock.recv(PIECE)
+        if not piece:
+            raise Closed("the connection ended before the answer's head")
+        received += piece
+    head, _, rest = bytes(received).partition(b"\r\n\r\n")
+    status_line, *header_lines = head.decode("latin-1").split("\r\n")
+    headers = {name.strip().lower(): value.strip() for name, _, value in (h.partition(":") for h in header_lines)}
+    length = int(headers.get("content-length", "0"))
+    body = bytearray(rest)
+    time.sleep(SLOW_PAUSE_S)
+    while len(body) < length:
+        piece = sock.recv(PIECE)
+        if not piece:
+            raise Closed(f"the connection ended after {len(body)} of {length} bytes of the answer")
+        body += piece
+    return int(status_line.split()[1]), headers, bytes(body[:length])
+
+
+# -------------------------------------------------------------------------------------------------- the ways
+
+
+@dataclass
+class Connections:
+    """What a client process holds for the whole run: its project client, its Triton client, its shared-memory
+    region (each made on first use, closed at the end)."""
+
+    url: str
+    stack: ExitStack = field(default_factory=ExitStack)
+    http: httpx.Client | None = None
+    clients: dict[str, MatmulClient] = field(default_factory=dict)
+    triton: Any = None
+    region: tuple[str, Any] | None = None
+
+    def httpx(self) -> httpx.Client:
+        if self.http is None:
+            self.http = self.stack.enter_context(httpx.Client(base_url=self.url, timeout=TIMEOUT_S))
+        return self.http
+
+    def project_client(self, format: RequestFormat) -> MatmulClient:
+        if format not in self.clients:
+            self.clients[format] = self.stack.enter_context(MatmulClient(self.url, format=format, timeout=TIMEOUT_S))
+        return self.clients[format]
+
+    def triton_client(self) -> Any:
+        if self.triton is None:
+            import tritonclient.http as triton
+
+            self.triton = triton.InferenceServerClient(urlsplit(self.url).netloc, network_timeout=TIMEOUT_S)
+            self.stack.callback(self.triton.close)
+        return self.triton
+
+    def system_region(self, nbytes: int) -> tuple[str, Any]:
+        """This process's shared-memory region (registered with the server), at least `nbytes` long."""
+        import tritonclient.utils.shared_memory as shm
+
+        if self.region is None:
+            name = f"integrity-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+            handle = shm.create_shared_memory_region(name, f"/{name}", nbytes)
+            self.stack.callback(shm.destroy_shared_memory_region, handle)
+            self.triton_client().register_system_shared_memory(name, f"/{name}", nbytes)
+            self.stack.callback(self.triton_client().unregister_system_shared_memory, name)
+            self.region = (name, handle)
+        return self.region
+
+    def close(self) -> None:
+        self.stack.close()
+
+
+def _from_httpx(response: httpx.Response) -> httpx.Response:
+    if response.status_code != 200:
+        raise _refused(response.status_code, response.content)
+    return response
+
+
+def _json_result(body: dict[str, Any], shape: tuple[int, int]) -> np.ndarray:
+    return np.array(body["result"], np.float64).reshape(shape)
+
+
+def matmul_json(conn: Connections, a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """POST /matmul, a JSON body, a JSON answer."""
+    body = orjson.dumps({"a": a, "b": b}, option=orjson.OPT_SERIALIZE_NUMPY)
+    response = _from_httpx(conn.httpx().post("/matmul", content=body, headers={"content-type": "application/json"}))
+    return _json_result(response.json(), (a.shape[0], b.shape[1]))
+
+
+def matmul_npy_raw(conn: Connections, a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """POST /matmul, multipart `.npy` parts, an `.npy` answer read slowly over raw HTTP."""
+    payload = encode_payload(a, b, "npy")
+    head = {"Content-Type": payload.content_type, "Accept": "application/x-npy"}
+    return load_npy(_raw_exchange(conn.url, head, "/matmul", payload.content)[1])
+
+
+def matmul_npy_to_json(conn: Connections, a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """POST /matmul, multipart `.npy` parts, a JSON answer."""
+    payload = encode_payload(a, b, "npy")
+    headers = {"content-type": payload.content_type, "accept": "application/json"}
+    response = _from_httpx(conn.httpx().post("/matmul", content=payload.content, headers=headers))
+    return _json_result(response.json(), (a.shape[0], b.shape[1]))
+
+
+def matmul_npz_raw(conn: Connections, a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """POST /matmul, an `.npz` body, an `.npy` answer read slowly over raw HTTP."""
+    head = {"Content-Type": "application/x-npz", "Accept": "application/x-npy"}
+    return load_npy(_raw_exchange(conn.url, head, "/matmul", npz_bytes(a=a, b=b))[1])
+
+
+def _project_client(format: RequestFormat) -> Callable[[Connections, np.ndarray, np.ndarray], np.ndarray]:
+    def send(conn: Connections, a: np.ndarray, b: np.ndarray) -> np.ndarray:
+        from app.client import MatmulServiceError
+
+        try:
+            return conn.project_client(format).matmul(a, b)
+        except MatmulServiceError as exc:
+            raise Refused(exc.status, exc.code) from None
+
+    send.__doc__ = f"MatmulClient(format={format!r}).matmul"
+    return send
+
+
+def v2_json(conn: Connections, a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """POST /v2/models/matmul/infer with JSON tensors, a JSON answer."""
+    inputs = [
+        {"name": name, "shape": list(x.shape), "datatype": "FP32", "data": x.ravel().tolist()}
+        for name, x in (("A", a), ("B", b))
+    ]
+    response = _from_httpx(conn.httpx().post(f"/v2/models/{MODEL}/infer", json={"inputs": inputs}))
+    output = response.json()["outputs"][0]
+    return np.array(output["data"], np.float64).reshape(output["shape"])
+
+
+def v2_binary_raw(conn: Connections, a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """POST /v2/models/matmul/infer with binary tensors in and out, the answer read slowly over raw HTTP."""
+    body, header_length = inference_v2_body(a, b)
+    head = {"Content-Type": "application/octet-stream", "Inference-Header-Content-Length": str(header_length)}
+    headers, answer = _raw_exchange(conn.url, head, f"/v2/models/{MODEL}/infer", body)
+    split = int(headers["inference-header-content-length"])
+    output = orjson.loads(answer[:split])["outputs"][0]
+    return np.frombuffer(answer[split:], "<f4").reshape(output["shape"])
+
+
+def tritonclient_binary(conn: Connections, a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Triton's HTTP client: binary tensors in and out."""
+    import tritonclient.http as triton
+    from tritonclient.utils import InferenceServerException
+
+    inputs = [triton.InferInput(name, list(x.shape), "FP32") for name, x in (("A", a), ("B", b))]
+    for tensor, x in zip(inputs, (a, b), strict=True):
+        tensor.set_data_from_numpy(x, binary_data=True)
+    try:
+        result = conn.triton_client().infer(MODEL, inputs, outputs=[triton.InferRequestedOutput("C", binary_data=True)])
+    except InferenceServerException as exc:
+        raise Refused(int(exc.status() or 0), exc.message()[:60]) from None
+    c: np.ndarray = result.as_numpy("C")
+    return c
+
+
+def tritonclient_system_shm(conn: Connections, a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Triton's HTTP client with A, B and C in the client's system shared-memory region."""
+    import tritonclient.http as triton
+    import tritonclient.utils.shared_memory as shm
+    from tritonclient.utils import InferenceServerException
+
+    (m, k), n = a.shape, b.shape[1]
+    b_at, c_at = a.nbytes, a.nbytes + b.nbytes
+    name, handle = conn.system_region(REGION_BYTES)
+    shm.set_shared_memory_region(handle, [a])
+    shm.set_shared_memory_region(handle, [b], offset=b_at)
+    shm.set_shared_memory_region(handle, [np.full((m, n), np.nan, np.float32)], offset=c_at)
+    inputs = [triton.InferInput("A", [m, k], "FP32"), triton.InferInput("B", [k, n], "FP32")]
+    inputs[0].set_shared_memory(name, a.nbytes, offset=0)
+    inputs[1].set_shared_memory(name, b.nbytes, offset=b_at)
+    output = triton.InferRequestedOutput("C")
+    output.set_shared_memory(name, m * n * 4, offset=c_at)
+    try:
+        conn.triton_client().infer(MODEL, inputs, outputs=[output])
+    except InferenceServerException as exc:
+        raise Refused(int(exc.status() or 0), exc.message()[:60]) from None
+    c: np.ndarray = shm.get_contents_as_numpy(handle, np.float32, [m, n], offset=c_at).copy()
+    return c
+
+
+Send = Callable[[Connections, np.ndarray, np.ndarray], np.ndarray]
+WAYS: dict[str, Send] = {
+    "matmul json": matmul_json,
+    "matmul npy (raw, read slowly)": matmul_npy_raw,
+    "matmul npy -> json": matmul_npy_to_json,
+    "matmul npz (raw, read slowly)": matmul_npz_raw,
+    "MatmulClient npy": _project_client("npy"),
+    "MatmulClient json": _project_client("json"),
+    "MatmulClient npz": _project_client("npz"),
+    "v2 json": v2_json,
+    "v2 binary (raw, read slowly)": v2_binary_raw,
+    "tritonclient binary": tritonclient_binary,
+    "tritonclient system shm": tritonclient_system_shm,
+}
+"""Every way a product can be asked for and answered, by name."""
+JSON_WAYS = frozenset({"matmul json", "matmul npy -> json", "MatmulClient json", "v2 json"})
+"""Ways that carry a matrix as JSON text: each element costs microseconds, so they take the small shapes only."""
+SYSTEM_SHM_WAYS = frozenset({"tritonclient system shm"})
+"""Ways that need MATMUL_SHARED_MEMORY to enable system shared memory."""
+JSON_MAX_ELEMENTS = 64 * 1024
+"""The largest operand or product a JSON way carries."""
+REGION_BYTES = 64 << 20
+"""A client's system shared-memory region: room for A, B and C of the largest shape asked (float32)."""
+
+
+# ---------------------------------------------------------------------------------------------- a client
+
+
+@dataclass(frozen=True)
+class ClientShare:
+    """One client process's part of a run."""
+
+    url: str
+    seed: int
+    requests: int
+    ways: tuple[str, ...]
+    shapes: tuple[Shape, ...]
+    pause_s: float = 0.0
+    """A pause between requests (0: a closed loop)."""
+
+
+def _fits(way: str, shape: Shape) -> bool:
+    m, k, n = shape
+    if way in JSON_WAYS and max(m * k, k * n, m * n) > JSON_MAX_ELEMENTS:
+        return False
+    return not (way in SYSTEM_SHM_WAYS and 4 * (m * k + k * n + m * n) > REGION_BYTES)
+
+
+def plan(share: ClientShare) -> Iterator[tuple[str, Shape]]:
+    """The (way, shape) of each request of a client: every way in turn, each with the next shape it can carry."""
+    for index in range(share.requests):
+        way = share.ways[(share.seed + index) % len(share.ways)]
+        fitting = [shape for shape in share.shapes if _fits(way, shape)] or [min(share.shapes, key=np.prod)]
+        yield way, fitting[(share.seed + index) % len(fitting)]
+
+
+def run_client(share: ClientShare) -> Tally:
+    """Send a share's requests one after another, each with operands of its own, and check every answer."""
+    rng = np.random.default_rng(share.seed)
+    tally = Tally()
+    connections = Connections(share.url)
+    try:
+        for way, (m, k, n) in plan(share):
+            a = rng.standard_normal((m, k), dtype=np.float32)
+            b = rng.standard_normal((k, n), dtype=np.float32)
+            try:
+                c = WAYS[way](connections, a, b)
+            except Refused as exc:
+                tally.other[f"{way} {exc.status}"] += 1
+                tally.messages[f"{exc.status} {exc.code}"] += 1
+            except (Closed, httpx.TransportError, ConnectionError) as exc:
+                tally.other[f"{way} closed"] += 1
+                tally.messages[f"closed: {type(exc).__name__}"] += 1
+            else:
+                tally.checked[way] += 1
+                problem = check(c, a, b)
+                if problem is not None:
+                    tally.wrong.append(f"{way}, {m}x{k} @ {k}x{n}: {problem}")
+            if share.pause_s:
+                time.sleep(share.pause_s)
+    finally:
+        connections.close()
+    return tally
+
+
+def check(c: np.ndarray, a: np.ndarray, b: np.ndarray) -> str | None:
+    """None when `c` is the product of `a` and `b` in float32 within its stated bound; else what is wrong."""
+    expected = (a.shape[0], b.shape[1])
+    if c.shape != expected:
+        return f"the answer is {c.shape[0]}x{c.shape[1]}, not {expected[0]}x{expected[1]}"
+    reference = Reference.of(a, b, np.dtype(np.float32))
+    problem = reference.mismatch(c)
+    if problem is None:
+        return None
+    return f"relative error {reference.relative_error(c):.3g}: {problem}"
+
+
+# --------------------------------------------------------------------------------------------- the run
+
+
+@contextmanager
+def client_pool(processes: int) -> Iterator[ProcessPoolExecutor]:
+    """Processes for client shares, started by spawning (they share nothing with the caller's threads)."""
+    with ProcessPoolExecutor(max_workers=processes, mp_context=get_context("spawn")) as pool:
+        yield pool
+
+
+def checked_load(
+    pool: ProcessPoolExecutor,
+    url: str,
+    clients: int,
+    requests: int,
+    ways: Sequence[str],
+    shapes: Sequence[Shape],
+    seed: int = 0,
+    pause_s: float = 0.0,
+    during: Callable[[], None] | None = None,
+) -> Tally:
+    """`clients` clients at once in `pool`'s processes, `requests` each over `ways` and `shapes`; `during` runs in
+    this process while they do (a fault to inject). The tallies added up."""
+    unknown = sorted(set(ways) - set(WAYS))
+    if unknown:
+        raise ValueError(f"no such way {unknown}; the ways are {list(WAYS)}")
+    shares = [
+        ClientShare(url, seed * 1000 + index, requests, tuple(ways), tuple(shapes), pause_s) for index in range(clients)
+    ]
+    futures = [pool.submit(run_client, share) for share in shares]
+    if during is not None:
+        during()
+    total = Tally()
+    for future in futures:
+        total.add(future.result())
+    return total

@@ -1,0 +1,145 @@
+"""Every answer is the product of its own request, under load: client processes, each with operands of its own,
+against `matmul-service` running as real processes (CPU backend), every answer checked against its own float64
+product (matmul_tools/integrity.py).
+
+The configurations cross what decides how memory is lent and reused: one and several HTTP workers, batching off and
+on, shared memory scarce (one large request's slab at a time: the others wait for it) and plentiful; every route and
+answer encoding, through the project's client, Triton's client and raw HTTP read slowly. `.npy` answers used to be
+sent straight from their slab, which was given back when the last `send` returned while the server's transport still
+held most of the answer: the next request's operands and product overwrote it (3 of 24 answers wrong in the first
+report). `test_an_answer_still_being_sent_keeps_its_memory` is that case alone, step by step.
+
+tests/server/test_faults.py puts the same load through killed processes, disconnecting clients and deadlines.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+
+from app.client import encode_payload
+from matmul_tools.bodies import load_npy, npy_bytes
+from matmul_tools.integrity import WAYS, checked_load, client_pool
+from matmul_tools.service import LocalService, free_port
+
+pytestmark = pytest.mark.timeout(600)
+MIB = 1 << 20
+CLIENTS = 6
+SHAPES = ((2048, 8, 2048), (1024, 16, 1024), (512, 32, 512), (256, 256, 256), (200, 96, 160), (128, 128, 128))
+"""(m, k, n): products of 16, 4 and 1 MiB, answers far larger than their operands (so that answers are what fills the
+shared memory, and a 16 MiB one is more than the kernel's socket buffers take from the server at once), and shapes
+small enough for the JSON ways."""
+SCARCE_SLAB_BYTES = 20 * MIB
+"""Room for one 2048x8 @ 8x2048 request (16.1 MiB) at a time: the others wait for its slab."""
+
+
+@dataclass(frozen=True)
+class Configuration:
+    workers: int
+    batching: bool
+    slab_bytes: int
+
+    def __str__(self) -> str:
+        memory = "scarce" if self.slab_bytes == SCARCE_SLAB_BYTES else "plentiful"
+        return f"{self.workers} worker(s), batching {'on' if self.batching else 'off'}, shared memory {memory}"
+
+    def env(self) -> dict[str, str]:
+        return {
+            "MATMUL_BACKEND": "cpu",
+            "MATMUL_ACCESS_LOG": "false",
+            "MATMUL_SHARED_MEMORY": "system",
+            "MATMUL_BATCHING": str(self.batching).lower(),
+            "MATMUL_SLAB_BYTES": str(self.slab_bytes),
+        }
+
+
+CONFIGURATIONS = [
+    Configuration(workers=1, batching=False, slab_bytes=SCARCE_SLAB_BYTES),
+    Configuration(workers=2, batching=True, slab_bytes=SCARCE_SLAB_BYTES),
+    Configuration(workers=2, batching=False, slab_bytes=256 * MIB),
+    Configuration(workers=1, batching=True, slab_bytes=256 * MIB),
+]
+
+
+@pytest.fixture(scope="module")
+def pool() -> Iterator[ProcessPoolExecutor]:
+    with client_pool(CLIENTS) as processes:
+        yield processes
+
+
+Serve = Callable[[Configuration], LocalService]
+
+
+@pytest.fixture
+def serve(tmp_path: Path) -> Iterator[Serve]:
+    """Starts `matmul-service` as a configuration says; stops what it started at the end of the test."""
+    started: list[LocalService] = []
+
+    def start(configuration: Configuration) -> LocalService:
+        service = LocalService.matmul_service(
+            free_port(), configuration.env(), tmp_path / "server.log", workers=configuration.workers
+        )
+        started.append(service)
+        service.wait_ready(120)
+        return service
+
+    yield start
+    for service in started:
+        service.stop()
+
+
+@pytest.mark.parametrize("configuration", CONFIGURATIONS, ids=str)
+def test_every_answer_is_its_own_requests_product(
+    pool: ProcessPoolExecutor, serve: Serve, configuration: Configuration
+) -> None:
+    service = serve(configuration)
+    tally = checked_load(pool, service.url, CLIENTS, requests=len(WAYS), ways=list(WAYS), shapes=SHAPES)
+    assert tally.wrong == [], f"{len(tally.wrong)} wrong answers of {tally.answers}, under {configuration}"
+    assert tally.other == {}, f"answers that were not 200 under {configuration}: {tally.as_dict()}"
+    assert tally.answers == CLIENTS * len(WAYS)
+    assert set(tally.checked) == set(WAYS)
+
+
+def test_an_answer_still_being_sent_keeps_its_memory(serve: Serve) -> None:
+    """A reads the head of its 16 MiB `.npy` answer and stops reading; B, whose operands and product need the same
+    shared memory, is sent meanwhile; a second later A reads the rest. A's answer is its own product, B's its own."""
+    service = serve(Configuration(workers=1, batching=False, slab_bytes=20 * MIB))
+    n = 2048
+    a_first, b_first = np.ones((n, 1), np.float32), np.arange(n, dtype=np.float32)[None, :]
+    a_second, b_second = np.full((n, 1), 7, np.float32), np.full((1, n), 3, np.float32)
+    payload = encode_payload(a_first, b_first, "npy")
+    request = (
+        f"POST /matmul HTTP/1.1\r\nHost: test\r\nContent-Type: {payload.content_type}\r\n"
+        f"Accept: application/x-npy\r\nContent-Length: {len(payload.content)}\r\nConnection: close\r\n\r\n"
+    ).encode("latin-1")
+    answers: dict[str, np.ndarray] = {}
+
+    def second() -> None:
+        files = {"a": ("a.npy", npy_bytes(a_second)), "b": ("b.npy", npy_bytes(b_second))}
+        answer = httpx.post(f"{service.url}/matmul", files=files, headers={"accept": "application/x-npy"}, timeout=60)
+        answers["second"] = load_npy(answer.content)
+
+    with socket.socket() as first:
+        first.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        first.connect(("127.0.0.1", service.port))
+        first.sendall(request + payload.content)
+        received = first.recv(4096)  # the head: the answer is being sent
+        meanwhile = threading.Thread(target=second)
+        meanwhile.start()
+        time.sleep(1.0)
+        while piece := first.recv(1 << 20):
+            received += piece
+    meanwhile.join(timeout=60)
+    head, _, body = received.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 200")
+    np.testing.assert_array_equal(load_npy(body), a_first @ b_first)
+    np.testing.assert_array_equal(answers["second"], a_second @ b_second)

@@ -1,0 +1,42 @@
+"""settled: a caller cancelled while a thread or a launch works for it waits for that work before it goes."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+
+from app.awaiting import settled
+
+pytestmark = pytest.mark.anyio
+GUARD_S = 10
+
+
+async def test_a_cancelled_caller_leaves_only_once_the_thread_has_finished() -> None:
+    release = threading.Event()
+    finished = threading.Event()
+
+    def work() -> None:
+        release.wait(GUARD_S)
+        finished.set()
+
+    thread = asyncio.get_running_loop().run_in_executor(None, work)
+    caller = asyncio.ensure_future(settled(thread))
+    await asyncio.sleep(0.01)
+    for _ in range(3):  # however often it is cancelled
+        caller.cancel()
+        await asyncio.sleep(0.01)
+    assert not caller.done()
+    release.set()
+    with pytest.raises(asyncio.CancelledError):
+        await asyncio.wait_for(caller, GUARD_S)
+    assert finished.is_set() and not thread.cancelled()
+
+
+async def test_an_uncancelled_caller_returns_and_leaves_the_outcome_in_the_future() -> None:
+    failing = asyncio.get_running_loop().create_future()
+    failing.set_exception(ValueError("the work's own failure"))
+    await settled(failing)
+    with pytest.raises(ValueError, match="own failure"):
+        failing.result()
