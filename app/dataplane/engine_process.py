@@ -41,6 +41,7 @@ from typing import Any
 import numpy as np
 
 from app.allocator import cap_malloc_arenas
+from app.awaiting import in_thread
 from app.config import BackendChoice, Settings, SharedMemoryKind
 from app.dataplane import wire
 from app.dataplane.regions import CudaRegion, Region, Regions, SystemRegion
@@ -150,6 +151,8 @@ class EngineServer:
         self.drain_s = drain_s
         self.exit_code = 0
         self._peers: set[_Peer] = set()
+        self._closing: set[asyncio.Task[None]] = set()
+        """Regions being closed once their last product gave them back."""
         self._connections: set[asyncio.Task[None]] = set()
         self._stopping = asyncio.Event()
         self._draining = False
@@ -179,7 +182,8 @@ class EngineServer:
         await self._drain()
         statuses.cancel()
         everything = self.regions.remove(SystemRegion, None) + self.regions.remove(CudaRegion, None)
-        await asyncio.to_thread(self.regions.close, everything)
+        await self._close([region for region in everything if region.users == 0])
+        await asyncio.gather(*self._closing)
 
     async def _drain(self) -> None:
         """Finish what is held; then, unless the device was lost, wait for the HTTP workers to hang up (at most
@@ -275,12 +279,33 @@ class EngineServer:
         return tensor
 
     def _give_back(self, lent: list[Region]) -> None:
-        """The product no longer uses these regions; one unregistered meanwhile is closed now, when it was the last."""
-        self.regions.close([region for region in lent if self.regions.give_back(region)])
+        """The product no longer uses these regions; one unregistered meanwhile is closed now, in the background,
+        when it was the last (the product's reply does not wait for it, the unregistration's does)."""
+        last = [region for region in lent if self.regions.give_back(region)]
+        if last:
+            closing = asyncio.create_task(self._close(last))
+            self._closing.add(closing)
+            closing.add_done_callback(self._closing.discard)
+
+    async def _close(self, regions: list[Region]) -> None:
+        """Close regions no product uses any more (in a thread: unpinning and unmapping block), then tell whoever
+        waits for them."""
+        try:
+            await in_thread(self.regions.close, regions)
+        finally:
+            for region in regions:
+                region.closed.set()
+
+    async def _unregister(self, kind: type[Region], name: str | None) -> None:
+        """Forget regions and close them: at once those no product uses, the others when their last product gives
+        them back. Returns once every one is closed: the client may free or rewrite its memory after the answer."""
+        removed = self.regions.remove(kind, name)
+        await self._close([region for region in removed if region.users == 0])
+        await asyncio.gather(*(region.closed.wait() for region in removed))
 
     async def _region_op(self, peer: _Peer, message: wire.Message) -> None:
         """Register, unregister or describe clients' shared-memory regions (REGION_OPS). The blocking part of each
-        runs in one thread call, which finishes even when this task is cancelled (its HTTP worker went). Every
+        runs in one thread call, waited for to its end even when this task is cancelled (its HTTP worker went). Every
         HTTP worker is sent the new list of regions before the reply, so that one of them asked to serve a product
         in a region just registered finds the engine that holds it."""
         reply: wire.Message = {"op": "done", "id": message["id"]}
@@ -293,21 +318,23 @@ class EngineServer:
             if op == "region_status":
                 reply["regions"] = self.regions.status(kind, name)
             elif op == "register_region":
-                await asyncio.to_thread(
+                await in_thread(
                     self.regions.register_system, name, message["key"], message["offset"], message["byte_size"]
                 )
             elif op == "register_cuda_region":
                 handle = _raw_handle(message["raw_handle"])
-                await asyncio.to_thread(
-                    self.regions.register_cuda, name, handle, message["device_id"], message["byte_size"]
-                )
+                await in_thread(self.regions.register_cuda, name, handle, message["device_id"], message["byte_size"])
             else:
-                await asyncio.to_thread(self.regions.close, self.regions.remove(kind, name))
+                await self._unregister(kind, name)
             if op != "region_status":
                 self._broadcast(self._status())
         except MatmulError as exc:
             reply = {"op": "failed", "id": message["id"], "code": exc.code, "message": exc.message}
             reply["location"] = exc.location
+        except Exception:
+            log.exception("%s of HTTP worker %d failed", message["op"], peer.pid)
+            reply = {"op": "failed", "id": message["id"], "code": "internal_error", "message": "internal error"}
+            reply["location"] = None
         reply["load"] = self.engine.workers[0].load
         with contextlib.suppress(wire.ChannelClosed):
             wire.send(peer.writer, reply)

@@ -12,18 +12,21 @@ device opens the handle once (`Backend.open_device_memory`), and products read t
 into it on the device, with no copy through the host.
 
 Region names share one namespace across both kinds. A region in use by products when it is unregistered is closed
-(unpinned and unmapped, or its handle closed) once they end.
+(unpinned and unmapped, or its handle closed) once they end, and the unregistration is answered only then: a client
+frees or rewrites its memory once it has been told the region is unregistered, and the server must not read or
+write that memory after.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import mmap
 import os
 import re
 import stat
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +39,9 @@ from app.errors import SharedMemoryError
 SHARED_MEMORY_FOLDER = Path("/dev/shm")
 """Where Linux keeps POSIX shared-memory objects: shm_open("/name") opens /dev/shm/name."""
 _OBJECT_NAME = re.compile(r"[A-Za-z0-9_.-]{1,255}")
+MAX_REGIONS = 4096
+"""Regions of both kinds one engine process holds at most: every HTTP worker is told their names twice a second."""
+MAX_NAME_CHARACTERS = 255
 
 
 def object_path(key: str) -> Path:
@@ -58,6 +64,8 @@ class Region(ABC):
     byte_size: int
     users: int = 0
     unregistered: bool = False
+    closed: asyncio.Event = field(default_factory=asyncio.Event)
+    """Set on the event loop once the region is closed: no product reads or writes it any more."""
 
     @abstractmethod
     def status(self) -> dict[str, Any]:
@@ -160,8 +168,18 @@ class Regions:
         self._regions: dict[str, Region] = {}
 
     def check_free(self, name: str) -> None:
+        """SharedMemoryError unless a region may be registered under `name` now."""
+        if len(name) > MAX_NAME_CHARACTERS:
+            raise SharedMemoryError(
+                f"a region's name has at most {MAX_NAME_CHARACTERS} characters, not {len(name)}", location=["name"]
+            )
         if name in self._regions:
             raise SharedMemoryError(f"a region named '{name}' is already registered", location=["name"])
+        if len(self._regions) >= MAX_REGIONS:
+            raise SharedMemoryError(
+                f"{MAX_REGIONS} regions are registered, the most this server holds; unregister some first",
+                location=["name"],
+            )
 
     def register_system(self, name: str, key: str, offset: int, byte_size: int) -> None:
         """Map and pin the window, and register it (blocks; safe from any thread)."""
@@ -217,8 +235,8 @@ class Regions:
 
     def remove(self, kind: type[Region], name: str | None) -> list[Region]:
         """Forget one region of a kind (every one of it when `name` is None; a name not registered is no error, as
-        in Triton): the removed ones no product uses, to `close` now; the others are closed when their last
-        product gives them back."""
+        in Triton), and return those removed: the ones no product uses (`users == 0`) are to be closed now, the
+        others are closed when their last product gives them back."""
         if name is None:
             removed = [region for region in self._regions.values() if isinstance(region, kind)]
         else:
@@ -226,7 +244,7 @@ class Regions:
         for region in removed:
             del self._regions[region.name]
             region.unregistered = True
-        return [region for region in removed if region.users == 0]
+        return removed
 
     @staticmethod
     def lend(region: Region) -> None:

@@ -122,6 +122,13 @@ class EngineLink:
             except wire.ChannelClosed as exc:
                 pid = self.welcome["engine_pid"] if self.welcome else "?"
                 log.error("engine process %s (%s) went away: %s", pid, self.path, exc)
+                if isinstance(exc, wire.ChannelCorrupt):
+                    # The engine may still be computing into this worker's slabs: hang up and let it finish
+                    # before they are given back (it closes its end once the products it holds have ended).
+                    writer.close()
+                    with contextlib.suppress(ConnectionError):
+                        while await reader.read(1 << 16):
+                            pass
                 self._drop(f"the engine process {pid} exited; a new one is starting")
             finally:
                 writer.close()

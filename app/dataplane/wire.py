@@ -43,14 +43,20 @@ from typing import Any
 import orjson
 
 LENGTH = struct.Struct("!I")
-MAX_MESSAGE_BYTES = 1 << 20
-"""Far more than any message needs; a longer length means the stream is corrupt."""
+MAX_MESSAGE_BYTES = 64 << 20
+"""Far more than any message needs (the largest, the status of every registered region, takes under 600 bytes a
+region, and an engine holds at most 4,096 regions: app.dataplane.regions); a longer length means the stream is
+corrupt."""
 
 Message = dict[str, Any]
 
 
 class ChannelClosed(ConnectionError):
     """The other end went away (end of file, or a corrupt stream)."""
+
+
+class ChannelCorrupt(ChannelClosed):
+    """What came is not a message: the other end may still be running (and using the memory it was lent)."""
 
 
 def frame(message: Message) -> bytes:
@@ -70,10 +76,12 @@ async def receive(reader: asyncio.StreamReader) -> Message:
     try:
         (length,) = LENGTH.unpack(await reader.readexactly(LENGTH.size))
         if length > MAX_MESSAGE_BYTES:
-            raise ChannelClosed(f"a message of {length} bytes: the stream is corrupt")
+            raise ChannelCorrupt(f"a message of {length} bytes: the stream is corrupt")
         message: Message = orjson.loads(await reader.readexactly(length))
     except (asyncio.IncompleteReadError, ConnectionError) as exc:
         raise ChannelClosed(str(exc) or "end of file") from exc
+    except orjson.JSONDecodeError as exc:
+        raise ChannelCorrupt(f"a message that is not JSON ({exc}): the stream is corrupt") from exc
     return message
 
 

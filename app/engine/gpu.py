@@ -332,6 +332,7 @@ class GpuBackend:
         """Compiled by `prepare` where the device runs it."""
         self._pinned_ranges: dict[int, int] = {}
         """Host memory given to `pin`: start address -> end address."""
+        self._pinning = threading.Lock()
 
     # ------------------------------------------------------------------------------------------- catalogue
 
@@ -607,7 +608,18 @@ class GpuBackend:
             products = list(outputs) if outputs is not None else [np.zeros((m, n), dtype) for _ in pairs]
             return Finished(products, DeviceTiming(h2d_ms=0.0, kernel_ms=0.0, d2h_ms=0.0))
         with self._cuda_errors():
-            return self._enqueue(pairs, dtype, plan, on_done, outputs)
+            try:
+                return self._enqueue(pairs, dtype, plan, on_done, outputs)
+            except BaseException:
+                self._drain_streams()
+                raise
+
+    def _drain_streams(self) -> None:
+        """After a launch failed part way: wait for the copies and kernels it queued before the error, which still
+        read its staging buffers and write its outputs, before those go back to their pools or their owners."""
+        for stream in (self._copy_in, self._compute, self._copy_out):
+            with contextlib.suppress(Exception):  # a lost context fails this too; the launch's own error says so
+                stream.synchronize()
 
     def _use_device(self) -> None:
         """Make this backend's device the calling thread's, for good: since CUDA 12 setting a device starts its
@@ -621,15 +633,18 @@ class GpuBackend:
         self._use_device()
         with self._cuda_errors():
             cp.cuda.runtime.hostRegister(address, memory.nbytes, 0)
-        # replaced, not changed in place: the worker thread reads it while another thread pins
-        self._pinned_ranges = {**self._pinned_ranges, address: address + memory.nbytes}
+        # replaced, not changed in place: the worker thread reads it while another thread pins (and the lock keeps
+        # two arenas pinned or unpinned at once by two threads from losing one's change)
+        with self._pinning:
+            self._pinned_ranges = {**self._pinned_ranges, address: address + memory.nbytes}
 
     def unpin(self, memory: np.ndarray) -> None:
         cp = self._cp
         address = memory.ctypes.data
-        if address not in self._pinned_ranges:
-            return
-        self._pinned_ranges = {low: high for low, high in self._pinned_ranges.items() if low != address}
+        with self._pinning:
+            if address not in self._pinned_ranges:
+                return
+            self._pinned_ranges = {low: high for low, high in self._pinned_ranges.items() if low != address}
         self._use_device()
         with self._cuda_errors():
             cp.cuda.runtime.hostUnregister(address)
