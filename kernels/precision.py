@@ -36,6 +36,7 @@ arrays (the tests emulate every mode on the CPU with them). cuBLAS in each mode 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
 
@@ -53,8 +54,38 @@ class Precision(StrEnum):
 TF32_UNIT_ROUNDOFF = 2.0**-10
 BF16_UNIT_ROUNDOFF = 2.0**-8
 FP16_UNIT_ROUNDOFF = 2.0**-11
-FP16_MAX = 65504.0
-"""The largest finite float16; an operand beyond it would become infinite in fp16."""
+
+
+@dataclass(frozen=True)
+class Format:
+    """A binary floating-point format an operand is rounded into: its stored fraction bits and largest exponent."""
+
+    fraction_bits: int
+    max_exponent: int
+
+    @property
+    def largest(self) -> float:
+        """The largest finite value."""
+        return (2.0 - 2.0**-self.fraction_bits) * 2.0**self.max_exponent
+
+    @property
+    def overflow(self) -> float:
+        """The smallest magnitude that rounding to nearest makes infinite: halfway from the largest finite value to
+        the next power of two."""
+        return (2.0 - 2.0 ** -(self.fraction_bits + 1)) * 2.0**self.max_exponent
+
+
+TF32 = Format(fraction_bits=10, max_exponent=127)
+BF16 = Format(fraction_bits=7, max_exponent=127)
+FP16 = Format(fraction_bits=10, max_exponent=15)
+OPERAND_FORMATS: dict[Precision, Format] = {
+    Precision.TF32: TF32,
+    Precision.TF32X3: TF32,
+    Precision.BF16: BF16,
+    Precision.FP16: FP16,
+}
+"""The format each precision rounds float32 operands into (3xtf32: its big part): a float32 operand at or beyond the
+format's `overflow` would be infinite there. fp16's range ends at 65504; bf16's and tf32's a sliver below float32's."""
 
 
 def input_error(precision: Precision) -> float:

@@ -65,15 +65,17 @@ def multipart_body(
     return b"".join(body)
 
 
-def inference_v2_body(a: np.ndarray, b: np.ndarray) -> tuple[bytes, int]:
+def inference_v2_body(a: np.ndarray, b: np.ndarray, parameters: dict[str, str] | None = None) -> tuple[bytes, int]:
     """An Open Inference Protocol v2 infer request for C = A @ B with A and B as binary tensors (little-endian)
-    and C asked for in binary, and the length of its JSON header (the Inference-Header-Content-Length)."""
+    and C asked for in binary (with the request's `parameters`, when given), and the length of its JSON header (the
+    Inference-Header-Content-Length)."""
     datatypes = {"float32": "FP32", "float64": "FP64", "float16": "FP16"}
     inputs = [
         {"name": name, "shape": list(x.shape), "datatype": datatypes[x.dtype.name],
          "parameters": {"binary_data_size": x.nbytes}}
         for name, x in (("A", a), ("B", b))
     ]  # fmt: skip
-    header = orjson.dumps({"inputs": inputs, "outputs": [{"name": "C", "parameters": {"binary_data": True}}]})
+    request = {"inputs": inputs, "outputs": [{"name": "C", "parameters": {"binary_data": True}}]}
+    header = orjson.dumps({**request, "parameters": parameters} if parameters else request)
     data = [np.ascontiguousarray(x, x.dtype.newbyteorder("<")).tobytes() for x in (a, b)]
     return b"".join([header, *data]), len(header)

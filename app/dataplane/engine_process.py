@@ -361,17 +361,13 @@ class EngineServer:
         """The product the message asks for, computed where it says; the reply that says how."""
         if self._draining:
             raise NotReady("the engine is shutting down")
-        dtype = message["dtype"]
-        a, b, c = (self._operand(peer, message[name], dtype, name, lent) for name in ("a", "b", "c"))
+        dtype, precision = np.dtype(message["dtype"]), Precision(message["precision"])
+        a, b, c = (self._operand(peer, message[name], dtype.name, name, lent) for name in ("a", "b", "c"))
+        for name, operand in (("a", a), ("b", b)):
+            if isinstance(message[name], dict):  # in a client's region: no HTTP worker staged and checked it
+                await in_thread(self.backend.check_operand, operand, name, precision)
         outcome = await self.engine.matmul(
-            a,
-            b,
-            np.dtype(dtype),
-            message["kernel"],
-            message["tile"],
-            message["timeout_s"],
-            out=c,
-            precision=Precision(message["precision"]),
+            a, b, dtype, message["kernel"], message["tile"], message["timeout_s"], out=c, precision=precision
         )
         return {
             "op": "done",

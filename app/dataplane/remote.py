@@ -361,7 +361,9 @@ class RemoteEngine:
         nbytes = sum(aligned(rows * cols * dtype.itemsize) for rows, cols in staged_shapes)
         slab = await self.arena.reserve(nbytes, budget_s)
         try:
-            where = {name: await self._place(operand, slab, dtype, name) for name, operand in (("a", a), ("b", b))}
+            where = {
+                name: await self._place(operand, slab, dtype, name, precision) for name, operand in (("a", a), ("b", b))
+            }
             c_at = None
             if into is None:
                 c_at = slab.place((m, n), dtype)
@@ -386,12 +388,15 @@ class RemoteEngine:
             raise
         return await self._answer(link, key, reply, slab, c_at, began, staged, precision)
 
-    async def _place(self, operand: Matrix, slab: Slab, dtype: np.dtype, name: str) -> list[int] | dict[str, Any]:
-        """Where the engine finds an operand: converted into the slab, or in the client's region where it is."""
+    async def _place(
+        self, operand: Matrix, slab: Slab, dtype: np.dtype, name: str, precision: Precision
+    ) -> list[int] | dict[str, Any]:
+        """Where the engine finds an operand: converted into the slab (and checked to be in range for `precision`),
+        or in the client's region where it is (the engine checks it there)."""
         if isinstance(operand, SharedTensor):
             return _in_region(operand, operand.shape, operand.dtype)
         at = slab.place(operand.shape, dtype)
-        await self._stage(operand, slab.array(at), name)
+        await self._stage(operand, slab.array(at), name, precision)
         return [at.offset, *at.shape]
 
     # ------------------------------------------------------------------- clients' shared memory regions
@@ -472,13 +477,13 @@ class RemoteEngine:
         holding = [link for link in ready if link.status is not None and regions <= set(link.status["regions"])]
         return min(holding or ready, key=lambda link: link.load)
 
-    async def _stage(self, operand: np.ndarray, target: np.ndarray, name: str) -> None:
+    async def _stage(self, operand: np.ndarray, target: np.ndarray, name: str, precision: Precision) -> None:
         """Convert the operand into its place in the slab: on the event loop when small, else in a thread, which a
         cancellation waits for (the operand is a view of a request body that is given back once this returns)."""
         if target.nbytes <= self.inline_bytes:
-            cast_into(target, operand, name)
+            cast_into(target, operand, name, precision=precision)
             return
-        await in_thread(cast_into, target, operand, name)
+        await in_thread(cast_into, target, operand, name, precision=precision)
 
     async def _answer(
         self,

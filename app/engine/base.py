@@ -184,6 +184,12 @@ class Backend(Protocol):
         call it)."""
         ...
 
+    def check_operand(self, operand: Any, name: str, precision: Precision) -> None:
+        """InvalidMatrix when a finite element of an operand in a client's shared-memory region (a host array, or a
+        device array for CUDA shared memory) would be infinite in the format `precision` rounds operands into.
+        Operands sent in a request's body are checked as the HTTP worker stages them."""
+        ...
+
     def pin(self, memory: np.ndarray) -> None:
         """Page-lock host memory that operands and products will live in (the data plane's shared memory), so
         that copies run straight from and into it; a no-op where there are no copies to a device."""

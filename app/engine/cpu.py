@@ -25,7 +25,7 @@ from app.engine.base import (
     Plan,
     check_fp32_kernel,
 )
-from app.engine.staging import cast_into
+from app.engine.staging import cast_into, check_in_format
 from app.errors import InvalidParameter, SharedMemoryError, UnknownKernel
 from kernels import tensorcore
 from kernels.emulation import EMULATIONS
@@ -130,6 +130,9 @@ class CpuBackend:
         return Finished(
             products, DeviceTiming(h2d_ms=(staged - start) * 1e3, kernel_ms=(done - staged) * 1e3, d2h_ms=0.0)
         )
+
+    def check_operand(self, operand: Any, name: str, precision: Precision) -> None:
+        check_in_format(operand, name, precision)
 
     def pin(self, memory: np.ndarray) -> None:
         return None

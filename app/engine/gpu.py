@@ -48,7 +48,7 @@ from app.engine.base import (
     Plan,
     check_fp32_kernel,
 )
-from app.engine.staging import cast_into_parallel
+from app.engine.staging import cast_into_parallel, check_in_format
 from app.errors import (
     DeviceLost,
     DeviceOutOfMemory,
@@ -603,11 +603,10 @@ class GpuBackend:
         waited for. Operands in pinned memory already (`pin`), in `dtype` and C-contiguous, are copied from where
         they are; others are staged first into one pinned buffer each for A and B. `on_done` runs on the watcher
         thread once the copy out is done."""
-        m, n = pairs[0][0].shape[0], pairs[0][1].shape[1]
-        if m == 0 or n == 0:
-            products = list(outputs) if outputs is not None else [np.zeros((m, n), dtype) for _ in pairs]
-            return Finished(products, DeviceTiming(h2d_ms=0.0, kernel_ms=0.0, d2h_ms=0.0))
+        (m, k), n = pairs[0][0].shape, pairs[0][1].shape[1]
         with self._cuda_errors():
+            if m == 0 or n == 0 or k == 0:
+                return self._empty_sums(pairs, dtype, outputs)
             try:
                 return self._enqueue(pairs, dtype, plan, on_done, outputs)
             except BaseException:
@@ -621,11 +620,33 @@ class GpuBackend:
             with contextlib.suppress(Exception):  # a lost context fails this too; the launch's own error says so
                 stream.synchronize()
 
+    def _empty_sums(self, pairs: Pairs, dtype: np.dtype, outputs: Outputs) -> Finished:
+        """Products with nothing to sum (k = 0) are zero matrices; those with no elements (m or n = 0) have
+        nothing to write. No copy, no launch, no library call (cuBLAS refuses k = 0 in its tensor-core modes)."""
+        (m, _), n = pairs[0][0].shape, pairs[0][1].shape[1]
+        if outputs is None:
+            products = [np.zeros((m, n), dtype) for _ in pairs]
+        else:
+            products = list(outputs)
+            for output in products:
+                output.fill(0)
+            if any(_is_device_array(output) for output in products):  # a client's CUDA shared memory
+                self._cp.cuda.get_current_stream().synchronize()
+        return Finished(products, DeviceTiming(h2d_ms=0.0, kernel_ms=0.0, d2h_ms=0.0))
+
     def _use_device(self) -> None:
         """Make this backend's device the calling thread's, for good: since CUDA 12 setting a device starts its
         context, so switching back to another one (as `with cupy.cuda.Device(...)` does on exit) would start a
         context on that other GPU too. An engine process owns one device; its threads all use it."""
         self._cp.cuda.runtime.setDevice(self._device_id)
+
+    def check_operand(self, operand: Any, name: str, precision: Precision) -> None:
+        if not _is_device_array(operand):
+            check_in_format(operand, name, precision)
+            return
+        self._use_device()
+        with self._cuda_errors():
+            check_in_format(operand, name, precision)
 
     def pin(self, memory: np.ndarray) -> None:
         cp = self._cp

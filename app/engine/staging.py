@@ -3,19 +3,25 @@
 from __future__ import annotations
 
 import itertools
+import math
 from concurrent.futures import Executor
+from typing import Any
 
 import numpy as np
 
 from app.errors import InvalidMatrix
+from kernels.precision import OPERAND_FORMATS, Precision
 
 
-def cast_into(dst: np.ndarray, src: np.ndarray, name: str, first_row: int = 0) -> None:
+def cast_into(
+    dst: np.ndarray, src: np.ndarray, name: str, first_row: int = 0, precision: Precision = Precision.FP32
+) -> None:
     """Copy `src` into `dst` (any dtype, byte order and layout in; dst's out), refusing values that overflow.
 
     NaN and infinities already in `src` are copied as they are; a finite value too large for dst's dtype
-    (1e39 into float32) is an error, not a silent infinity. `first_row` is the row of the whole matrix that
-    `src` starts at, when it is a band of rows, so that the error names the right element.
+    (1e39 into float32), or for the format `precision` rounds operands into (7e4 in fp16), is an error, not a
+    silent infinity. `first_row` is the row of the whole matrix that `src` starts at, when it is a band of rows,
+    so that the error names the right element.
     """
     try:
         with np.errstate(over="raise"):
@@ -31,6 +37,35 @@ def cast_into(dst: np.ndarray, src: np.ndarray, name: str, first_row: int = 0) -
             f"{name}[{row}][{col}] = {value!r} is out of range for {dst.dtype} (largest {limit:.4g})",
             location=[name, int(row), int(col)],
         ) from None
+    if not (src.dtype.kind == "f" and float(np.finfo(src.dtype).max) < _overflow(precision)):
+        check_in_format(dst, name, precision, first_row=first_row)
+
+
+def _overflow(precision: Precision) -> float:
+    operand_format = OPERAND_FORMATS.get(precision)
+    return math.inf if operand_format is None else operand_format.overflow
+
+
+def check_in_format(x: Any, name: str, precision: Precision, first_row: int = 0) -> None:
+    """InvalidMatrix when a finite element of `x` (a NumPy or a CuPy array) would be infinite once rounded into the
+    format `precision` rounds operands into (7e4 in fp16), the first of those being named. Two reductions when every
+    element is finite and in range; NaN and infinities pass as they are."""
+    limit = _overflow(precision)
+    if math.isinf(limit) or x.size == 0:
+        return
+    with np.errstate(invalid="ignore"):
+        if float(x.max()) < limit and float(x.min()) > -limit:  # False where NaN is: then look element by element
+            return
+        beyond = np.isfinite(x) & (np.abs(x) >= limit)
+    if not bool(beyond.any()):
+        return
+    row, col = (int(i) for i in np.unravel_index(int(np.argmax(beyond)), x.shape))
+    raise InvalidMatrix(
+        f"{name}[{row + first_row}][{col}] = {float(x[row, col])!r} is out of range for precision {precision} "
+        f"(largest {OPERAND_FORMATS[precision].largest:.6g}): it would be infinite there; send smaller values or ask "
+        "for another precision",
+        location=[name, row + first_row, col],
+    )
 
 
 PARALLEL_BYTES = 8 << 20

@@ -207,3 +207,42 @@ async def test_on_the_gpu_our_fp32_kernels_refuse_a_tensor_core_precision(gpu_cl
     answer = await gpu_client.post("/matmul?precision=tf32&kernel=fast", json={"a": a.tolist(), "b": b.tolist()})
     assert answer.status_code == 422
     assert "kernel 'fast' computes in fp32 only; precision tf32 runs on 'cublas' (or auto)" in answer.text
+
+
+@pytest.mark.parametrize(
+    ("precision", "value", "largest"),
+    [("fp16", 70000.0, "65504"), ("fp16", -65520.0, "65504"), ("bf16", 3.4e38, "3.38953e+38")],
+)
+async def test_an_operand_beyond_the_precisions_range_is_refused_not_turned_into_infinity(
+    client: httpx.AsyncClient, precision: str, value: float, largest: str
+) -> None:
+    """As 1e39 in float32: an element that rounding into the precision's format makes infinite is a 422 naming the
+    operand, the element and the precision, on /matmul (JSON and .npy) and the inference protocol."""
+    said = f"is out of range for precision {precision} (largest {largest}): it would be infinite there"
+    answer = await client.post("/matmul", json={"a": [[1.0, value]], "b": [[1.0], [1.0]], "precision": precision})
+    assert answer.status_code == 422 and answer.json()["code"] == "invalid_matrix"
+    assert said in answer.json()["message"] and answer.json()["location"] == ["a", 0, 1]
+
+    b = np.array([[1.0], [value]], np.float32)
+    files = {"a": ("a.npy", npy_bytes(np.ones((1, 2), np.float32))), "b": ("b.npy", npy_bytes(b))}
+    answer = await client.post("/matmul", params={"precision": precision}, files=files)
+    assert answer.status_code == 422 and answer.json()["location"] == ["b", 1, 0] and said in answer.text
+
+    body, header_length = inference_v2_body(b.T.copy(), np.ones((2, 1), np.float32), {"precision": precision})
+    answer = await client.post(
+        "/v2/models/matmul/infer", content=body, headers={"inference-header-content-length": str(header_length)}
+    )
+    assert answer.status_code == 422 and "a[0][1]" in answer.text and said in answer.text  # A, the left operand
+
+
+async def test_the_largest_values_that_stay_finite_in_fp16_are_multiplied(client: httpx.AsyncClient) -> None:
+    """65519 rounds to float16's largest, 65504; NaN and infinities already there propagate as in fp32."""
+    a = [[65519.0, -65519.0]]
+    answer = await _json_product(client, np.array(a, np.float32), np.ones((2, 1), np.float32), precision="fp16")
+    assert answer.status_code == 200 and answer.json()["result"] == [[0.0]]
+    files = {
+        "a": ("a.npy", npy_bytes(np.array([[np.inf, 1.0]], np.float32))),
+        "b": ("b.npy", npy_bytes(np.ones((2, 1), np.float32))),
+    }
+    answer = await client.post("/matmul?precision=fp16", files=files, headers={"accept": "application/x-npy"})
+    assert answer.status_code == 200 and load_npy(answer.content).tolist() == [[np.inf]]

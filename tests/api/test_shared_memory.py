@@ -210,6 +210,30 @@ def test_shared_memory_mixes_with_binary_tensors(server: Server, big_region: tup
         server.client.unregister_system_shared_memory(name)
 
 
+def test_an_operand_in_a_region_beyond_the_precisions_range_is_refused(
+    server: Server, big_region: tuple[str, str, object]
+) -> None:
+    """No HTTP worker stages an operand that lies in a region: the engine process checks it there, as staging checks
+    the others (7e4 would be infinite in fp16)."""
+    name, key, handle = big_region
+    a = np.ones((4, 4), np.float32)
+    a[2, 3] = 7e4
+    shm.set_shared_memory_region(handle, [a])
+    server.client.register_system_shared_memory(name, key, 1 << 20)
+    try:
+        b = np.ones((4, 2), np.float32)
+        said = r"a\[2\]\[3\] = 70000.0 is out of range for precision fp16 \(largest 65504\)"
+        inputs = [_infer_input("A", a, (name, 0)), _infer_input("B", b)]
+        with pytest.raises(InferenceServerException, match=said):
+            server.client.infer("matmul", inputs, parameters={"precision": "fp16"})
+        a[2, 3] = 1.0
+        shm.set_shared_memory_region(handle, [a])
+        answered = server.client.infer("matmul", [_infer_input("A", a, (name, 0)), _infer_input("B", b)])
+        np.testing.assert_array_equal(answered.as_numpy("C"), np.full((4, 2), 4.0, np.float32))
+    finally:
+        server.client.unregister_system_shared_memory(name)
+
+
 def _infer_body(a_parameters: dict[str, object], c_parameters: dict[str, object] | None = None) -> dict[str, object]:
     return {
         "inputs": [

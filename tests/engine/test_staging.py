@@ -8,8 +8,9 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import pytest
 
-from app.engine.staging import PARALLEL_BYTES, cast_into_parallel
+from app.engine.staging import PARALLEL_BYTES, cast_into, cast_into_parallel, check_in_format
 from app.errors import InvalidMatrix
+from kernels.precision import Precision, to_bf16, to_fp16, to_tf32
 
 ROWS = 1024
 COLUMNS = PARALLEL_BYTES // (4 * ROWS)
@@ -37,3 +38,67 @@ def test_a_value_out_of_range_in_a_later_band_names_its_row_in_the_whole_matrix(
     with pytest.raises(InvalidMatrix, match=r"b\[900\]\[7\] = 1e\+39 is out of range for float32") as caught:
         cast_into_parallel(np.empty((ROWS, COLUMNS), np.float32), src, "b", threads, bands=4)
     assert caught.value.location == ["b", 900, 7]
+
+
+def _just_below(limit: float) -> np.float32:
+    """The largest float32 under `limit`."""
+    below = np.float32(limit)
+    return below if float(below) < limit else np.nextafter(below, np.float32(0))
+
+
+@pytest.mark.parametrize(
+    ("precision", "limit"),
+    [
+        (Precision.FP16, 65520.0),  # halfway from 65504 to 2^16
+        (Precision.BF16, (2 - 2**-8) * 2.0**127),
+        (Precision.TF32, (2 - 2**-11) * 2.0**127),
+        (Precision.TF32X3, (2 - 2**-11) * 2.0**127),  # its big part is a TF32 rounding
+    ],
+)
+def test_an_operand_is_refused_exactly_where_the_precisions_rounding_makes_it_infinite(
+    precision: Precision, limit: float
+) -> None:
+    """The limits are each format's, from its fraction bits and largest exponent: the largest float32 under one
+    rounds to a finite value there and passes; the limit itself (a float32 in every case) rounds to infinity."""
+    rounding = {Precision.FP16: to_fp16, Precision.BF16: to_bf16}.get(precision, to_tf32)
+    fits, overflows = _just_below(limit), np.float32(limit)
+    assert float(overflows) == limit
+    with np.errstate(over="ignore"):  # NumPy warns where a float16 conversion overflows: that is the point
+        assert np.isfinite(rounding(np.array([fits, -fits]))).all() and np.isinf(rounding(np.array([overflows]))).all()
+    src = np.zeros((3, 4), np.float32)
+    src[2, 1] = fits
+    src[0, 3] = -fits
+    check_in_format(src, "a", precision)
+    src[1, 2] = -overflows
+    with pytest.raises(InvalidMatrix, match=rf"a\[6\]\[2\] = .* is out of range for precision {precision}") as caught:
+        check_in_format(src, "a", precision, first_row=5)
+    assert caught.value.location == ["a", 6, 2]
+
+
+def test_nan_and_infinities_already_there_pass_and_fp32_checks_nothing() -> None:
+    src = np.array([[np.nan, np.inf, -np.inf, 1.0]], np.float32)
+    for precision in Precision:
+        check_in_format(src, "b", precision)
+    check_in_format(np.full((2, 2), 1e38, np.float32), "b", Precision.FP32)
+    with pytest.raises(InvalidMatrix, match=r"b\[0\]\[3\] = 70000.0 is out of range for precision fp16"):
+        check_in_format(np.array([[np.nan, np.inf, 5.0, 7e4]], np.float32), "b", Precision.FP16)
+
+
+def test_staging_in_a_precision_refuses_what_its_rounding_makes_infinite() -> None:
+    dst = np.empty((1, 2), np.float32)
+    with pytest.raises(InvalidMatrix, match=r"a\[0\]\[1\] = 70000.0 is out of range for precision fp16"):
+        cast_into(dst, np.array([[1, 70000]], np.int32), "a", precision=Precision.FP16)
+    cast_into(dst, np.array([[1, 70000]], np.int32), "a", precision=Precision.BF16)
+    cast_into(dst, np.array([[np.finfo(np.float16).max] * 2], np.float16), "a", precision=Precision.FP16)
+
+
+@pytest.mark.gpu
+def test_a_device_operand_is_checked_on_the_device() -> None:
+    """CUDA shared memory: the client's operand never leaves the device to be checked."""
+    import cupy
+
+    operand = cupy.zeros((64, 64), cupy.float32)
+    check_in_format(operand, "b", Precision.FP16)
+    operand[40, 3] = 1e5
+    with pytest.raises(InvalidMatrix, match=r"b\[40\]\[3\] = 100000.0 is out of range for precision fp16"):
+        check_in_format(operand, "b", Precision.FP16)

@@ -1,0 +1,84 @@
+"""Products with nothing to sum (k = 0) or nothing to write (m or n = 0) answer the zero matrix of their shape in
+every kernel, precision and dtype a backend lists, and on the inference protocol: no launch and no library call
+(cuBLAS refuses k = 0 in its tensor-core modes, which was a 500 on the GPU backend)."""
+
+from __future__ import annotations
+
+import httpx
+import numpy as np
+import pytest
+
+from matmul_tools.bodies import inference_v2_body, load_npy, npy_bytes
+
+pytestmark = pytest.mark.anyio
+SHAPES = [(5, 0, 7), (0, 3, 4), (4, 3, 0), (0, 0, 0)]
+"""(m, k, n)."""
+
+
+async def _every_way_asked(client: httpx.AsyncClient) -> list[tuple[str, str, str]]:
+    """(kernel, precision, dtype) for every kernel the backend lists, in each precision and dtype it takes (the
+    tensor-core precisions take float32 operands only)."""
+    listing = (await client.get("/v1/kernels")).json()["kernels"]
+    return [
+        (kernel["name"], precision, dtype)
+        for kernel in listing
+        for precision in kernel["precisions"]
+        for dtype in kernel["dtypes"]
+        if precision == "fp32" or dtype == "float32"
+    ]
+
+
+async def _every_empty_product_is_zero(client: httpx.AsyncClient) -> int:
+    asked = 0
+    for kernel, precision, dtype in await _every_way_asked(client):
+        for m, k, n in SHAPES:
+            files = {
+                "a": ("a.npy", npy_bytes(np.ones((m, k), dtype))),
+                "b": ("b.npy", npy_bytes(np.ones((k, n), dtype))),
+            }
+            answer = await client.post(
+                "/matmul",
+                params={"kernel": kernel, "precision": precision, "dtype": dtype},
+                files=files,
+                headers={"accept": "application/x-npy"},
+            )
+            assert answer.status_code == 200, f"{kernel} {precision} {dtype} {m}x{k} @ {k}x{n}: {answer.text}"
+            c = load_npy(answer.content)
+            assert (c.shape, c.dtype.name) == ((m, n), dtype) and not c.any(), (kernel, precision, dtype, (m, k, n))
+            asked += 1
+    return asked
+
+
+async def test_every_kernel_precision_and_dtype_answers_zeros_for_an_empty_sum(client: httpx.AsyncClient) -> None:
+    assert await _every_empty_product_is_zero(client) >= 4 * len(SHAPES)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
+async def test_the_inference_protocol_answers_zeros_for_an_empty_sum(client: httpx.AsyncClient, precision: str) -> None:
+    await _v2_empty_sum(client, precision)
+
+
+async def _v2_empty_sum(client: httpx.AsyncClient, precision: str) -> None:
+    a, b = np.ones((5, 0), np.float32), np.ones((0, 7), np.float32)
+    body, header_length = inference_v2_body(a, b, {"precision": precision})
+    answer = await client.post(
+        "/v2/models/matmul/infer", content=body, headers={"inference-header-content-length": str(header_length)}
+    )
+    assert answer.status_code == 200, answer.text
+    split = int(answer.headers["inference-header-content-length"])
+    assert np.frombuffer(answer.content[split:], "<f4").tolist() == [0.0] * 35
+
+
+@pytest.mark.gpu
+async def test_on_the_gpu_every_kernel_precision_and_dtype_answers_zeros_for_an_empty_sum(
+    gpu_client: httpx.AsyncClient,
+) -> None:
+    assert await _every_empty_product_is_zero(gpu_client) >= 10 * len(SHAPES)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("precision", ["fp32", "tf32", "3xtf32", "bf16", "fp16"])
+async def test_on_the_gpu_the_inference_protocol_answers_zeros_for_an_empty_sum(
+    gpu_client: httpx.AsyncClient, precision: str
+) -> None:
+    await _v2_empty_sum(gpu_client, precision)
