@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import shutil
 
 import httpx
@@ -55,7 +56,11 @@ def test_the_gpu_backend_serves_over_http() -> None:
     port = free_port()
     with running_server(uvicorn_command(port), port, env={"MATMUL_BACKEND": "gpu"}) as client:
         exercise(client, "gpu")
-        for kernel in [k["name"] for k in client.get("/v1/kernels").json()["kernels"]]:
-            r = client.post("/matmul", params={"kernel": kernel}, json={"a": [[1, 2], [3, 4]], "b": [[5, 6], [7, 8]]})
-            assert r.status_code == 200, r.text
-            assert r.json()["result"] == [[19, 22], [43, 50]]
+        for kernel in client.get("/v1/kernels").json()["kernels"]:
+            for precision, dtype in itertools.product(kernel["precisions"], kernel["dtypes"]):
+                if precision != "fp32" and dtype != "float32":
+                    continue  # the tensor-core precisions take float32 operands
+                asked = {"kernel": kernel["name"], "precision": precision, "dtype": dtype}
+                r = client.post("/matmul", params=asked, json={"a": [[1, 2], [3, 4]], "b": [[5, 6], [7, 8]]})
+                assert r.status_code == 200, f"{asked}: {r.text}"
+                assert r.json()["result"] == [[19, 22], [43, 50]]  # exact in every precision
