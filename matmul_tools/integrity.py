@@ -15,6 +15,7 @@ connection ended without a whole answer.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import time
@@ -106,24 +107,35 @@ def _refused(status: int, body: bytes) -> Refused:
 # ------------------------------------------------------------------------------------------------ raw HTTP
 
 
-def _raw_exchange(url: str, head: dict[str, str], path: str, body: bytes) -> tuple[dict[str, str], bytes]:
-    """One request over a new connection with a small receive buffer, the answer read slowly: its headers (lower
-    case) and body; Refused when it is not 200, Closed when the connection ends first."""
+@contextmanager
+def _connected(url: str) -> Iterator[socket.socket]:
+    """A new connection to the server, with a small receive buffer; OSError on it is Closed."""
     where = urlsplit(url)
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, SLOW_RECEIVE_BUFFER)
     sock.settimeout(TIMEOUT_S)
     try:
         sock.connect((where.hostname or "127.0.0.1", where.port or 80))
-        lines = [f"POST {path} HTTP/1.1", f"Host: {where.netloc}", f"Content-Length: {len(body)}", "Connection: close"]
-        lines += [f"{name}: {value}" for name, value in head.items()]
-        sock.sendall(("\r\n".join(lines) + "\r\n\r\n").encode("latin-1"))
-        sock.sendall(body)
-        status, headers, answer = _read_answer(sock)
+        yield sock
     except OSError as exc:
         raise Closed(str(exc)) from None
     finally:
         sock.close()
+
+
+def _head(url: str, path: str, length: int, headers: dict[str, str]) -> bytes:
+    lines = [f"POST {path} HTTP/1.1", f"Host: {urlsplit(url).netloc}", f"Content-Length: {length}", "Connection: close"]
+    lines += [f"{name}: {value}" for name, value in headers.items()]
+    return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
+
+
+def _raw_exchange(url: str, head: dict[str, str], path: str, body: bytes) -> tuple[dict[str, str], bytes]:
+    """One request over a new connection with a small receive buffer, the answer read slowly: its headers (lower
+    case) and body; Refused when it is not 200, Closed when the connection ends first."""
+    with _connected(url) as sock:
+        sock.sendall(_head(url, path, len(body), head))
+        sock.sendall(body)
+        status, headers, answer = _read_answer(sock)
     if status != 200:
         raise _refused(status, answer)
     return headers, answer
@@ -192,9 +204,16 @@ class Connections:
             handle = shm.create_shared_memory_region(name, f"/{name}", nbytes)
             self.stack.callback(shm.destroy_shared_memory_region, handle)
             self.triton_client().register_system_shared_memory(name, f"/{name}", nbytes)
-            self.stack.callback(self.triton_client().unregister_system_shared_memory, name)
+            self.stack.callback(self._unregister, name)
             self.region = (name, handle)
         return self.region
+
+    def _unregister(self, name: str) -> None:
+        """At the end: the server may have lost the region with an engine process; it is the client's to free."""
+        from tritonclient.utils import InferenceServerException
+
+        with contextlib.suppress(InferenceServerException, OSError):
+            self.triton_client().unregister_system_shared_memory(name)
 
     def close(self) -> None:
         self.stack.close()
@@ -272,18 +291,29 @@ def v2_binary_raw(conn: Connections, a: np.ndarray, b: np.ndarray) -> np.ndarray
     return np.frombuffer(answer[split:], "<f4").reshape(output["shape"])
 
 
+@contextmanager
+def _triton_errors() -> Iterator[None]:
+    """Triton's client raises one exception for every failure: a status is Refused, none is a closed connection."""
+    from tritonclient.utils import InferenceServerException
+
+    try:
+        yield
+    except InferenceServerException as exc:
+        status = exc.status()
+        if not status:
+            raise Closed(exc.message()) from None
+        raise Refused(int(status), exc.message()[:60]) from None
+
+
 def tritonclient_binary(conn: Connections, a: np.ndarray, b: np.ndarray) -> np.ndarray:
     """Triton's HTTP client: binary tensors in and out."""
     import tritonclient.http as triton
-    from tritonclient.utils import InferenceServerException
 
     inputs = [triton.InferInput(name, list(x.shape), "FP32") for name, x in (("A", a), ("B", b))]
     for tensor, x in zip(inputs, (a, b), strict=True):
         tensor.set_data_from_numpy(x, binary_data=True)
-    try:
+    with _triton_errors():
         result = conn.triton_client().infer(MODEL, inputs, outputs=[triton.InferRequestedOutput("C", binary_data=True)])
-    except InferenceServerException as exc:
-        raise Refused(int(exc.status() or 0), exc.message()[:60]) from None
     c: np.ndarray = result.as_numpy("C")
     return c
 
@@ -292,11 +322,11 @@ def tritonclient_system_shm(conn: Connections, a: np.ndarray, b: np.ndarray) -> 
     """Triton's HTTP client with A, B and C in the client's system shared-memory region."""
     import tritonclient.http as triton
     import tritonclient.utils.shared_memory as shm
-    from tritonclient.utils import InferenceServerException
 
     (m, k), n = a.shape, b.shape[1]
     b_at, c_at = a.nbytes, a.nbytes + b.nbytes
-    name, handle = conn.system_region(REGION_BYTES)
+    with _triton_errors():
+        name, handle = conn.system_region(REGION_BYTES)
     shm.set_shared_memory_region(handle, [a])
     shm.set_shared_memory_region(handle, [b], offset=b_at)
     shm.set_shared_memory_region(handle, [np.full((m, n), np.nan, np.float32)], offset=c_at)
@@ -305,15 +335,39 @@ def tritonclient_system_shm(conn: Connections, a: np.ndarray, b: np.ndarray) -> 
     inputs[1].set_shared_memory(name, b.nbytes, offset=b_at)
     output = triton.InferRequestedOutput("C")
     output.set_shared_memory(name, m * n * 4, offset=c_at)
-    try:
+    with _triton_errors():
         conn.triton_client().infer(MODEL, inputs, outputs=[output])
-    except InferenceServerException as exc:
-        raise Refused(int(exc.status() or 0), exc.message()[:60]) from None
     c: np.ndarray = shm.get_contents_as_numpy(handle, np.float32, [m, n], offset=c_at).copy()
     return c
 
 
+def matmul_npy_hurried(conn: Connections, a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """POST /matmul, multipart `.npy` parts and a 1 ms deadline (X-Request-Timeout): 504 when the product waited
+    longer in the queue, else its `.npy` answer, read slowly."""
+    payload = encode_payload(a, b, "npy")
+    head = {"Content-Type": payload.content_type, "Accept": "application/x-npy", "X-Request-Timeout": "0.001"}
+    return load_npy(_raw_exchange(conn.url, head, "/matmul", payload.content)[1])
+
+
+def leaves_mid_upload(conn: Connections, a: np.ndarray, b: np.ndarray) -> None:
+    """Sends the head and half the body of an `.npy` request, then closes the connection."""
+    payload = encode_payload(a, b, "npy")
+    with _connected(conn.url) as sock:
+        sock.sendall(_head(conn.url, "/matmul", len(payload.content), {"Content-Type": payload.content_type}))
+        sock.sendall(payload.content[: len(payload.content) // 2])
+
+
+def leaves_mid_download(conn: Connections, a: np.ndarray, b: np.ndarray) -> None:
+    """Sends a whole `.npy` request, reads the head and the first piece of the answer, then closes the connection."""
+    payload = encode_payload(a, b, "npy")
+    head = {"Content-Type": payload.content_type, "Accept": "application/x-npy"}
+    with _connected(conn.url) as sock:
+        sock.sendall(_head(conn.url, "/matmul", len(payload.content), head) + payload.content)
+        sock.recv(SLOW_RECEIVE_BUFFER)
+
+
 Send = Callable[[Connections, np.ndarray, np.ndarray], np.ndarray]
+Leave = Callable[[Connections, np.ndarray, np.ndarray], None]
 WAYS: dict[str, Send] = {
     "matmul json": matmul_json,
     "matmul npy (raw, read slowly)": matmul_npy_raw,
@@ -327,7 +381,13 @@ WAYS: dict[str, Send] = {
     "tritonclient binary": tritonclient_binary,
     "tritonclient system shm": tritonclient_system_shm,
 }
-"""Every way a product can be asked for and answered, by name."""
+"""Every way a product can be asked for and answered, by name: each answers 200 on a healthy server."""
+HURRIED_WAYS: dict[str, Send] = {"matmul npy, 1 ms deadline (raw, read slowly)": matmul_npy_hurried}
+"""Ways that may be answered 504 (the deadline passed in the queue), else with a product to check."""
+LEAVING_WAYS: dict[str, Leave] = {"leaves mid-upload": leaves_mid_upload, "leaves mid-download": leaves_mid_download}
+"""Clients that go away before their answer: nothing to check, but the server goes on serving everyone else."""
+LEFT = "left"
+"""The outcome of a leaving way."""
 JSON_WAYS = frozenset({"matmul json", "matmul npy -> json", "MatmulClient json", "v2 json"})
 """Ways that carry a matrix as JSON text: each element costs microseconds, so they take the small shapes only."""
 SYSTEM_SHM_WAYS = frozenset({"tritonclient system shm"})
@@ -378,24 +438,35 @@ def run_client(share: ClientShare) -> Tally:
         for way, (m, k, n) in plan(share):
             a = rng.standard_normal((m, k), dtype=np.float32)
             b = rng.standard_normal((k, n), dtype=np.float32)
-            try:
-                c = WAYS[way](connections, a, b)
-            except Refused as exc:
-                tally.other[f"{way} {exc.status}"] += 1
-                tally.messages[f"{exc.status} {exc.code}"] += 1
-            except (Closed, httpx.TransportError, ConnectionError) as exc:
-                tally.other[f"{way} closed"] += 1
-                tally.messages[f"closed: {type(exc).__name__}"] += 1
-            else:
-                tally.checked[way] += 1
-                problem = check(c, a, b)
-                if problem is not None:
-                    tally.wrong.append(f"{way}, {m}x{k} @ {k}x{n}: {problem}")
+            _exchange(connections, way, a, b, tally)
             if share.pause_s:
                 time.sleep(share.pause_s)
     finally:
         connections.close()
     return tally
+
+
+def _exchange(connections: Connections, way: str, a: np.ndarray, b: np.ndarray, tally: Tally) -> None:
+    """One request the way named, its outcome added to `tally`: its answer checked, or how it went otherwise."""
+    try:
+        if way in LEAVING_WAYS:
+            LEAVING_WAYS[way](connections, a, b)
+            tally.other[f"{way} {LEFT}"] += 1
+            return
+        c = (WAYS | HURRIED_WAYS)[way](connections, a, b)
+    except Refused as exc:
+        tally.other[f"{way} {exc.status}"] += 1
+        tally.messages[f"{exc.status} {exc.code}"] += 1
+        return
+    except (Closed, httpx.TransportError, OSError) as exc:
+        tally.other[f"{way} closed"] += 1
+        tally.messages[f"closed: {type(exc).__name__}"] += 1
+        return
+    tally.checked[way] += 1
+    problem = check(c, a, b)
+    if problem is not None:
+        (m, k), n = a.shape, b.shape[1]
+        tally.wrong.append(f"{way}, {m}x{k} @ {k}x{n}: {problem}")
 
 
 def check(c: np.ndarray, a: np.ndarray, b: np.ndarray) -> str | None:
@@ -433,9 +504,10 @@ def checked_load(
 ) -> Tally:
     """`clients` clients at once in `pool`'s processes, `requests` each over `ways` and `shapes`; `during` runs in
     this process while they do (a fault to inject). The tallies added up."""
-    unknown = sorted(set(ways) - set(WAYS))
+    known = WAYS | HURRIED_WAYS | LEAVING_WAYS
+    unknown = sorted(set(ways) - set(known))
     if unknown:
-        raise ValueError(f"no such way {unknown}; the ways are {list(WAYS)}")
+        raise ValueError(f"no such way {unknown}; the ways are {list(known)}")
     shares = [
         ClientShare(url, seed * 1000 + index, requests, tuple(ways), tuple(shapes), pause_s) for index in range(clients)
     ]

@@ -17,10 +17,8 @@ from __future__ import annotations
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterator
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
-from pathlib import Path
 
 import httpx
 import numpy as np
@@ -28,12 +26,11 @@ import pytest
 
 from app.client import encode_payload
 from matmul_tools.bodies import load_npy, npy_bytes
-from matmul_tools.integrity import WAYS, checked_load, client_pool
-from matmul_tools.service import LocalService, free_port
+from matmul_tools.integrity import WAYS, checked_load
+from tests.server.conftest import CLIENTS, Serve
 
 pytestmark = pytest.mark.timeout(600)
 MIB = 1 << 20
-CLIENTS = 6
 SHAPES = ((2048, 8, 2048), (1024, 16, 1024), (512, 32, 512), (256, 256, 256), (200, 96, 160), (128, 128, 128))
 """(m, k, n): products of 16, 4 and 1 MiB, answers far larger than their operands (so that answers are what fills the
 shared memory, and a 16 MiB one is more than the kernel's socket buffers take from the server at once), and shapes
@@ -70,49 +67,45 @@ CONFIGURATIONS = [
 ]
 
 
-@pytest.fixture(scope="module")
-def pool() -> Iterator[ProcessPoolExecutor]:
-    with client_pool(CLIENTS) as processes:
-        yield processes
-
-
-Serve = Callable[[Configuration], LocalService]
-
-
-@pytest.fixture
-def serve(tmp_path: Path) -> Iterator[Serve]:
-    """Starts `matmul-service` as a configuration says; stops what it started at the end of the test."""
-    started: list[LocalService] = []
-
-    def start(configuration: Configuration) -> LocalService:
-        service = LocalService.matmul_service(
-            free_port(), configuration.env(), tmp_path / "server.log", workers=configuration.workers
-        )
-        started.append(service)
-        service.wait_ready(120)
-        return service
-
-    yield start
-    for service in started:
-        service.stop()
-
-
 @pytest.mark.parametrize("configuration", CONFIGURATIONS, ids=str)
 def test_every_answer_is_its_own_requests_product(
-    pool: ProcessPoolExecutor, serve: Serve, configuration: Configuration
+    clients: ProcessPoolExecutor, serve: Serve, configuration: Configuration
 ) -> None:
-    service = serve(configuration)
-    tally = checked_load(pool, service.url, CLIENTS, requests=len(WAYS), ways=list(WAYS), shapes=SHAPES)
+    service = serve(configuration.env(), configuration.workers)
+    tally = checked_load(clients, service.url, CLIENTS, requests=len(WAYS), ways=list(WAYS), shapes=SHAPES)
     assert tally.wrong == [], f"{len(tally.wrong)} wrong answers of {tally.answers}, under {configuration}"
     assert tally.other == {}, f"answers that were not 200 under {configuration}: {tally.as_dict()}"
     assert tally.answers == CLIENTS * len(WAYS)
     assert set(tally.checked) == set(WAYS)
 
 
+GPU_SHAPES = ((4096, 4096, 4096), (2048, 8, 2048), (1024, 16, 1024), (256, 256, 256), (128, 128, 128))
+GPU_CONFIGURATIONS = [
+    {},  # matmul-service as it starts with no setting
+    {"MATMUL_BATCHING": "true", "MATMUL_SLAB_BYTES": str(200 * MIB), "MATMUL_PIPELINE_DEPTH": "1"},
+]
+"""The defaults, and two workers batching with shared memory for one 4096^2 request (192 MiB) at a time each."""
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("settings", GPU_CONFIGURATIONS, ids=["defaults", "batching, scarce shared memory"])
+def test_on_the_gpu_every_answer_is_its_own_requests_product(
+    clients: ProcessPoolExecutor, serve: Serve, settings: dict[str, str]
+) -> None:
+    workers = 2 if settings else 1
+    env = {"MATMUL_BACKEND": "gpu", "MATMUL_ACCESS_LOG": "false", "MATMUL_SHARED_MEMORY": "system", **settings}
+    service = serve(env, workers)
+    tally = checked_load(clients, service.url, CLIENTS, requests=2 * len(WAYS), ways=list(WAYS), shapes=GPU_SHAPES)
+    assert tally.wrong == [], f"{len(tally.wrong)} wrong answers of {tally.answers}: {tally.wrong[:5]}"
+    assert tally.other == {}, tally.as_dict()
+    assert tally.answers == CLIENTS * 2 * len(WAYS)
+
+
 def test_an_answer_still_being_sent_keeps_its_memory(serve: Serve) -> None:
     """A reads the head of its 16 MiB `.npy` answer and stops reading; B, whose operands and product need the same
     shared memory, is sent meanwhile; a second later A reads the rest. A's answer is its own product, B's its own."""
-    service = serve(Configuration(workers=1, batching=False, slab_bytes=20 * MIB))
+    service = serve(Configuration(workers=1, batching=False, slab_bytes=20 * MIB).env(), 1)
     n = 2048
     a_first, b_first = np.ones((n, 1), np.float32), np.arange(n, dtype=np.float32)[None, :]
     a_second, b_second = np.full((n, 1), 7, np.float32), np.full((1, n), 3, np.float32)

@@ -1,0 +1,39 @@
+"""Servers started as `matmul-service` is, and client processes to load them with (matmul_tools/integrity.py)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from matmul_tools.integrity import client_pool
+from matmul_tools.service import LocalService, free_port
+
+CLIENTS = 6
+"""Client processes of a checked load: more than the two cores of CI's machine, so that requests overlap."""
+Serve = Callable[[Mapping[str, str], int], LocalService]
+
+
+@pytest.fixture(scope="session")
+def clients() -> Iterator[ProcessPoolExecutor]:
+    """Client processes, started once (spawning one costs a second of imports on two cores)."""
+    with client_pool(CLIENTS) as processes:
+        yield processes
+
+
+@pytest.fixture
+def serve(tmp_path: Path) -> Iterator[Serve]:
+    """Starts `matmul-service --workers N` with the variables given, ready; stops what it started after the test."""
+    started: list[LocalService] = []
+
+    def start(env: Mapping[str, str], workers: int) -> LocalService:
+        service = LocalService.matmul_service(free_port(), env, tmp_path / f"server-{len(started)}.log", workers)
+        started.append(service)
+        service.wait_ready(120)
+        return service
+
+    yield start
+    for service in started:
+        service.stop()

@@ -1,0 +1,123 @@
+"""Integrity under faults: while client processes load `matmul-service` (CPU backend) and check every answer against
+its own product, an HTTP worker is killed, the engine process is killed, clients leave mid-upload and mid-download,
+and deadlines pass while products wait. Every answer a client receives is its own product or an error status (503,
+504) or a closed connection, never a wrong 200; and the service serves again afterwards."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections.abc import Callable
+from concurrent.futures import ProcessPoolExecutor
+
+import httpx
+import pytest
+
+from matmul_tools.integrity import HURRIED_WAYS, LEAVING_WAYS, LEFT, WAYS, Tally, checked_load
+from matmul_tools.service import LocalService
+from tests.server.conftest import CLIENTS, Serve
+
+pytestmark = pytest.mark.timeout(600)
+MIB = 1 << 20
+SHAPES = ((2048, 8, 2048), (1024, 16, 1024), (256, 256, 256), (128, 128, 128))
+ENV = {
+    "MATMUL_BACKEND": "cpu",
+    "MATMUL_ACCESS_LOG": "false",
+    "MATMUL_SHARED_MEMORY": "system",
+    "MATMUL_BATCHING": "true",
+    "MATMUL_SLAB_BYTES": str(40 * MIB),
+}
+"""Batching on, and shared memory for two of the largest requests at a time: products wait for each other."""
+REQUESTS = 2 * len(WAYS)
+PAUSE_S = 0.05
+"""Between a client's requests, so that the load lasts the seconds the faults need."""
+KILL_AFTER_S = 2.0
+"""When the fault comes: clients have been sending for a while, with products in flight."""
+
+
+def _info(service: LocalService) -> dict[str, object]:
+    info: dict[str, object] = httpx.get(f"{service.url}/v1/info", timeout=10).json()
+    return info
+
+
+def _serves_again(service: LocalService) -> None:
+    """After the fault: ready again, and a product answered right."""
+    service.wait_ready(120)
+    answer = httpx.post(f"{service.url}/matmul", json={"a": [[1, 2]], "b": [[3], [4]]}, timeout=30)
+    assert answer.status_code == 200 and answer.json()["result"] == [[11.0]]
+
+
+def _only_allowed(tally: Tally, allowed: set[str]) -> None:
+    assert tally.wrong == [], f"{len(tally.wrong)} wrong answers of {tally.answers}: {tally.wrong[:5]}"
+    outcomes = {outcome.rsplit(" ", 1)[1] for outcome in tally.other}
+    assert outcomes <= allowed, tally.as_dict()
+    assert tally.answers > 0
+
+
+def _kill_after(delay_s: float, pid: Callable[[], int]) -> Callable[[], None]:
+    def kill() -> None:
+        time.sleep(delay_s)
+        os.kill(pid(), signal.SIGKILL)
+
+    return kill
+
+
+def test_clients_that_leave_or_hurry_spoil_no_other_answer(clients: ProcessPoolExecutor, serve: Serve) -> None:
+    """A third of the requests leave before their answer (mid-upload, mid-download) or carry a 1 ms deadline."""
+    service = serve(ENV, 1)
+    ways = [*WAYS, *HURRIED_WAYS, *LEAVING_WAYS]
+    tally = checked_load(clients, service.url, CLIENTS, requests=len(ways), ways=ways, shapes=SHAPES)
+    _only_allowed(tally, {"504", LEFT})
+    assert sum(count for outcome, count in tally.other.items() if outcome.endswith(LEFT)) == CLIENTS * 2
+    assert tally.answers >= CLIENTS * len(WAYS)
+    _serves_again(service)
+
+
+def _busy_http_worker(service: LocalService) -> int:
+    """The pid of an HTTP worker with products in flight now (its shared memory in use), asked over new connections
+    until one that answers has some."""
+    for _ in range(1000):
+        info = _info(service)
+        if info["slabs"]["used_bytes"] > 0:  # type: ignore[index]
+            return int(info["http_worker_pid"])  # type: ignore[call-overload]
+        time.sleep(0.01)
+    raise AssertionError("no HTTP worker had a product in flight")
+
+
+def test_a_killed_http_worker_costs_only_its_own_connections(clients: ProcessPoolExecutor, serve: Serve) -> None:
+    """Two HTTP workers; one with products in flight is killed with SIGKILL mid-load. Its clients see their
+    connection close; uvicorn starts a new worker, the other goes on; no answer anyone receives is wrong."""
+    service = serve(ENV, 2)
+    victims: list[int] = []
+
+    def kill_a_busy_worker() -> None:
+        time.sleep(KILL_AFTER_S)
+        victims.append(_busy_http_worker(service))
+        os.kill(victims[0], signal.SIGKILL)
+
+    tally = checked_load(
+        clients, service.url, CLIENTS, REQUESTS, ways=list(WAYS), shapes=SHAPES, pause_s=PAUSE_S,
+        during=kill_a_busy_worker,
+    )  # fmt: skip
+    _only_allowed(tally, {"closed", "503"})  # Triton's client sends again what a dropped keep-alive connection lost
+    _serves_again(service)
+    assert victims[0] not in {int(_info(service)["http_worker_pid"]) for _ in range(10)}  # type: ignore[call-overload]
+
+
+def test_a_killed_engine_process_fails_what_it_held_and_a_new_one_serves(
+    clients: ProcessPoolExecutor, serve: Serve
+) -> None:
+    """The engine process is killed with SIGKILL mid-load: what it held answers 503 device_lost (or not ready, while
+    the new one starts), never a product of someone else's memory; the supervisor starts a new engine."""
+    service = serve(ENV, 2)
+    devices = _info(service)["devices"]
+    victim = int(devices[0]["engine_pid"])  # type: ignore[index]
+    kill = _kill_after(KILL_AFTER_S, lambda: victim)
+    tally = checked_load(
+        clients, service.url, CLIENTS, REQUESTS, ways=list(WAYS), shapes=SHAPES, pause_s=PAUSE_S, during=kill
+    )
+    _only_allowed(tally, {"closed", "503"})
+    assert any(message.startswith("503") for message in tally.messages), tally.as_dict()
+    _serves_again(service)
+    assert int(_info(service)["devices"][0]["engine_pid"]) != victim  # type: ignore[index]
