@@ -8,8 +8,9 @@ requests a second at most: the client must not be what limits the load), drawn f
 
 - valid: products of four shapes up to 256^3, float32 and float64, as multipart `.npy`, JSON and `.npz` (those
   within `--max-body-bytes`), and each shape once more with a 1 ms deadline (`X-Request-Timeout`), answered 200
-  or, when it waited longer in the queue, 504; a sampled fraction of the 200 answers (`--check-fraction`) is
-  compared with NumPy;
+  or, when it waited longer in the queue, 504. Every 200 answer is compared with the float64 product of its own
+  operands: each client process draws operands of its own, VARIANTS pairs of each request, so that an answer
+  carrying another request's product (memory reused too early) shows;
 - invalid: malformed, empty and non-object JSON, ragged rows, strings, NaN tokens, truncated `.npy`, shapes
   that do not multiply, unknown kernels, out-of-range and huge parameters, wrong media types, an Accept the
   service cannot answer, garbage `.npz`, broken inference requests and an unknown model;
@@ -25,8 +26,8 @@ comes first, waits up to `--grace` seconds for the answers still due (those left
 where the client itself cannot keep up, its lag shows in the latencies), then for the server's queue to
 empty. It fails (exit 1) unless:
 
-1. no answer is a 5xx other than 503 (overloaded, not ready) or 504 (deadline exceeded);
-2. no answer checked against NumPy is wrong;
+1. no answer is wrong: not one 200 whose product is not its request's (the first figure the report gives);
+2. no answer is a 5xx other than 503 (overloaded, not ready) or 504 (deadline exceeded);
 3. the server's resident memory (`process_resident_memory_bytes`) and device pool (`matmul_device_memory_bytes`),
    read from GET /metrics after a warm-up (one of each request) and at the end, grew by at most
    `--max-rss-growth-mib` and `--max-device-growth-mib`;
@@ -47,6 +48,7 @@ import argparse
 import asyncio
 import contextlib
 import io
+import itertools
 import json
 import multiprocessing
 import random
@@ -82,6 +84,9 @@ VALID_SHAPES = ((8, 8, 8), (64, 64, 64), (128, 32, 96), (256, 256, 256))
 MIB = 1 << 20
 TIGHT_DEADLINE_S = 0.001
 """The deadline of the hurried valid probes: under load some wait longer in the queue, and get 504."""
+VARIANTS = 8
+"""Operand pairs of each valid request a client process holds, drawn in turn: requests of one shape in flight at
+once carry different operands, so that an answer swapped or overwritten between them is caught."""
 MEMORY_BOUNDS = (
     (
         "--max-rss-growth-mib",
@@ -144,10 +149,11 @@ def _product(
     return Probe(kind, name, payload.content, payload.content_type, params=params, accept=accept, operands=operands)
 
 
-def valid_probes(rng: np.random.Generator, max_body_bytes: int) -> list[Probe]:
-    """Every shape x dtype x format whose body the server's limit lets through."""
+def valid_probes(rng: np.random.Generator, max_body_bytes: int, variants: int = VARIANTS) -> list[Probe]:
+    """Every shape x dtype x format whose body the server's limit lets through, `variants` times over with operands
+    of their own."""
     probes = []
-    for m, k, n in VALID_SHAPES:
+    for _, (m, k, n) in itertools.product(range(variants), VALID_SHAPES):
         for dtype in ("float32", "float64"):
             a, b = rng.standard_normal((m, k)).astype(dtype), rng.standard_normal((k, n)).astype(dtype)
             for format in FORMATS:
@@ -204,11 +210,11 @@ def oversized_probes(max_body_bytes: int) -> list[Probe]:
     return probes
 
 
-def build_probes(seed: int, max_body_bytes: int) -> dict[Kind, list[Probe]]:
-    """Every request the soak may send, the same in every client process (operands drawn from `seed`)."""
+def build_probes(seed: int, max_body_bytes: int, variants: int = VARIANTS) -> dict[Kind, list[Probe]]:
+    """Every request the soak may send, operands drawn from `seed` (each client process has its own)."""
     rng = np.random.default_rng(seed)
     return {
-        "valid": valid_probes(rng, max_body_bytes),
+        "valid": valid_probes(rng, max_body_bytes, variants),
         "invalid": invalid_probes(rng),
         "oversized": oversized_probes(max_body_bytes),
     }
@@ -237,7 +243,6 @@ class Soak:
     http: httpx.AsyncClient
     probes: dict[Kind, list[Probe]]
     mix: list[tuple[Kind, float]]
-    check_fraction: float
     seed: int
     limit: int
     """Requests outstanding at most (the process's connections); one due beyond it is not sent."""
@@ -274,11 +279,7 @@ class Soak:
             status = str(response.status_code)
             if response.status_code >= 500 and response.status_code not in TOLERATED_5XX:
                 self.server_errors.append({"request": probe.name, "status": status, "body": response.text[:300]})
-            if (
-                probe.operands is not None
-                and response.status_code == 200
-                and self._random.random() < self.check_fraction
-            ):
+            if probe.operands is not None and response.status_code == 200:
                 checked = True
                 wrong = wrong_result(response, *probe.operands)
                 if wrong is not None:
@@ -310,7 +311,6 @@ class ClientShare:
     grace: float
     timeout: float
     mix: list[tuple[Kind, float]]
-    check_fraction: float
     max_body_bytes: int
     seed: int
 
@@ -329,11 +329,11 @@ def run_client(share: ClientShare) -> ClientResult:
 
 
 async def _drive(share: ClientShare) -> ClientResult:
-    probes = build_probes(share.seed, share.max_body_bytes)
+    probes = build_probes(share.seed * 1000 + share.index, share.max_body_bytes)
     limits = httpx.Limits(max_connections=share.concurrency, max_keepalive_connections=share.concurrency)
     # A request still waiting for a connection after --timeout s is counted as PoolTimeout, not queued forever.
     async with httpx.AsyncClient(base_url=share.url, timeout=share.timeout, limits=limits) as http:
-        run = Soak(http, probes, share.mix, share.check_fraction, share.seed + 1 + share.index, share.concurrency)
+        run = Soak(http, probes, share.mix, share.seed + 1 + share.index, share.concurrency)
         started = time.perf_counter()
         tick = progress_printer(run, started, f"client {share.index + 1}/{share.processes}")
         with contextlib.suppress(TimeoutError):
@@ -362,7 +362,6 @@ def shares(args: argparse.Namespace) -> list[ClientShare]:
             grace=args.grace,
             timeout=args.timeout,
             mix=args.mix,
-            check_fraction=args.check_fraction,
             max_body_bytes=args.max_body_bytes,
             seed=args.seed,
         )
@@ -465,17 +464,18 @@ def build_report(
     answered = [s for s in samples if s.status.isdigit()]
     abandoned = issued - len(samples)
     checks = {
-        "no_5xx_but_503_504": {"count": len(server_errors), "passed": not server_errors},
         "no_wrong_results": {
-            "checked": sum(s.checked for s in samples),
             "wrong": len(wrong_results),
+            "checked": sum(s.checked for s in samples),
             "passed": not wrong_results,
         },
+        "no_5xx_but_503_504": {"count": len(server_errors), "passed": not server_errors},
         "rss": memory_check(RSS_METRIC, *memory, args.max_rss_growth_mib),
         "rss_under_load": steady_rss_check(rss_timeline, args.max_rss_load_growth_mib),
         "device_pool": memory_check(DEVICE_METRIC, *memory, args.max_device_growth_mib),
     }
     return {
+        "wrong_answers": len(wrong_results),
         "url": args.url,
         "finished": datetime.now(UTC).isoformat(timespec="seconds"),
         "config": {key: value for key, value in vars(args).items() if key != "out"},
@@ -531,8 +531,10 @@ def _memory_line(label: str, check: dict[str, Any]) -> str:
 
 def print_report(report: dict[str, Any]) -> None:
     checks = report["checks"]
+    wrong = checks["no_wrong_results"]
+    print(f"soak {report['url']}: {wrong['wrong']} wrong answers of {wrong['checked']} checked (every 200 product)")
     print(
-        f"soak {report['url']}: {report['requests']} requests in {report['duration_s']:.1f} s, "
+        f"  {report['requests']} requests in {report['duration_s']:.1f} s, "
         f"{report['answered_rps']:.1f} answered/s; by status: {_counts(report['by_status'])}"
     )
     for kind in KINDS:
@@ -540,10 +542,9 @@ def print_report(report: dict[str, Any]) -> None:
         figures = f"p50 {latency['p50']:.1f} ms, p99 {latency['p99']:.1f} ms" if latency["count"] else "no answers"
         print(f"  {kind:9} {_counts(report['by_kind'][kind])} ({figures})")
     verdicts = {True: "ok", False: "FAILED"}
-    wrong = checks["no_wrong_results"]
     lines = [
+        f"wrong answers: {wrong['wrong']} of {wrong['checked']} checked against their own float64 products",
         f"5xx other than 503/504: {checks['no_5xx_but_503_504']['count']}",
-        f"wrong results: {wrong['wrong']} of {wrong['checked']} checked against NumPy",
         _memory_line("server RSS", checks["rss"]),
         _memory_line("server RSS under load (first reading to last)", checks["rss_under_load"]),
         _memory_line("device pool", checks["device_pool"]),
@@ -617,12 +618,6 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--mix", default="valid:6,invalid:3,oversized:1", help="weights of the kinds (default: %(default)s)"
     )
     parser.add_argument(
-        "--check-fraction",
-        type=float,
-        default=0.1,
-        help="share of valid answers checked against NumPy (default: %(default)s)",
-    )
-    parser.add_argument(
         "--max-body-bytes", type=int, default=1 << 30, help="the server's MATMUL_MAX_BODY_BYTES (default: %(default)s)"
     )
     for option, default, meaning in MEMORY_BOUNDS:
@@ -642,8 +637,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0, help="seed of the operands and the draws (default: %(default)s)")
     parser.add_argument("--out", default="out/soak.json", help="the JSON report (default: %(default)s)")
     args = parser.parse_args(argv)
-    if args.minutes <= 0 or args.rate <= 0 or args.concurrency < 1 or not 0 <= args.check_fraction <= 1:
-        parser.error("--minutes, --rate and --concurrency must be positive, --check-fraction within [0, 1]")
+    if args.minutes <= 0 or args.rate <= 0 or args.concurrency < 1:
+        parser.error("--minutes, --rate and --concurrency must be positive")
     if args.client_processes < 1:
         parser.error("--client-processes must be positive")
     if args.max_requests is None:

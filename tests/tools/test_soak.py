@@ -11,6 +11,7 @@ import httpx
 import numpy as np
 import pytest
 
+from app import codecs
 from matmul_tools.bodies import npy_bytes
 from matmul_tools.service import free_port, running_server, uvicorn_command
 from tests.scripts import ROOT, import_script
@@ -20,6 +21,7 @@ pytestmark = pytest.mark.timeout(300)
 
 soak = import_script("soak")
 MAX_BODY_BYTES = 1 << 20
+LIMITS = codecs.Limits(max_dim=1024, max_elements=1 << 20, max_result_elements=1 << 20)
 
 
 def test_five_seconds_of_mixed_requests_over_capacity(tmp_path: Path) -> None:
@@ -28,7 +30,7 @@ def test_five_seconds_of_mixed_requests_over_capacity(tmp_path: Path) -> None:
     command = [
         *(sys.executable, str(ROOT / "scripts" / "soak.py"), "--url", f"http://127.0.0.1:{port}"),
         *("--minutes", "0.08", "--rate", "150", "--max-body-bytes", str(MAX_BODY_BYTES)),
-        *("--check-fraction", "0.5", "--memory-every", "1", "--out", str(tmp_path / "soak.json")),
+        *("--memory-every", "1", "--out", str(tmp_path / "soak.json")),
     ]
     with running_server(uvicorn_command(port), port, env=env):
         done = subprocess.run(command, capture_output=True, text=True, timeout=120)
@@ -44,7 +46,9 @@ def test_five_seconds_of_mixed_requests_over_capacity(tmp_path: Path) -> None:
     assert "413" in oversized and "422" in oversized, "over the body limit, and headers claiming too much"
     checks = report["checks"]
     assert checks["no_5xx_but_503_504"] == {"count": 0, "passed": True}
-    assert checks["no_wrong_results"]["checked"] > 0 and checks["no_wrong_results"]["wrong"] == 0
+    assert checks["no_wrong_results"]["checked"] == valid["200"] and checks["no_wrong_results"]["wrong"] == 0
+    summary = done.stdout[done.stdout.index(f"soak http://127.0.0.1:{port}:") :]  # after the progress lines
+    assert report["wrong_answers"] == 0 and summary.startswith(f"soak http://127.0.0.1:{port}: 0 wrong answers of")
     rss, device = checks["rss"], checks["device_pool"]
     assert len(report["rss_timeline"]) >= 4 and checks["rss_under_load"]["passed"]
     assert rss["start_mib"] > 10 and rss["passed"] and rss["growth_mib"] == rss["end_mib"] - rss["start_mib"]
@@ -54,7 +58,8 @@ def test_five_seconds_of_mixed_requests_over_capacity(tmp_path: Path) -> None:
 def test_each_valid_shape_is_also_sent_with_a_deadline_it_may_miss() -> None:
     probes = soak.valid_probes(np.random.default_rng(0), MAX_BODY_BYTES)
     hurried = [probe for probe in probes if probe.deadline_s is not None]
-    assert [probe.name.split()[1] for probe in hurried] == [f"{m}x{k}x{n}" for m, k, n in soak.VALID_SHAPES]
+    shapes = [f"{m}x{k}x{n}" for m, k, n in soak.VALID_SHAPES]
+    assert [probe.name.split()[1] for probe in hurried] == shapes * soak.VARIANTS
     assert all(probe.deadline_s == soak.TIGHT_DEADLINE_S and probe.params == {"dtype": "float32"} for probe in hurried)
     assert all(probe.operands is not None and probe.operands[0].dtype == np.float32 for probe in hurried)
 
@@ -75,7 +80,7 @@ async def test_a_500_a_wrong_product_or_memory_growth_fail_the_soak() -> None:
     rng = np.random.default_rng(0)
     probes = {"valid": soak.valid_probes(rng, MAX_BODY_BYTES)[:1], "invalid": [], "oversized": []}
     async with httpx.AsyncClient(transport=httpx.MockTransport(server), base_url="http://soak") as http:
-        run = soak.Soak(http, probes, [("valid", 1.0)], check_fraction=1.0, seed=0, limit=8)
+        run = soak.Soak(http, probes, [("valid", 1.0)], seed=0, limit=8)
         await soak.open_loop(run, 1000.0, 3, float("inf"), lambda: None)
     args = soak.parse_args(["--max-rss-growth-mib", "10"])
     rss = {soak.RSS_METRIC: 100 * soak.MIB, soak.DEVICE_METRIC: 0.0}
@@ -96,3 +101,28 @@ async def test_a_500_a_wrong_product_or_memory_growth_fail_the_soak() -> None:
     assert steady["growth_mib"] == 100.0 and steady["bound_mib"] == 64.0 and not steady["passed"]
     missing = soak.build_report(args, [seen], 1.0, {}, ({}, {}), [])["checks"]["rss"]
     assert not missing["passed"] and soak.RSS_METRIC in missing["error"]
+
+
+@pytest.mark.anyio
+async def test_an_answer_carrying_another_requests_product_is_caught() -> None:
+    """A server that answers each product request with the product of the one before it: the answers are real
+    products of the right shape, just not their own. Every one is checked, and the variants of each request's
+    operands make almost all of them wrong."""
+    previous: list[np.ndarray] = []
+
+    def server(request: httpx.Request) -> httpx.Response:
+        operands = codecs.decode(request.headers["content-type"], request.content, LIMITS, MAX_BODY_BYTES)
+        product = operands.a.astype(np.float64) @ operands.b.astype(np.float64)
+        answer = previous.pop() if previous else product
+        previous.append(product)
+        return httpx.Response(200, content=npy_bytes(answer), headers={"content-type": "application/x-npy"})
+
+    probes = [
+        p for p in soak.valid_probes(np.random.default_rng(1), MAX_BODY_BYTES) if p.name == "npy 64x64x64 float64"
+    ]
+    assert len(probes) == soak.VARIANTS
+    async with httpx.AsyncClient(transport=httpx.MockTransport(server), base_url="http://soak") as http:
+        run = soak.Soak(http, {"valid": probes, "invalid": [], "oversized": []}, [("valid", 1.0)], seed=0, limit=1)
+        await soak.open_loop(run, 1000.0, 64, float("inf"), lambda: None)
+    checked = sum(sample.checked for sample in run.samples)
+    assert checked == 64 and len(run.wrong_results) >= 40, (checked, len(run.wrong_results))
