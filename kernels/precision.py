@@ -51,17 +51,17 @@ class Precision(StrEnum):
     FP16 = "fp16"
 
 
-TF32_UNIT_ROUNDOFF = 2.0**-10
-BF16_UNIT_ROUNDOFF = 2.0**-8
-FP16_UNIT_ROUNDOFF = 2.0**-11
-
-
 @dataclass(frozen=True)
 class Format:
     """A binary floating-point format an operand is rounded into: its stored fraction bits and largest exponent."""
 
     fraction_bits: int
     max_exponent: int
+
+    @property
+    def unit_roundoff(self) -> float:
+        """The largest relative error of rounding to nearest: half the distance from 1 to the next value."""
+        return 2.0 ** -(self.fraction_bits + 1)
 
     @property
     def largest(self) -> float:
@@ -72,12 +72,20 @@ class Format:
     def overflow(self) -> float:
         """The smallest magnitude that rounding to nearest makes infinite: halfway from the largest finite value to
         the next power of two."""
-        return (2.0 - 2.0 ** -(self.fraction_bits + 1)) * 2.0**self.max_exponent
+        return (2.0 - self.unit_roundoff) * 2.0**self.max_exponent
 
 
+FLOAT32_FRACTION_BITS = 23
 TF32 = Format(fraction_bits=10, max_exponent=127)
+"""NVIDIA's TensorFloat-32: float32's 8 exponent bits, float16's 10 fraction bits (19 bits in all)."""
 BF16 = Format(fraction_bits=7, max_exponent=127)
+"""bfloat16: the upper half of a float32 (sign, 8 exponent bits, 7 fraction bits)."""
 FP16 = Format(fraction_bits=10, max_exponent=15)
+"""IEEE binary16."""
+TF32_UNIT_ROUNDOFF = 2 * TF32.unit_roundoff
+"""2^-10, the truncation unit: twice rounding to nearest's, since the tensor cores may truncate (module docstring)."""
+BF16_UNIT_ROUNDOFF = BF16.unit_roundoff
+FP16_UNIT_ROUNDOFF = FP16.unit_roundoff
 OPERAND_FORMATS: dict[Precision, Format] = {
     Precision.TF32: TF32,
     Precision.TF32X3: TF32,
@@ -122,12 +130,12 @@ def _round_bits(x: Any, dropped_bits: int) -> Any:
 
 def to_tf32(x: Any) -> Any:
     """float32 values rounded to nearest TF32 (kept in float32)."""
-    return _round_bits(x, 13)
+    return _round_bits(x, FLOAT32_FRACTION_BITS - TF32.fraction_bits)
 
 
 def to_bf16(x: Any) -> Any:
     """float32 values rounded to nearest bfloat16 (kept in float32; `bf16_bits` gives the 16-bit form)."""
-    return _round_bits(x, 16)
+    return _round_bits(x, FLOAT32_FRACTION_BITS - BF16.fraction_bits)
 
 
 def bf16_bits(x: Any) -> Any:

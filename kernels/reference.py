@@ -64,8 +64,11 @@ from kernels.precision import Precision, float32_sums, input_error
 
 BOUND_CONSTANT = 4.0
 """c of the bound |C - R| <= c * sqrt(k) * u * (|A| @ |B|); see the module's docstring for why 4."""
-UNIT_ROUNDOFF = MappingProxyType({np.dtype(np.float32): 2.0**-24, np.dtype(np.float64): 2.0**-53})
-"""u of each working dtype: half the distance from 1 to the next number, the largest relative rounding error."""
+UNIT_ROUNDOFF = MappingProxyType(
+    {np.dtype(dtype): 2.0 ** -(np.finfo(dtype).nmant + 1) for dtype in (np.float32, np.float64)}
+)
+"""u of each working dtype: half the distance from 1 to the next number, the largest relative rounding error (2^-24
+and 2^-53, from the stored fraction bits)."""
 
 
 def unit_roundoff(dtype: DTypeLike) -> float:

@@ -25,12 +25,68 @@ async def keyed() -> AsyncIterator[httpx.AsyncClient]:
         yield client
 
 
-@pytest.mark.parametrize("headers", [{}, {"authorization": "Bearer wrong"}, {"x-api-key": "first-key-but-longer"}])
-async def test_no_or_a_wrong_key_gets_401(keyed: httpx.AsyncClient, headers: dict[str, str]) -> None:
+NEAR_MISSES = {
+    "longer": "first-key-but-longer",
+    "prefix": "first-ke",
+    "short prefix": "sec",
+    "one character": "f",
+    "suffix": "irst-key",
+    "last character": "y",
+    "one byte changed": "first-kez",
+    "case changed": "First-key",
+    "a byte in the middle changed": "first_key",
+    "both keys joined": "first-keysecond-key",
+    "both keys listed": "first-key,second-key",
+    "a NUL after the key": "first-key\x00",
+    "wrong": "wrong",
+}
+"""Keys that are not a configured one ("first-key", "second-key") but share bytes with one: a check that compared
+prefixes, suffixes or lengths would let some of them in."""
+
+
+@pytest.mark.parametrize("presented", NEAR_MISSES.values(), ids=NEAR_MISSES.keys())
+@pytest.mark.parametrize("header", ["bearer", "x-api-key"])
+async def test_a_key_that_is_not_a_configured_one_gets_401(
+    keyed: httpx.AsyncClient, presented: str, header: str
+) -> None:
+    headers = {"authorization": f"Bearer {presented}"} if header == "bearer" else {"x-api-key": presented}
     r = await keyed.post("/matmul", json=BODY, headers=headers)
-    assert r.status_code == 401 and r.json()["code"] == "unauthorized"
+    assert (
+        r.status_code == 401
+        and r.json()["code"] == "unauthorized"
+        and r.json()["message"] == "the API key is not valid"
+    )
     assert r.headers["www-authenticate"].startswith("Bearer")
     assert "first-key" not in r.text and "second-key" not in r.text
+
+
+@pytest.mark.parametrize(
+    "headers",
+    [
+        {},
+        {"authorization": "Bearer "},
+        {"authorization": "Bearer    "},
+        {"authorization": "Bearer"},
+        {"x-api-key": ""},
+        {"x-api-key": "   "},
+        {"authorization": "first-key"},  # no scheme
+        {"authorization": "Basic first-key"},
+        {"authorization": "Token first-key"},
+        {"authorization": "Bearerfirst-key"},
+        {"proxy-authorization": "Bearer first-key"},
+        {"api-key": "first-key"},
+        {"x-api-key": "Bearer first-key"},
+        {"cookie": "api_key=first-key"},
+    ],
+    ids=str,
+)
+async def test_no_key_an_empty_one_or_the_right_one_in_the_wrong_place_gets_401(
+    keyed: httpx.AsyncClient, headers: dict[str, str]
+) -> None:
+    r = await keyed.post("/matmul", json=BODY, headers=headers)
+    assert r.status_code == 401 and r.json()["code"] == "unauthorized", r.text
+    query = await keyed.post("/matmul", params={"api_key": "first-key", "key": "first-key"}, json=BODY)
+    assert query.status_code == 401
 
 
 @pytest.mark.parametrize(
@@ -65,6 +121,7 @@ async def test_no_key_reaches_the_logs(caplog: pytest.LogCaptureFixture) -> None
         for key in (right, wrong)
         for header in ("bearer", "x-api-key")
     ]
+    sent += [{"authorization": f"Basic {right}"}, {"x-api-key": right[:12]}]  # in the wrong scheme; a prefix
     access = logging.getLogger("app.access")
     written = io.StringIO()
     settings = Settings(backend="cpu", access_log=True, api_keys=right)  # type: ignore[arg-type]
@@ -80,9 +137,9 @@ async def test_no_key_reaches_the_logs(caplog: pytest.LogCaptureFixture) -> None
         finally:
             access.removeHandler(caplog.handler)
             stderr_handler.setStream(stderr)
-    assert statuses == [200, 200, 401, 401]
+    assert statuses == [200, 200, 401, 401, 401, 401]
     access_lines = [orjson.loads(line) for line in written.getvalue().splitlines()]
     assert [(line["path"], line["status"]) for line in access_lines] == [("/matmul", status) for status in statuses]
     assert set(written.getvalue().splitlines()) <= {r.getMessage() for r in caplog.records if r.name == access.name}
-    for key in (right, wrong):
+    for key in (right, wrong, right[:12]):
         assert key not in written.getvalue() and key not in caplog.text

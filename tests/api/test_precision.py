@@ -5,6 +5,7 @@ the GPU tests at the end run cuBLAS in each."""
 
 from __future__ import annotations
 
+from fractions import Fraction
 from typing import Any
 
 import httpx
@@ -246,3 +247,34 @@ async def test_the_largest_values_that_stay_finite_in_fp16_are_multiplied(client
     }
     answer = await client.post("/matmul?precision=fp16", files=files, headers={"accept": "application/x-npy"})
     assert answer.status_code == 200 and load_npy(answer.content).tolist() == [[np.inf]]
+
+
+WORST_ROUNDINGS = [
+    # (precision, dtype, a, b, the share of the promised term reached): a and b sit where rounding loses the most
+    ("fp16", "float32", 1 + 2.0**-11, 1 + 2.0**-11, (0.99, 1.0)),  # ties between 1 and the next float16: 1
+    ("bf16", "float32", 1 + 2.0**-8, 1 + 2.0**-8, (0.98, 1.0)),  # the same for bfloat16
+    # the CPU rounds to nearest and reaches half of tf32's term, which is the truncation unit's (the GPU may truncate)
+    ("tf32", "float32", 1 + 2.0**-11, 1 + 2.0**-11, (0.49, 0.5)),
+    # the largest big part and the largest rounding of the small one at once: 2^-21 of the 3u^2 promised
+    ("3xtf32", "float32", 1 + 2.0**-11 + 2.0**-23, 1 + 2.0**-11 + 2.0**-23, (0.16, 1 / 6)),
+    ("fp32", "float32", 1 + 2.0**-12, 1 + 2.0**-12, (0.99, 1.0)),  # the product itself a float32 tie
+    ("fp32", "float64", 1 + 2.0**-27, 1 + 2.0**-26, (0.99, 1.0)),  # and a float64 one
+]
+
+
+@pytest.mark.parametrize(("precision", "dtype", "a", "b", "reached"), WORST_ROUNDINGS, ids=lambda x: str(x)[:8])
+async def test_the_promised_bound_is_reached_on_the_worst_rounding_and_never_passed(
+    client: httpx.AsyncClient, precision: str, dtype: str, a: float, b: float, reached: tuple[float, float]
+) -> None:
+    """The answer's own error_bound (input_error in a tensor-core precision; unit_roundoff, for the sum, in fp32) is
+    tight: operands at the worst rounding case make the error reach the stated share of it, exactly known, so that a
+    promise twice too loose fails this as a promise twice too tight does (which the random products also fail)."""
+    answer = await client.post("/matmul", json={"a": [[a]], "b": [[b]], "precision": precision, "dtype": dtype})
+    assert answer.status_code == 200, answer.text
+    body = answer.json()
+    bound = body["error_bound"]
+    exact = Fraction(a) * Fraction(b)
+    computed = np.array(body["result"], dtype)[0, 0]  # JSON's shortest text of a float32, read back as one
+    error = abs(Fraction(float(computed)) - exact) / exact
+    promised = bound["input_error"] if precision != "fp32" else bound["sums"] * bound["unit_roundoff"]
+    assert reached[0] <= error / Fraction(promised) <= reached[1], float(error / Fraction(promised))

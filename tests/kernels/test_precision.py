@@ -7,8 +7,11 @@ import numpy as np
 import pytest
 
 from kernels.precision import (
+    BF16,
     BF16_UNIT_ROUNDOFF,
+    FP16,
     FP16_UNIT_ROUNDOFF,
+    TF32,
     TF32_UNIT_ROUNDOFF,
     Precision,
     bf16_bits,
@@ -16,9 +19,10 @@ from kernels.precision import (
     input_error,
     split_tf32,
     to_bf16,
+    to_fp16,
     to_tf32,
 )
-from kernels.reference import BOUND_CONSTANT, Reference
+from kernels.reference import BOUND_CONSTANT, Reference, unit_roundoff
 
 F32 = np.dtype(np.float32)
 
@@ -68,15 +72,44 @@ def test_a_tf32_split_is_exact() -> None:
     assert np.all(np.abs(small) <= np.abs(x) * 2.0**-11)
 
 
-def test_what_each_precision_adds() -> None:
+FLOAT32_EXPONENT_BITS = 8
+FORMAT_BITS = {
+    # IEEE binary16: what NumPy's float16 is
+    "fp16": (np.finfo(np.float16).nmant, np.finfo(np.float16).maxexp - 1),
+    # bfloat16: the upper 16 bits of a float32, 1 sign and 8 exponent bits among them
+    "bf16": (16 - 1 - FLOAT32_EXPONENT_BITS, np.finfo(np.float32).maxexp - 1),
+    # NVIDIA's TensorFloat-32: 19 bits, float32's exponent and float16's fraction
+    "tf32": (19 - 1 - FLOAT32_EXPONENT_BITS, np.finfo(np.float32).maxexp - 1),
+}
+"""(fraction bits, largest exponent) of each operand format, from its definition."""
+FORMATS = {"fp16": (FP16, to_fp16), "bf16": (BF16, to_bf16), "tf32": (TF32, to_tf32)}
+
+
+@pytest.mark.parametrize("name", list(FORMAT_BITS))
+def test_each_format_is_its_definition_and_its_rounding_keeps_exactly_its_bits(name: str) -> None:
+    """The fraction bits a rounding keeps, counted: 1 + 2^-p survives it for p up to the format's bits, and 1 plus
+    half that step (a tie) rounds to 1, the even neighbour."""
+    fraction_bits, max_exponent = FORMAT_BITS[name]
+    operand_format, rounding = FORMATS[name]
+    assert (operand_format.fraction_bits, operand_format.max_exponent) == (fraction_bits, max_exponent)
+    kept = [p for p in range(1, 24) if rounding(np.array([1 + 2.0**-p], np.float32))[0] == 1 + 2.0**-p]
+    assert kept == list(range(1, fraction_bits + 1))
+    assert rounding(np.array([1 + 2.0 ** -(fraction_bits + 1)], np.float32))[0] == 1.0
+
+
+def test_each_unit_roundoff_is_derived_from_its_formats_bits() -> None:
+    """u = 2^-(fraction bits + 1), the largest relative error of rounding to nearest; tf32 promises the truncation
+    unit, 2^-10, twice that (kernels/precision.py says why); 3xtf32's split drops terms of u^2 each, three of them."""
+    u = {name: 2.0 ** -(bits + 1) for name, (bits, _) in FORMAT_BITS.items()}
+    assert (u["fp16"], u["bf16"], 2 * u["tf32"]) == (FP16_UNIT_ROUNDOFF, BF16_UNIT_ROUNDOFF, TF32_UNIT_ROUNDOFF)
+    for precision in (Precision.FP16, Precision.BF16, Precision.TF32):
+        promised = {"fp16": u["fp16"], "bf16": u["bf16"], "tf32": 2 * u["tf32"]}[precision.value]
+        assert input_error(precision) == 2 * promised + promised**2
+    tf32_unit = 2 * u["tf32"]
+    assert input_error(Precision.TF32X3) == 3 * tf32_unit**2 * (1 + tf32_unit)
     assert input_error(Precision.FP32) == 0.0
-    for precision, u in (
-        (Precision.TF32, TF32_UNIT_ROUNDOFF),
-        (Precision.BF16, BF16_UNIT_ROUNDOFF),
-        (Precision.FP16, FP16_UNIT_ROUNDOFF),
-    ):
-        assert input_error(precision) == 2 * u + u * u
-    assert input_error(Precision.TF32X3) == pytest.approx(3 * 2.0**-20, rel=1e-3)
+    # IEEE binary32 and binary64 store 23 and 52 fraction bits
+    assert (unit_roundoff(np.float32), unit_roundoff(np.float64)) == (2.0**-24, 2.0**-53)
 
 
 SHAPES = [(1, 1, 1), (1, 5, 300), (300, 5, 1), (17, 33, 9), (64, 1000, 64), (128, 4096, 32)]
