@@ -16,6 +16,7 @@ from kernels.precision import (
     Precision,
     bf16_bits,
     emulate,
+    float32_emulation,
     input_error,
     split_tf32,
     to_bf16,
@@ -55,6 +56,19 @@ def test_ties_go_to_even_and_specials_stay() -> None:
     assert np.isnan(to_tf32(np.array([np.nan], np.float32)))[0]
     largest = np.array([np.finfo(np.float32).max], np.float32)
     assert to_bf16(largest)[0] == np.inf  # rounds past bfloat16's largest finite value
+
+
+@pytest.mark.parametrize("convert", [to_tf32, to_bf16, to_fp16])
+def test_conversions_keep_float32_and_every_nan(convert: object) -> None:
+    """A NaN whose payload lies only in the bits a conversion drops is still a NaN, never an infinity."""
+    payloads = np.array([0x7F800001, 0xFF800001, 0x7FC00000, 0x7F801FFF], np.uint32).view(np.float32)
+    converted = convert(payloads)  # type: ignore[operator]
+    assert converted.dtype == np.float32 and np.isnan(converted).all()
+
+
+def test_a_split_of_an_infinity_is_infinite_and_nan_without_a_warning() -> None:
+    big, small = split_tf32(np.array([np.inf, -np.inf], np.float32))  # warnings are errors in the tests
+    assert np.isinf(big).all() and np.isnan(small).all()
 
 
 def test_bf16_bits_are_the_upper_half_of_the_rounded_float32() -> None:
@@ -121,6 +135,19 @@ def test_each_precisions_product_is_within_its_bound(precision: Precision, m: in
     rng = np.random.default_rng(m * k + n)
     a, b = rng.standard_normal((m, k)).astype(np.float32), rng.standard_normal((k, n)).astype(np.float32)
     assert Reference.of(a, b, F32, precision).error_ratio(emulate(a, b, precision)) <= BOUND_CONSTANT
+
+
+@pytest.mark.parametrize("precision", list(Precision))
+def test_the_cpu_backends_float32_emulation_rounds_as_the_precision_and_keeps_its_bound(precision: Precision) -> None:
+    """What the CPU backend answers in each precision: the operands rounded as the precision rounds them, summed in
+    float32: within the precision's bound; within float32's own only for fp32 and 3xtf32 (its point)."""
+    rng = np.random.default_rng(65)
+    a, b = rng.standard_normal((40, 300)).astype(np.float32), rng.standard_normal((300, 30)).astype(np.float32)
+    c = float32_emulation(a, b, precision)
+    assert c.dtype == np.float32 and c.shape == (40, 30)
+    assert Reference.of(a, b, F32, precision).mismatch(c) is None
+    off = Reference.of(a, b, F32).mismatch(c)
+    assert (off is None) == (precision in (Precision.FP32, Precision.TF32X3)), off
 
 
 @pytest.mark.parametrize(
