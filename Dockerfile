@@ -6,11 +6,17 @@
 # CUDA user-space comes from PyPI, not from the base image. CuPy compiles our kernels with NVRTC when the
 # service starts, and NVRTC needs the CUDA headers (cuda_fp16.h, cuda_runtime.h, ...): the official
 # `-runtime-` images have NVRTC and cuBLAS but no headers, and the `-devel-` ones add them with nvcc and
-# several GB we never use. `cupy-cuda12x[ctk]` installs exactly the CUDA 12 components CuPy is built and
-# tested against (cudart with its headers, NVRTC, cuBLAS, ...) as wheels that CuPy finds by itself; so the
-# base is the small official `-base-` image, which brings what the NVIDIA container runtime expects
+# several GB we never use. The build installs the three CUDA wheels the service loads, which CuPy finds by
+# itself: the runtime with its headers, NVRTC and cuBLAS, of the CUDA release the base image is tagged with
+# (CUDA_WHEELS; 12.8 needs driver 570 or later, or the forward-compatibility package the base image sets up).
+# `cupy-cuda12x[ctk]` would add cuSOLVER, cuSPARSE, cuFFT and cuRAND (1.4 GB nothing here uses). So the base is
+# the small official `-base-` image, which brings what the NVIDIA container runtime expects
 # (NVIDIA_VISIBLE_DEVICES, NVIDIA_DRIVER_CAPABILITIES, the CUDA compat setup), and the host supplies the driver.
+#
+# Without a registry (CI): CUDA_IMAGE and PYTHON_IMAGE may name any Debian or Ubuntu image with python3-venv
+# available; `make container-test` builds and runs the image on such a stand-in (tests/container).
 ARG CUDA_IMAGE=nvidia/cuda:12.8.1-base-ubuntu24.04
+ARG PYTHON_IMAGE=python:3.12-slim
 
 # ---------------------------------------------------------------------------------------------- build
 FROM ${CUDA_IMAGE} AS build
@@ -25,10 +31,12 @@ WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY app app
 COPY kernels kernels
-RUN /opt/venv/bin/pip install ".[gpu]" "cupy-cuda12x[ctk]>=14.2"
+ARG CUDA_WHEELS=12.8.*
+RUN /opt/venv/bin/pip install ".[gpu]" "nvidia-cuda-runtime-cu12==${CUDA_WHEELS}" \
+    "nvidia-cuda-nvrtc-cu12==${CUDA_WHEELS}" "nvidia-cublas-cu12==${CUDA_WHEELS}"
 
 # ------------------------------------------------------------- loadtest (docker compose --profile loadtest)
-FROM python:3.12-slim AS loadtest
+FROM ${PYTHON_IMAGE} AS loadtest
 ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 PYTHONUNBUFFERED=1
 WORKDIR /loadtest
 COPY pyproject.toml README.md ./
@@ -36,14 +44,16 @@ COPY app app
 COPY kernels kernels
 COPY matmul_tools matmul_tools
 COPY scripts/loadtest.py scripts/loadtest.py
-# The versions are the project's own, in pyproject.toml (DL3013: no pins on the command line).
+# The versions are the project's own, in pyproject.toml (DL3013: no pins on the command line). A virtualenv, so that
+# a Debian python3 (PEP 668) installs as python:3.12-slim's does.
 # hadolint ignore=DL3013
-RUN pip install ".[loadtest]" \
+RUN python3 -m venv /opt/venv \
+ && /opt/venv/bin/pip install ".[loadtest]" \
  && groupadd --system --gid 10002 loadtest \
  && useradd --system --uid 10002 --gid 10002 --create-home loadtest \
  && mkdir /reports && chown 10002:10002 /reports
 USER 10002:10002
-ENTRYPOINT ["python", "scripts/loadtest.py"]
+ENTRYPOINT ["/opt/venv/bin/python", "scripts/loadtest.py"]
 CMD ["--help"]
 
 # ---------------------------------------------------------------------------------------------- service

@@ -2,6 +2,8 @@
 #   make run    install the service into .venv and start it on :8000 (GPU backend if CuPy sees a device)
 #   make test   install the test tools into .venv and run ruff, mypy, the import contracts and pytest
 #   make mutation   mutation testing of the core modules with mutmut (hours on two cores: docs/testing.md)
+#   make container-test   build the Dockerfile's images with podman (or docker) and run them as compose and the Helm
+#                   chart do, on the CPU backend (tests/container; CONTAINER_BASE=stand-in where no registry is reachable)
 PYTHON ?= python3
 VENV ?= .venv
 HOST ?= 0.0.0.0
@@ -10,7 +12,7 @@ BIN := $(VENV)/bin
 # On a machine with an NVIDIA driver the service also gets CuPy, so `make run` serves from the GPU.
 RUN_EXTRAS := $(if $(shell command -v nvidia-smi 2>/dev/null),[gpu],)
 
-.PHONY: run test mutation install-run install-test install-mutation clean
+.PHONY: run test mutation container-test install-run install-test install-mutation clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -35,6 +37,9 @@ test: install-test
 	$(BIN)/mypy
 	$(BIN)/lint-imports
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+container-test: install-test
+	MATMUL_CONTAINER_TEST=1 $(BIN)/python -m pytest tests/container -p no:cacheprovider --durations=0 -rA $(PYTEST_ARGS)
 
 # MUTANTS narrows the run to mutants whose names match (globs), e.g. MUTANTS='app.codecs.*'
 mutation: install-mutation
