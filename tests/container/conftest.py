@@ -24,7 +24,7 @@ import shutil
 import subprocess
 import time
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -67,6 +67,12 @@ class Engine:
     @property
     def is_podman(self) -> bool:
         return self.command == "podman"
+
+    def remove(self, container: str, network: str, volume: str) -> None:
+        """A test's container (stopped at once), its network and its volume, whichever exist."""
+        self.run("rm", "--force", *(("--time", "0") if self.is_podman else ()), container, check=False)
+        self.run("network", "rm", network, check=False)
+        self.run("volume", "rm", "--force", volume, check=False)
 
 
 @dataclass(frozen=True)
@@ -151,16 +157,6 @@ def images(engine: Engine, tmp_path_factory: pytest.TempPathFactory) -> Images:
         _build(engine, target, tag, build_args, tmp)
         took[target] = time.monotonic() - started
     return Images(tags["service"], tags["loadtest"], base or "the Dockerfile's", took)
-
-
-@pytest.fixture
-def names(engine: Engine) -> Iterator[list[str]]:
-    """Names for containers and networks a test creates, all removed at its end."""
-    made: list[str] = []
-    yield made
-    for name in reversed(made):
-        engine.run("rm", "--force", "--time", "0", name, check=False)
-        engine.run("network", "rm", "--force", name, check=False)
 
 
 def unique(prefix: str) -> str:

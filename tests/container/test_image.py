@@ -16,6 +16,7 @@ import re
 import threading
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -54,25 +55,32 @@ class Running:
     network: str
 
 
-def _start_service(engine: Engine, image: str, made: list[str]) -> Running:
+@contextmanager
+def started_service(engine: Engine, image: str) -> Iterator[Running]:
     """The `matmul` service of the compose file (its environment, the cache volume, its port), on a network of its
-    own where it answers as `matmul`, as compose names it; as the chart runs it."""
+    own where it answers as `matmul`, as compose names it, and run as the chart runs it; ready. Removed, with its
+    network and volume, at the end of the block."""
     service = COMPOSE["services"]["matmul"]
     network, name, cache = unique("matmul-net"), unique("matmul"), unique("cupy-cache")
-    made += [network, name]
-    engine.run("network", "create", network)
-    engine.run("volume", "create", cache)
-    env = interpolated(service["environment"], CPU)
-    args = ["run", "--detach", "--name", name, "--network", network, "--network-alias", "matmul"]
-    args += ["--publish", "127.0.0.1::8000", f"--volume={cache}:/var/cache/cupy", *AS_THE_CHART_RUNS_IT]
-    engine.run(*args, *container_env(env), image)
-    port = engine.run("port", name, "8000").stdout.strip().rsplit(":", 1)[1]
-    url = f"http://127.0.0.1:{port}"
+    try:
+        engine.run("network", "create", network)
+        engine.run("volume", "create", cache)
+        env = interpolated(service["environment"], CPU)
+        args = ["run", "--detach", "--name", name, "--network", network, "--network-alias", "matmul"]
+        args += ["--publish", "127.0.0.1::8000", f"--volume={cache}:/var/cache/cupy", *AS_THE_CHART_RUNS_IT]
+        engine.run(*args, *container_env(env), image)
+        port = engine.run("port", name, "8000").stdout.strip().rsplit(":", 1)[1]
+        yield Running(name, _ready(engine, name, f"http://127.0.0.1:{port}"), network)
+    finally:
+        engine.remove(name, network, cache)
+
+
+def _ready(engine: Engine, name: str, url: str) -> str:
     deadline = time.monotonic() + READY_TIMEOUT_S
     while time.monotonic() < deadline:
         try:
             if httpx.get(f"{url}/readyz", timeout=5).status_code == 200:
-                return Running(name, url, network)
+                return url
         except httpx.TransportError:
             pass
         time.sleep(0.5)
@@ -82,13 +90,8 @@ def _start_service(engine: Engine, image: str, made: list[str]) -> Running:
 
 @pytest.fixture(scope="module")
 def service(engine: Engine, images: Images) -> Iterator[Running]:
-    made: list[str] = []
-    try:
-        yield _start_service(engine, images.service, made)
-    finally:
-        for name in reversed(made):
-            engine.run("rm", "--force", "--time", "0", name, check=False)
-            engine.run("network", "rm", "--force", name, check=False)
+    with started_service(engine, images.service) as running:
+        yield running
 
 
 def _product(a: np.ndarray, b: np.ndarray) -> np.ndarray:
@@ -215,9 +218,7 @@ def test_the_load_test_runs_against_the_service_as_compose_starts_it(
 def test_a_graceful_stop_finishes_the_product_in_flight_and_exits_0(engine: Engine, images: Images) -> None:
     """`stop` (SIGTERM, then 40 s as compose's stop_grace_period) while a 4096^2 product runs: it is answered, right,
     and the container exits 0."""
-    made: list[str] = []
-    try:
-        running = _start_service(engine, images.service, made)
+    with started_service(engine, images.service) as running:
         rng = np.random.default_rng(8)
         a, b = rng.standard_normal((4096, 4096), dtype=np.float32), rng.standard_normal((4096, 64), dtype=np.float32)
         b = np.tile(b, (1, 64))  # 4096^2, with a product cheap to check: 64 copies of one 4096x64 block
@@ -237,15 +238,11 @@ def test_a_graceful_stop_finishes_the_product_in_flight_and_exits_0(engine: Engi
         stop_s = time.monotonic() - stopped
         asking.join(timeout=120)
         exit_code = engine.run("inspect", "--format", "{{.State.ExitCode}}", running.name).stdout.strip()
-        assert answer["it"].status_code == 200, answer["it"].text
-        c = load_npy(answer["it"].content)
-        np.testing.assert_allclose(c[:, :64], _product(a, b[:, :64]), rtol=1e-3, atol=1e-2)
-        assert all(np.array_equal(c[:, :64], c[:, 64 * i : 64 * (i + 1)]) for i in range(64))
-        assert exit_code == "0" and stop_s < 40, (exit_code, stop_s)
-    finally:
-        for name in reversed(made):
-            engine.run("rm", "--force", "--time", "0", name, check=False)
-            engine.run("network", "rm", "--force", name, check=False)
+    assert answer["it"].status_code == 200, answer["it"].text
+    c = load_npy(answer["it"].content)
+    np.testing.assert_allclose(c[:, :64], _product(a, b[:, :64]), rtol=1e-3, atol=1e-2)
+    assert all(np.array_equal(c[:, :64], c[:, 64 * i : 64 * (i + 1)]) for i in range(64))
+    assert exit_code == "0" and stop_s < 40, (exit_code, stop_s)
 
 
 def _until_in_flight(url: str) -> None:
