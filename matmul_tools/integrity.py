@@ -470,11 +470,12 @@ def _exchange(connections: Connections, way: str, a: np.ndarray, b: np.ndarray, 
 
 
 def check(c: np.ndarray, a: np.ndarray, b: np.ndarray) -> str | None:
-    """None when `c` is the product of `a` and `b` in float32 within its stated bound; else what is wrong."""
+    """None when `c` is the product of `a` and `b` in their dtype (float64 if either is) within its stated bound;
+    else what is wrong."""
     expected = (a.shape[0], b.shape[1])
     if c.shape != expected:
         return f"the answer is {c.shape[0]}x{c.shape[1]}, not {expected[0]}x{expected[1]}"
-    reference = Reference.of(a, b, np.dtype(np.float32))
+    reference = Reference.of(a, b, np.result_type(a.dtype, b.dtype))
     problem = reference.mismatch(c)
     if problem is None:
         return None

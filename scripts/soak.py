@@ -67,8 +67,8 @@ import numpy as np
 
 from app.client import FORMATS, AsyncMatmulClient, RequestFormat, encode_payload
 from app.codecs import JSON_MEDIA_TYPE, NPY_MEDIA_TYPE, NPZ_MEDIA_TYPE
-from kernels.reference import Reference
 from matmul_tools.bodies import load_npy, npy_bytes, zip_members
+from matmul_tools.integrity import check
 from matmul_tools.loadtest import open_loop, parse_mix, server_arguments, summarize, wait_ready
 from matmul_tools.prometheus import sample_sums
 
@@ -378,9 +378,7 @@ def wrong_result(response: httpx.Response, a: np.ndarray, b: np.ndarray) -> str 
     else:
         # JSON null (NaN, Inf) reads as NaN; a float32 product's numbers read back as exactly its float32 values
         c = np.array(response.json()["result"], dtype=np.float64)
-    if c.shape != (a.shape[0], b.shape[1]):
-        return f"shape {list(c.shape)}, expected {[a.shape[0], b.shape[1]]}"
-    return Reference.of(a, b, np.result_type(a.dtype, b.dtype)).mismatch(c)
+    return check(c, a, b)
 
 
 async def read_metrics(http: httpx.AsyncClient) -> dict[str, float]:
@@ -549,8 +547,8 @@ def print_report(report: dict[str, Any]) -> None:
         _memory_line("server RSS under load (first reading to last)", checks["rss_under_load"]),
         _memory_line("device pool", checks["device_pool"]),
     ]
-    for line, check in zip(lines, checks.values(), strict=True):
-        print(f"  [{verdicts[check['passed']]}] {line}")
+    for line, outcome in zip(lines, checks.values(), strict=True):
+        print(f"  [{verdicts[outcome['passed']]}] {line}")
     readings = [f"{r['rss_mib']:.0f}" if r["rss_mib"] is not None else "-" for r in report["rss_timeline"]]
     if readings:
         print(f"  server RSS readings under load (MiB): {' '.join(readings)}")

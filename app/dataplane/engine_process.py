@@ -50,7 +50,7 @@ from app.engine import BatchPolicy, Engine, EngineState, Worker
 from app.engine.base import Backend
 from app.engine.cpu import CpuBackend
 from app.errors import InvalidParameter, MatmulError, NotReady, SharedMemoryError
-from kernels.precision import Precision
+from kernels.precision import OPERAND_FORMATS, Precision
 
 log = logging.getLogger("app.engine_process")
 
@@ -364,7 +364,8 @@ class EngineServer:
         dtype, precision = np.dtype(message["dtype"]), Precision(message["precision"])
         a, b, c = (self._operand(peer, message[name], dtype.name, name, lent) for name in ("a", "b", "c"))
         for name, operand in (("a", a), ("b", b)):
-            if isinstance(message[name], dict):  # in a client's region: no HTTP worker staged and checked it
+            # in a client's region, no HTTP worker staged and checked it; fp32 rounds nothing, so nothing to check
+            if isinstance(message[name], dict) and precision in OPERAND_FORMATS:
                 await in_thread(self.backend.check_operand, operand, name, precision)
         outcome = await self.engine.matmul(
             a, b, dtype, message["kernel"], message["tile"], message["timeout_s"], out=c, precision=precision

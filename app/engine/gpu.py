@@ -641,10 +641,8 @@ class GpuBackend:
         self._cp.cuda.runtime.setDevice(self._device_id)
 
     def check_operand(self, operand: Any, name: str, precision: Precision) -> None:
-        if not _is_device_array(operand):
-            check_in_format(operand, name, precision)
-            return
-        self._use_device()
+        if _is_device_array(operand):  # checked where it lies, on this device
+            self._use_device()
         with self._cuda_errors():
             check_in_format(operand, name, precision)
 
