@@ -224,8 +224,9 @@ def _shared_memory(parameters: Mapping[str, Any], what: str, location: list[str 
 
 def encode_infer(
     c: np.ndarray, model: str, request_id: str | None, binary: bool, parameters: Mapping[str, Any]
-) -> tuple[bytes, int | None]:
-    """The infer response body, and the JSON header's length when C follows it as binary data."""
+) -> tuple[bytes, memoryview | None]:
+    """The infer response's JSON header, and C's bytes to send after it when the answer is binary (a view of C,
+    not a copy: the header's length goes in Inference-Header-Content-Length)."""
     output: dict[str, Any] = {"name": OUTPUT, "datatype": DATATYPE_OF[c.dtype.name], "shape": list(c.shape)}
     if binary:
         output["parameters"] = {"binary_data_size": c.nbytes}
@@ -234,8 +235,7 @@ def encode_infer(
     header = _response(output, model, request_id, parameters)
     if not binary:
         return header, None
-    data = np.ascontiguousarray(c).data.cast("B") if c.size else b""  # memoryview casts no empty shape
-    return b"".join((header, data)), len(header)
+    return header, np.ascontiguousarray(c).reshape(-1).view(np.uint8).data
 
 
 def encode_infer_in_region(

@@ -16,7 +16,7 @@ from app import __version__, codecs
 from app.api.deps import EngineDep, ServiceDep, SettingsDep
 from app.api.errors import PROTOCOL_PREFIX
 from app.api.exchange import off_loop_if_large, reading_body, requested_deadline_s, unless_disconnected
-from app.api.responses import server_timing
+from app.api.responses import BuffersResponse, server_timing
 from app.api.v2.models import CatalogueDep
 from app.api.v2.responses import protocol_error
 from app.api.v2.shared_memory import shared_memory_enabled
@@ -211,15 +211,15 @@ async def infer(
         }
         try:
             if decoded.output_region is not None:
-                shape = (product.m, product.n)
-                region = decoded.output_region
-                body = codecs.inference_v2.encode_infer_in_region(
-                    shape, product.dtype, region, model, decoded.id, parameters
+                header = codecs.inference_v2.encode_infer_in_region(
+                    (product.m, product.n), product.dtype, decoded.output_region, model, decoded.id, parameters
                 )
-                header_size = None
+                data = None
             else:
-                body, header_size = await off_loop_if_large(
-                    product.c.nbytes,
+                # binary: a JSON header and a view of C in its slab, nothing to move off the loop
+                encoding_bytes = 0 if decoded.binary_output else product.c.nbytes
+                header, data = await off_loop_if_large(
+                    encoding_bytes,
                     settings,
                     codecs.inference_v2.encode_infer,
                     product.c,
@@ -228,15 +228,18 @@ async def infer(
                     decoded.binary_output,
                     parameters,
                 )
-        finally:
-            product.release()  # the answer's body is a copy
+            request.state.product = meta = product.describe()
+        except BaseException:
+            product.release()
+            raise
     except MatmulError:
         statistics.of(model).record_failure(clock.elapsed_ms())
         raise
-    request.state.product = meta = product.describe()
     statistics.of(model).record_success(meta.timing)
     headers = {"Server-Timing": server_timing(meta.timing)}
-    if header_size is None:
-        return Response(content=body, media_type=codecs.JSON_MEDIA_TYPE, headers=headers)
-    headers[codecs.inference_v2.HEADER_LENGTH] = str(header_size)
-    return Response(content=body, media_type=codecs.inference_v2.BINARY_MEDIA_TYPE, headers=headers)
+    if data is None:
+        product.release()  # the JSON text is a copy
+        return Response(content=header, media_type=codecs.JSON_MEDIA_TYPE, headers=headers)
+    headers[codecs.inference_v2.HEADER_LENGTH] = str(len(header))
+    media_type = codecs.inference_v2.BINARY_MEDIA_TYPE
+    return BuffersResponse([header, data], media_type=media_type, headers=headers, on_sent=product.release)
