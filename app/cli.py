@@ -27,6 +27,7 @@ from app.config import Settings
 from app.dataplane.supervisor import ENGINE_SOCKETS_VARIABLE, EngineSupervisor
 
 URL_VARIABLE = "MATMUL_URL"
+API_KEY_VARIABLE = "MATMUL_API_KEY"
 FLAG_ALIASES = {"http_workers": ("--workers",)}
 """Shorter flags for settings, as uvicorn and gunicorn spell them."""
 ENV_PREFIX = Settings.model_config.get("env_prefix", "")
@@ -35,8 +36,8 @@ GRACEFUL_SHUTDOWN_VARIABLE = "UVICORN_TIMEOUT_GRACEFUL_SHUTDOWN"
 
 
 def _load_operand(path: str, parser: argparse.ArgumentParser) -> np.ndarray:
-    try:
-        array: np.ndarray = np.load(path, allow_pickle=False)
+    try:  # mapped, not read: the file's pages go to the socket as they are
+        array: np.ndarray = np.load(path, mmap_mode="r", allow_pickle=False)
     except (OSError, ValueError) as exc:
         parser.error(f"cannot read {path} as a .npy file: {exc}")
     return array
@@ -79,6 +80,11 @@ def client_main(argv: Sequence[str] | None = None) -> int:
         "--format", choices=FORMATS, default="npy", help="request body: npy (multipart, the default), json or npz"
     )
     parser.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S, help="seconds to wait for the answer")
+    parser.add_argument(
+        "--api-key",
+        default=os.environ.get(API_KEY_VARIABLE),
+        help=f"sent as a bearer token, for servers with MATMUL_API_KEYS (default: ${API_KEY_VARIABLE})",
+    )
     parser.add_argument("-q", "--quiet", action="store_true", help="print nothing on success")
     args = parser.parse_args(argv)
 
@@ -93,7 +99,7 @@ def client_main(argv: Sequence[str] | None = None) -> int:
     if args.precision is not None:
         options["precision"] = args.precision
     try:
-        with MatmulClient(args.url, format=args.format, timeout=args.timeout) as client:
+        with MatmulClient(args.url, format=args.format, timeout=args.timeout, api_key=args.api_key) as client:
             product = client.multiply(a, b, **options)
     except MatmulServiceError as exc:
         where = f" (at {exc.location})" if exc.location else ""

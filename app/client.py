@@ -1,9 +1,10 @@
-"""A Python client of matmul-service, sync and async, on httpx.
+"""A Python client of matmul-service, sync and async.
 
     with MatmulClient("http://localhost:8000") as client:
         c = client.matmul(a, b, kernel="tiled")          # NumPy in, NumPy out (.npy over the wire)
         product = client.multiply(a, b, format="json")   # the array and what the server said about it
         product.timing["kernel"], product.kernel, product.gflops
+        products = client.multiply_many(pairs)           # on up to `connections` connections at once
 
 Requests go as multipart `.npy` parts by default (`format="json"` or `"npz"` to choose another body);
 answers come back as `.npy`, or JSON for JSON requests. Whatever the format, the metadata is read from the
@@ -15,19 +16,36 @@ the server's `{"code", "message", "location"}`, one exception class per status f
     └── ServerError           5xx: the server failed (device_failure, internal_error, ...)
         └── Unavailable       503: overloaded or not ready; `retry_after_s` says when to try again
 
-Transport failures (connection refused, timeouts) are httpx's own `httpx.TransportError`s, raised as they are.
+Transport failures (connection refused, timeouts, a connection closed mid-answer) are raised as httpx's
+`httpx.TransportError`s (ConnectError, ConnectTimeout, ReadTimeout, WriteError, RemoteProtocolError, ...).
+
+What it costs: a 4096x4096 float32 product moves 192 MiB, and a client that copies it on the way (into a
+multipart body, out of a socket's chunks, into an array) spends more than the server does. This one writes the
+operands' own memory to the socket (`.npy` parts are a small header and the array's buffer, sent with
+`sendall`) and reads a `.npy` answer's bytes straight into the result array (`readinto`); the HTTP framing is
+the standard library's `http.client`, on keep-alive connections kept in a pool. Operands that are not
+C-contiguous, `.npz` and JSON bodies are encoded into new bytes. `AsyncMatmulClient` runs the same exchanges
+on a pool of threads, one per connection: the socket work releases the GIL.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import http.client
 import io
 import secrets
-from collections.abc import Mapping, Sequence
+import threading
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Literal, Self, TypedDict, Unpack
+from functools import partial
+from typing import Any, Literal, Self, TypedDict, TypeVar, Unpack
+from urllib.parse import urlencode, urlsplit
 
 import httpx
 import numpy as np
+import orjson
 
 from app.codecs import JSON_MEDIA_TYPE, NPY_MEDIA_TYPE, NPZ_MEDIA_TYPE
 from app.codecs.json import encode_json_matrix
@@ -38,7 +56,14 @@ AnswerFormat = Literal["npy", "json"]
 FORMATS: tuple[RequestFormat, ...] = ("npy", "json", "npz")
 DEFAULT_URL = "http://localhost:8000"
 DEFAULT_TIMEOUT_S = 60.0
+DEFAULT_CONNECTIONS = 8
+"""Connections a client opens at most, hence products it has in flight at once (`multiply_many`, async calls)."""
+COALESCED_BYTES = 64 * 1024
+"""Bodies up to this size go out with their headers in one write (one packet for a small product)."""
 _ACCEPT = {"npy": NPY_MEDIA_TYPE, "json": JSON_MEDIA_TYPE}
+_STALE = (http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeError, ConnectionAbortedError)
+"""How a kept-alive connection that the server closed while it was idle fails on its next request."""
+T = TypeVar("T")
 
 
 class MatmulServiceError(Exception):
@@ -96,31 +121,50 @@ class Options(TypedDict, total=False):
     precision: str
 
 
+Buffer = bytes | memoryview
+
+
 @dataclass(frozen=True)
 class Payload:
-    """A request body, encoded once: the bytes and their Content-Type, and the answer asked for."""
+    """A request body, encoded once: the buffers it is made of (for `.npy` parts, views of the operands
+    themselves), their Content-Type, and the answer asked for."""
 
-    content: bytes
+    parts: tuple[Buffer, ...]
     content_type: str
     answer: AnswerFormat
 
+    @property
+    def size(self) -> int:
+        return sum(memoryview(part).nbytes for part in self.parts)
 
-def _multipart(parts: Mapping[str, bytes]) -> tuple[bytes, str]:
+    @property
+    def content(self) -> bytes:
+        """The body as one bytes object (a copy), for senders that need one."""
+        return b"".join(self.parts)
+
+
+def _npy_parts(array: np.ndarray) -> tuple[bytes, Buffer]:
+    """A `.npy` file as its header and the array's own memory (a C-contiguous copy only where it is not)."""
+    if array.dtype.hasobject:
+        raise ValueError("object arrays cannot be sent: the server reads numbers only")
+    array = np.ascontiguousarray(array)
+    header = io.BytesIO()
+    np.lib.format.write_array_header_1_0(header, np.lib.format.header_data_from_array_1_0(array))
+    return header.getvalue(), array.reshape(-1).view(np.uint8).data
+
+
+def _multipart(parts: Mapping[str, np.ndarray]) -> tuple[tuple[Buffer, ...], str]:
     boundary = secrets.token_hex(16)
-    chunks = [
-        f'--{boundary}\r\nContent-Disposition: form-data; name="{name}"; filename="{name}.npy"\r\n'
-        f"Content-Type: {NPY_MEDIA_TYPE}\r\n\r\n".encode()
-        + data
-        + b"\r\n"
-        for name, data in parts.items()
-    ]
-    return b"".join([*chunks, f"--{boundary}--\r\n".encode()]), f"multipart/form-data; boundary={boundary}"
-
-
-def _npy(array: np.ndarray) -> bytes:
-    buffer = io.BytesIO()
-    np.save(buffer, array, allow_pickle=False)
-    return buffer.getvalue()
+    buffers: list[Buffer] = []
+    for name, array in parts.items():
+        header, data = _npy_parts(array)
+        opening = (
+            f'--{boundary}\r\nContent-Disposition: form-data; name="{name}"; filename="{name}.npy"\r\n'
+            f"Content-Type: {NPY_MEDIA_TYPE}\r\n\r\n"
+        )
+        buffers += [(b"\r\n" if buffers else b"") + opening.encode() + header, data]
+    buffers.append(f"\r\n--{boundary}--\r\n".encode())
+    return tuple(buffers), f"multipart/form-data; boundary={boundary}"
 
 
 def _npz(a: np.ndarray, b: np.ndarray) -> bytes:
@@ -132,17 +176,18 @@ def _npz(a: np.ndarray, b: np.ndarray) -> bytes:
 def encode_payload(
     a: np.ndarray, b: np.ndarray, format: RequestFormat = "npy", answer: AnswerFormat | None = None
 ) -> Payload:
-    """The body that sends `a` and `b` in `format`; the answer defaults to JSON for JSON, else `.npy`."""
+    """The body that sends `a` and `b` in `format`; the answer defaults to JSON for JSON, else `.npy`. A `.npy`
+    body holds views of `a` and `b`: change them and the payload changes too."""
     answer = answer or ("json" if format == "json" else "npy")
     if format == "npy":
-        content, content_type = _multipart({"a": _npy(a), "b": _npy(b)})
-        return Payload(content, content_type, answer)
+        parts, content_type = _multipart({"a": a, "b": b})
+        return Payload(parts, content_type, answer)
     if format == "npz":
-        return Payload(_npz(a, b), NPZ_MEDIA_TYPE, answer)
+        return Payload((_npz(a, b),), NPZ_MEDIA_TYPE, answer)
     if format == "json":
         a, b = np.ascontiguousarray(a), np.ascontiguousarray(b)  # what orjson can serialise
         content = b"".join((b'{"a":', encode_json_matrix(a), b',"b":', encode_json_matrix(b), b"}"))
-        return Payload(content, JSON_MEDIA_TYPE, answer)
+        return Payload((content,), JSON_MEDIA_TYPE, answer)
     raise ValueError(f"format {format!r} is not one of {list(FORMATS)}")
 
 
@@ -157,36 +202,71 @@ class Product:
     backend: str
     device: str
     gflops: float | None
+    batch_size: int = 1
+    """Products computed in the same launch as this one (the server's dynamic batching)."""
     timing: dict[str, float] = field(default_factory=dict)
     """Milliseconds by phase, as the server measured them: read, decode, queue, h2d, kernel, d2h, encode, total."""
 
 
-def _error(response: httpx.Response) -> MatmulServiceError:
-    status = response.status_code
+def _error(status: int, headers: http.client.HTTPMessage, body: bytes) -> MatmulServiceError:
     try:
-        body = response.json()
-        code, message, location = str(body["code"]), str(body["message"]), body.get("location")
-    except (ValueError, KeyError, TypeError):
-        code, message, location = "http_error", response.text[:500] or response.reason_phrase, None
+        said = orjson.loads(body)
+        code, message, location = str(said["code"]), str(said["message"]), said.get("location")
+    except (orjson.JSONDecodeError, KeyError, TypeError):
+        text = body[:500].decode("utf-8", "replace")
+        code, message, location = "http_error", text or http.client.responses.get(status, ""), None
     if status == 503:
-        retry_after = response.headers.get("retry-after")
+        retry_after = headers.get("retry-after")
         seconds = float(retry_after) if retry_after and retry_after.isdigit() else None
         return Unavailable(status, code, message, location, retry_after_s=seconds)
     family = RequestRejected if 400 <= status < 500 else ServerError
     return family(status, code, message, location)
 
 
-def _product(response: httpx.Response) -> Product:
-    if response.status_code != 200:
-        raise _error(response)
+def _read_exactly(response: http.client.HTTPResponse, into: memoryview) -> None:
+    """Fill `into` from the answer's body, straight from the socket for all but what was already buffered."""
+    done = 0
+    while done < into.nbytes:
+        got = response.readinto(into[done:])
+        if not got:
+            raise http.client.IncompleteRead(bytes(into[:done]), into.nbytes - done)
+        done += got
+
+
+def _read_npy(response: http.client.HTTPResponse) -> np.ndarray:
+    """A `.npy` answer read into a new array: its header through NumPy's own parser (no pickles, bounded), then
+    its data into the array's memory."""
+    read_header = {(1, 0): np.lib.format.read_array_header_1_0, (2, 0): np.lib.format.read_array_header_2_0}
+    try:
+        version = np.lib.format.read_magic(response)
+        if version not in read_header:
+            raise ValueError(f"version {version}, which this client does not read")
+        shape, fortran_order, dtype = read_header[version](response)
+    except ValueError as exc:
+        raise http.client.HTTPException(f"the answer is not a .npy file this client reads: {exc}") from exc
+    if dtype.hasobject:
+        raise http.client.HTTPException("the answer is a .npy array of Python objects")
+    count = int(np.prod(shape))
+    if response.length is not None and response.length != count * dtype.itemsize:
+        raise http.client.HTTPException(
+            f"the answer's .npy header describes {count * dtype.itemsize} bytes, {response.length} follow it"
+        )
+    flat = np.empty(count, dtype)
+    _read_exactly(response, flat.view(np.uint8).data)
+    return flat.reshape(shape, order="F" if fortran_order else "C")
+
+
+def _product(response: http.client.HTTPResponse) -> Product:
     headers = response.headers
-    dtype = np.dtype(headers["x-matmul-dtype"])
-    if headers["content-type"].startswith(NPY_MEDIA_TYPE):
-        c = np.load(io.BytesIO(response.content), allow_pickle=False)
+    if response.status != 200:
+        raise _error(response.status, headers, response.read())
+    if headers.get("content-type", "").startswith(NPY_MEDIA_TYPE):
+        c = _read_npy(response)
     else:
+        dtype = np.dtype(headers["x-matmul-dtype"])
         m, n = (int(side) for side in headers["x-matmul-shape"].split("x"))
         # JSON has no NaN: the server writes non-finite elements as null, which NumPy reads back as NaN.
-        c = np.array(response.json()["result"], dtype=np.float64).reshape(m, n).astype(dtype)
+        c = np.array(orjson.loads(response.read())["result"], dtype=np.float64).reshape(m, n).astype(dtype)
     tile, gflops = headers.get("x-matmul-tile"), headers.get("x-matmul-gflops")
     return Product(
         c=c,
@@ -196,25 +276,149 @@ def _product(response: httpx.Response) -> Product:
         backend=headers["x-matmul-backend"],
         device=headers["x-matmul-device"],
         gflops=float(gflops) if gflops is not None else None,
+        batch_size=int(headers.get("x-matmul-batch-size", 1)),
         timing=parse_server_timing(headers.get("server-timing", "")),
     )
 
 
-def _request(http: httpx.Client | httpx.AsyncClient, payload: Payload, options: Options) -> httpx.Request:
+def _json_object(response: http.client.HTTPResponse) -> dict[str, Any]:
+    body = response.read()
+    if response.status != 200:
+        raise _error(response.status, response.headers, body)
+    said: dict[str, Any] = orjson.loads(body)
+    return said
+
+
+def _status(response: http.client.HTTPResponse) -> int:
+    response.read()
+    return response.status
+
+
+def _transport_error(exc: OSError | http.client.HTTPException, stage: str) -> httpx.TransportError:
+    """The httpx exception a failure at `stage` (connect, write or read) is raised as."""
+    message = f"{type(exc).__name__}: {exc}"
+    if isinstance(exc, TimeoutError):
+        timeouts = {"connect": httpx.ConnectTimeout, "write": httpx.WriteTimeout, "read": httpx.ReadTimeout}
+        return timeouts[stage](message)
+    if isinstance(exc, http.client.HTTPException):
+        return httpx.RemoteProtocolError(message)
+    errors = {"connect": httpx.ConnectError, "write": httpx.WriteError, "read": httpx.ReadError}
+    return errors[stage](message)
+
+
+class _Connections:
+    """Keep-alive connections to one server, at most `limit` of them, each used by one exchange at a time."""
+
+    def __init__(self, url: str, timeout: float, limit: int, headers: Mapping[str, str]) -> None:
+        parts = urlsplit(url)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ValueError(f"{url!r} is not an http:// or https:// URL")
+        self._connection_class = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
+        self._host, self._port = parts.hostname, parts.port
+        self.prefix = parts.path.rstrip("/")
+        self.timeout = timeout
+        self.headers = dict(headers)
+        self._idle: list[http.client.HTTPConnection] = []
+        self._slots = threading.BoundedSemaphore(limit)
+        self._lock = threading.Lock()
+
+    @contextlib.contextmanager
+    def _connection(self) -> Iterator[tuple[http.client.HTTPConnection, bool]]:
+        """A connection and whether it served before. It goes back to the pool when its exchange ended with an
+        answer read to its end (a product or the server's error), and is closed otherwise."""
+        with self._slots:
+            with self._lock:
+                idle = self._idle.pop() if self._idle else None
+            connection = idle or self._connection_class(self._host, self._port, timeout=self.timeout)
+            try:
+                yield connection, idle is not None
+            except MatmulServiceError:
+                self._keep(connection)
+                raise
+            except BaseException:
+                connection.close()
+                raise
+            self._keep(connection)
+
+    def _keep(self, connection: http.client.HTTPConnection) -> None:
+        if connection.sock is not None:  # not closed by the server's `Connection: close`
+            with self._lock:
+                self._idle.append(connection)
+
+    def exchange(
+        self,
+        method: str,
+        path: str,
+        read: Callable[[http.client.HTTPResponse], T],
+        body: Sequence[Buffer] = (),
+        headers: Mapping[str, str] | None = None,
+    ) -> T:
+        """Send a request (its body's buffers as they are) and `read` its answer. A kept-alive connection that
+        the server closed while it was idle is reconnected and the request sent once more (products are pure:
+        sending one again is safe)."""
+        with self._connection() as (connection, reused):
+            try:
+                response = self._send(connection, method, path, body, headers or {})
+            except _STALE as exc:
+                connection.close()
+                if not reused:
+                    raise _transport_error(exc, "read") from exc
+                try:
+                    response = self._send(connection, method, path, body, headers or {})
+                except _STALE as again:
+                    raise _transport_error(again, "read") from again
+            try:
+                return read(response)
+            except (OSError, http.client.HTTPException) as exc:
+                raise _transport_error(exc, "read") from exc
+
+    def _send(
+        self,
+        connection: http.client.HTTPConnection,
+        method: str,
+        path: str,
+        body: Sequence[Buffer],
+        headers: Mapping[str, str],
+    ) -> http.client.HTTPResponse:
+        stage = "connect"
+        try:
+            if connection.sock is None:
+                connection.connect()
+            stage = "write"
+            connection.putrequest(method, self.prefix + path, skip_accept_encoding=True)
+            size = sum(memoryview(part).nbytes for part in body)
+            for name, value in {**self.headers, **headers, "Content-Length": str(size)}.items():
+                connection.putheader(name, value)
+            if size <= COALESCED_BYTES:
+                connection.endheaders(b"".join(body))
+            else:
+                connection.endheaders()
+                for part in body:
+                    connection.send(part)
+            stage = "read"
+            return connection.getresponse()
+        except _STALE:
+            raise
+        except (OSError, http.client.HTTPException) as exc:
+            raise _transport_error(exc, stage) from exc
+
+    def close(self) -> None:
+        with self._lock:
+            idle, self._idle = self._idle, []
+        for connection in idle:
+            connection.close()
+
+
+def _product_path(options: Options) -> str:
     params = {key: str(value) for key, value in options.items() if value is not None}
-    headers = {"content-type": payload.content_type, "accept": _ACCEPT[payload.answer]}
-    return http.build_request("POST", "/matmul", params=params, headers=headers, content=payload.content)
-
-
-def _json_object(response: httpx.Response) -> dict[str, Any]:
-    if response.status_code != 200:
-        raise _error(response)
-    body: dict[str, Any] = response.json()
-    return body
+    return "/matmul" + (f"?{urlencode(params)}" if params else "")
 
 
 class MatmulClient:
-    """A blocking client. Pass `http` to bring your own httpx.Client (its base_url is the server's)."""
+    """A blocking client, safe to share between threads: each call takes a pooled keep-alive connection.
+
+    `connections` bounds the connections (and products in flight); `api_key` is sent as a bearer token;
+    `headers` go with every request."""
 
     def __init__(
         self,
@@ -222,10 +426,20 @@ class MatmulClient:
         *,
         format: RequestFormat = "npy",
         timeout: float = DEFAULT_TIMEOUT_S,
-        http: httpx.Client | None = None,
+        connections: int = DEFAULT_CONNECTIONS,
+        api_key: str | None = None,
+        headers: Mapping[str, str] | None = None,
     ) -> None:
+        if connections < 1:
+            raise ValueError(f"connections must be at least 1, not {connections}")
         self.format = format
-        self._http = http or httpx.Client(base_url=url, timeout=timeout)
+        self.connections = connections
+        sent = dict(headers or {})
+        if api_key is not None:
+            sent["Authorization"] = f"Bearer {api_key}"
+        self._pool = _Connections(url, timeout, connections, sent)
+        self._threads: ThreadPoolExecutor | None = None
+        self._threads_lock = threading.Lock()
 
     def matmul(
         self, a: np.ndarray, b: np.ndarray, *, format: RequestFormat | None = None, **options: Unpack[Options]
@@ -239,20 +453,45 @@ class MatmulClient:
         """C = A @ B with the kernel, tile, device and timing the server reported."""
         return self.send(encode_payload(a, b, format or self.format), **options)
 
+    def multiply_many(
+        self,
+        pairs: Iterable[tuple[np.ndarray, np.ndarray]],
+        *,
+        format: RequestFormat | None = None,
+        **options: Unpack[Options],
+    ) -> list[Product]:
+        """The products of many pairs, in their order, computed `connections` at a time; the first error met in
+        that order is raised once every product has ended."""
+        chosen = format or self.format
+        return list(self.threads().map(lambda pair: self.multiply(*pair, format=chosen, **options), pairs))
+
     def send(self, payload: Payload, **options: Unpack[Options]) -> Product:
         """Send a body encoded beforehand with `encode_payload` (to send the same operands many times)."""
-        return _product(self._http.send(_request(self._http, payload, options)))
+        headers = {"Content-Type": payload.content_type, "Accept": _ACCEPT[payload.answer]}
+        return self._pool.exchange("POST", _product_path(options), _product, payload.parts, headers)
 
     def info(self) -> dict[str, Any]:
         """GET /v1/info: backend, state, device, queue and kernels."""
-        return _json_object(self._http.get("/v1/info"))
+        return self._pool.exchange("GET", "/v1/info", _json_object)
 
     def ready(self) -> bool:
         """Whether GET /readyz answers 200 (every kernel compiled and self-tested)."""
-        return self._http.get("/readyz").status_code == 200
+        return self._pool.exchange("GET", "/readyz", _status) == 200
+
+    def threads(self) -> ThreadPoolExecutor:
+        """The client's threads, one per connection, started at first use."""
+        with self._threads_lock:
+            if self._threads is None:
+                self._threads = ThreadPoolExecutor(self.connections, thread_name_prefix="matmul-client")
+            return self._threads
 
     def close(self) -> None:
-        self._http.close()
+        """Close the idle connections and end the threads (after the products they run)."""
+        with self._threads_lock:
+            threads, self._threads = self._threads, None
+        if threads is not None:
+            threads.shutdown(wait=True)
+        self._pool.close()
 
     def __enter__(self) -> Self:
         return self
@@ -262,7 +501,9 @@ class MatmulClient:
 
 
 class AsyncMatmulClient:
-    """The same client for asyncio. Pass `http` to bring your own httpx.AsyncClient."""
+    """The same client for asyncio: each call runs on one of the client's threads (one per connection), so up
+    to `connections` products are in flight at once and the event loop never blocks on a socket. A cancelled
+    call's product still completes on its thread, which then frees its connection."""
 
     def __init__(
         self,
@@ -270,10 +511,20 @@ class AsyncMatmulClient:
         *,
         format: RequestFormat = "npy",
         timeout: float = DEFAULT_TIMEOUT_S,
-        http: httpx.AsyncClient | None = None,
+        connections: int = DEFAULT_CONNECTIONS,
+        api_key: str | None = None,
+        headers: Mapping[str, str] | None = None,
     ) -> None:
-        self.format = format
-        self._http = http or httpx.AsyncClient(base_url=url, timeout=timeout)
+        self._client = MatmulClient(
+            url, format=format, timeout=timeout, connections=connections, api_key=api_key, headers=headers
+        )
+
+    @property
+    def format(self) -> RequestFormat:
+        return self._client.format
+
+    async def _run(self, call: Callable[[], T]) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self._client.threads(), call)
 
     async def matmul(
         self, a: np.ndarray, b: np.ndarray, *, format: RequestFormat | None = None, **options: Unpack[Options]
@@ -285,22 +536,38 @@ class AsyncMatmulClient:
         self, a: np.ndarray, b: np.ndarray, *, format: RequestFormat | None = None, **options: Unpack[Options]
     ) -> Product:
         """C = A @ B with the kernel, tile, device and timing the server reported."""
-        return await self.send(encode_payload(a, b, format or self.format), **options)
+        return await self._run(partial(self._client.multiply, a, b, format=format, **options))
+
+    async def multiply_many(
+        self,
+        pairs: Iterable[tuple[np.ndarray, np.ndarray]],
+        *,
+        format: RequestFormat | None = None,
+        **options: Unpack[Options],
+    ) -> list[Product]:
+        """The products of many pairs, in their order, `connections` at a time; the first error in that order is
+        raised once every product has ended."""
+        calls = [self.multiply(a, b, format=format, **options) for a, b in pairs]
+        settled = await asyncio.gather(*calls, return_exceptions=True)
+        for outcome in settled:
+            if isinstance(outcome, BaseException):
+                raise outcome
+        return [outcome for outcome in settled if isinstance(outcome, Product)]
 
     async def send(self, payload: Payload, **options: Unpack[Options]) -> Product:
         """Send a body encoded beforehand with `encode_payload` (to send the same operands many times)."""
-        return _product(await self._http.send(_request(self._http, payload, options)))
+        return await self._run(partial(self._client.send, payload, **options))
 
     async def info(self) -> dict[str, Any]:
         """GET /v1/info: backend, state, device, queue and kernels."""
-        return _json_object(await self._http.get("/v1/info"))
+        return await self._run(self._client.info)
 
     async def ready(self) -> bool:
         """Whether GET /readyz answers 200 (every kernel compiled and self-tested)."""
-        return (await self._http.get("/readyz")).status_code == 200
+        return await self._run(self._client.ready)
 
     async def aclose(self) -> None:
-        await self._http.aclose()
+        await asyncio.to_thread(self._client.close)
 
     async def __aenter__(self) -> Self:
         return self

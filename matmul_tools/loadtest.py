@@ -144,6 +144,10 @@ class Sample:
     format: str
     kernel: str
     server_ms: dict[str, float]
+    batch_size: int | None = None
+    """The launch's products, as the server said (None: no product came)."""
+    answer_bytes: int = 0
+    """Bytes of the product's data (0: no product came)."""
 
 
 @dataclass
@@ -157,16 +161,19 @@ class Run:
     async def one(self, started: float, due: float) -> None:
         """Send the next request; its latency counts from `due` (perf_counter seconds)."""
         job = self.traffic.next()
-        status, server_ms = "200", {}
+        status, server_ms, batch_size, answer_bytes = "200", {}, None, 0
         try:
             product = await self.client.send(job.payload, kernel=job.kernel, **self.options)
-            server_ms = product.timing
+            server_ms, batch_size, answer_bytes = product.timing, product.batch_size, product.c.nbytes
         except MatmulServiceError as exc:
             status = str(exc.status)
         except httpx.HTTPError as exc:
             status = type(exc).__name__
         done = time.perf_counter()
-        sample = Sample(due - started, (done - due) * 1e3, status, job.size, job.format, job.kernel, server_ms)
+        latency_ms = (done - due) * 1e3
+        sample = Sample(
+            due - started, latency_ms, status, job.size, job.format, job.kernel, server_ms, batch_size, answer_bytes
+        )
         self.samples.append(sample)
 
 
@@ -220,13 +227,11 @@ async def wait_ready(http: httpx.AsyncClient, seconds: float) -> None:
 
 async def measure(args: argparse.Namespace, traffic: Traffic, console: Console) -> tuple[list[Sample], float, Any]:
     """The measured samples, the seconds the measured run took, and what the server says about itself."""
-    limits = httpx.Limits(max_connections=args.concurrency, max_keepalive_connections=args.concurrency)
-    timeout = httpx.Timeout(args.timeout, pool=None)
     options = {key: value for key, value in (("tile", args.tile), ("dtype", args.dtype)) if value is not None}
-    http = httpx.AsyncClient(base_url=args.url, timeout=timeout, limits=limits)
-    async with AsyncMatmulClient(http=http) as client:
-        if args.wait_ready:
+    if args.wait_ready:
+        async with httpx.AsyncClient(base_url=args.url, timeout=args.timeout) as http:
             await wait_ready(http, args.wait_ready)
+    async with AsyncMatmulClient(args.url, timeout=args.timeout, connections=args.concurrency) as client:
         try:
             server: Any = await client.info()
         except (MatmulServiceError, httpx.HTTPError, ValueError) as exc:

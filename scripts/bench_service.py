@@ -131,20 +131,16 @@ class EchoRun(loadtest.Run):
         self.samples.append(loadtest.Sample(due - started, latency_ms, status, job.size, job.format, "echo", {}))
 
 
-class AnswerCounter:
-    """An httpx response hook adding up, over the 200 answers while `counting`, their Content-Length and the
-    batch size each says it ran in (X-Matmul-Batch-Size, where the server sends it)."""
+class EchoCounter:
+    """An httpx response hook adding up the Content-Length of the echo route's 200 answers while `counting`."""
 
     def __init__(self) -> None:
         self.counting = False
         self.bytes = 0
-        self.batch_sizes: list[int] = []
 
     async def __call__(self, response: httpx.Response) -> None:
         if self.counting and response.status_code == 200:
             self.bytes += int(response.headers.get("content-length", 0))
-            if "x-matmul-batch-size" in response.headers:
-                self.batch_sizes.append(int(response.headers["x-matmul-batch-size"]))
 
 
 @dataclass
@@ -183,8 +179,8 @@ async def _drive(share: Share) -> ShareResult:
     """Warm up, say so, wait for the signal, then run the closed loop until the shared deadline."""
     assert _child is not None, "_prepare runs first in every client process"
     traffic = _child.traffic[share.shape, share.format, share.kernel]
-    body_bytes = len(traffic.next().payload.content)
-    counter = AnswerCounter()
+    body_bytes = traffic.next().payload.size
+    counter = EchoCounter()
     limits = httpx.Limits(max_connections=share.concurrency, max_keepalive_connections=share.concurrency)
     http = httpx.AsyncClient(
         base_url=share.url,
@@ -192,7 +188,8 @@ async def _drive(share: Share) -> ShareResult:
         limits=limits,
         event_hooks={"response": [counter]},
     )
-    async with AsyncMatmulClient(http=http) as client:
+    client = AsyncMatmulClient(share.url, timeout=share.timeout_s, connections=share.concurrency)
+    async with http, client:
 
         def new_run() -> loadtest.Run:
             if share.route == "echo":
@@ -210,8 +207,10 @@ async def _drive(share: Share) -> ShareResult:
         until = _perf_counter_at(start_at + share.duration_s)
         await loadtest.closed_loop(run, share.concurrency, share.requests, until, lambda: None)
         finished = time.time()
-    ok = sum(sample.status == "200" for sample in run.samples)
-    return ShareResult(run.samples, started, finished, ok * body_bytes, counter.bytes, counter.batch_sizes)
+    ok = [sample for sample in run.samples if sample.status == "200"]
+    answers = counter.bytes + sum(sample.answer_bytes for sample in ok)
+    batch_sizes = [sample.batch_size for sample in ok if sample.batch_size is not None]
+    return ShareResult(run.samples, started, finished, len(ok) * body_bytes, answers, batch_sizes)
 
 
 class ClientPool:

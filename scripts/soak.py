@@ -561,8 +561,10 @@ def print_report(report: dict[str, Any]) -> None:
 
 
 async def soak(args: argparse.Namespace) -> dict[str, Any]:
-    async with httpx.AsyncClient(base_url=args.url, timeout=args.timeout) as http:
-        client = AsyncMatmulClient(http=http)
+    async with (
+        httpx.AsyncClient(base_url=args.url, timeout=args.timeout) as http,
+        AsyncMatmulClient(args.url, timeout=args.timeout) as client,
+    ):
         if args.wait_ready:
             await wait_ready(http, args.wait_ready)
         server = await client.info()

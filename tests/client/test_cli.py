@@ -15,7 +15,7 @@ from app.client import FORMATS
 from app.config import Settings
 from kernels.reference import assert_close_to_reference
 from matmul_tools.raw_http import status_of_a_large_header
-from matmul_tools.service import free_port, running_server
+from matmul_tools.service import free_port, running_server, uvicorn_command
 
 SCRIPTS = Path(sys.executable).parent
 
@@ -48,6 +48,24 @@ def test_client_reports_the_servers_error(served_url: str, tmp_path: Path, capsy
     assert "422 shape_mismatch: inner dimensions differ: 'a' is 2x3 and 'b' is 2x3" in said
     assert "(at ['b', 0])" in said
     assert not (tmp_path / "c.npy").exists()
+
+
+def test_client_sends_the_api_key_it_is_given(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """--api-key, else $MATMUL_API_KEY, goes as a bearer token; without one a guarded server answers 401."""
+    port = free_port()
+    env = {"MATMUL_BACKEND": "cpu", "MATMUL_API_KEYS": "k1,k2"}
+    argv = [*save_operands(tmp_path, np.ones((2, 3)), np.ones((3, 1))), "-o", str(tmp_path / "c.npy")]
+    argv += ["--url", f"http://127.0.0.1:{port}", "--quiet"]
+    with running_server(uvicorn_command(port), port, env=env):
+        assert client_main(argv) == 1
+        assert "401" in capsys.readouterr().err
+        assert client_main([*argv, "--api-key", "k2"]) == 0
+        assert np.load(tmp_path / "c.npy").tolist() == [[3.0], [3.0]]
+        monkeypatch.setenv("MATMUL_API_KEY", "k1")
+        (tmp_path / "c.npy").unlink()
+        assert client_main(argv) == 0 and (tmp_path / "c.npy").exists()
 
 
 def test_client_without_a_server(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import io
+import re
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
 
 import httpx
 import numpy as np
+import orjson
 import pytest
 
 from app.client import (
@@ -119,29 +125,227 @@ def test_a_body_over_the_limit(client: MatmulClient) -> None:
     assert (caught.value.status, caught.value.code) == (413, "payload_too_large")
 
 
-def _client_answering(response: httpx.Response) -> MatmulClient:
-    """A client whose every request gets `response`: for answers the CPU server cannot be made to give."""
-    return MatmulClient(http=httpx.Client(transport=httpx.MockTransport(lambda request: response), base_url="http://m"))
+class Stub:
+    """A one-socket HTTP/1.1 server on loopback answering every request with `answer` (whole answer bytes), for
+    answers and transport failures the real server cannot be made to give. It records each request's head and
+    body, counts the connections it accepted, and closes a connection after answering when `close_after`."""
+
+    def __init__(self, answer: bytes, close_after: bool = False, silent: bool = False) -> None:
+        self.answer, self.close_after, self.silent = answer, close_after, silent
+        self.requests: list[tuple[bytes, bytes]] = []
+        self.connections = 0
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self._listener.getsockname()[1]}"
+        self._threads: list[threading.Thread] = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                sock, _ = self._listener.accept()
+            except OSError:
+                return
+            self.connections += 1
+            thread = threading.Thread(target=self._serve, args=(sock,), daemon=True)
+            thread.start()
+
+    def _serve(self, sock: socket.socket) -> None:
+        with sock, sock.makefile("rb") as reader:
+            while head := reader.readline():
+                while (line := reader.readline()) not in (b"\r\n", b""):
+                    head += line
+                length = next(
+                    (
+                        int(line.split(b":")[1])
+                        for line in head.split(b"\r\n")
+                        if line.lower().startswith(b"content-length:")
+                    ),
+                    0,
+                )
+                self.requests.append((head, reader.read(length)))
+                if self.silent:
+                    time.sleep(5)
+                    return
+                sock.sendall(self.answer)
+                if self.close_after:
+                    return
+
+    def close(self) -> None:
+        self._listener.close()
 
 
-def test_503_is_unavailable_with_retry_after() -> None:
+def http_answer(status: int, body: bytes, *headers: str) -> bytes:
+    lines = [f"HTTP/1.1 {status} X", f"content-length: {len(body)}", *headers]
+    return ("\r\n".join(lines) + "\r\n\r\n").encode() + body
+
+
+@pytest.fixture
+def stub() -> Iterator[Callable[..., Stub]]:
+    made: list[Stub] = []
+
+    def make(answer: bytes, **kwargs: bool) -> Stub:
+        made.append(Stub(answer, **kwargs))
+        return made[-1]
+
+    yield make
+    for server in made:
+        server.close()
+
+
+def npy_answer(c: np.ndarray, declared_bytes: int | None = None) -> bytes:
+    body = io.BytesIO()
+    np.save(body, c)
+    data = body.getvalue()
+    meta = [
+        "content-type: application/x-npy",
+        f"x-matmul-dtype: {c.dtype}",
+        f"x-matmul-shape: {c.shape[0]}x{c.shape[1]}",
+        "x-matmul-kernel: numpy",
+        "x-matmul-precision: fp32",
+        "x-matmul-backend: cpu",
+        "x-matmul-device: stub",
+        "x-matmul-batch-size: 3",
+        "server-timing: total;dur=1.5",
+    ]
+    answer = http_answer(200, data, *meta)
+    if declared_bytes is not None:
+        answer = answer.replace(f"content-length: {len(data)}".encode(), f"content-length: {declared_bytes}".encode())
+    return answer
+
+
+def test_503_is_unavailable_with_retry_after(stub: Callable[..., Stub]) -> None:
     body = {"code": "overloaded", "message": "the worker's queue is full (64 waiting)", "location": None}
-    answer = httpx.Response(503, json=body, headers={"retry-after": "2"})
-    with _client_answering(answer) as client, pytest.raises(Unavailable) as caught:
+    server = stub(http_answer(503, orjson.dumps(body), "retry-after: 2", "content-type: application/json"))
+    with MatmulClient(server.url) as client, pytest.raises(Unavailable) as caught:
         client.matmul(np.ones((1, 1)), np.ones((1, 1)))
     assert isinstance(caught.value, ServerError)
     assert (caught.value.code, caught.value.message, caught.value.retry_after_s) == ("overloaded", body["message"], 2)
 
 
-def test_an_answer_not_from_the_service_is_still_a_typed_error() -> None:
-    answer = httpx.Response(502, text="<html>Bad Gateway</html>")
-    with _client_answering(answer) as client, pytest.raises(ServerError) as caught:
+def test_an_answer_not_from_the_service_is_still_a_typed_error(stub: Callable[..., Stub]) -> None:
+    server = stub(http_answer(502, b"<html>Bad Gateway</html>", "content-type: text/html"))
+    with MatmulClient(server.url) as client, pytest.raises(ServerError) as caught:
         client.matmul(np.ones((1, 1)), np.ones((1, 1)))
     assert (caught.value.status, caught.value.code, caught.value.message) == (
         502,
         "http_error",
         "<html>Bad Gateway</html>",
     )
+
+
+def test_the_operands_travel_as_their_own_memory() -> None:
+    """A .npy payload is small headers and views of the operands: no copy of a 64 MiB operand on the way out."""
+    a, b = operands(300, 200, 100, "float32")
+    payload = encode_payload(a, b)
+    views = [part for part in payload.parts if isinstance(part, memoryview)]
+    assert [np.shares_memory(np.frombuffer(view, np.uint8), x) for view, x in zip(views, (a, b), strict=True)] == [
+        True,
+        True,
+    ]
+    assert payload.size - a.nbytes - b.nbytes < 1024 and payload.size == len(payload.content)
+
+
+def test_what_the_client_sends_is_what_np_save_and_multipart_say(stub: Callable[..., Stub]) -> None:
+    """The body, as the server reads it: a multipart form of two .npy files, byte for byte np.save's."""
+    server = stub(npy_answer(np.zeros((3, 2), np.float32)))
+    a, b = np.asfortranarray(operands(3, 4, 2, "float64")[0]), np.arange(8, dtype=">i4").reshape(4, 2)
+    with MatmulClient(server.url, api_key="k1", headers={"X-Trace": "t"}) as client:
+        client.multiply(a, b, kernel="tiled", tile=8)
+    ((head, body),) = server.requests
+    assert head.startswith(b"POST /matmul?kernel=tiled&tile=8 HTTP/1.1\r\n")
+    assert b"\r\nAuthorization: Bearer k1\r\n" in head and b"\r\nX-Trace: t\r\n" in head
+    boundary = re.search(rb"boundary=(\w+)", head).group(1)  # type: ignore[union-attr]
+    parts = body.split(b"--" + boundary)
+    assert parts[0] == b"" and parts[-1] == b"--\r\n" and len(parts) == 4
+    for part, x in zip(parts[1:3], (a, b), strict=True):
+        saved = io.BytesIO()
+        np.save(saved, np.ascontiguousarray(x))
+        assert part.split(b"\r\n\r\n", 1)[1] == saved.getvalue() + b"\r\n"
+
+
+def test_the_answer_is_read_into_an_array_with_what_the_server_said(stub: Callable[..., Stub]) -> None:
+    c = np.arange(6, dtype=np.float64).reshape(2, 3)
+    server = stub(npy_answer(c))
+    with MatmulClient(server.url) as client:
+        product = client.multiply(np.ones((2, 1)), np.ones((1, 3)))
+    np.testing.assert_array_equal(product.c, c)
+    assert (product.batch_size, product.timing, product.device) == (3, {"total": 1.5}, "stub")
+
+
+def test_a_npy_answer_longer_or_shorter_than_its_header_says_is_a_protocol_error(stub: Callable[..., Stub]) -> None:
+    c = np.ones((2, 2), np.float32)
+    for declared in (len(npy_answer(c)), 10):
+        server = stub(npy_answer(c, declared_bytes=declared), close_after=True)
+        refused = pytest.raises(httpx.RemoteProtocolError, match=r"describes|not a \.npy")
+        with MatmulClient(server.url) as client, refused:
+            client.matmul(c, c)
+
+
+def test_one_connection_serves_one_product_after_another(stub: Callable[..., Stub]) -> None:
+    server = stub(npy_answer(np.ones((1, 1))))
+    with MatmulClient(server.url) as client:
+        for _ in range(5):
+            client.matmul(np.ones((1, 1)), np.ones((1, 1)))
+        client.info  # noqa: B018
+    assert (server.connections, len(server.requests)) == (1, 5)
+
+
+def test_a_connection_the_server_closed_while_idle_is_replaced_unseen(stub: Callable[..., Stub]) -> None:
+    """The server may close a kept-alive connection between two requests (uvicorn does after 5 s idle): the
+    next product goes on a new connection, and the caller sees only the product."""
+    server = stub(npy_answer(np.ones((1, 1))), close_after=True)
+    with MatmulClient(server.url) as client:
+        for _ in range(3):
+            assert client.matmul(np.ones((1, 1)), np.ones((1, 1))).tolist() == [[1.0]]
+            time.sleep(0.05)  # the close reaches the client's socket
+    assert (server.connections, len(server.requests)) == (3, 3)
+
+
+def test_transport_failures_are_httpx_errors(stub: Callable[..., Stub]) -> None:
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+    listener.close()
+    with MatmulClient(f"http://127.0.0.1:{port}") as client, pytest.raises(httpx.ConnectError):
+        client.matmul(np.ones((1, 1)), np.ones((1, 1)))
+    server = stub(b"", silent=True)
+    with MatmulClient(server.url, timeout=0.2) as client, pytest.raises(httpx.ReadTimeout):
+        client.matmul(np.ones((1, 1)), np.ones((1, 1)))
+    cut = stub(npy_answer(np.ones((64, 64)))[:-100], close_after=True)
+    with MatmulClient(cut.url) as client, pytest.raises(httpx.TransportError):
+        client.matmul(np.ones((64, 1)), np.ones((1, 64)))
+
+
+def test_a_url_that_is_not_http_is_refused() -> None:
+    with pytest.raises(ValueError, match="not an http"):
+        MatmulClient("ftp://host/")
+    with pytest.raises(ValueError, match="connections"):
+        MatmulClient(connections=0)
+
+
+def test_many_products_in_their_order_on_a_bounded_number_of_connections(served_url: str) -> None:
+    pairs = [operands(m, 7, 5, "float64") for m in range(1, 25)]
+    with MatmulClient(served_url, connections=3) as client:
+        products = client.multiply_many(pairs, dtype="float64")
+        assert len(client._pool._idle) <= 3
+    for (a, b), product in zip(pairs, products, strict=True):
+        assert_close_to_reference(product.c, a, b, np.dtype(np.float64))
+
+
+def test_many_products_raise_the_first_error_in_their_order(served_url: str) -> None:
+    good, bad = operands(4, 3, 2, "float32"), (np.ones((2, 3)), np.ones((4, 2)))
+    with MatmulClient(served_url) as client, pytest.raises(RequestRejected, match="inner dimensions"):
+        client.multiply_many([good, bad, good])
+
+
+@pytest.mark.anyio
+async def test_async_many_products(served_url: str) -> None:
+    pairs = [operands(m, 9, 4, "float64") for m in range(1, 17)]
+    async with AsyncMatmulClient(served_url, connections=4) as client:
+        products = await client.multiply_many(pairs, dtype="float64")
+        with pytest.raises(RequestRejected):
+            await client.multiply_many([pairs[0], (np.ones((2, 3)), np.ones((4, 2)))])
+    for (a, b), product in zip(pairs, products, strict=True):
+        assert_close_to_reference(product.c, a, b, np.dtype(np.float64))
 
 
 @pytest.mark.anyio
