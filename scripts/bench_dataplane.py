@@ -10,6 +10,7 @@ cell runs `--duration` seconds after a warm-up of `--warmup` seconds.
 1. This checkout, `matmul-service --workers N` (`--workers`, default 8):
    - big: two 4096^2 float32 `.npy` parts to /matmul (a `.npy` answer) and the same body to /v1/echo, at
      `--big-concurrency` (16): products/s, echo requests/s, and payload GB/s (request + answer bytes) of each;
+     then the same operands as v2 binary tensors to /v2/models/matmul/infer (binary answer): products/s;
    - v2: two 64^2 float32 binary tensors to /v2/models/matmul/infer (binary answer) at `--v2-concurrency` (128):
      requests/s and the mean batch (the answer's `batch_size` parameter);
    - json: the same product as a JSON body to /matmul at `--json-concurrency` (64): requests/s, mean batch.
@@ -75,11 +76,13 @@ def requests_for(big: int, small: int) -> dict[str, bytes]:
     big_body = multipart_body([("a", npy_bytes(a)), ("b", npy_bytes(b))], boundary=boundary)
     x, y = (rng.standard_normal((small, small), dtype=np.float32) for _ in range(2))
     v2_body, v2_header_length = inference_v2_body(x, y)
+    big_v2_body, big_v2_header_length = inference_v2_body(a, b)
     json_body = orjson.dumps({"a": x, "b": y}, option=orjson.OPT_SERIALIZE_NUMPY)
     return {
         "big": _post("/matmul", f"multipart/form-data; boundary={boundary}", big_body, accept="application/x-npy"),
         "echo": _post("/v1/echo", "application/octet-stream", big_body),
         "v2": _v2_post(v2_body, v2_header_length),
+        "big-v2": _v2_post(big_v2_body, big_v2_header_length),
         "json": _post("/matmul", "application/json", json_body),
         "litserve": _post("/predict", "application/json", json_body),
     }
@@ -132,6 +135,7 @@ def measure_this(pool: LoadPool, args: argparse.Namespace) -> dict[str, Any]:
             "auto": httpx.get(f"{service.url}/v1/kernels", timeout=30).json()["auto"],
             "big": cell(pool, service.port, "big", args.big_concurrency, args),
             "echo": cell(pool, service.port, "echo", args.big_concurrency, args),
+            "big-v2": cell(pool, service.port, "big-v2", args.big_concurrency, args),
             "v2": cell(pool, service.port, "v2", args.v2_concurrency, args),
             "json": cell(pool, service.port, "json", args.json_concurrency, args),
         }
@@ -184,7 +188,7 @@ def ratio(numerator: dict[str, Any] | None, denominator: dict[str, Any] | None, 
 
 def print_report(report: dict[str, Any]) -> None:
     this = report["this"]
-    rows = [(f"this, {name}", this[name]) for name in ("big", "echo", "v2", "json")]
+    rows = [(f"this, {name}", this[name]) for name in ("big", "echo", "big-v2", "v2", "json")]
     if report["baseline"] is not None:
         rows.append(("baseline, big", report["baseline"]))
     rows += [(f"LitServe, {servers} API servers", found) for servers, found in report["litserve"].items()]
@@ -247,6 +251,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
     ratios = {
         "big /matmul products/s over /v1/echo req/s": ratio(this["big"], this["echo"]),
+        "big v2 binary products/s over /v1/echo req/s": ratio(this["big-v2"], this["echo"]),
         "big payload GB/s, /matmul over /v1/echo": ratio(this["big"], this["echo"], "payload_gb_per_s"),
         "big /matmul, this over the baseline": ratio(this["big"], baseline),
     }
