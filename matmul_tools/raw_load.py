@@ -5,10 +5,15 @@ each of its connections is a thread that sends one request again and again until
 each answer, framed by Content-Length, into one reusable buffer. Per byte the client spends a `sendall` and a
 `recv_into`, both outside the GIL. httpx spends more per byte than the service does: against one CPU worker
 echoing 128 MiB bodies it took 1.2 s a request where these sockets took 0.3 s (docs/throughput.md).
+
+`post_request`, `npy_matmul_body` and `v2_infer_request` build the products' requests (/matmul with `.npy` parts,
+/v2/models/matmul/infer with binary tensors) for a LoadPool's `make_requests` or any other raw sender;
+`read_whole_answer` reads an answer to be checked.
 """
 
 from __future__ import annotations
 
+import secrets
 import socket
 import threading
 import time
@@ -16,6 +21,10 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from multiprocessing import Pool
 from typing import Any
+
+import numpy as np
+
+from matmul_tools.bodies import inference_v2_body, multipart_body, npy_bytes
 
 OPENING_BYTES = 4096
 """How much of an answer's body `Answer.opening` keeps, for figures written there (a v2 answer's JSON header)."""
@@ -40,8 +49,36 @@ class Answer:
         return None
 
 
-def read_answer(sock: socket.socket, buffer: bytearray) -> Answer:
-    """Read one HTTP/1.1 answer framed by Content-Length from `sock`, its body into `buffer` (overwritten)."""
+def post_request(path: str, content_type: str, body: bytes, accept: str | None = None) -> bytes:
+    """A whole POST request of `body` to `path`, to be sent as it is on a keep-alive connection."""
+    head = f"POST {path} HTTP/1.1\r\nHost: bench\r\nContent-Type: {content_type}\r\nContent-Length: {len(body)}\r\n"
+    if accept is not None:
+        head += f"Accept: {accept}\r\n"
+    return head.encode() + b"\r\n" + body
+
+
+def npy_matmul_body(a: np.ndarray, b: np.ndarray) -> tuple[bytes, str]:
+    """The multipart body of /matmul with `a` and `b` as `.npy` parts, and its Content-Type."""
+    # a boundary of 32 hex digits, as httpx and this service's client send: the parser's search for it runs at
+    # 10 GB/s, where a two-character one is searched at 1.8
+    boundary = secrets.token_hex(16)
+    body = multipart_body([("a", npy_bytes(a)), ("b", npy_bytes(b))], boundary=boundary)
+    return body, f"multipart/form-data; boundary={boundary}"
+
+
+def v2_infer_request(a: np.ndarray, b: np.ndarray) -> bytes:
+    """A whole POST /v2/models/matmul/infer of `a` and `b` as binary tensors, the answer asked for in binary."""
+    body, header_length = inference_v2_body(a, b)
+    head = (
+        f"POST /v2/models/matmul/infer HTTP/1.1\r\nHost: bench\r\nContent-Type: application/octet-stream\r\n"
+        f"Inference-Header-Content-Length: {header_length}\r\nContent-Length: {len(body)}\r\n\r\n"
+    )
+    return head.encode() + body
+
+
+def _read_head(sock: socket.socket) -> tuple[Answer, int, bytes]:
+    """An answer's head (as an Answer without opening or size), its Content-Length, and the body's bytes read with
+    it."""
     received = b""
     while b"\r\n\r\n" not in received:
         chunk = sock.recv(65536)
@@ -49,9 +86,14 @@ def read_answer(sock: socket.socket, buffer: bytearray) -> Answer:
             raise ConnectionError("the server closed the connection")
         received += chunk
     head, _, start = received.partition(b"\r\n\r\n")
-    status = int(head.split(b" ", 2)[1])
-    answer = Answer(status, head, b"", 0)
-    length = int(answer.header(b"content-length") or b"0")
+    answer = Answer(int(head.split(b" ", 2)[1]), head, b"", 0)
+    return answer, int(answer.header(b"content-length") or b"0"), start
+
+
+def read_answer(sock: socket.socket, buffer: bytearray) -> Answer:
+    """Read one HTTP/1.1 answer framed by Content-Length from `sock`, its body into `buffer` (overwritten)."""
+    answer, length, start = _read_head(sock)
+    status, head = answer.status, answer.head
     left = length - len(start)
     opening = bytearray(start[:OPENING_BYTES])
     view = memoryview(buffer)
@@ -63,6 +105,22 @@ def read_answer(sock: socket.socket, buffer: bytearray) -> Answer:
             opening += view[: min(got, OPENING_BYTES - len(opening))]
         left -= got
     return Answer(status, head, bytes(opening), len(head) + 4 + length)
+
+
+def read_whole_answer(sock: socket.socket) -> tuple[Answer, bytearray]:
+    """As `read_answer`, the body kept whole: for an answer to be checked."""
+    answer, length, start = _read_head(sock)
+    body = bytearray(length)
+    view = memoryview(body)
+    got = min(len(start), length)
+    view[:got] = start[:got]
+    while got < length:
+        received = sock.recv_into(view[got:])
+        if not received:
+            raise ConnectionError("the server closed the connection mid-answer")
+        got += received
+    whole = Answer(answer.status, answer.head, bytes(body[:OPENING_BYTES]), len(answer.head) + 4 + length)
+    return whole, body
 
 
 @dataclass

@@ -32,7 +32,6 @@ from __future__ import annotations
 import argparse
 import json
 import re
-import secrets
 import sys
 import time
 from collections.abc import Sequence
@@ -43,48 +42,27 @@ import httpx
 import numpy as np
 import orjson
 
-from matmul_tools.bodies import inference_v2_body, multipart_body, npy_bytes
-from matmul_tools.raw_load import Answer, LoadPool, Tally
+from matmul_tools.raw_load import Answer, LoadPool, Tally, npy_matmul_body, post_request, v2_infer_request
 from matmul_tools.service import ROOT, LocalService, free_port, start_checkout
 
 BIG, SMALL = 4096, 64
 V2_BATCH_SIZE = re.compile(rb'"batch_size":(\d+)')
 
 
-def _post(path: str, content_type: str, body: bytes, accept: str | None = None) -> bytes:
-    head = f"POST {path} HTTP/1.1\r\nHost: bench\r\nContent-Type: {content_type}\r\nContent-Length: {len(body)}\r\n"
-    if accept is not None:
-        head += f"Accept: {accept}\r\n"
-    return head.encode() + b"\r\n" + body
-
-
-def _v2_post(body: bytes, header_length: int) -> bytes:
-    head = (
-        f"POST /v2/models/matmul/infer HTTP/1.1\r\nHost: bench\r\nContent-Type: application/octet-stream\r\n"
-        f"Inference-Header-Content-Length: {header_length}\r\nContent-Length: {len(body)}\r\n\r\n"
-    )
-    return head.encode() + body
-
-
 def requests_for(big: int, small: int) -> dict[str, bytes]:
     """Every request of the run, built once in each client process."""
     rng = np.random.default_rng(0)
     a, b = (rng.standard_normal((big, big), dtype=np.float32) for _ in range(2))
-    # a boundary of 32 hex digits, as httpx and this service's client send: the parser's search for it runs at
-    # 10 GB/s, where a two-character one is searched at 1.8
-    boundary = secrets.token_hex(16)
-    big_body = multipart_body([("a", npy_bytes(a)), ("b", npy_bytes(b))], boundary=boundary)
+    big_body, big_content_type = npy_matmul_body(a, b)
     x, y = (rng.standard_normal((small, small), dtype=np.float32) for _ in range(2))
-    v2_body, v2_header_length = inference_v2_body(x, y)
-    big_v2_body, big_v2_header_length = inference_v2_body(a, b)
     json_body = orjson.dumps({"a": x, "b": y}, option=orjson.OPT_SERIALIZE_NUMPY)
     return {
-        "big": _post("/matmul", f"multipart/form-data; boundary={boundary}", big_body, accept="application/x-npy"),
-        "echo": _post("/v1/echo", "application/octet-stream", big_body),
-        "v2": _v2_post(v2_body, v2_header_length),
-        "big-v2": _v2_post(big_v2_body, big_v2_header_length),
-        "json": _post("/matmul", "application/json", json_body),
-        "litserve": _post("/predict", "application/json", json_body),
+        "big": post_request("/matmul", big_content_type, big_body, accept="application/x-npy"),
+        "echo": post_request("/v1/echo", "application/octet-stream", big_body),
+        "v2": v2_infer_request(x, y),
+        "big-v2": v2_infer_request(a, b),
+        "json": post_request("/matmul", "application/json", json_body),
+        "litserve": post_request("/predict", "application/json", json_body),
     }
 
 

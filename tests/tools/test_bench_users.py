@@ -1,0 +1,116 @@
+"""scripts/bench_users.py on its smallest grid (CPU backend, one server, every client kind): its JSON report read
+back and checked, its chart drawn again from that JSON; and the pieces it checks answers and reads raw ones with."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from matmul_tools.raw_load import read_whole_answer
+from tests.scripts import ROOT, import_script
+
+bench = import_script("bench_users")
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+SCRIPT = str(ROOT / "scripts" / "bench_users.py")
+
+
+@pytest.mark.timeout(180)  # a server and client processes in subprocesses
+def test_every_cell_of_the_smallest_grid_answers_right(tmp_path: Path) -> None:
+    out = tmp_path / "bench-users.json"
+    command = [
+        *(sys.executable, SCRIPT, "--backend", "cpu", "--servers", "workers=1", "--sizes", "16,64"),
+        *("--concurrency", "16:2,64:3", "--processes", "2", "--seconds", "0.5", "--warmup", "0.2"),
+        *("--out", str(out), "--logs", str(tmp_path / "logs")),
+    ]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=150)
+    assert done.returncode == 0, done.stderr
+    report = json.loads(out.read_text())
+    cells = report["cells"]
+    assert [(cell["size"], cell["client"]) for cell in cells] == [
+        (n, kind) for n in (16, 64) for kind in ("client", "triton", "raw-npy", "raw-v2")
+    ]
+    for cell in cells:
+        assert cell["failure"] is None and cell["wrong"] == [] and cell["errors"] == {}, cell
+        assert cell["products_per_s"] > 0 and cell["products_per_s"] == cell["products"] / cell["seconds"]
+        assert 0 < cell["latency_ms"]["p50"] <= cell["latency_ms"]["p99"]
+        assert cell["checked_connections"] == cell["concurrency"] and cell["unchecked_connections"] == 0
+        assert cell["processes"] == 2
+    by_kind = {(cell["size"], cell["client"]): cell for cell in cells}
+    for n in (16, 64):
+        client, raw = by_kind[n, "client"], by_kind[n, "raw-npy"]
+        assert client["ratio_to_raw"] == client["products_per_s"] / raw["products_per_s"]
+        triton, raw_v2 = by_kind[n, "triton"], by_kind[n, "raw-v2"]
+        assert triton["ratio_to_raw"] == triton["products_per_s"] / raw_v2["products_per_s"]
+        assert raw["ratio_to_raw"] is None and "client_cost" not in raw
+        cost = client["client_cost"]
+        assert cost["products"] == client["products"] and cost["server_total_ms"] > 0
+        assert cost["client_ms"] + cost["server_total_ms"] == pytest.approx(client["latency_ms"]["mean"])
+    server = report["servers"]["workers=1"]
+    assert server["http_workers"] == 1 and server["backend"] == "cpu"
+    assert server["settings"] == {"MATMUL_HTTP_WORKERS": "1", "MATMUL_BACKEND": "cpu"}
+    assert report["host"]["cpu_count"] >= 1 and report["server_failures"] == {}
+    assert "| workers=1 |   64 |    3 | triton  |" in done.stdout
+    assert "MatmulClient: its own cost per product" in done.stdout
+    assert out.with_suffix(".png").read_bytes().startswith(PNG_MAGIC)
+
+    again = tmp_path / "again.png"
+    drawn = subprocess.run(
+        [sys.executable, SCRIPT, "--plot-only", str(out), "--png", str(again)], capture_output=True, text=True
+    )
+    assert drawn.returncode == 0, drawn.stderr
+    assert again.read_bytes().startswith(PNG_MAGIC)
+
+
+def test_servers_and_sizes_are_parsed_with_their_settings() -> None:
+    args = bench.parse_args(["--servers", "default,tuned,workers=4,workers=4", "--sizes", "64,512"])
+    assert [(c.name, dict(c.settings), c.workers) for c in args.servers] == [
+        ("default", {}, None),
+        ("tuned", {"MATMUL_HTTP_WORKERS": "8", "MATMUL_BATCHING": "true", "MATMUL_MAX_QUEUE_DELAY_US": "500"}, 8),
+        ("workers=4", {"MATMUL_HTTP_WORKERS": "4"}, 4),
+    ]
+    assert args.concurrency == {64: 64, 512: 16, 2048: 8, 4096: 8} and args.processes == 8
+    assert args.out == Path("docs/bench/bench-users.json") and args.png == Path("docs/bench/bench-users.png")
+    for wrong in (["--servers", "workers=0"], ["--sizes", "100"], ["--clients", "curl"]):
+        with pytest.raises(SystemExit):
+            bench.parse_args(wrong)
+
+
+def test_connections_are_shared_out_over_the_processes() -> None:
+    assert bench.split(64, 8) == [8] * 8
+    assert bench.split(2, 8) == [1, 1], "no process without a connection"
+    assert bench.split(7, 3) == [3, 2, 2]
+
+
+def test_an_answer_off_by_one_term_or_of_another_shape_is_wrong() -> None:
+    operands = bench.Operands(32, (0, 32, 0))
+    c = (operands.a.astype(np.float64) @ operands.b).astype(np.float32)
+    assert operands.mismatch(c) is None
+    c[3, 4] += operands.a[3, 7] * operands.b[7, 4]
+    assert "element (3, 4)" in (operands.mismatch(c) or "")
+    assert operands.mismatch(c[:16]) == "the answer is 16x32, not 32x32"
+    same, other = bench.Operands(32, (0, 32, 0)), bench.Operands(32, (0, 32, 1))
+    assert np.array_equal(same.a, operands.a) and not np.array_equal(other.a, operands.a), "each connection its own"
+
+
+def test_a_raw_answer_is_read_whole_to_be_checked() -> None:
+    body = bytes(range(256)) * 20
+    whole = b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % len(body) + body
+    ours, theirs = socket.socketpair()
+    with ours, theirs:
+
+        def send() -> None:
+            for start in range(0, len(whole), 1000):
+                theirs.sendall(whole[start : start + 1000])
+
+        sender = threading.Thread(target=send)
+        sender.start()
+        answer, read = read_whole_answer(ours)
+        sender.join()
+    assert (answer.status, answer.size, bytes(read)) == (200, len(whole), body)
