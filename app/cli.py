@@ -10,7 +10,7 @@ import argparse
 import logging
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from enum import Enum
 from pathlib import Path
 
@@ -20,10 +20,10 @@ import uvicorn
 from pydantic import ValidationError
 from pydantic.fields import FieldInfo
 
-from app import __version__
+from app import __version__, host
 from app.api.connection import GuardedHttpProtocol
 from app.client import DEFAULT_TIMEOUT_S, DEFAULT_URL, FORMATS, MatmulClient, MatmulServiceError, Options, Product
-from app.config import Settings
+from app.config import MAX_DEFAULT_HTTP_WORKERS, MAX_DEFAULT_SLAB_BYTES, MIN_DEFAULT_SLAB_BYTES, Settings
 from app.dataplane.supervisor import ENGINE_SOCKETS_VARIABLE, EngineSupervisor
 
 URL_VARIABLE = "MATMUL_URL"
@@ -167,6 +167,33 @@ def service_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _serving_line(settings: Settings, flags: Collection[str]) -> str:
+    """The figures that set the service's throughput, each with where it came from: a flag, a variable (or .env), or
+    the default, with the host's CPUs and memory where the default is derived from them."""
+
+    def source(name: str, default: str) -> str:
+        if name in flags:
+            return "--" + name.replace("_", "-")
+        if name in settings.model_fields_set:
+            return f"${ENV_PREFIX}{name}".upper()
+        return default
+
+    cpus, memory_gib = host.usable_cpus(), host.usable_memory_bytes() / (1 << 30)
+    workers = source("http_workers", f"half of {cpus} usable CPUs, at most {MAX_DEFAULT_HTTP_WORKERS}")
+    delay = source("max_queue_delay_us", "default" if settings.max_queue_delay_us else "default: no wait")
+    slab = source(
+        "slab_bytes",
+        f"a quarter of {memory_gib:.1f} GiB usable memory over the HTTP workers, "
+        f"{MIN_DEFAULT_SLAB_BYTES >> 20} MiB to {MAX_DEFAULT_SLAB_BYTES >> 20} MiB",
+    )
+    return (
+        f"{settings.http_workers} HTTP worker(s) ({workers}); "
+        f"batching {'on' if settings.batching else 'off'} ({source('batching', 'default')}), "
+        f"queue delay {settings.max_queue_delay_us} us ({delay}); "
+        f"{settings.slab_bytes >> 20} MiB of shared memory per HTTP worker ({slab})"
+    )
+
+
 def service_main(argv: Sequence[str] | None = None) -> int:
     """matmul-service: one engine process per device and the HTTP workers in front of them (under uvicorn),
     settings from flags or MATMUL_* variables. SIGTERM or Ctrl-C stops the HTTP workers (each finishes its
@@ -185,6 +212,7 @@ def service_main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"{flag} {problem['input']!r}: {problem['msg']}")
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s supervisor %(levelname)s %(message)s")
+    logging.getLogger(__name__).info("serving with %s", _serving_line(settings, given))
     supervisor = EngineSupervisor(settings)
     try:
         supervisor.start()

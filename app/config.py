@@ -8,6 +8,41 @@ from typing import Annotated, Any
 from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
+from app import host
+
+MAX_DEFAULT_HTTP_WORKERS = 8
+"""Most HTTP workers MATMUL_HTTP_WORKERS defaults to: the count measured on a 16-core H100 host, where 8 workers with
+batching served 3.7x the 64^2 products of 1 worker without (docs/throughput.md, "The defaults and why"). The
+worker sweep of issue 31's users' benchmark is to confirm or move it."""
+MIN_DEFAULT_SLAB_BYTES = 256 << 20
+"""Least shared memory per HTTP worker MATMUL_SLAB_BYTES defaults to: a 4096^2 float32 product (three 64 MiB
+matrices) and a few small ones at once, whatever the host's memory."""
+MAX_DEFAULT_SLAB_BYTES = 1 << 30
+"""Most shared memory per HTTP worker MATMUL_SLAB_BYTES defaults to: an 8192^2 float32 product (768 MiB) fits."""
+
+
+def default_http_workers(cpus: int) -> int:
+    """MATMUL_HTTP_WORKERS when unset: half the usable CPUs, from 1 to MAX_DEFAULT_HTTP_WORKERS. Half, because the
+    engine processes (their staging threads and copies) and clients on the same host need cores too."""
+    return max(1, min(MAX_DEFAULT_HTTP_WORKERS, cpus // 2))
+
+
+def default_slab_bytes(http_workers: int, memory_bytes: int) -> int:
+    """MATMUL_SLAB_BYTES when unset: a quarter of the usable memory shared by the HTTP workers, from
+    MIN_DEFAULT_SLAB_BYTES to MAX_DEFAULT_SLAB_BYTES, rounded down to a MiB."""
+    share = (memory_bytes // 4) // http_workers
+    return min(MAX_DEFAULT_SLAB_BYTES, max(MIN_DEFAULT_SLAB_BYTES, share)) >> 20 << 20
+
+
+def _host_http_workers() -> int:
+    return default_http_workers(host.usable_cpus())
+
+
+def _host_slab_bytes(validated: dict[str, Any]) -> int:
+    """The default for the HTTP workers validated before it (this host's default where none were: --help)."""
+    workers = validated.get("http_workers") or _host_http_workers()
+    return default_slab_bytes(workers, host.usable_memory_bytes())
+
 
 class BackendChoice(StrEnum):
     AUTO = "auto"
@@ -25,7 +60,10 @@ class SharedMemoryKind(StrEnum):
 class Settings(BaseSettings):
     """Every knob of the service; each field is the env var `MATMUL_<FIELD>`."""
 
-    model_config = SettingsConfigDict(env_prefix="MATMUL_", env_file=".env", extra="ignore", frozen=True)
+    # An empty variable is the default, as an unset one is: compose passes ${MATMUL_HTTP_WORKERS:-} on.
+    model_config = SettingsConfigDict(
+        env_prefix="MATMUL_", env_file=".env", env_ignore_empty=True, extra="ignore", frozen=True
+    )
 
     backend: BackendChoice = Field(
         BackendChoice.AUTO, description="cpu, gpu, or auto (the GPU when CuPy sees a device, else the CPU)."
@@ -35,19 +73,23 @@ class Settings(BaseSettings):
         description="Comma-separated CUDA device ordinals, one GPU worker each (none: every visible device).",
     )
     http_workers: int = Field(
-        1,
+        default_factory=_host_http_workers,
         ge=1,
         le=256,
         description="HTTP worker processes `matmul-service` starts (--workers); they share one engine process per "
-        "device.",
+        "device. Default: half the CPUs this process may use (its affinity, within its cgroup's quota), from 1 to "
+        f"{MAX_DEFAULT_HTTP_WORKERS}.",
     )
     slab_bytes: int = Field(
-        1 << 30,
+        default_factory=_host_slab_bytes,
         ge=1 << 20,
         le=1 << 40,
-        description="Shared memory of each HTTP worker for the operands and products of its requests in flight "
-        "(pinned once by every engine process); a request needing more gets 413, one that finds it full waits "
-        "within its deadline, then 503.",
+        description="Shared memory of each HTTP worker for the operands and products of its requests in flight; a "
+        "request needing more gets 413, one that finds it full waits within its deadline, then 503. Every HTTP "
+        "worker holds this much, which every engine process pins (cudaHostRegister). Default: a quarter of the "
+        "memory this process may use (the host's, or its cgroup's limit) over the HTTP workers, from "
+        f"{MIN_DEFAULT_SLAB_BYTES >> 20} MiB to {MAX_DEFAULT_SLAB_BYTES >> 20} MiB, so a quarter of the memory at "
+        "most in all (more only where the floor exceeds it).",
     )
     queue_size: int = Field(
         64, ge=1, le=100_000, description="Requests waiting in each engine process's queue before 503."
@@ -98,10 +140,19 @@ class Settings(BaseSettings):
     fault_injection: bool = Field(
         False, description="Tests only: accept kernel=fault_trap, which poisons the CUDA context on purpose."
     )
-    batching: bool = Field(False, description="Run queued products of one shape, dtype and kernel as one launch.")
+    batching: bool = Field(
+        True,
+        description="Run queued products of one shape, dtype and kernel as one launch; with no queue delay a lone "
+        "product is launched at once.",
+    )
     max_batch_size: int = Field(32, ge=1, le=1024, description="Most products in one batched launch.")
     max_queue_delay_us: int = Field(
-        500, ge=0, le=1_000_000, description="Longest the first product of a batch waits for others to join it."
+        0,
+        ge=0,
+        le=1_000_000,
+        description="Longest the first product of a batch waits for others to join it while the device is idle. 0: "
+        "a batch takes only the products already queued, and a lone product never waits; more waits for company, "
+        "adding up to this much latency to a product that comes alone.",
     )
     pipeline_depth: int = Field(
         2,

@@ -105,7 +105,8 @@ def test_service_help_shows_every_default_as_its_variable_would_spell_it() -> No
     assert set(shown) == {f"MATMUL_{name.upper()}" for name in Settings.model_fields}
     assert shown["MATMUL_DEVICES"] == "none" and "(none: every visible device)" in said
     assert shown["MATMUL_API_KEYS"] == "none" and shown["MATMUL_BACKEND"] == "auto"
-    assert shown["MATMUL_BATCHING"] == "false" and shown["MATMUL_QUEUE_SIZE"] == "64"
+    assert shown["MATMUL_BATCHING"] == "true" and shown["MATMUL_QUEUE_SIZE"] == "64"
+    assert shown["MATMUL_MAX_QUEUE_DELAY_US"] == "0"
     for variable, default in shown.items():  # each one, set as shown ("none": set empty), is the default itself
         value = "" if default == "none" else default
         assert Settings(**{variable.removeprefix("MATMUL_").lower(): value}) == Settings(), variable
@@ -114,10 +115,11 @@ def test_service_help_shows_every_default_as_its_variable_would_spell_it() -> No
 def test_service_starts_with_its_flags() -> None:
     port = free_port()
     command = [SCRIPTS / "matmul-service", "--backend", "cpu", "--queue-size", "7", "--host", "127.0.0.1"]
+    command += ["--workers", "1"]  # one, so that /v1/info comes from the worker that answered /readyz
     command += ["--max-header-bytes", "4096"]
     with running_server([*map(str, command), "--port", str(port), "--log-level", "warning"], port) as client:
         info = client.get("/v1/info").json()
-        assert info["backend"] == "cpu" and info["queue"]["size"] == 7
+        assert info["backend"] == "cpu" and info["queue"]["size"] == 7 and info["http_workers"] == 1
         assert status_of_a_large_header(port, 3000)[0] == 200
         assert status_of_a_large_header(port, 5000)[0] == 431, "the connection protocol is installed, with its flag"
 

@@ -24,7 +24,7 @@ import jsonschema
 import kubernetes_validate
 import yaml
 
-from app import cli
+from app import cli, host
 from app.api.auth import OPEN_PATHS
 from app.api.exchange import KEPT_BODY_BYTES
 from app.config import Settings
@@ -52,6 +52,13 @@ them too."""
 SECRET_VARIABLE = f"{ENV_PREFIX}{SECRET_SETTING}".upper()
 """MATMUL_API_KEYS: the one setting whose value is secret, so the one a pod takes from a Secret."""
 USER_ID, GROUP_ID = (int(part) for part in [i for i in SERVICE if i.cmd == "USER"][-1].value[0].split(":"))
+NODE_CPUS = 16
+"""The CPUs of the node a pod's settings are derived for (the service derives its HTTP workers from the CPUs it may
+use, and the pods set no CPU limit): the H100 host the defaults were measured on, where they reach their cap."""
+NODE_CPU_COUNTS = (2, 5, NODE_CPUS, 128)
+"""The nodes the memory limit is checked for: each derives its own HTTP workers and shared memory."""
+NODE_MEMORY_BYTES = 256 << 30
+"""The node's memory, for a pod without a memory limit (with one, the service derives from the limit)."""
 
 
 def load_documents(text: str) -> list[dict[str, Any]]:
@@ -172,10 +179,18 @@ class Pod:
         return int(port)
 
 
-def settings_of(pod: Pod) -> Settings:
-    """The settings the service builds in this pod, from its MATMUL_* variables alone (no .env file)."""
+def settings_of(pod: Pod, cpus: int = NODE_CPUS) -> Settings:
+    """The settings the service builds in this pod, from its MATMUL_* variables alone (no .env file), on a node of
+    `cpus` CPUs: the defaults it derives from the CPUs and memory it may use come from those CPUs and the pod's
+    memory limit (its cgroup's), not from this machine."""
     outside = {name: value for name, value in os.environ.items() if not name.upper().startswith(ENV_PREFIX)}
-    with mock.patch.dict(os.environ, {**outside, **pod.environment()}, clear=True):
+    limit = pod.container.get("resources", {}).get("limits", {}).get("memory")
+    memory = NODE_MEMORY_BYTES if limit is None else min(NODE_MEMORY_BYTES, quantity_bytes(limit))
+    with (
+        mock.patch.dict(os.environ, {**outside, **pod.environment()}, clear=True),
+        mock.patch.object(host, "usable_cpus", return_value=cpus),
+        mock.patch.object(host, "usable_memory_bytes", return_value=memory),
+    ):
         return Settings(_env_file=None)
 
 
@@ -278,11 +293,15 @@ def check_kernel_cache(pod: Pod) -> None:
 
 
 def check_memory(pod: Pod) -> None:
-    """The memory limit holds every HTTP worker's shared memory (which the engines pin) and kept body buffers."""
-    settings = settings_of(pod)
-    needed = settings.http_workers * (settings.slab_bytes + KEPT_BODY_BYTES)
+    """The memory limit holds every HTTP worker's shared memory (which the engines pin) and kept body buffers, with
+    the HTTP workers and shared memory the service sets or derives on small nodes and large ones."""
     limit = quantity_bytes(pod.container["resources"]["limits"]["memory"])
-    assert limit > needed, f"a {limit} B limit for {settings.http_workers} HTTP worker(s) needing {needed} B"
+    for cpus in NODE_CPU_COUNTS:
+        settings = settings_of(pod, cpus)
+        needed = settings.http_workers * (settings.slab_bytes + KEPT_BODY_BYTES)
+        assert limit > needed, (
+            f"a {limit} B limit for {settings.http_workers} HTTP worker(s) needing {needed} B ({cpus} CPUs)"
+        )
 
 
 POD_CHECKS = [

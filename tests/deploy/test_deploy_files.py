@@ -8,6 +8,7 @@ checked against what they deploy: the settings, the load-test script's flags, th
 from __future__ import annotations
 
 import ast
+import logging
 import os
 import re
 import subprocess
@@ -23,7 +24,7 @@ import pytest
 import yaml
 from packaging.requirements import Requirement
 
-from app import cli
+from app import cli, host
 from app.api.connection import GuardedHttpProtocol
 from app.config import Settings
 from app.dataplane.supervisor import ENGINE_SOCKETS_VARIABLE
@@ -217,6 +218,52 @@ def test_matmul_service_in_the_image_runs_uvicorn_with_the_connection_protocol_t
     assert os.environ[ENGINE_SOCKETS_VARIABLE] == engines.sockets[0], "the HTTP workers find the engines"
 
 
+def test_matmul_service_in_the_image_derives_what_compose_passes_on_empty(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Compose passes MATMUL_HTTP_WORKERS and MATMUL_SLAB_BYTES on empty: on a 16-CPU host with 64 GiB the image's
+    CMD, in compose's environment with nothing exported, starts 8 HTTP workers with 1 GiB of shared memory each and
+    batching on, and logs them with where they came from."""
+    unset = {name: re.sub(r"\$\{\w+:-([^}]*)\}", r"\1", value) for name, value in compose_environment().items()}
+    assert unset["MATMUL_HTTP_WORKERS"] == unset["MATMUL_SLAB_BYTES"] == ""
+    in_the_image_environment(monkeypatch, **unset)
+    monkeypatch.setattr(host, "usable_cpus", lambda: 16)
+    monkeypatch.setattr(host, "usable_memory_bytes", lambda: 64 << 30)
+    supervisors: list[FakeSupervisor] = []
+    runs: list[dict[str, Any]] = []
+
+    def supervisor(settings: Settings) -> FakeSupervisor:
+        supervisors.append(FakeSupervisor(settings, tmp_path))
+        return supervisors[-1]
+
+    monkeypatch.setattr(cli, "EngineSupervisor", supervisor)
+    monkeypatch.setattr(cli.uvicorn, "run", lambda *args, **kwargs: runs.append(kwargs))
+    with caplog.at_level(logging.INFO, logger=cli.__name__):
+        assert cli.service_main(SERVICE_ARGS) == 0
+
+    [kwargs], [engines] = runs, supervisors
+    assert kwargs["workers"] == engines.settings.http_workers == 8
+    assert engines.settings.slab_bytes == 1 << 30 and engines.settings.batching
+    assert engines.settings.max_queue_delay_us == 0
+    [line] = [record.getMessage() for record in caplog.records if record.name == cli.__name__]
+    assert "8 HTTP worker(s) (half of 16 usable CPUs, at most 8)" in line
+    assert "batching on (default)" in line and "queue delay 0 us (default: no wait)" in line
+    assert "1024 MiB of shared memory per HTTP worker (a quarter of 64.0 GiB usable memory" in line
+
+
+def test_matmul_service_says_which_settings_it_was_given(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    in_the_image_environment(monkeypatch, MATMUL_SLAB_BYTES=str(300 << 20), MATMUL_BATCHING="false")
+    monkeypatch.setattr(cli, "EngineSupervisor", lambda settings: FakeSupervisor(settings, tmp_path))
+    monkeypatch.setattr(cli.uvicorn, "run", lambda *args, **kwargs: None)
+    with caplog.at_level(logging.INFO, logger=cli.__name__):
+        assert cli.service_main([*SERVICE_ARGS, "--workers", "3"]) == 0
+    [line] = [record.getMessage() for record in caplog.records if record.name == cli.__name__]
+    assert "3 HTTP worker(s) (--http-workers)" in line and "batching off ($MATMUL_BATCHING)" in line
+    assert "300 MiB of shared memory per HTTP worker ($MATMUL_SLAB_BYTES)" in line
+
+
 def test_healthcheck_probes_healthz_on_the_served_port() -> None:
     check = one(SERVICE, "HEALTHCHECK")
     assert check.json and check.value[0] == "CMD"
@@ -308,13 +355,17 @@ def test_the_service_is_restarted_when_it_exits_and_stopped_only_after_its_grace
     assert compose_seconds(service.get("stop_grace_period", "10s")) > graceful_s
 
 
+def compose_environment() -> dict[str, str]:
+    """The service's environment in docker-compose.yml, before compose substitutes the shell's variables."""
+    variables: dict[str, str] = COMPOSE["services"]["matmul"]["environment"]
+    return variables
+
+
 def test_the_service_settings_are_real_settings() -> None:
-    variables = COMPOSE["services"]["matmul"]["environment"]
+    variables = compose_environment()
     assert set(variables) <= SETTING_VARIABLES and {"MATMUL_BACKEND", "MATMUL_QUEUE_SIZE"} <= set(variables)
-    for name in ("http_workers", "slab_bytes"):
-        default = re.fullmatch(r"\$\{(\w+):-(\d+)\}", variables[f"MATMUL_{name.upper()}"])
-        assert default and default.group(1) == f"MATMUL_{name.upper()}", f"MATMUL_{name.upper()} is passed on"
-        assert int(default.group(2)) == Settings.model_fields[name].default, "compose's default is the service's"
+    for variable in ("MATMUL_HTTP_WORKERS", "MATMUL_SLAB_BYTES", "MATMUL_BATCHING", "MATMUL_MAX_QUEUE_DELAY_US"):
+        assert variables[variable] == f"${{{variable}:-}}", f"{variable} is passed on, empty if unset: the default"
 
 
 def first_party_imports(path: Path, seen: set[Path] | None = None) -> set[str]:

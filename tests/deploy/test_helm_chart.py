@@ -202,6 +202,18 @@ def test_the_defaults_deploy_what_the_issue_asks_for() -> None:
     assert kinds == ["ConfigMap", "Deployment", "PodDisruptionBudget", "ScaledObject", "Service"]
 
 
+def test_by_default_the_service_derives_its_http_workers_and_shared_memory_from_the_node() -> None:
+    """The chart leaves MATMUL_HTTP_WORKERS and MATMUL_SLAB_BYTES unset: on a node of 16 CPUs or more the service
+    starts 8 HTTP workers, with 1 GiB of shared memory each within the pod's memory limit, batching without delay."""
+    pod = render().pod
+    assert {"MATMUL_HTTP_WORKERS", "MATMUL_SLAB_BYTES"}.isdisjoint(pod.environment())
+    settings = settings_of(pod, cpus=16)
+    assert (settings.http_workers, settings.slab_bytes) == (8, 1 << 30)
+    assert settings.batching and settings.max_queue_delay_us == 0
+    assert settings_of(pod, cpus=4).http_workers == 2
+    assert settings_of(render(["httpWorkers=3"]).pod, cpus=16).http_workers == 3
+
+
 def test_the_image_is_the_service_at_the_charts_app_version() -> None:
     chart = yaml.safe_load((CHART / "Chart.yaml").read_text())
     assert chart["appVersion"] == __version__
@@ -239,8 +251,8 @@ PLANTED = {
     "an unquoted KEDA threshold": (
         "templates/scaledobject.yaml", 'targetQueueDepth" . | quote }}', 'targetQueueDepth" . }}', [], "schemas",
     ),
-    "a setting that does not exist": ("templates/configmap.yaml", "MATMUL_HTTP_WORKERS:", "MATMUL_WORKERS:", [],
-                                      "environment"),
+    "a setting that does not exist": ("templates/configmap.yaml", "MATMUL_HTTP_WORKERS:", "MATMUL_WORKERS:",
+                                      ["httpWorkers=2"], "environment"),
     "one GPU more than engines": (
         "templates/deployment.yaml", "nvidia.com/gpu: {{ .Values.gpus }}", "nvidia.com/gpu: {{ add1 .Values.gpus }}",
         [], "environment",
@@ -258,7 +270,9 @@ PLANTED = {
         "templates/deployment.yaml", 'mountPath: {{ include "matmul-service.kernelCachePath" . }}',
         "mountPath: /home/matmul/.cupy", [], "kernel_cache",
     ),
-    "a memory limit below the shared memory": ("values.yaml", "memory: 8Gi", "memory: 1Gi", [], "memory"),
+    "a memory limit below the shared memory": ("values.yaml", "memory: 32Gi", "memory: 1Gi", [], "memory"),
+    "a memory limit below what 8 derived HTTP workers keep": ("values.yaml", "memory: 32Gi", "memory: 6Gi", [],
+                                                              "memory"),
     "the wrong Secret key": ("templates/deployment.yaml", "key: api-keys", "key: api_keys", ["apiKeys.keys={k}"],
                              "secret"),
     "a metric the service does not export": (

@@ -130,7 +130,7 @@ PLANTED = {
                                                "shutdown"),
     "another user": ("runAsUser: 10001", "runAsUser: 1000", "security"),
     "the cache elsewhere": ("mountPath: /var/cache/cupy", "mountPath: /home/matmul/.cupy", "kernel_cache"),
-    "a memory limit below the shared memory": ("memory: 8Gi", "memory: 1Gi", "memory"),
+    "a memory limit below the shared memory": ("memory: 32Gi", "memory: 1Gi", "memory"),
 }  # fmt: skip
 
 
