@@ -20,12 +20,12 @@ Transport failures (connection refused, timeouts, a connection closed mid-answer
 `httpx.TransportError`s (ConnectError, ConnectTimeout, ReadTimeout, WriteError, RemoteProtocolError, ...).
 
 What it costs: a 4096x4096 float32 product moves 192 MiB, and a client that copies it on the way (into a
-multipart body, out of a socket's chunks, into an array) spends more than the server does. This one writes the
-operands' own memory to the socket (`.npy` parts are a small header and the array's buffer, sent with
-`sendall`) and reads a `.npy` answer's bytes straight into the result array (`readinto`); the HTTP framing is
-the standard library's `http.client`, on keep-alive connections kept in a pool. Operands that are not
-C-contiguous, `.npz` and JSON bodies are encoded into new bytes. `AsyncMatmulClient` runs the same exchanges
-on a pool of threads, one per connection: the socket work releases the GIL.
+multipart body, out of a socket's chunks, into an array) spends more than the server does. This one writes a
+request's head and the operands' own memory (`.npy` parts are a small header and the array's buffer) with one
+scatter-gather `sendmsg`, and reads a `.npy` answer's bytes straight into the result array (`readinto`), on
+keep-alive connections kept in a pool; answers' heads are parsed by the standard library's `http.client`.
+Operands that are not C-contiguous, `.npz` and JSON bodies are encoded into new bytes. `AsyncMatmulClient` runs
+the same exchanges on a pool of threads, one per connection: the socket work releases the GIL.
 """
 
 from __future__ import annotations
@@ -34,7 +34,10 @@ import asyncio
 import contextlib
 import http.client
 import io
+import re
 import secrets
+import socket
+import ssl
 import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -58,9 +61,11 @@ DEFAULT_URL = "http://localhost:8000"
 DEFAULT_TIMEOUT_S = 60.0
 DEFAULT_CONNECTIONS = 8
 """Connections a client opens at most, hence products it has in flight at once (`multiply_many`, async calls)."""
-COALESCED_BYTES = 64 * 1024
-"""Bodies up to this size go out with their headers in one write (one packet for a small product)."""
 _ACCEPT = {"npy": NPY_MEDIA_TYPE, "json": JSON_MEDIA_TYPE}
+_IOV_MAX = 1024
+"""Buffers one `sendmsg` takes at most (Linux's IOV_MAX)."""
+_TOKEN = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")
+"""What a header's name may be made of (RFC 9110's token)."""
 _STALE = (http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeError, ConnectionAbortedError)
 """How a kept-alive connection that the server closed while it was idle fails on its next request."""
 T = TypeVar("T")
@@ -306,6 +311,37 @@ def _transport_error(exc: OSError | http.client.HTTPException, stage: str) -> ht
     return errors[stage](message)
 
 
+class _Connection:
+    """One keep-alive connection: requests written with scatter-gather `sendmsg` (a request's head and every
+    buffer of its body in one system call, none of them joined), answers parsed by `http.client.HTTPResponse`."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.served = 0
+        """Answers read to their end on this connection."""
+
+    def send(self, head: bytes, body: Sequence[Buffer]) -> None:
+        pending = [view for view in (memoryview(head), *(memoryview(part).cast("B") for part in body)) if view.nbytes]
+        if isinstance(self.sock, ssl.SSLSocket):  # TLS records are written one buffer at a time
+            for view in pending:
+                self.sock.sendall(view)
+            return
+        while pending:
+            sent = self.sock.sendmsg(pending[:_IOV_MAX])
+            while pending and sent >= pending[0].nbytes:
+                sent -= pending.pop(0).nbytes
+            if sent:
+                pending[0] = pending[0][sent:]
+
+    def response(self, method: str) -> http.client.HTTPResponse:
+        response = http.client.HTTPResponse(self.sock, method=method)
+        response.begin()
+        return response
+
+    def close(self) -> None:
+        self.sock.close()
+
+
 class _Connections:
     """Keep-alive connections to one server, at most `limit` of them, each used by one exchange at a time."""
 
@@ -313,25 +349,40 @@ class _Connections:
         parts = urlsplit(url)
         if parts.scheme not in ("http", "https") or not parts.hostname:
             raise ValueError(f"{url!r} is not an http:// or https:// URL")
-        self._connection_class = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
-        self._host, self._port = parts.hostname, parts.port
+        self._tls = ssl.create_default_context() if parts.scheme == "https" else None
+        self._host = parts.hostname
+        self._port = parts.port or (443 if self._tls else 80)
         self.prefix = parts.path.rstrip("/")
         self.timeout = timeout
-        self.headers = dict(headers)
-        self._idle: list[http.client.HTTPConnection] = []
+        lines = {"Host": parts.netloc.rpartition("@")[2], **headers}
+        for name, value in lines.items():
+            if not _TOKEN.fullmatch(name) or any(c in value for c in "\r\n\0"):
+                raise ValueError(f"the header {name!r}: {value!r} cannot be sent")
+        self._head_lines = "".join(f"{name}: {value}\r\n" for name, value in lines.items())
+        self._idle: list[_Connection] = []
         self._slots = threading.BoundedSemaphore(limit)
         self._lock = threading.Lock()
 
+    def _open(self) -> _Connection:
+        try:
+            sock = socket.create_connection((self._host, self._port), timeout=self.timeout)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            if self._tls is not None:
+                sock = self._tls.wrap_socket(sock, server_hostname=self._host)
+        except OSError as exc:
+            raise _transport_error(exc, "connect") from exc
+        return _Connection(sock)
+
     @contextlib.contextmanager
-    def _connection(self) -> Iterator[tuple[http.client.HTTPConnection, bool]]:
-        """A connection and whether it served before. It goes back to the pool when its exchange ended with an
-        answer read to its end (a product or the server's error), and is closed otherwise."""
+    def _connection(self) -> Iterator[_Connection]:
+        """A connection, kept for the next exchange when this one ended with an answer read to its end (a product
+        or the server's error) that did not close it, and closed otherwise."""
         with self._slots:
             with self._lock:
                 idle = self._idle.pop() if self._idle else None
-            connection = idle or self._connection_class(self._host, self._port, timeout=self.timeout)
+            connection = idle or self._open()
             try:
-                yield connection, idle is not None
+                yield connection
             except MatmulServiceError:
                 self._keep(connection)
                 raise
@@ -340,10 +391,12 @@ class _Connections:
                 raise
             self._keep(connection)
 
-    def _keep(self, connection: http.client.HTTPConnection) -> None:
-        if connection.sock is not None:  # not closed by the server's `Connection: close`
+    def _keep(self, connection: _Connection) -> None:
+        if connection.served:
             with self._lock:
                 self._idle.append(connection)
+        else:
+            connection.close()
 
     def exchange(
         self,
@@ -354,49 +407,46 @@ class _Connections:
         headers: Mapping[str, str] | None = None,
     ) -> T:
         """Send a request (its body's buffers as they are) and `read` its answer. A kept-alive connection that
-        the server closed while it was idle is reconnected and the request sent once more (products are pure:
+        the server closed while it was idle is replaced and the request sent once more (products are pure:
         sending one again is safe)."""
-        with self._connection() as (connection, reused):
+        size = sum(memoryview(part).nbytes for part in body)
+        head = f"{method} {self.prefix}{path} HTTP/1.1\r\n{self._head_lines}Content-Length: {size}\r\n"
+        head += "".join(f"{name}: {value}\r\n" for name, value in (headers or {}).items()) + "\r\n"
+        with self._connection() as connection:
             try:
-                response = self._send(connection, method, path, body, headers or {})
+                response = self._send(connection, method, head.encode("latin-1"), body)
             except _STALE as exc:
-                connection.close()
-                if not reused:
+                if not connection.served:
                     raise _transport_error(exc, "read") from exc
+                connection.close()
+                connection.sock = self._open().sock
+                connection.served = 0
                 try:
-                    response = self._send(connection, method, path, body, headers or {})
+                    response = self._send(connection, method, head.encode("latin-1"), body)
                 except _STALE as again:
                     raise _transport_error(again, "read") from again
             try:
-                return read(response)
+                answer = read(response)
+            except MatmulServiceError:
+                self._count(connection, response)
+                raise
             except (OSError, http.client.HTTPException) as exc:
                 raise _transport_error(exc, "read") from exc
+            self._count(connection, response)
+            return answer
 
-    def _send(
-        self,
-        connection: http.client.HTTPConnection,
-        method: str,
-        path: str,
-        body: Sequence[Buffer],
-        headers: Mapping[str, str],
-    ) -> http.client.HTTPResponse:
-        stage = "connect"
+    @staticmethod
+    def _count(connection: _Connection, response: http.client.HTTPResponse) -> None:
+        """An answer read to its end leaves the connection ready for the next request, unless the server closes it."""
+        connection.served = 0 if response.will_close or not response.isclosed() else connection.served + 1
+
+    @staticmethod
+    def _send(connection: _Connection, method: str, head: bytes, body: Sequence[Buffer]) -> http.client.HTTPResponse:
+        stage = "write"
         try:
-            if connection.sock is None:
-                connection.connect()
-            stage = "write"
-            connection.putrequest(method, self.prefix + path, skip_accept_encoding=True)
-            size = sum(memoryview(part).nbytes for part in body)
-            for name, value in {**self.headers, **headers, "Content-Length": str(size)}.items():
-                connection.putheader(name, value)
-            if size <= COALESCED_BYTES:
-                connection.endheaders(b"".join(body))
-            else:
-                connection.endheaders()
-                for part in body:
-                    connection.send(part)
+            connection.send(head, body)
             stage = "read"
-            return connection.getresponse()
+            return connection.response(method)
         except _STALE:
             raise
         except (OSError, http.client.HTTPException) as exc:

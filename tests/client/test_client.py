@@ -315,11 +315,14 @@ def test_transport_failures_are_httpx_errors(stub: Callable[..., Stub]) -> None:
         client.matmul(np.ones((64, 1)), np.ones((1, 64)))
 
 
-def test_a_url_that_is_not_http_is_refused() -> None:
+def test_a_url_that_is_not_http_and_headers_that_would_split_a_request_are_refused() -> None:
     with pytest.raises(ValueError, match="not an http"):
         MatmulClient("ftp://host/")
     with pytest.raises(ValueError, match="connections"):
         MatmulClient(connections=0)
+    for name, value in (("X-Trace", "t\r\nInjected: 1"), ("X Trace", "t"), ("X-Trace", "t\n")):
+        with pytest.raises(ValueError, match="cannot be sent"):
+            MatmulClient(headers={name: value})
 
 
 def test_many_products_in_their_order_on_a_bounded_number_of_connections(served_url: str) -> None:
