@@ -262,9 +262,10 @@ def _read_npy(response: http.client.HTTPResponse) -> np.ndarray:
 
 
 def _product(response: http.client.HTTPResponse) -> Product:
-    headers = response.headers
     if response.status != 200:
-        raise _error(response.status, headers, response.read())
+        raise _error(response.status, response.headers, response.read())
+    # one pass over the two dozen X-Matmul-* headers (each lookup in the message object is another pass)
+    headers = {name.lower(): value for name, value in response.getheaders()}
     if headers.get("content-type", "").startswith(NPY_MEDIA_TYPE):
         c = _read_npy(response)
     else:
