@@ -179,7 +179,11 @@ def _serving_line(settings: Settings, flags: Collection[str]) -> str:
         return default
 
     cpus, memory_gib = host.usable_cpus(), host.usable_memory_bytes() / (1 << 30)
-    workers = source("http_workers", f"half of {cpus} usable CPUs, at most {MAX_DEFAULT_HTTP_WORKERS}")
+    workers = source(
+        "http_workers",
+        f"half of {cpus} usable CPUs, at most {MAX_DEFAULT_HTTP_WORKERS} and as many as a quarter of "
+        f"{memory_gib:.1f} GiB holds at {MIN_DEFAULT_SLAB_BYTES >> 20} MiB each",
+    )
     delay = source("max_queue_delay_us", "default" if settings.max_queue_delay_us else "default: no wait")
     slab = source(
         "slab_bytes",

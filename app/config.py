@@ -21,10 +21,11 @@ MAX_DEFAULT_SLAB_BYTES = 1 << 30
 """Most shared memory per HTTP worker MATMUL_SLAB_BYTES defaults to: an 8192^2 float32 product (768 MiB) fits."""
 
 
-def default_http_workers(cpus: int) -> int:
-    """MATMUL_HTTP_WORKERS when unset: half the usable CPUs, from 1 to MAX_DEFAULT_HTTP_WORKERS. Half, because the
-    engine processes (their staging threads and copies) and clients on the same host need cores too."""
-    return max(1, min(MAX_DEFAULT_HTTP_WORKERS, cpus // 2))
+def default_http_workers(cpus: int, memory_bytes: int) -> int:
+    """MATMUL_HTTP_WORKERS when unset: half the usable CPUs, from 1 to MAX_DEFAULT_HTTP_WORKERS, and no more than
+    a quarter of the usable memory holds at MIN_DEFAULT_SLAB_BYTES each (a 4 GiB container gets 4 at most). Half,
+    because the engine processes (their staging threads and copies) and clients on the same host need cores too."""
+    return max(1, min(MAX_DEFAULT_HTTP_WORKERS, cpus // 2, memory_bytes // (4 * MIN_DEFAULT_SLAB_BYTES)))
 
 
 def default_slab_bytes(http_workers: int, memory_bytes: int) -> int:
@@ -35,7 +36,7 @@ def default_slab_bytes(http_workers: int, memory_bytes: int) -> int:
 
 
 def _host_http_workers() -> int:
-    return default_http_workers(host.usable_cpus())
+    return default_http_workers(host.usable_cpus(), host.usable_memory_bytes())
 
 
 def _host_slab_bytes(validated: dict[str, Any]) -> int:
@@ -78,7 +79,8 @@ class Settings(BaseSettings):
         le=256,
         description="HTTP worker processes `matmul-service` starts (--workers); they share one engine process per "
         "device. Default: half the CPUs this process may use (its affinity, within its cgroup's quota), from 1 to "
-        f"{MAX_DEFAULT_HTTP_WORKERS}.",
+        f"{MAX_DEFAULT_HTTP_WORKERS}, and no more than a quarter of its memory holds at "
+        f"{MIN_DEFAULT_SLAB_BYTES >> 20} MiB of shared memory each.",
     )
     slab_bytes: int = Field(
         default_factory=_host_slab_bytes,

@@ -50,7 +50,16 @@ def settings() -> Settings:
 
 @pytest.mark.parametrize(("cpus", "workers"), [(1, 1), (2, 1), (3, 1), (4, 2), (16, 8), (17, 8), (64, 8)])
 def test_the_default_http_workers_are_half_the_cpus_from_one_to_the_cap(cpus: int, workers: int) -> None:
-    assert default_http_workers(cpus) == workers
+    assert default_http_workers(cpus, 128 * GIB) == workers
+
+
+@pytest.mark.parametrize(
+    ("memory", "workers"), [(512 * MIB, 1), (GIB, 1), (2 * GIB, 2), (4 * GIB + MIB, 4), (8 * GIB, 8)]
+)
+def test_the_default_http_workers_fit_their_shared_memory_in_a_quarter_of_the_memory(memory: int, workers: int) -> None:
+    """A 4 GiB container on a 64-CPU node: 4 workers of 256 MiB, not 8 whose floor would pin half its memory."""
+    assert default_http_workers(64, memory) == workers
+    assert workers == 1 or workers * MIN_DEFAULT_SLAB_BYTES <= memory // 4
 
 
 def test_the_cap_is_the_count_measured() -> None:
@@ -78,7 +87,13 @@ def test_the_default_shared_memory_is_a_quarter_of_the_memory_over_the_workers(
 
 @pytest.mark.parametrize(
     ("cpus", "memory", "workers", "slab"),
-    [(16, 64 * GIB, 8, GIB), (16, 8 * GIB, 8, 256 * MIB), (2, 8 * GIB, 1, GIB), (6, 6 * GIB, 3, 512 * MIB)],
+    [
+        (16, 64 * GIB, 8, GIB),
+        (16, 8 * GIB, 8, 256 * MIB),
+        (2, 8 * GIB, 1, GIB),
+        (6, 6 * GIB, 3, 512 * MIB),
+        (64, 4 * GIB, 4, 256 * MIB),
+    ],
 )
 def test_with_no_settings_the_service_derives_workers_and_shared_memory_from_the_host(
     host_of: Host, cpus: int, memory: int, workers: int, slab: int

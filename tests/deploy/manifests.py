@@ -292,13 +292,19 @@ def check_kernel_cache(pod: Pod) -> None:
     assert path in mounts(pod), f"nothing is mounted at {path}: the root is read-only, and a restart would recompile"
 
 
+ENGINE_BYTES = 2 << 30
+"""What the memory limit keeps for the engine process beside the HTTP workers' memory: its CUDA context, CuPy and
+the compiled kernels, its pinned staging buffers."""
+
+
 def check_memory(pod: Pod) -> None:
-    """The memory limit holds every HTTP worker's shared memory (which the engines pin) and kept body buffers, with
-    the HTTP workers and shared memory the service sets or derives on small nodes and large ones."""
+    """The memory limit holds every HTTP worker's shared memory (which the engines pin) and kept body buffers, and
+    the engine's own, with the HTTP workers and shared memory the service sets or derives on small nodes and large
+    ones (it derives fewer workers where the limit is small: the limit must still leave the engine its share)."""
     limit = quantity_bytes(pod.container["resources"]["limits"]["memory"])
     for cpus in NODE_CPU_COUNTS:
         settings = settings_of(pod, cpus)
-        needed = settings.http_workers * (settings.slab_bytes + KEPT_BODY_BYTES)
+        needed = settings.http_workers * (settings.slab_bytes + KEPT_BODY_BYTES) + ENGINE_BYTES
         assert limit > needed, (
             f"a {limit} B limit for {settings.http_workers} HTTP worker(s) needing {needed} B ({cpus} CPUs)"
         )

@@ -246,7 +246,7 @@ def test_matmul_service_in_the_image_derives_what_compose_passes_on_empty(
     assert engines.settings.slab_bytes == 1 << 30 and engines.settings.batching
     assert engines.settings.max_queue_delay_us == 0
     [line] = [record.getMessage() for record in caplog.records if record.name == cli.__name__]
-    assert "8 HTTP worker(s) (half of 16 usable CPUs, at most 8)" in line
+    assert "8 HTTP worker(s) (half of 16 usable CPUs, at most 8 and as many as a quarter of 64.0 GiB holds" in line
     assert "batching on (default)" in line and "queue delay 0 us (default: no wait)" in line
     assert "1024 MiB of shared memory per HTTP worker (a quarter of 64.0 GiB usable memory" in line
 
