@@ -31,6 +31,7 @@ the same exchanges on a pool of threads, one per connection: the socket work rel
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import http.client
 import io
@@ -44,7 +45,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, Literal, Self, TypedDict, TypeVar, Unpack
-from urllib.parse import urlencode, urlsplit
+from urllib.parse import quote, urlencode, urlsplit
 
 import httpx
 import numpy as np
@@ -66,8 +67,20 @@ _IOV_MAX = 1024
 """Buffers one `sendmsg` takes at most (Linux's IOV_MAX)."""
 _TOKEN = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")
 """What a header's name may be made of (RFC 9110's token)."""
-_STALE = (http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeError, ConnectionAbortedError)
-"""How a kept-alive connection that the server closed while it was idle fails on its next request."""
+_STALE = (
+    http.client.RemoteDisconnected,
+    ConnectionResetError,
+    BrokenPipeError,
+    ConnectionAbortedError,
+    ssl.SSLEOFError,
+    ssl.SSLZeroReturnError,
+)
+"""How a kept-alive connection that the server closed while it was idle fails on its next request (a TLS one
+closed without a close_notify: SSLEOFError)."""
+_FRAMING = frozenset({"host", "content-length", "transfer-encoding", "connection"})
+"""Headers the client writes itself: one given too would frame the request twice."""
+_FIELD_VALUE = re.compile(r"[\t\x20-\x7e\x80-\xff]*")
+"""What a header's value may hold (RFC 9110: visible characters, spaces and tabs; obs-text as latin-1)."""
 T = TypeVar("T")
 
 
@@ -266,32 +279,40 @@ def _product(response: http.client.HTTPResponse) -> Product:
         raise _error(response.status, response.headers, response.read())
     # one pass over the two dozen X-Matmul-* headers (each lookup in the message object is another pass)
     headers = {name.lower(): value for name, value in response.getheaders()}
-    if headers.get("content-type", "").startswith(NPY_MEDIA_TYPE):
-        c = _read_npy(response)
-    else:
-        dtype = np.dtype(headers["x-matmul-dtype"])
-        m, n = (int(side) for side in headers["x-matmul-shape"].split("x"))
-        # JSON has no NaN: the server writes non-finite elements as null, which NumPy reads back as NaN.
-        c = np.array(orjson.loads(response.read())["result"], dtype=np.float64).reshape(m, n).astype(dtype)
-    tile, gflops = headers.get("x-matmul-tile"), headers.get("x-matmul-gflops")
-    return Product(
-        c=c,
-        kernel=headers["x-matmul-kernel"],
-        tile=int(tile) if tile is not None else None,
-        precision=headers["x-matmul-precision"],
-        backend=headers["x-matmul-backend"],
-        device=headers["x-matmul-device"],
-        gflops=float(gflops) if gflops is not None else None,
-        batch_size=int(headers.get("x-matmul-batch-size", 1)),
-        timing=parse_server_timing(headers.get("server-timing", "")),
-    )
+    try:
+        if headers.get("content-type", "").startswith(NPY_MEDIA_TYPE):
+            c = _read_npy(response)
+        else:
+            dtype = np.dtype(headers["x-matmul-dtype"])
+            m, n = (int(side) for side in headers["x-matmul-shape"].split("x"))
+            # JSON has no NaN: the server writes non-finite elements as null, which NumPy reads back as NaN.
+            c = np.array(orjson.loads(response.read())["result"], dtype=np.float64).reshape(m, n).astype(dtype)
+        tile, gflops = headers.get("x-matmul-tile"), headers.get("x-matmul-gflops")
+        return Product(
+            c=c,
+            kernel=headers["x-matmul-kernel"],
+            tile=int(tile) if tile is not None else None,
+            precision=headers["x-matmul-precision"],
+            backend=headers["x-matmul-backend"],
+            device=headers["x-matmul-device"],
+            gflops=float(gflops) if gflops is not None else None,
+            batch_size=int(headers.get("x-matmul-batch-size", 1)),
+            timing=parse_server_timing(headers.get("server-timing", "")),
+        )
+    except (KeyError, ValueError, TypeError) as exc:  # orjson's JSONDecodeError is a ValueError
+        raise http.client.HTTPException(f"a 200 answer that is not a product of this service: {exc!r}") from exc
 
 
 def _json_object(response: http.client.HTTPResponse) -> dict[str, Any]:
     body = response.read()
     if response.status != 200:
         raise _error(response.status, response.headers, body)
-    said: dict[str, Any] = orjson.loads(body)
+    try:
+        said = orjson.loads(body)
+    except orjson.JSONDecodeError as exc:
+        raise http.client.HTTPException(f"a 200 answer that is not JSON: {exc}") from exc
+    if not isinstance(said, dict):
+        raise http.client.HTTPException(f"a 200 answer that is not a JSON object: {body[:100]!r}")
     return said
 
 
@@ -312,6 +333,15 @@ def _transport_error(exc: OSError | http.client.HTTPException, stage: str) -> ht
     return errors[stage](message)
 
 
+class _Closed(Exception):
+    """The server closed the connection before any of the answer came (`stage`: while writing or reading)."""
+
+    def __init__(self, cause: OSError | http.client.HTTPException, stage: str) -> None:
+        super().__init__(str(cause))
+        self.cause = cause
+        self.stage = stage
+
+
 class _Connection:
     """One keep-alive connection: requests written with scatter-gather `sendmsg` (a request's head and every
     buffer of its body in one system call, none of them joined), answers parsed by `http.client.HTTPResponse`."""
@@ -319,9 +349,10 @@ class _Connection:
     def __init__(self, sock: socket.socket) -> None:
         self.sock = sock
         self.served = 0
-        """Answers read to their end on this connection."""
+        """Answers read to their end on this connection, which may serve the next request while this is not 0."""
+        self._response: http.client.HTTPResponse | None = None
 
-    def send(self, head: bytes, body: Sequence[Buffer]) -> None:
+    def _write(self, head: bytes, body: Sequence[Buffer]) -> None:
         pending = [view for view in (memoryview(head), *(memoryview(part).cast("B") for part in body)) if view.nbytes]
         if isinstance(self.sock, ssl.SSLSocket):  # TLS records are written one buffer at a time
             for view in pending:
@@ -334,12 +365,43 @@ class _Connection:
             if sent:
                 pending[0] = pending[0][sent:]
 
-    def response(self, method: str) -> http.client.HTTPResponse:
-        response = http.client.HTTPResponse(self.sock, method=method)
-        response.begin()
-        return response
+    def _read_head(self, method: str) -> http.client.HTTPResponse:
+        self._response = http.client.HTTPResponse(self.sock, method=method)
+        self._response.begin()
+        return self._response
+
+    def exchange(self, method: str, head: bytes, body: Sequence[Buffer]) -> http.client.HTTPResponse:
+        """Send a request and read its answer's head. A server may answer before it has read the whole body (a
+        proxy's 413) and close: that answer is returned, and the connection serves no other."""
+        try:
+            self._write(head, body)
+        except OSError as exc:
+            try:
+                early = self._read_head(method)
+            except (OSError, http.client.HTTPException):
+                early = None
+            if early is None:
+                if isinstance(exc, _STALE):
+                    raise _Closed(exc, "write") from exc
+                raise _transport_error(exc, "write") from exc
+            early.will_close = True
+            return early
+        try:
+            return self._read_head(method)
+        except _STALE as exc:
+            raise _Closed(exc, "read") from exc
+        except (OSError, http.client.HTTPException) as exc:
+            raise _transport_error(exc, "read") from exc
+
+    def reconnect(self, sock: socket.socket) -> None:
+        """Go on over a new socket (the server closed the old one)."""
+        self.close()
+        self.sock, self.served = sock, 0
 
     def close(self) -> None:
+        if self._response is not None:
+            self._response.close()  # its file holds the socket open until closed
+            self._response = None
         self.sock.close()
 
 
@@ -353,18 +415,19 @@ class _Connections:
         self._tls = ssl.create_default_context() if parts.scheme == "https" else None
         self._host = parts.hostname
         self._port = parts.port or (443 if self._tls else 80)
-        self.prefix = parts.path.rstrip("/")
+        self.prefix = quote(parts.path.rstrip("/"), safe="/%")
         self.timeout = timeout
-        lines = {"Host": parts.netloc.rpartition("@")[2], **headers}
-        for name, value in lines.items():
-            if not _TOKEN.fullmatch(name) or any(c in value for c in "\r\n\0"):
+        for name, value in headers.items():
+            if name.lower() in _FRAMING or not _TOKEN.fullmatch(name) or not _FIELD_VALUE.fullmatch(value):
                 raise ValueError(f"the header {name!r}: {value!r} cannot be sent")
+        lines = {"Host": parts.netloc.rpartition("@")[2], **headers}
         self._head_lines = "".join(f"{name}: {value}\r\n" for name, value in lines.items())
         self._idle: list[_Connection] = []
         self._slots = threading.BoundedSemaphore(limit)
         self._lock = threading.Lock()
+        self._closed = False
 
-    def _open(self) -> _Connection:
+    def _socket(self) -> socket.socket:
         try:
             sock = socket.create_connection((self._host, self._port), timeout=self.timeout)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -372,7 +435,7 @@ class _Connections:
                 sock = self._tls.wrap_socket(sock, server_hostname=self._host)
         except OSError as exc:
             raise _transport_error(exc, "connect") from exc
-        return _Connection(sock)
+        return sock
 
     @contextlib.contextmanager
     def _connection(self) -> Iterator[_Connection]:
@@ -381,7 +444,7 @@ class _Connections:
         with self._slots:
             with self._lock:
                 idle = self._idle.pop() if self._idle else None
-            connection = idle or self._open()
+            connection = idle or _Connection(self._socket())
             try:
                 yield connection
             except MatmulServiceError:
@@ -393,11 +456,11 @@ class _Connections:
             self._keep(connection)
 
     def _keep(self, connection: _Connection) -> None:
-        if connection.served:
-            with self._lock:
+        with self._lock:
+            if connection.served and not self._closed:
                 self._idle.append(connection)
-        else:
-            connection.close()
+                return
+        connection.close()
 
     def exchange(
         self,
@@ -408,30 +471,30 @@ class _Connections:
         headers: Mapping[str, str] | None = None,
     ) -> T:
         """Send a request (its body's buffers as they are) and `read` its answer. A kept-alive connection that
-        the server closed while it was idle is replaced and the request sent once more (products are pure:
-        sending one again is safe)."""
+        the server closed while it was idle is replaced and the request sent once more, before any of the answer
+        came (products are pure: sending one again is safe)."""
         size = sum(memoryview(part).nbytes for part in body)
-        head = f"{method} {self.prefix}{path} HTTP/1.1\r\n{self._head_lines}Content-Length: {size}\r\n"
-        head += "".join(f"{name}: {value}\r\n" for name, value in (headers or {}).items()) + "\r\n"
+        text = f"{method} {self.prefix}{path} HTTP/1.1\r\n{self._head_lines}Content-Length: {size}\r\n"
+        lines = "".join(f"{name}: {value}\r\n" for name, value in (headers or {}).items())
+        head = (text + lines + "\r\n").encode("latin-1")
         with self._connection() as connection:
             try:
-                response = self._send(connection, method, head.encode("latin-1"), body)
-            except _STALE as exc:
+                response = connection.exchange(method, head, body)
+            except _Closed as closed:
                 if not connection.served:
-                    raise _transport_error(exc, "read") from exc
-                connection.close()
-                connection.sock = self._open().sock
-                connection.served = 0
+                    raise _transport_error(closed.cause, closed.stage) from closed.cause
+                connection.reconnect(self._socket())
                 try:
-                    response = self._send(connection, method, head.encode("latin-1"), body)
-                except _STALE as again:
-                    raise _transport_error(again, "read") from again
+                    response = connection.exchange(method, head, body)
+                except _Closed as again:
+                    raise _transport_error(again.cause, again.stage) from again.cause
             try:
                 answer = read(response)
             except MatmulServiceError:
                 self._count(connection, response)
                 raise
             except (OSError, http.client.HTTPException) as exc:
+                connection.served = 0
                 raise _transport_error(exc, "read") from exc
             self._count(connection, response)
             return answer
@@ -441,20 +504,10 @@ class _Connections:
         """An answer read to its end leaves the connection ready for the next request, unless the server closes it."""
         connection.served = 0 if response.will_close or not response.isclosed() else connection.served + 1
 
-    @staticmethod
-    def _send(connection: _Connection, method: str, head: bytes, body: Sequence[Buffer]) -> http.client.HTTPResponse:
-        stage = "write"
-        try:
-            connection.send(head, body)
-            stage = "read"
-            return connection.response(method)
-        except _STALE:
-            raise
-        except (OSError, http.client.HTTPException) as exc:
-            raise _transport_error(exc, stage) from exc
-
     def close(self) -> None:
+        """Close the idle connections now, and those in use once their exchange ends."""
         with self._lock:
+            self._closed = True
             idle, self._idle = self._idle, []
         for connection in idle:
             connection.close()
@@ -514,7 +567,9 @@ class MatmulClient:
         """The products of many pairs, in their order, computed `connections` at a time; the first error met in
         that order is raised once every product has ended."""
         chosen = format or self.format
-        return list(self.threads().map(lambda pair: self.multiply(*pair, format=chosen, **options), pairs))
+        running = [self.threads().submit(self.multiply, a, b, format=chosen, **options) for a, b in pairs]
+        concurrent.futures.wait(running)
+        return [product.result() for product in running]
 
     def send(self, payload: Payload, **options: Unpack[Options]) -> Product:
         """Send a body encoded beforehand with `encode_payload` (to send the same operands many times)."""

@@ -11,8 +11,8 @@ from app.product import MatmulMetadata, Timing
 
 
 class BuffersResponse(Response):
-    """For `.npy` answers: the header, then the product's own memory in the shared-memory slab it was computed
-    into (a 4096x4096 float32 product is 64 MB that joining would copy once more). `on_sent` is called once the
+    """For `.npy` and v2 binary answers: the header, then the product's own memory in the shared-memory slab it was
+    computed into (a 4096x4096 float32 product is 64 MB that joining would copy once more). `on_sent` is called once the
     last `send` has returned, or when sending fails. The server's transport may still hold views of the buffers
     then (what the socket did not take at once): memory whose owner reuses it on `on_sent` must outlive its views,
     as a slab's bytes do (`app.dataplane.slab`)."""

@@ -5,9 +5,11 @@ from __future__ import annotations
 import io
 import re
 import socket
+import struct
 import threading
 import time
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import httpx
 import numpy as np
@@ -130,8 +132,12 @@ class Stub:
     answers and transport failures the real server cannot be made to give. It records each request's head and
     body, counts the connections it accepted, and closes a connection after answering when `close_after`."""
 
-    def __init__(self, answer: bytes, close_after: bool = False, silent: bool = False) -> None:
-        self.answer, self.close_after, self.silent = answer, close_after, silent
+    def __init__(
+        self, answer: bytes, close_after: bool = False, silent: bool = False, early: bool = False, pause: float = 0
+    ) -> None:
+        self.answer, self.close_after, self.silent, self.early = answer, close_after, silent, early
+        self.pause = pause
+        """Seconds before each answer."""
         self.requests: list[tuple[bytes, bytes]] = []
         self.connections = 0
         self._listener = socket.create_server(("127.0.0.1", 0))
@@ -154,15 +160,15 @@ class Stub:
             while head := reader.readline():
                 while (line := reader.readline()) not in (b"\r\n", b""):
                     head += line
-                length = next(
-                    (
-                        int(line.split(b":")[1])
-                        for line in head.split(b"\r\n")
-                        if line.lower().startswith(b"content-length:")
-                    ),
-                    0,
-                )
+                fields = (line.partition(b":") for line in head.split(b"\r\n"))
+                length = next((int(value) for name, _, value in fields if name.lower() == b"content-length"), 0)
+                if self.early:  # answer at once, the body unread, and hang up (a reset: SO_LINGER 0)
+                    self.requests.append((head, b""))
+                    sock.sendall(self.answer)
+                    sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                    return
                 self.requests.append((head, reader.read(length)))
+                time.sleep(self.pause)
                 if self.silent:
                     time.sleep(5)
                     return
@@ -183,7 +189,7 @@ def http_answer(status: int, body: bytes, *headers: str) -> bytes:
 def stub() -> Iterator[Callable[..., Stub]]:
     made: list[Stub] = []
 
-    def make(answer: bytes, **kwargs: bool) -> Stub:
+    def make(answer: bytes, **kwargs: Any) -> Stub:
         made.append(Stub(answer, **kwargs))
         return made[-1]
 
@@ -286,7 +292,6 @@ def test_one_connection_serves_one_product_after_another(stub: Callable[..., Stu
     with MatmulClient(server.url) as client:
         for _ in range(5):
             client.matmul(np.ones((1, 1)), np.ones((1, 1)))
-        client.info  # noqa: B018
     assert (server.connections, len(server.requests)) == (1, 5)
 
 
@@ -320,9 +325,42 @@ def test_a_url_that_is_not_http_and_headers_that_would_split_a_request_are_refus
         MatmulClient("ftp://host/")
     with pytest.raises(ValueError, match="connections"):
         MatmulClient(connections=0)
-    for name, value in (("X-Trace", "t\r\nInjected: 1"), ("X Trace", "t"), ("X-Trace", "t\n")):
+    refused = [("X-Trace", "t\r\nInjected: 1"), ("X Trace", "t"), ("X-Trace", "t\n"), ("X-Trace", "\u20ac")]
+    refused += [("Host", "elsewhere"), ("content-length", "0"), ("Transfer-Encoding", "chunked")]
+    for name, value in refused:
         with pytest.raises(ValueError, match="cannot be sent"):
             MatmulClient(headers={name: value})
+
+
+def test_an_answer_sent_before_the_body_was_read_is_the_answer(stub: Callable[..., Stub]) -> None:
+    """A server (a proxy's size limit) may answer 413 at the head and hang up while the body is still being sent:
+    the caller gets that 413, not a broken pipe."""
+    body = orjson.dumps({"code": "payload_too_large", "message": "too big", "location": None})
+    server = stub(http_answer(413, body, "connection: close", "content-type: application/json"), early=True)
+    big = np.ones((4096, 4096), np.float32)  # 64 MiB: more than the socket buffers take before the server hangs up
+    with MatmulClient(server.url) as client, pytest.raises(RequestRejected) as caught:
+        client.matmul(big, big)
+    assert (caught.value.status, caught.value.code) == (413, "payload_too_large")
+
+
+def test_a_200_that_is_not_a_product_is_a_protocol_error(stub: Callable[..., Stub]) -> None:
+    for answer in (http_answer(200, b"[1, 2]", "content-type: application/json"), http_answer(200, b"ok")):
+        server = stub(answer)
+        with MatmulClient(server.url) as client, pytest.raises(httpx.RemoteProtocolError, match="not a product"):
+            client.matmul(np.ones((1, 1)), np.ones((1, 1)), format="json")
+        with MatmulClient(server.url) as client, pytest.raises(httpx.RemoteProtocolError, match="JSON"):
+            client.info()
+
+
+def test_many_products_end_before_the_first_error_is_raised(stub: Callable[..., Stub]) -> None:
+    """multiply_many sends every pair, and raises the first error in their order only once all have ended."""
+    body = orjson.dumps({"code": "shape_mismatch", "message": "no", "location": None})
+    server = stub(http_answer(422, body, "content-type: application/json"), pause=0.1)
+    with MatmulClient(server.url, connections=2) as client:
+        with pytest.raises(RequestRejected):
+            client.multiply_many([(np.ones((1, 1)), np.ones((1, 1)))] * 6)
+        sent_when_raised = len(server.requests)  # before close(), which would wait for the products anyway
+    assert sent_when_raised == 6 and server.connections <= 2
 
 
 def test_many_products_in_their_order_on_a_bounded_number_of_connections(served_url: str) -> None:

@@ -20,13 +20,14 @@ import time
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 
-import httpx
 import numpy as np
+import orjson
 import pytest
 
 from app.client import encode_payload
-from matmul_tools.bodies import load_npy, npy_bytes
+from matmul_tools.bodies import inference_v2_body, load_npy
 from matmul_tools.integrity import WAYS, checked_load
+from matmul_tools.raw_http import read_until_closed
 from tests.server.conftest import CLIENTS, Serve
 
 pytestmark = pytest.mark.timeout(600)
@@ -102,29 +103,49 @@ def test_on_the_gpu_every_answer_is_its_own_requests_product(
     assert tally.answers == CLIENTS * 2 * len(WAYS)
 
 
-def test_an_answer_still_being_sent_keeps_its_memory(serve: Serve) -> None:
-    """A reads the head of its 16 MiB `.npy` answer and stops reading; B, whose operands and product need the same
-    shared memory, is sent meanwhile; a second later A reads the rest. A's answer is its own product, B's its own."""
+def _request(route: str, a: np.ndarray, b: np.ndarray) -> bytes:
+    """A whole request for a @ b on `route` (an `.npy` answer, or a v2 binary one), its connection closed after."""
+    if route == "npy":
+        payload = encode_payload(a, b, "npy")
+        body, path, extra = payload.content, "/matmul", f"Content-Type: {payload.content_type}\r\n"
+        extra += "Accept: application/x-npy\r\n"
+    else:
+        body, header_length = inference_v2_body(a, b)
+        path, extra = "/v2/models/matmul/infer", f"Inference-Header-Content-Length: {header_length}\r\n"
+    head = f"POST {path} HTTP/1.1\r\nHost: test\r\n{extra}Content-Length: {len(body)}\r\nConnection: close\r\n\r\n"
+    return head.encode("latin-1") + body
+
+
+def _product(route: str, answer: bytes) -> np.ndarray:
+    head, _, body = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 200"), head
+    if route == "npy":
+        return load_npy(body)
+    length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n") if line.lower().startswith(b"inference-"))
+    shape = orjson.loads(body[:length])["outputs"][0]["shape"]
+    return np.frombuffer(body[length:], np.float32).reshape(shape)
+
+
+@pytest.mark.parametrize("route", ["npy", "v2 binary"])
+def test_an_answer_still_being_sent_keeps_its_memory(serve: Serve, route: str) -> None:
+    """A reads the head of its 16 MiB answer (`.npy`, or v2 binary tensors: both are sent from the product's
+    shared memory) and stops reading; B, whose operands and product need the same shared memory, is sent meanwhile;
+    a second later A reads the rest. A's answer is its own product, B's its own."""
     service = serve(Configuration(workers=1, batching=False, slab_bytes=20 * MIB).env(), 1)
     n = 2048
     a_first, b_first = np.ones((n, 1), np.float32), np.arange(n, dtype=np.float32)[None, :]
     a_second, b_second = np.full((n, 1), 7, np.float32), np.full((1, n), 3, np.float32)
-    payload = encode_payload(a_first, b_first, "npy")
-    request = (
-        f"POST /matmul HTTP/1.1\r\nHost: test\r\nContent-Type: {payload.content_type}\r\n"
-        f"Accept: application/x-npy\r\nContent-Length: {len(payload.content)}\r\nConnection: close\r\n\r\n"
-    ).encode("latin-1")
     answers: dict[str, np.ndarray] = {}
 
     def second() -> None:
-        files = {"a": ("a.npy", npy_bytes(a_second)), "b": ("b.npy", npy_bytes(b_second))}
-        answer = httpx.post(f"{service.url}/matmul", files=files, headers={"accept": "application/x-npy"}, timeout=60)
-        answers["second"] = load_npy(answer.content)
+        with socket.create_connection(("127.0.0.1", service.port)) as sock:
+            sock.sendall(_request(route, a_second, b_second))
+            answers["second"] = _product(route, read_until_closed(sock))
 
     with socket.socket() as first:
         first.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
         first.connect(("127.0.0.1", service.port))
-        first.sendall(request + payload.content)
+        first.sendall(_request(route, a_first, b_first))
         received = first.recv(4096)  # the head: the answer is being sent
         meanwhile = threading.Thread(target=second)
         meanwhile.start()
@@ -132,7 +153,5 @@ def test_an_answer_still_being_sent_keeps_its_memory(serve: Serve) -> None:
         while piece := first.recv(1 << 20):
             received += piece
     meanwhile.join(timeout=60)
-    head, _, body = received.partition(b"\r\n\r\n")
-    assert head.startswith(b"HTTP/1.1 200")
-    np.testing.assert_array_equal(load_npy(body), a_first @ b_first)
+    np.testing.assert_array_equal(_product(route, received), a_first @ b_first)
     np.testing.assert_array_equal(answers["second"], a_second @ b_second)
