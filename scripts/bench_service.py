@@ -29,17 +29,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import multiprocessing
 import os
-import queue
 import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from multiprocessing.pool import AsyncResult
-from multiprocessing.sharedctypes import Synchronized
-from multiprocessing.synchronize import Event
 from pathlib import Path
 from typing import Any, Literal
 
@@ -51,6 +46,7 @@ from app.client import AsyncMatmulClient, RequestFormat
 from app.config import Settings
 from matmul_tools import loadtest
 from matmul_tools.service import LocalService, free_port
+from matmul_tools.together import StartSignal, TogetherPool
 
 Route = Literal["matmul", "echo"]
 PHASES = ("read", "decode", "queue", "h2d", "kernel", "d2h", "encode", "total", loadtest.CLIENT_SIDE)
@@ -148,23 +144,16 @@ class ChildState:
     """Set in each client process by `_prepare`: the bodies, encoded once, and the start signal."""
 
     traffic: dict[tuple[loadtest.Shape, RequestFormat, str], loadtest.Traffic]
-    warmed: multiprocessing.Queue[int]
-    go: Event
-    start_at: Synchronized[float]
+    signal: StartSignal
 
 
 _child: ChildState | None = None
 
 
-def _prepare(
-    jobs: list[tuple[loadtest.Shape, RequestFormat, str]],
-    warmed: multiprocessing.Queue[int],
-    go: Event,
-    start_at: Synchronized[float],
-) -> None:
+def _prepare(jobs: list[tuple[loadtest.Shape, RequestFormat, str]], signal: StartSignal) -> None:
     global _child
     traffic = {job: loadtest.Traffic([(job[0], 1.0)], [(job[1], 1.0)], [(job[2], 1.0)], "float32", 0) for job in jobs}
-    _child = ChildState(traffic, warmed, go, start_at)
+    _child = ChildState(traffic, signal)
 
 
 def _run_share(share: Share) -> ShareResult:
@@ -197,9 +186,7 @@ async def _drive(share: Share) -> ShareResult:
             return loadtest.Run(client, traffic, {})
 
         await loadtest.closed_loop(new_run(), share.concurrency, share.warmup, float("inf"), lambda: None)
-        _child.warmed.put(os.getpid())
-        await asyncio.to_thread(_child.go.wait)
-        start_at = _child.start_at.value
+        start_at = await asyncio.to_thread(_child.signal.wait_for_start)
         await asyncio.sleep(max(0.0, start_at - time.time()))
         counter.counting = True
         run = new_run()
@@ -213,43 +200,13 @@ async def _drive(share: Share) -> ShareResult:
     return ShareResult(run.samples, started, finished, len(ok) * body_bytes, answers, batch_sizes)
 
 
-class ClientPool:
+Clients = TogetherPool[Share, ShareResult]
+"""The client processes of a run."""
+
+
+def client_pool(processes: int, jobs: list[tuple[loadtest.Shape, RequestFormat, str]]) -> Clients:
     """`processes` client processes (spawned, each with every body of the run encoded) that run a cell together."""
-
-    def __init__(self, processes: int, jobs: list[tuple[loadtest.Shape, RequestFormat, str]]) -> None:
-        context = multiprocessing.get_context("spawn")
-        self.processes = processes
-        self._warmed: multiprocessing.Queue[int] = context.Queue()
-        self._go = context.Event()
-        self._start_at = context.Value("d", 0.0)
-        self._pool = context.Pool(processes, _prepare, (jobs, self._warmed, self._go, self._start_at))
-
-    def run(self, shares: list[Share], warmup_timeout_s: float) -> list[ShareResult]:
-        """Each share in a process of its own; they start measuring together, once every one has warmed up."""
-        self._go.clear()
-        pending = [self._pool.apply_async(_run_share, (share,)) for share in shares]
-        deadline = time.monotonic() + warmup_timeout_s
-        for _ in shares:
-            self._wait_warmed(pending, deadline)
-        self._start_at.value = time.time()
-        self._go.set()
-        return [result.get() for result in pending]
-
-    def _wait_warmed(self, pending: list[AsyncResult[ShareResult]], deadline: float) -> None:
-        while True:
-            try:
-                self._warmed.get(timeout=1)
-                return
-            except queue.Empty:
-                for result in pending:
-                    if result.ready():
-                        result.get()  # a share cannot end before the start unless it failed: raise its error
-                if time.monotonic() > deadline:
-                    raise RuntimeError("the client processes did not finish warming up in time") from None
-
-    def close(self) -> None:
-        self._pool.terminate()
-        self._pool.join()
+    return TogetherPool(processes, _prepare, (jobs,))
 
 
 # -------------------------------------------------------------------------------------------- the cells
@@ -272,7 +229,7 @@ def split(total: int, parts: int) -> list[int]:
     return [total // parts + (i < total % parts) for i in range(parts)]
 
 
-def measure_cell(clients: ClientPool, args: argparse.Namespace, url: str, cell: Cell) -> dict[str, Any]:
+def measure_cell(clients: Clients, args: argparse.Namespace, url: str, cell: Cell) -> dict[str, Any]:
     """One cell's figures: loadtest's summary of the merged samples, with payload GB/s and the processes used."""
     processes = min(clients.processes, cell.concurrency)
     shares = [
@@ -282,7 +239,7 @@ def measure_cell(clients: ClientPool, args: argparse.Namespace, url: str, cell: 
             split(cell.concurrency, processes), split(args.max_requests, processes), strict=True
         )
     ]  # fmt: skip
-    results = clients.run(shares, warmup_timeout_s=args.timeout * (args.warmup + 1) + 120)
+    results = clients.run(_run_share, shares, 0.0, args.timeout * (args.warmup + 1) + 120, tag=0)
     samples = [sample for result in results for sample in result.samples]
     elapsed_s = max(r.finished for r in results) - min(r.started for r in results)
     summary = loadtest.build_report(argparse.Namespace(url=url), samples, elapsed_s, {})
@@ -345,7 +302,7 @@ def server_env(args: argparse.Namespace, config: Config, devices: str | None) ->
 
 
 def run_server(
-    clients: ClientPool, args: argparse.Namespace, config: Config, cells: list[Cell], devices: str | None, log: Console
+    clients: Clients, args: argparse.Namespace, config: Config, cells: list[Cell], devices: str | None, log: Console
 ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """Start a fresh server for `config`, run every cell against it, stop it: its /v1/info and the cells' figures."""
     log_path = args.out / f"server-{config.token}.log"
@@ -543,7 +500,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def compare_devices(clients: ClientPool, args: argparse.Namespace, console: Console) -> dict[str, Any]:
+def compare_devices(clients: Clients, args: argparse.Namespace, console: Console) -> dict[str, Any]:
     """The compute-bound cell on MATMUL_DEVICES=ONE, then on =MANY, on fresh servers: req/s of each and the ratio,
     with each server's transport ceiling (/v1/echo of the same body, unless --no-echo) and the GPU time per
     product, which say whether the cell was bound by the devices or by the transport."""
@@ -586,7 +543,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     }
     if args.compare_devices:
         args.kernel = args.compare_kernel
-        clients = ClientPool(args.client_processes, [(args.compare_size, "npy", args.kernel)])
+        clients = client_pool(args.client_processes, [(args.compare_size, "npy", args.kernel)])
         try:
             report["compare_devices"] = compare_devices(clients, args, progress)
         finally:
@@ -595,7 +552,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     else:
         cells, report["skipped"] = plan(args)
         jobs = list(dict.fromkeys((cell.shape, cell.format, args.kernel) for cell in cells))
-        clients = ClientPool(args.client_processes, jobs)
+        clients = client_pool(args.client_processes, jobs)
         report |= {"servers": {}, "cells": []}
         try:
             for config in args.configs:

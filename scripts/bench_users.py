@@ -46,7 +46,6 @@ import json
 import multiprocessing
 import os
 import platform
-import queue
 import shutil
 import socket
 import subprocess
@@ -57,9 +56,7 @@ from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from multiprocessing.pool import AsyncResult
 from multiprocessing.sharedctypes import Synchronized
-from multiprocessing.synchronize import Event
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any, Literal, Protocol, cast
@@ -81,6 +78,7 @@ from matmul_tools.raw_load import (
     v2_infer_request,
 )
 from matmul_tools.service import ROOT, LocalService, NotReady, free_port, service_command
+from matmul_tools.together import CLOSED, StartSignal, TogetherPool
 
 ClientKind = Literal["client", "triton", "raw-npy", "raw-v2"]
 CLIENT_KINDS: tuple[ClientKind, ...] = ("client", "triton", "raw-npy", "raw-v2")
@@ -375,22 +373,18 @@ class ChildState:
     """Set in each client process by `_prepare`: its index (part of its operands' seeds) and the start signal."""
 
     index: int
-    warmed: multiprocessing.Queue[int]
-    go: Event
-    start_at: Synchronized[float]
+    signal: StartSignal
 
 
 _child: ChildState | None = None
 
 
-def _prepare(
-    counter: Synchronized[int], warmed: multiprocessing.Queue[int], go: Event, start_at: Synchronized[float]
-) -> None:
+def _prepare(counter: Synchronized[int], signal: StartSignal) -> None:
     global _child
     with counter.get_lock():
         index = counter.value
         counter.value += 1
-    _child = ChildState(index, warmed, go, start_at)
+    _child = ChildState(index, signal)
 
 
 @functools.cache
@@ -473,10 +467,10 @@ def _run_share(share: Share) -> Tally:
         thread.start()
     try:
         warmed.wait(timeout=share.timeout_s)
-        child.warmed.put(share.cell)
-        if not child.go.wait(timeout=share.timeout_s):
-            raise TimeoutError("no start signal from the parent")
-        window.start = child.start_at.value
+        start = child.signal.wait_for_start(share.cell, share.timeout_s)
+        if start == CLOSED:
+            raise TimeoutError("the cell failed, or no start came from the parent")
+        window.start = start
         window.end = window.start + share.seconds
     except (threading.BrokenBarrierError, TimeoutError) as exc:
         window.end = 0.0
@@ -492,54 +486,15 @@ def _run_share(share: Share) -> Tally:
     return total
 
 
-class ClientPool:
+Clients = TogetherPool[Share, Tally]
+"""The client processes of a run."""
+
+
+def client_pool(processes: int) -> Clients:
     """`processes` client processes (spawned) that run a cell's shares together; each keeps its operands, their
     references and raw requests from cell to cell."""
-
-    def __init__(self, processes: int) -> None:
-        context = multiprocessing.get_context("spawn")
-        self.processes = processes
-        self._warmed: multiprocessing.Queue[int] = context.Queue()
-        self._go = context.Event()
-        self._start_at = context.Value("d", 0.0)
-        counter = context.Value("i", 0)
-        self._pool = context.Pool(processes, _prepare, (counter, self._warmed, self._go, self._start_at))
-
-    def run(self, shares: list[Share], warmup_s: float, timeout_s: float) -> list[Tally]:
-        """Each share (all of one cell) in a process of its own; their windows open together, `warmup_s` after every
-        connection of every share has had its first answer."""
-        self._go.clear()
-        pending = [self._pool.apply_async(_run_share, (share,)) for share in shares]
-        try:
-            deadline = time.monotonic() + timeout_s
-            for _ in shares:
-                self._wait_warmed(shares[0].cell, pending, deadline)
-            self._start_at.value = time.time() + warmup_s
-        except BaseException:
-            self._start_at.value = 0.0  # a window long closed: every share stops at once
-            self._go.set()
-            for result in pending:
-                result.wait()
-            raise
-        self._go.set()
-        return [result.get() for result in pending]
-
-    def _wait_warmed(self, cell: int, pending: list[AsyncResult[Tally]], deadline: float) -> None:
-        """Until a share of `cell` says it has warmed up (a late word from a failed cell before is left aside)."""
-        while True:
-            try:
-                if self._warmed.get(timeout=0.5) == cell:
-                    return
-            except queue.Empty:
-                for result in pending:
-                    if result.ready():
-                        result.get()  # a share cannot end before the start unless it failed: raise its error
-                if time.monotonic() > deadline:
-                    raise TimeoutError("the connections had no first answer in time") from None
-
-    def close(self) -> None:
-        self._pool.terminate()
-        self._pool.join()
+    counter = multiprocessing.get_context("spawn").Value("i", 0)
+    return TogetherPool(processes, _prepare, (counter,))
 
 
 # --------------------------------------------------------------------------------------------------- the cells
@@ -551,7 +506,13 @@ def split(total: int, parts: int) -> list[int]:
 
 
 def measure_cell(
-    clients: ClientPool, number: int, url: str, server: str, kind: ClientKind, n: int, args: argparse.Namespace
+    clients: Clients,
+    number: int,
+    url: str,
+    server: str,
+    kind: ClientKind,
+    n: int,
+    args: argparse.Namespace,
 ) -> dict[str, Any]:
     """Cell `number` of the run against the server at `url`: its figures, with `failure` set where it could not run
     or an answer was wrong."""
@@ -563,7 +524,7 @@ def measure_cell(
     }  # fmt: skip
     shares = [Share(number, url, kind, n, count, args.seconds, args.timeout) for count in connections]
     try:
-        tallies = clients.run(shares, args.warmup, args.timeout)
+        tallies = clients.run(_run_share, shares, args.warmup, args.timeout, tag=number)
     except Exception as exc:  # a cell that cannot run is reported as failed; the others still run
         return cell | {"failure": f"{type(exc).__name__}: {exc}"}
     total = Tally()
@@ -802,7 +763,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 
 def run_server(
-    clients: ClientPool, config: ServerConfig, kinds: list[ClientKind], args: argparse.Namespace, report: dict[str, Any]
+    clients: Clients,
+    config: ServerConfig,
+    kinds: list[ClientKind],
+    args: argparse.Namespace,
+    report: dict[str, Any],
 ) -> None:
     """Start `config`, run every size with every client kind against it, stop it; all of it into `report`."""
     try:
@@ -857,7 +822,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     for note in report["notes"]:
         print(f"note: {note}", file=sys.stderr)
     args.logs.mkdir(parents=True, exist_ok=True)
-    clients = ClientPool(args.processes)
+    clients = client_pool(args.processes)
     try:
         for config in args.servers:
             run_server(clients, config, kinds, args, report)
