@@ -383,7 +383,8 @@ WAYS: dict[str, Send] = {
 }
 """Every way a product can be asked for and answered, by name: each answers 200 on a healthy server."""
 HURRIED_WAYS: dict[str, Send] = {"matmul npy, 1 ms deadline (raw, read slowly)": matmul_npy_hurried}
-"""Ways that may be answered 504 (the deadline passed in the queue), else with a product to check."""
+"""Ways that may be answered 504 (the deadline passed in the queue) or 503 (it passed while the request waited for
+shared memory, as MATMUL_SLAB_BYTES says), else with a product to check."""
 LEAVING_WAYS: dict[str, Leave] = {"leaves mid-upload": leaves_mid_upload, "leaves mid-download": leaves_mid_download}
 """Clients that go away before their answer: nothing to check, but the server goes on serving everyone else."""
 LEFT = "left"

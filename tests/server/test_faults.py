@@ -70,7 +70,8 @@ def test_clients_that_leave_or_hurry_spoil_no_other_answer(clients: ProcessPoolE
     service = serve(ENV, 1)
     ways = [*WAYS, *HURRIED_WAYS, *LEAVING_WAYS]
     tally = checked_load(clients, service.url, CLIENTS, requests=len(ways), ways=ways, shapes=SHAPES)
-    _only_allowed(tally, {"504", LEFT})
+    # a 1 ms deadline may pass in the queue (504) or while the request waits for shared memory (503, Retry-After)
+    _only_allowed(tally, {"504", LEFT, *(f"{way} 503" for way in HURRIED_WAYS)})
     assert sum(count for outcome, count in tally.other.items() if outcome.endswith(LEFT)) == CLIENTS * 2
     assert tally.answers >= CLIENTS * len(WAYS)
     _serves_again(service)
