@@ -1,12 +1,12 @@
 """cuBLAS in each precision of kernels/precision.py: the library every rung of the tensor-core ladder is measured
 against in the same mode, and what `kernels=cublas` runs in a precision other than fp32. Only engine processes and
-the benchmark import this module (it imports CuPy)."""
+the benchmark call it; CuPy is imported on first use, so that the GPU backend's module imports where CuPy is not
+installed (and says so) instead of failing to import."""
 
 from __future__ import annotations
 
 from typing import Any
 
-import cupy as cp
 import numpy as np
 
 from kernels.precision import Precision
@@ -27,6 +27,8 @@ _FINITE = "(u & 0x7f800000u) != 0x7f800000u"
 
 def _device_conversion(name: str) -> Any:
     if name not in _DEVICE_CONVERSIONS:
+        import cupy as cp
+
         kernels = {
             "bf16_bits": cp.ElementwiseKernel(
                 "float32 x",
@@ -51,6 +53,8 @@ def cublas_product(a: Any, b: Any, c: Any, precision: Precision) -> None:
     """c = a @ b by cuBLAS in `precision` (CuPy float32 arrays, 2-D, C-contiguous), on the current stream: GemmEx
     with the precision's operand types and compute type, float32 sums and C; 3xtf32 as three TF32 products of the
     split operands, the two small ones first. The reference each own kernel is measured against, in its mode."""
+    import cupy as cp
+
     if precision is Precision.FP32:
         cp.matmul(a, b, out=c)
         return

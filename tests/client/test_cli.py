@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
@@ -10,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from app.cli import client_main
+from app.cli import ENV_PREFIX, client_main
 from app.client import FORMATS
 from app.config import Settings
 from kernels.reference import assert_close_to_reference
@@ -122,6 +123,26 @@ def test_service_starts_with_its_flags() -> None:
         assert info["backend"] == "cpu" and info["queue"]["size"] == 7 and info["http_workers"] == 1
         assert status_of_a_large_header(port, 3000)[0] == 200
         assert status_of_a_large_header(port, 5000)[0] == 431, "the connection protocol is installed, with its flag"
+
+
+def test_with_no_settings_the_service_serves_where_cupy_is_not_installed(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """What `make run` runs on a machine without a GPU: matmul-service with no setting at all, and no CuPy (the test
+    tools install it, so a `cupy` that cannot be imported stands first on the path). MATMUL_BACKEND=auto serves from
+    the CPU and says why (its probe once failed to import the GPU backend's module without CuPy: no service)."""
+    for name in [name for name in os.environ if name.startswith(ENV_PREFIX)]:
+        monkeypatch.delenv(name)
+    (tmp_path / "cupy").mkdir()
+    not_installed = "raise ModuleNotFoundError(\"No module named 'cupy'\", name='cupy')\n"
+    (tmp_path / "cupy" / "__init__.py").write_text(not_installed)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]))
+    port = free_port()
+    with running_server([str(SCRIPTS / "matmul-service"), "--host", "127.0.0.1", "--port", str(port)], port) as client:
+        info = client.get("/v1/info").json()
+        assert info["backend"] == "cpu" and "CuPy is not installed" in str(info), info
+        answer = client.post("/matmul", json={"a": [[1, 2]], "b": [[3], [4]]})
+        assert answer.status_code == 200 and answer.json()["result"] == [[11.0]]
 
 
 def test_service_refuses_a_bad_setting_before_starting() -> None:
