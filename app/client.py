@@ -53,6 +53,7 @@ import orjson
 
 from app.codecs import JSON_MEDIA_TYPE, NPY_MEDIA_TYPE, NPZ_MEDIA_TYPE
 from app.codecs.json import encode_json_matrix
+from app.codecs.npy import npy_parts
 
 RequestFormat = Literal["npy", "json", "npz"]
 """How the operands travel: `npy` (multipart, one `.npy` part each), `json`, or one `.npz` body."""
@@ -165,10 +166,7 @@ def _npy_parts(array: np.ndarray) -> tuple[bytes, Buffer]:
     """A `.npy` file as its header and the array's own memory (a C-contiguous copy only where it is not)."""
     if array.dtype.hasobject:
         raise ValueError("object arrays cannot be sent: the server reads numbers only")
-    array = np.ascontiguousarray(array)
-    header = io.BytesIO()
-    np.lib.format.write_array_header_1_0(header, np.lib.format.header_data_from_array_1_0(array))
-    return header.getvalue(), array.reshape(-1).view(np.uint8).data
+    return npy_parts(array)
 
 
 def _multipart(parts: Mapping[str, np.ndarray]) -> tuple[tuple[Buffer, ...], str]:

@@ -17,6 +17,7 @@ import numpy as np
 import orjson
 
 from app.codecs.json import json_type
+from app.codecs.npy import data_bytes
 from app.codecs.operands import Limits, Operands, RequestOptions, check_shape
 from app.errors import BadRequest, InvalidMatrix, InvalidParameter, MalformedPayload, SharedMemoryError
 from app.shared_memory import Matrix, SharedOutput, SharedTensor
@@ -235,7 +236,7 @@ def encode_infer(
     header = _response(output, model, request_id, parameters)
     if not binary:
         return header, None
-    return header, np.ascontiguousarray(c).reshape(-1).view(np.uint8).data
+    return header, data_bytes(c)
 
 
 def encode_infer_in_region(

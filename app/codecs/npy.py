@@ -217,14 +217,18 @@ def decode_parts(parts: Mapping[str, bytes | memoryview | bytearray], limits: Li
     return Operands(a=decode_npy(parts["a"], "a", limits), b=decode_npy(parts["b"], "b", limits))
 
 
+def data_bytes(array: np.ndarray) -> memoryview:
+    """An array's elements in C order as bytes: a view of a C-ordered array's memory (which it keeps alive until the
+    bytes are sent), a copy of any other; any byte order, empty arrays too."""
+    return np.ascontiguousarray(array).reshape(-1).view(np.uint8).data
+
+
 def npy_parts(array: np.ndarray) -> tuple[bytes, memoryview]:
-    """The `.npy` file of an array, always C-ordered, as its header and a view of the data: a C-ordered array's
-    data is not copied (the view keeps the array alive until the bytes are sent)."""
+    """The `.npy` file of an array, always C-ordered, as its header and its `data_bytes`."""
     contiguous = np.ascontiguousarray(array)
     head = io.BytesIO()
     np.lib.format.write_array_header_1_0(head, np.lib.format.header_data_from_array_1_0(contiguous))
-    data = contiguous.data.cast("B") if contiguous.size else memoryview(b"")
-    return head.getvalue(), data
+    return head.getvalue(), data_bytes(contiguous)
 
 
 def encode_npy(array: np.ndarray) -> bytes:
