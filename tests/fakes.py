@@ -10,9 +10,12 @@ import asyncio
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
+import pytest
 
+from app.dataplane import remote
 from app.engine import KernelInfo, Plan
 from app.engine.base import Finished, Outputs, Pairs
 from app.engine.cpu import CpuBackend
@@ -30,6 +33,19 @@ async def until(condition: Callable[[], bool], guard_s: float = GATE_TIMEOUT_S) 
             return
         await asyncio.sleep(0.001)
     raise AssertionError("the condition never held")
+
+
+def record_staging(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The names of the operands the HTTP worker copies into a slab from here on (`RemoteEngine` staging them)."""
+    names: list[str] = []
+    copy = remote.cast_into
+
+    def recording(target: np.ndarray, operand: np.ndarray, name: str, **kwargs: Any) -> None:
+        names.append(name)
+        copy(target, operand, name, **kwargs)
+
+    monkeypatch.setattr(remote, "cast_into", recording)
+    return names
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,9 @@ from starlette.concurrency import run_in_threadpool
 from starlette.requests import ClientDisconnect
 
 from app.awaiting import settled
+from app.codecs import Body
 from app.config import Settings
+from app.engine import LentMemory
 from app.errors import ClientGone, InvalidParameter, MalformedPayload, PayloadTooLarge
 
 TIMEOUT_HEADER = "X-Request-Timeout"
@@ -119,16 +121,32 @@ async def _read_into(request: Request, target: memoryview, what: str) -> None:
 
 
 @asynccontextmanager
-async def reading_body(request: Request, limit: int, what: str) -> AsyncIterator[bytes | bytearray]:
-    """read_body with the app's BodyBuffers, giving a lent buffer back when the block ends: end it only once
-    nothing views the body (operands decoded from it are staged by then)."""
+async def reading_body(
+    request: Request, limit: int, what: str, lend: Callable[[int], LentMemory | None] | None = None
+) -> AsyncIterator[Body]:
+    """read_body, into memory that `lend` lends for the body's declared size when it does (the engine's shared
+    memory, where operands are read without a copy), else with the app's BodyBuffers; the memory is given back
+    when the block ends: end it only once nothing views the body (operands decoded from it are staged by then,
+    or held by the product that reads them)."""
     buffers: BodyBuffers = request.app.state.body_buffers
-    body = await read_body(request, limit, what, buffers)
+    declared = request.headers.get("content-length", "")
+    lent = None
+    if lend is not None and declared.isdigit() and buffers.min_bytes <= int(declared) <= limit:
+        lent = lend(int(declared))
+    if lent is not None:
+        try:
+            body = lent.memory.data
+            await _read_into(request, body, what)
+            yield body
+        finally:
+            lent.release()
+        return
+    kept = await read_body(request, limit, what, buffers)
     try:
-        yield body
+        yield kept
     finally:
-        if isinstance(body, bytearray):
-            buffers.give(body)
+        if isinstance(kept, bytearray):
+            buffers.give(kept)
 
 
 def requested_deadline_s(request: Request) -> float | None:

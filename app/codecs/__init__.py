@@ -17,7 +17,7 @@ import numpy as np
 
 from app.codecs import inference_v2, json, multipart, npy, npz
 from app.codecs.inference_v2 import InferRequest
-from app.codecs.operands import Limits, Operands, RequestOptions
+from app.codecs.operands import Body, Limits, Operands, RequestOptions
 from app.errors import MalformedPayload, MatmulError, UnsupportedMediaType
 
 __all__ = [
@@ -25,6 +25,7 @@ __all__ = [
     "MULTIPART_MEDIA_TYPE",
     "NPY_MEDIA_TYPE",
     "NPZ_MEDIA_TYPE",
+    "Body",
     "InferRequest",
     "Limits",
     "Operands",
@@ -76,21 +77,23 @@ def _client_bytes(what: str, decoder: Callable[..., object]) -> Iterator[None]:
         raise MalformedPayload(f"the {what} cannot be decoded: {said}") from exc
 
 
-def decode(content_type: str, body: bytes, limits: Limits, max_member_bytes: int) -> Operands:
+def decode(content_type: str, body: Body, limits: Limits, max_member_bytes: int) -> Operands:
     """A product request's body, in the media type its Content-Type names, -> Operands (an `.npz` member may
-    unpack to at most `max_member_bytes`)."""
+    unpack to at most `max_member_bytes`). Multipart `.npy` parts are views of `body`; a JSON or `.npz` body given
+    as a memoryview is read from a copy."""
     media_type = decodable_media_type(content_type)
     if media_type == MULTIPART_MEDIA_TYPE:
         with _client_bytes(_BODIES[media_type], multipart.decode_multipart):
             return multipart.decode_multipart(body, content_type, limits)
+    whole = bytes(body) if isinstance(body, memoryview) else body
     if media_type == JSON_MEDIA_TYPE:
         with _client_bytes(_BODIES[media_type], json.decode_json):
-            return json.decode_json(body, limits)
+            return json.decode_json(whole, limits)
     with _client_bytes(_BODIES[media_type], npz.decode_npz):
-        return npz.decode_npz(body, limits, max_member_bytes)
+        return npz.decode_npz(whole, limits, max_member_bytes)
 
 
-def decode_infer(body: bytes, header_length: str | None, limits: Limits) -> InferRequest:
+def decode_infer(body: Body, header_length: str | None, limits: Limits) -> InferRequest:
     """An inference protocol infer request (with its Inference-Header-Content-Length, if sent) -> InferRequest."""
     with _client_bytes("inference request", inference_v2.decode_infer):
         return inference_v2.decode_infer(body, header_length, limits)

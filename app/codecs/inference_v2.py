@@ -18,7 +18,7 @@ import orjson
 
 from app.codecs.json import json_type
 from app.codecs.npy import data_bytes
-from app.codecs.operands import Limits, Operands, RequestOptions, check_shape
+from app.codecs.operands import Body, Limits, Operands, RequestOptions, check_shape
 from app.errors import BadRequest, InvalidMatrix, InvalidParameter, MalformedPayload, SharedMemoryError
 from app.shared_memory import Matrix, SharedOutput, SharedTensor
 from kernels.precision import Precision
@@ -102,13 +102,14 @@ def _header_length(value: str, body_size: int) -> int:
     )
 
 
-def decode_infer(body: bytes, header_length: str | None, limits: Limits) -> InferRequest:
-    """An infer request body (with the value of Inference-Header-Content-Length, if sent) -> InferRequest."""
+def decode_infer(body: Body, header_length: str | None, limits: Limits) -> InferRequest:
+    """An infer request body (with the value of Inference-Header-Content-Length, if sent) -> InferRequest: its
+    binary tensors as views of `body`."""
     if header_length is None:
-        header, binary = body, memoryview(b"")
+        header, binary = (body if isinstance(body, bytes | bytearray) else bytes(body)), memoryview(b"")
     else:
         split = _header_length(header_length, len(body))
-        header, binary = body[:split], memoryview(body)[split:]
+        header, binary = bytes(body[:split]), memoryview(body)[split:]
     try:
         doc = _object(orjson.loads(header), "the inference request")
     except orjson.JSONDecodeError as exc:

@@ -79,7 +79,7 @@ def _json_matrix(doc: Mapping[str, Any], name: str, may_hold_booleans: bool, lim
     return check_matrix(array, name, limits)
 
 
-def decode_json(body: bytes, limits: Limits) -> Operands:
+def decode_json(body: bytes | bytearray, limits: Limits) -> Operands:
     """`{"a": [[...]], "b": [[...]], "dtype"?, "kernel"?, "tile"?, "precision"?}` -> Operands."""
     if not body:
         raise MalformedPayload("the request body is empty; send a JSON object with matrices 'a' and 'b'")

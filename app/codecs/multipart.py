@@ -26,7 +26,7 @@ from python_multipart.exceptions import MultipartParseError
 from python_multipart.multipart import MultipartParser, MultipartState, parse_options_header
 
 from app.codecs.npy import NPY_MAX_HEADER, decode_parts, read_npy_header
-from app.codecs.operands import OPERANDS, Limits, Operands
+from app.codecs.operands import OPERANDS, Body, Limits, Operands
 from app.errors import InvalidMatrix, InvalidParameter, MalformedPayload, MatmulError
 
 MEDIA_TYPE = "multipart/form-data"
@@ -104,45 +104,50 @@ def parse_file_parts(body: bytes, content_type: str) -> dict[str, bytes | memory
     return _file_parts(finished)
 
 
-def decode_multipart(body: bytes, content_type: str, limits: Limits) -> Operands:
-    """A multipart/form-data body with the .npy file parts 'a' and 'b' -> Operands."""
+def decode_multipart(body: Body, content_type: str, limits: Limits) -> Operands:
+    """A multipart/form-data body with the .npy file parts 'a' and 'b' -> Operands: views of `body` where it is
+    made of .npy parts alone, else of a copy of it python-multipart parses (bytes, when `body` is not)."""
     _, options = parse_options_header(content_type)
     boundary = options.get(b"boundary", b"")
-    parts = _npy_parts_by_length(body, boundary, limits) if 0 < len(boundary) <= MAX_BOUNDARY else None
+    parts = _npy_parts_by_length(memoryview(body), boundary, limits) if 0 < len(boundary) <= MAX_BOUNDARY else None
     if parts is None:
-        parts = parse_file_parts(body, content_type)
+        parts = parse_file_parts(body if isinstance(body, bytes) else bytes(body), content_type)
     return decode_parts(parts, limits, container="multipart body")
 
 
-def _npy_parts_by_length(body: bytes, boundary: bytes, limits: Limits) -> dict[str, bytes | memoryview] | None:
+def _npy_parts_by_length(body: memoryview, boundary: bytes, limits: Limits) -> dict[str, bytes | memoryview] | None:
     """The file parts of a body made only of .npy file parts, each ended where its .npy header says with the
     delimiter right there, as views of `body`; None for any other body."""
     delimiter = b"--" + boundary
-    if not body.startswith(delimiter + b"\r\n"):
+    if not _holds(body, 0, delimiter + b"\r\n"):
         return None
-    view = memoryview(body)
     parts: dict[str, bytes | memoryview] = {}
     at = len(delimiter) + 2
     while len(parts) < MAX_PARTS:
-        head_end = body.find(b"\r\n\r\n", at, at + MAX_PART_HEAD)
-        name = _npy_file_part_name(bytes(view[at:head_end])) if head_end >= 0 else None
+        head_end = bytes(body[at : at + MAX_PART_HEAD]).find(b"\r\n\r\n")
+        name = _npy_file_part_name(bytes(body[at : at + head_end])) if head_end >= 0 else None
         if name is None or name in parts:
             return None
-        start = head_end + 4
+        start = at + head_end + 4
         try:
-            end = start + read_npy_header(view[start : start + NPY_MAX_HEADER + 16], name, limits).file_bytes
+            end = start + read_npy_header(body[start : start + NPY_MAX_HEADER + 16], name, limits).file_bytes
         except MatmulError:
             return None
-        if not body.startswith(b"\r\n" + delimiter, end):
+        if not _holds(body, end, b"\r\n" + delimiter):
             return None
-        parts[name] = view[start:end]
+        parts[name] = body[start:end]
         at = end + 2 + len(delimiter)
-        if body.startswith(b"--", at):
+        if _holds(body, at, b"--"):
             return parts  # the closing delimiter; an epilogue after it is ignored
-        if not body.startswith(b"\r\n", at):
+        if not _holds(body, at, b"\r\n"):
             return None
         at += 2
     return None
+
+
+def _holds(body: memoryview, at: int, expected: bytes) -> bool:
+    """Whether `expected` stands in `body` at `at`."""
+    return body[at : at + len(expected)] == expected
 
 
 def _npy_file_part_name(head: bytes) -> str | None:

@@ -33,7 +33,7 @@ def _read_npz_member(archive: zipfile.ZipFile, info: zipfile.ZipInfo, name: str,
     return member
 
 
-def decode_npz(body: bytes, limits: Limits, max_member_bytes: int) -> Operands:
+def decode_npz(body: bytes | bytearray, limits: Limits, max_member_bytes: int) -> Operands:
     """An `.npz` archive (as written by np.savez or np.savez_compressed) holding `a.npy` and `b.npy`."""
     try:
         archive = zipfile.ZipFile(io.BytesIO(body))

@@ -18,6 +18,8 @@ from app.errors import InvalidMatrix, InvalidParameter, ShapeMismatch
 from app.shared_memory import Matrix
 
 OPERANDS = ("a", "b")
+Body = bytes | bytearray | memoryview
+"""A request body as read: bytes, a kept buffer, or a view of memory lent for it (shared memory the engine reads)."""
 SUPPORTED_DTYPES = "supported are float16, float32, float64 and integers"
 
 

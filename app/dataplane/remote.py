@@ -4,7 +4,9 @@
 this worker's arena, its operands are converted into the working dtype straight into the slab (one pass, off the
 event loop when large), and a descriptor goes to the least-loaded ready engine; the answer's C is a view of the
 slab, whose bytes go back to the arena once the request has released it and the answer no longer reads them
-(`app.dataplane.slab`). Nothing here imports CuPy.
+(`app.dataplane.slab`). A large binary body may have been read into the arena itself (`lend`): an operand there
+that is already in the working dtype, C-ordered and aligned is not copied; the engine reads it where it lies.
+Nothing here imports CuPy.
 
 Each `EngineLink` keeps its connection: it connects (again, after an engine process restarted) with the arena's
 file descriptor, keeps the engine's last status, and settles its requests from the engine's replies. When the
@@ -21,6 +23,7 @@ import logging
 import os
 import socket
 from collections.abc import Callable
+from functools import partial
 from time import perf_counter
 from typing import Any, Literal, cast
 
@@ -29,11 +32,11 @@ import numpy as np
 from app.awaiting import in_thread
 from app.config import Settings
 from app.dataplane import wire
-from app.dataplane.slab import Arena, Placement, Slab, aligned
-from app.engine import EngineState, KernelInfo, Outcome, Plan, SlabUse
+from app.dataplane.slab import ALIGNMENT, Arena, Placement, Slab, aligned
+from app.engine import EngineState, KernelInfo, LentMemory, Outcome, Plan, SlabUse
 from app.engine.autotune import SHAPE_CLASSES, AutoChoice
 from app.engine.base import DeviceTiming
-from app.engine.staging import cast_into
+from app.engine.staging import cast_into, check_in_format
 from app.errors import DeviceLost, NotReady, Overloaded, SharedMemoryError, error_of
 from app.shared_memory import Matrix, SharedOutput, SharedTensor
 from kernels.precision import Precision
@@ -328,6 +331,13 @@ class RemoteEngine:
     def slab_use(self) -> SlabUse:
         return SlabUse(self.arena.capacity, self.arena.used_bytes, self.arena.waiting)
 
+    def lend(self, nbytes: int, data_at: int = 0) -> LentMemory | None:
+        """Arena memory for a body, if the arena lends it now (`Arena.lend`), placed so that byte `data_at` of the
+        body falls on an ALIGNMENT boundary."""
+        pad = -data_at % ALIGNMENT
+        slab = self.arena.lend(pad + nbytes)
+        return None if slab is None else LentMemory(slab.memory(pad, nbytes), slab.release)
+
     # ---------------------------------------------------------------------------------------- products
 
     async def matmul(
@@ -355,14 +365,24 @@ class RemoteEngine:
                 location=["outputs", 0],
             )
         budget_s = DEFAULT_WAIT_S if timeout_s is None else timeout_s
-        staged_shapes = [shape for operand, shape in ((a, (m, k)), (b, (k, n))) if isinstance(operand, np.ndarray)]
+        in_arena = {
+            name: offset
+            for name, operand in (("a", a), ("b", b))
+            if isinstance(operand, np.ndarray) and (offset := self._offset_as_is(operand, dtype)) is not None
+        }
+        staged_shapes = [
+            shape
+            for name, operand, shape in (("a", a, (m, k)), ("b", b, (k, n)))
+            if isinstance(operand, np.ndarray) and name not in in_arena
+        ]
         if into is None:
             staged_shapes.append((m, n))
         nbytes = sum(aligned(rows * cols * dtype.itemsize) for rows, cols in staged_shapes)
-        slab = await self.arena.reserve(nbytes, budget_s)
+        slab = await self.arena.reserve(nbytes, budget_s, holding=bool(in_arena))
         try:
             where = {
-                name: await self._place(operand, slab, dtype, name, precision) for name, operand in (("a", a), ("b", b))
+                name: await self._place(operand, slab, dtype, name, precision, in_arena.get(name))
+                for name, operand in (("a", a), ("b", b))
             }
             c_at = None
             if into is None:
@@ -386,15 +406,38 @@ class RemoteEngine:
         except BaseException:
             slab.release()
             raise
-        return await self._answer(link, key, reply, slab, c_at, began, staged, precision)
+        read_in_place = tuple(
+            operand for name, operand in (("a", a), ("b", b)) if name in in_arena and isinstance(operand, np.ndarray)
+        )
+        return await self._answer(link, key, reply, slab, c_at, began, staged, precision, read_in_place)
+
+    def _offset_as_is(self, operand: np.ndarray, dtype: np.dtype) -> int | None:
+        """Where the engine can read `operand` as it is: its offset in the arena (in a lent body), when it lies
+        there in the working dtype, C-ordered and aligned; else None (it is converted into the slab)."""
+        if operand.dtype != dtype or not (operand.flags.c_contiguous and operand.flags.aligned):
+            return None
+        return self.arena.offset_of(operand)
 
     async def _place(
-        self, operand: Matrix, slab: Slab, dtype: np.dtype, name: str, precision: Precision
+        self,
+        operand: Matrix,
+        slab: Slab,
+        dtype: np.dtype,
+        name: str,
+        precision: Precision,
+        offset: int | None,
     ) -> list[int] | dict[str, Any]:
-        """Where the engine finds an operand: converted into the slab (and checked to be in range for `precision`),
-        or in the client's region where it is (the engine checks it there)."""
+        """Where the engine finds an operand: at `offset` in the arena where it already lies as the engine reads it,
+        else converted into the slab (either way checked to be in range for `precision`); or in the client's region
+        where it is (the engine checks it there)."""
         if isinstance(operand, SharedTensor):
             return _in_region(operand, operand.shape, operand.dtype)
+        if offset is not None:
+            if operand.nbytes <= self.inline_bytes:
+                check_in_format(operand, name, precision)
+            else:
+                await in_thread(check_in_format, operand, name, precision)
+            return [offset, *operand.shape]
         at = slab.place(operand.shape, dtype)
         await self._stage(operand, slab.array(at), name, precision)
         return [at.offset, *at.shape]
@@ -495,13 +538,15 @@ class RemoteEngine:
         began: float,
         staged: float,
         precision: Precision,
+        read_in_place: tuple[np.ndarray, ...],
     ) -> Outcome:
         try:
             message = await asyncio.shield(reply)
         except asyncio.CancelledError:
-            # The engine may still be writing C: the slab is freed by the reply to the cancel, not now.
+            # The engine may still be writing C, and reading operands that lie in a lent body: the slab is freed,
+            # and those operands let go of, by the reply to the cancel, not now.
             link.cancel(key)
-            reply.add_done_callback(lambda _: _release_after_reply(reply, slab))
+            reply.add_done_callback(partial(_release_after_reply, slab, read_in_place))
             raise
         except BaseException:
             slab.release()
@@ -543,8 +588,11 @@ def _in_region(where: SharedTensor | SharedOutput, shape: tuple[int, int], dtype
     return {"region": where.region, "offset": where.offset, "shape": list(shape), "dtype": dtype.name}
 
 
-def _release_after_reply(reply: asyncio.Future[wire.Message], slab: Slab) -> None:
-    """The reply to a cancelled product came: the engine no longer writes its C (its outcome is not wanted)."""
+def _release_after_reply(
+    slab: Slab, read_in_place: tuple[np.ndarray, ...], reply: asyncio.Future[wire.Message]
+) -> None:
+    """The reply to a cancelled product came: the engine no longer writes its C (its outcome is not wanted) nor reads
+    `read_in_place`, operands in a lent body, which were held until now (their views keep its bytes from going back)."""
     if not reply.cancelled():
         reply.exception()
     slab.release()

@@ -12,6 +12,14 @@ first-fit, in the order requests asked: one that does not fit now waits for othe
 deadline (then 503 with Retry-After); one larger than the whole arena is refused at once (413). Everything here
 runs on the HTTP worker's event loop.
 
+A large binary body may be read straight into the arena (`Arena.lend`), so that operands sent in the working dtype
+are where the engine reads them without a copy; the request then reserves a second slab for C and whatever must
+still be converted. Holding one slab while waiting for another could wait forever, each request holding what the
+one ahead of it needs; so body memory is never waited for (no room now: the body is read elsewhere and copied, as
+before), bodies hold at most `LENT_SHARE` of the arena together, and a request that holds one is served before any
+that holds none, first-fit among them. Whatever the others hold, a product's own body and product then fit once the
+products ahead of it have been answered, the bodies of those waiting with it holding at most half the arena.
+
 When a slab's bytes go back to the arena: once its owner has released it *and* no array or memoryview of them is
 left. The owner (the request) releases it when it no longer needs the slab, but readers it handed the memory to
 may outlive that: the server's transport keeps views of an `.npy` answer it could not send at once after `send`
@@ -40,6 +48,10 @@ from app.errors import Overloaded, PayloadTooLarge
 
 ALIGNMENT = 256
 """Bytes; every operand starts on a multiple of this (CUDA's copies and NumPy's SIMD loops prefer aligned data)."""
+
+
+LENT_SHARE = 0.5
+"""The most of an arena that bodies read into it hold together (`Arena.lend`)."""
 
 
 def aligned(nbytes: int) -> int:
@@ -78,20 +90,46 @@ class Arena:
         os.ftruncate(self.fd, self.capacity)
         self._map = mmap.mmap(self.fd, self.capacity)
         self._bytes = memoryview(self._map)
+        self.address: int = np.frombuffer(self._bytes, np.uint8).ctypes.data
+        """Where the arena is mapped in this process: an array's offset in it is its address less this."""
         self._free: list[tuple[int, int]] = [(0, self.capacity)]
         """Free extents (offset, size), sorted by offset, never adjacent (merged on release)."""
         self._waiters: collections.deque[tuple[int, asyncio.Future[int]]] = collections.deque()
+        self._holders: list[tuple[int, asyncio.Future[int]]] = []
+        """Requests waiting that hold a lent body: served before `_waiters`, whichever of them fits first."""
+        self._lent: dict[int, int] = {}
+        """Slabs lent to bodies (`lend`) by offset, until their bytes are back: their sizes."""
         self.used_bytes = 0
+        self.lent_bytes = 0
         self._loop: asyncio.AbstractEventLoop | None = None
         """The loop whose requests reserve slabs: the one a slab's bytes are handed back on."""
 
     @property
     def waiting(self) -> int:
-        return len(self._waiters)
+        return len(self._waiters) + len(self._holders)
 
-    async def reserve(self, nbytes: int, timeout_s: float) -> Slab:
+    def offset_of(self, array: np.ndarray) -> int | None:
+        """Where `array`'s memory begins in the arena, if all of it lies there (a view of a slab's bytes)."""
+        start = array.__array_interface__["data"][0] - self.address
+        return start if start >= 0 and start + array.nbytes <= self.capacity else None
+
+    def lend(self, nbytes: int) -> Slab | None:
+        """A slab of `nbytes` for a body to be read into, now or never: None when it does not fit at once, when
+        requests wait, or when bodies would hold more than LENT_SHARE of the arena."""
+        self._loop = asyncio.get_running_loop()
+        size = aligned(max(nbytes, 1))
+        if self.waiting or self.lent_bytes + size > self.capacity * LENT_SHARE:
+            return None
+        offset = self._take(size)
+        if offset is None:
+            return None
+        self._lent[offset] = size
+        self.lent_bytes += size
+        return Slab(self, offset, size)
+
+    async def reserve(self, nbytes: int, timeout_s: float, holding: bool = False) -> Slab:
         """A slab of `nbytes`, once one is free: PayloadTooLarge at once when no arena could hold it, Overloaded
-        when none came free within `timeout_s`."""
+        when none came free within `timeout_s`. `holding`: the request holds a lent body, and goes first."""
         self._loop = asyncio.get_running_loop()
         size = aligned(max(nbytes, 1))
         if size > self.capacity:
@@ -99,15 +137,20 @@ class Arena:
                 f"the operands and product need {nbytes} bytes of shared memory, more than the {self.capacity} "
                 "each HTTP worker has (MATMUL_SLAB_BYTES)"
             )
-        if not self._waiters and (offset := self._take(size)) is not None:
+        ahead = self._holders if holding else self.waiting
+        if not ahead and (offset := self._take(size)) is not None:
             return Slab(self, offset, size)
         future: asyncio.Future[int] = asyncio.get_running_loop().create_future()
-        self._waiters.append((size, future))
+        if holding:
+            self._holders.append((size, future))
+        else:
+            self._waiters.append((size, future))
         try:
             async with asyncio.timeout(timeout_s):
                 offset = await future
         except BaseException as exc:
             self._waiters = collections.deque(w for w in self._waiters if w[1] is not future)
+            self._holders = [w for w in self._holders if w[1] is not future]
             if future.done() and not future.cancelled():  # handed a slab just as it gave up
                 self._give_back(future.result(), size)
             if isinstance(exc, TimeoutError):
@@ -138,6 +181,7 @@ class Arena:
 
     def _give_back(self, offset: int, size: int) -> None:
         self.used_bytes -= size
+        self.lent_bytes -= self._lent.pop(offset, 0)
         i = bisect.bisect(self._free, (offset, size))
         if i < len(self._free) and offset + size == self._free[i][0]:
             size += self._free.pop(i)[1]
@@ -149,7 +193,16 @@ class Arena:
         self._serve_waiters()
 
     def _serve_waiters(self) -> None:
-        """Hand slabs to waiting requests in the order they asked, as long as the first of them fits."""
+        """Hand slabs to the waiting requests that hold a body, any that fits; once none of them waits, to the
+        others in the order they asked, as long as the first of them fits."""
+        for size, future in list(self._holders):
+            if future.done():  # its request gave up
+                self._holders.remove((size, future))
+            elif (offset := self._take(size)) is not None:
+                self._holders.remove((size, future))
+                future.set_result(offset)
+        if self._holders:
+            return
         while self._waiters:
             size, future = self._waiters[0]
             if future.done():  # its request gave up
@@ -197,6 +250,14 @@ class Slab:
         if self._memory is None:
             raise RuntimeError("the slab was released")
         return view(self._memory, Placement(placement.offset - self.offset, placement.shape, placement.dtype))
+
+    def memory(self, start: int, nbytes: int) -> np.ndarray:
+        """Bytes `start` to `start + nbytes` of the slab, as a view of it (uint8)."""
+        if self._memory is None:
+            raise RuntimeError("the slab was released")
+        if not 0 <= start <= start + nbytes <= self.size:
+            raise ValueError(f"bytes {start} to {start + nbytes} are outside a {self.size}-byte slab")
+        return self._memory[start : start + nbytes]
 
     def release(self) -> None:
         """The owner is done with the slab (once; again is nothing): its bytes go back to the arena as soon as no

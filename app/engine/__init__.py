@@ -4,7 +4,7 @@ routes ask of an engine. It runs in the engine processes of `app.dataplane`."""
 from __future__ import annotations
 
 from app.engine.base import DeviceTiming, KernelInfo, Outcome, Plan
-from app.engine.engine import Engine, EngineFront, SlabUse
+from app.engine.engine import Engine, EngineFront, LentMemory, SlabUse
 from app.engine.worker import BatchPolicy, EngineState, Worker
 
 __all__ = [
@@ -14,6 +14,7 @@ __all__ = [
     "EngineFront",
     "EngineState",
     "KernelInfo",
+    "LentMemory",
     "Outcome",
     "Plan",
     "SlabUse",

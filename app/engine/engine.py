@@ -5,6 +5,7 @@ behind the data plane (`app.dataplane.remote`)."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
@@ -26,6 +27,16 @@ class SlabUse:
     used_bytes: int
     waiting: int
     """Requests waiting for room."""
+
+
+@dataclass(frozen=True)
+class LentMemory:
+    """Shared memory lent to a request for its body, where the engine reads operands without a copy."""
+
+    memory: np.ndarray
+    """The body's bytes (uint8), to be read into; every view of them keeps them from going back."""
+    release: Callable[[], None]
+    """The request is done with them: they go back once no view of them is left."""
 
 
 class EngineFront(Protocol):
@@ -66,6 +77,11 @@ class EngineFront(Protocol):
 
     def slab_use(self) -> SlabUse | None:
         """The shared memory of this process's requests, where they travel through it (None in-process)."""
+        ...
+
+    def lend(self, nbytes: int, data_at: int = 0) -> LentMemory | None:
+        """Shared memory for a body of `nbytes` now, byte `data_at` of it (where its binary data begins) aligned
+        for the engine; None where there is none to lend (in-process, or none free now)."""
         ...
 
     async def matmul(
@@ -155,6 +171,10 @@ class Engine:
 
     def compiled_instances(self) -> int:
         return sum(worker.backend.compiled_instances() for worker in self.workers)
+
+    def lend(self, nbytes: int, data_at: int = 0) -> None:
+        """In-process operands are read where they are: nothing to lend."""
+        return None
 
     def slab_use(self) -> None:
         return None

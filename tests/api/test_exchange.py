@@ -7,11 +7,13 @@ from __future__ import annotations
 import asyncio
 import threading
 
+import numpy as np
 import pytest
 from starlette.requests import Request
 
 from app.api import exchange
 from app.config import Settings
+from app.engine import LentMemory
 from app.errors import ClientGone, InvalidParameter, MalformedPayload, PayloadTooLarge
 
 pytestmark = pytest.mark.anyio
@@ -168,11 +170,55 @@ async def test_a_body_that_breaks_its_content_length_is_refused_and_its_buffer_g
 
 async def test_reading_body_gives_a_lent_buffer_back_when_the_block_ends() -> None:
     buffers = exchange.BodyBuffers(kept=2, min_bytes=4)
-    lent = declaring(b"abcdef")
-    lent.scope["app"] = type("App", (), {"state": type("State", (), {"body_buffers": buffers})()})()
-    async with exchange.reading_body(lent, 100, "body") as body:
+    async with exchange.reading_body(with_buffers(declaring(b"abcdef"), buffers), 100, "body") as body:
         assert body == b"abcdef"
     assert buffers.take(6) is body
+
+
+class Lender:
+    """An engine's `lend` as the routes call it: memory for the sizes asked while it has some (None after)."""
+
+    def __init__(self, lends: int) -> None:
+        self.lends = lends
+        self.asked: list[int] = []
+        self.released: list[np.ndarray] = []
+
+    def __call__(self, nbytes: int) -> LentMemory | None:
+        self.asked.append(nbytes)
+        if len(self.asked) > self.lends:
+            return None
+        memory = np.zeros(nbytes, np.uint8)
+        return LentMemory(memory, lambda: self.released.append(memory))
+
+
+def with_buffers(lent: Request, buffers: exchange.BodyBuffers) -> Request:
+    lent.scope["app"] = type("App", (), {"state": type("State", (), {"body_buffers": buffers})()})()
+    return lent
+
+
+async def test_a_large_body_is_read_into_memory_the_engine_lends_and_given_back_when_the_block_ends() -> None:
+    buffers, lender = exchange.BodyBuffers(kept=2, min_bytes=4), Lender(lends=1)
+    async with exchange.reading_body(with_buffers(declaring(b"abcdef"), buffers), 100, "body", lender) as body:
+        assert isinstance(body, memoryview) and body == b"abcdef" and lender.released == []
+    assert lender.asked == [6] and len(lender.released) == 1 and bytes(lender.released[0]) == b"abcdef"
+
+
+async def test_a_body_the_engine_lends_no_memory_for_is_read_as_before() -> None:
+    buffers, lender = exchange.BodyBuffers(kept=2, min_bytes=4), Lender(lends=0)
+    async with exchange.reading_body(with_buffers(declaring(b"abcdef"), buffers), 100, "body", lender) as body:
+        assert isinstance(body, bytearray) and body == b"abcdef"
+    async with exchange.reading_body(with_buffers(declaring(b"abc"), buffers), 100, "body", lender) as small:
+        assert small == b"abc"
+    assert lender.asked == [6]  # a small body is joined from its pieces, never lent memory
+
+
+async def test_lent_memory_is_given_back_when_the_body_breaks_its_content_length() -> None:
+    buffers, lender = exchange.BodyBuffers(kept=2, min_bytes=4), Lender(lends=1)
+    short = with_buffers(request(receiving(chunk(b"abc", more=False)), {"content-length": "6"}), buffers)
+    with pytest.raises(MalformedPayload, match="is 3 bytes, not its Content-Length of 6"):
+        async with exchange.reading_body(short, 100, "body", lender):
+            raise AssertionError("a body shorter than declared was read")
+    assert len(lender.released) == 1
 
 
 # ---------------------------------------------------------------------------------------- X-Request-Timeout

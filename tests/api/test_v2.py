@@ -7,7 +7,11 @@ import numpy as np
 import orjson
 import pytest
 
+from app import codecs
+from app.client import encode_payload
 from kernels.reference import assert_close_to_reference
+from matmul_tools.bodies import load_npy
+from tests.fakes import record_staging
 
 pytestmark = pytest.mark.anyio
 
@@ -259,3 +263,27 @@ async def test_an_infer_id_that_is_not_a_string_is_a_400(client: httpx.AsyncClie
 async def test_a_string_infer_id_is_echoed(client: httpx.AsyncClient) -> None:
     r = await client.post("/v2/models/matmul/infer", json=ab(id="req-1"))
     assert r.status_code == 200 and r.json()["id"] == "req-1"
+
+
+@pytest.mark.parametrize("route", ["matmul npy", "v2 binary"])
+async def test_large_binary_operands_are_read_into_shared_memory_and_not_copied_again(
+    client: httpx.AsyncClient, monkeypatch: pytest.MonkeyPatch, route: str
+) -> None:
+    """A body of at least 1 MiB is read into the HTTP worker's shared memory; float32 operands aligned there (the
+    project's client aligns `.npy` data, the server aligns what follows a v2 JSON header) go to the engine where they
+    lie: nothing is staged, and the product is right."""
+    staged = record_staging(monkeypatch)
+    rng = np.random.default_rng(5)
+    a, b = rng.standard_normal((384, 512), dtype=np.float32), rng.standard_normal((512, 256), dtype=np.float32)
+    if route == "matmul npy":
+        payload = encode_payload(a, b)
+        headers = {"content-type": payload.content_type, "accept": codecs.NPY_MEDIA_TYPE}
+        r = await client.post("/matmul", content=payload.content, headers=headers)
+        c = load_npy(r.content)
+    else:
+        body, headers = binary_request(a, b, parameters={"binary_data_output": True})
+        r = await client.post("/v2/models/matmul/infer", content=body, headers=headers)
+        c = np.frombuffer(split_binary(r)[1], "<f4").reshape(384, 256)
+    assert r.status_code == 200 and len(r.request.content) >= 1 << 20
+    assert staged == []
+    assert_close_to_reference(c, a, b, np.dtype(np.float32))

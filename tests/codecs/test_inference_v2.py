@@ -73,6 +73,23 @@ def test_fp16_binary_inputs_are_read_as_float16() -> None:
         np.testing.assert_array_equal(decoded, sent)
 
 
+def test_binary_inputs_in_lent_memory_are_views_of_it() -> None:
+    """A body read into the engine's shared memory comes as a memoryview: the tensors are views of it, and a
+    boolean word in the JSON header is still found."""
+    a, b = np.arange(6, dtype="<f4").reshape(2, 3), np.arange(3, dtype="<f4").reshape(3, 1)
+    inputs = [
+        {"name": name, "datatype": "FP32", "shape": list(x.shape), "parameters": {"binary_data_size": x.nbytes}}
+        for name, x in (("A", a), ("B", b))
+    ]
+    header = orjson.dumps({"inputs": inputs, "parameters": {"binary_data_output": True}})
+    memory = np.frombuffer(bytearray(header + a.tobytes() + b.tobytes()), np.uint8)
+    request = decode_infer(memory.data, str(len(header)), LIMITS)
+    assert request.binary_output
+    for decoded, sent in ((request.operands.a, a), (request.operands.b, b)):
+        np.testing.assert_array_equal(decoded, sent)
+        assert np.shares_memory(decoded, memory)
+
+
 @pytest.mark.parametrize(
     ("parameters", "outputs", "binary"),
     [

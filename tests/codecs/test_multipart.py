@@ -219,14 +219,34 @@ def npy_pair(boundary: str = "0123456789abcdef0123456789abcdef") -> tuple[bytes,
     return body, f"multipart/form-data; boundary={boundary}", a, b
 
 
-@pytest.mark.parametrize("kind", [bytes, bytearray], ids=["bytes", "bytearray"])  # a large body comes in a bytearray
-def test_npy_parts_are_read_by_length_as_views_of_the_body(searched: list[bytes], kind: type[bytes]) -> None:
+def _in_memory(body: bytes) -> memoryview:
+    """A body as read into memory lent by the engine: a memoryview of an array's bytes."""
+    memory = np.frombuffer(bytearray(body), np.uint8)
+    return memory.data
+
+
+# a large body comes in a bytearray, or in the engine's shared memory (a memoryview of it)
+@pytest.mark.parametrize("kind", [bytes, bytearray, _in_memory], ids=["bytes", "bytearray", "lent memory"])
+def test_npy_parts_are_read_by_length_as_views_of_the_body(
+    searched: list[bytes], kind: Callable[[bytes], bytes | bytearray | memoryview]
+) -> None:
     body, content_type, a, b = npy_pair()
-    operands = decode_multipart(kind(body + b"an epilogue"), content_type, LIMITS)
+    read = kind(body + b"an epilogue")
+    operands = decode_multipart(read, content_type, LIMITS)
     assert searched == []
     np.testing.assert_array_equal(operands.a, a)
     np.testing.assert_array_equal(operands.b, b)
     assert operands.a.base is not None and not operands.a.flags.owndata
+    assert np.shares_memory(operands.b, np.frombuffer(read, np.uint8))
+
+
+def test_a_body_in_lent_memory_that_must_be_searched_is_parsed_from_a_copy(searched: list[bytes]) -> None:
+    """A preamble: python-multipart parses the body, as bytes; the operands are correct all the same."""
+    body, content_type, a, b = npy_pair()
+    operands = decode_multipart(_in_memory(b"a preamble\r\n" + body), content_type, LIMITS)
+    assert len(searched) == 1 and isinstance(searched[0], bytes)
+    np.testing.assert_array_equal(operands.a, a)
+    np.testing.assert_array_equal(operands.b, b)
 
 
 def test_a_boundary_inside_npy_data_does_not_cut_the_part(searched: list[bytes]) -> None:

@@ -3,6 +3,8 @@ the header, which limit) and location, and the header grammar at its edges."""
 
 from __future__ import annotations
 
+import io
+
 import numpy as np
 import pytest
 
@@ -180,6 +182,17 @@ def test_data_of_the_wrong_size_names_both_sizes(extra: int, present: int, tail:
         f"'b' is a 2x3 float32 .npy whose data should be 24 bytes, but {present} bytes follow the header{tail}",
         ["b"],
     )
+
+
+@pytest.mark.parametrize("starts_at", [0, 1, 63, 98, 131])
+def test_the_data_of_an_npy_file_in_a_body_begins_on_a_multiple_of_64_of_the_body(starts_at: int) -> None:
+    """Padded as NumPy pads, with spaces before the newline: NumPy and the service read it."""
+    array = np.arange(6, dtype=">f4").reshape(3, 2)
+    head, data = npy_parts(array, starts_at=starts_at)
+    assert (starts_at + len(head)) % 64 == 0 and head.endswith(b"\n")
+    assert head[10:].rstrip() == npy_parts(array)[0][10:].rstrip()  # np.save's header, more spaces or fewer
+    np.testing.assert_array_equal(np.load(io.BytesIO(head + bytes(data)), allow_pickle=False), array)
+    np.testing.assert_array_equal(decode_npy(head + bytes(data), "a", LIMITS), array)
 
 
 def test_encoding_writes_a_c_ordered_npy_numpy_reads() -> None:

@@ -9,7 +9,7 @@ import mmap
 import os
 import signal
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -108,16 +108,6 @@ def settings() -> Settings:
         slab_bytes=1 << 20,
         shared_memory=["system"],
     )
-
-
-@pytest.fixture
-async def engine(supervisor: EngineSupervisor, settings: Settings) -> AsyncIterator[RemoteEngine]:
-    engine = RemoteEngine(supervisor.sockets, settings)
-    await engine.start()
-    await until(lambda: engine.state is EngineState.READY, guard_s=60)
-    yield engine
-    await engine.stop()
-    engine.arena.close()
 
 
 def _mapped(pid: int, path: Path) -> bool:

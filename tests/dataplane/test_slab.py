@@ -159,3 +159,66 @@ async def test_a_slab_dropped_without_release_still_comes_back(arena: Arena) -> 
     slab = await arena.reserve(MIB, timeout_s=1)
     del slab
     await _all_given_back(arena)
+
+
+async def test_a_body_is_lent_memory_only_when_there_is_room_now_and_no_one_waits(arena: Arena) -> None:
+    """Body memory is never waited for: no room now, a request waiting, or bodies already holding half the arena,
+    and the body is read elsewhere (None)."""
+    body = arena.lend(MIB)
+    assert body is not None and arena.lent_bytes == MIB
+    assert arena.lend(MIB + 1) is None  # bodies would hold more than half of the 4 MiB
+    other = arena.lend(MIB)
+    assert other is not None and arena.lent_bytes == 2 * MIB
+    held = await arena.reserve(2 * MIB, timeout_s=1)
+    other.release()
+    body.release()
+    await _all_given_back_but(arena, 2 * MIB)
+    assert arena.lent_bytes == 0
+    waiting = asyncio.create_task(arena.reserve(3 * MIB, timeout_s=30))
+    await until(lambda: arena.waiting == 1)
+    assert arena.lend(ALIGNMENT) is None  # room for it, but its bytes may be what the waiter needs
+    held.release()
+    (await waiting).release()
+    await _all_given_back(arena)
+
+
+async def _all_given_back_but(arena: Arena, held: int) -> None:
+    await until(lambda: arena.used_bytes == held)
+
+
+async def test_a_request_holding_a_body_is_served_before_those_holding_none(arena: Arena) -> None:
+    """A request that waits for its product's slab while its body holds lent memory goes first, whichever such
+    request fits first: otherwise it could wait behind a request that waits for its body's bytes."""
+    body = arena.lend(2 * MIB)
+    assert body is not None
+    filler = await arena.reserve(2 * MIB, timeout_s=1)
+    plain = asyncio.create_task(arena.reserve(3 * MIB, timeout_s=30))  # needs the body's bytes back
+    await until(lambda: arena.waiting == 1)
+    big_holder = asyncio.create_task(arena.reserve(3 * MIB, timeout_s=30, holding=True))
+    small_holder = asyncio.create_task(arena.reserve(MIB, timeout_s=30, holding=True))
+    await until(lambda: arena.waiting == 3)
+    filler.release()
+    served = await small_holder  # fits first, ahead of the larger holder and of the request that asked before both
+    assert not big_holder.done() and not plain.done()
+    served.release()
+    body.release()
+    (await big_holder).release()
+    (await plain).release()
+    await _all_given_back(arena)
+    assert arena.lent_bytes == 0
+
+
+async def test_a_lent_body_viewed_after_its_release_keeps_its_bytes(arena: Arena) -> None:
+    """An operand decoded from a lent body outlives the request (a cancelled product the engine still reads): the
+    body's bytes come back with its last view."""
+    body = arena.lend(MIB)
+    assert body is not None
+    operand = body.memory(0, MIB).view(np.float32)
+    operand[:] = 3.0
+    assert arena.offset_of(operand) == body.offset and arena.offset_of(np.ones(4)) is None
+    body.release()
+    await asyncio.sleep(0.01)
+    assert arena.used_bytes == arena.lent_bytes == MIB
+    del operand
+    await _all_given_back(arena)
+    assert arena.lent_bytes == 0

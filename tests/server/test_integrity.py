@@ -32,10 +32,19 @@ from tests.server.conftest import CLIENTS, Serve
 
 pytestmark = pytest.mark.timeout(600)
 MIB = 1 << 20
-SHAPES = ((2048, 8, 2048), (1024, 16, 1024), (512, 32, 512), (256, 256, 256), (200, 96, 160), (128, 128, 128))
+SHAPES = (
+    (2048, 8, 2048),
+    (1024, 16, 1024),
+    (512, 32, 512),
+    (384, 512, 384),
+    (256, 256, 256),
+    (200, 96, 160),
+    (128, 128, 128),
+)
 """(m, k, n): products of 16, 4 and 1 MiB, answers far larger than their operands (so that answers are what fills the
-shared memory, and a 16 MiB one is more than the kernel's socket buffers take from the server at once), and shapes
-small enough for the JSON ways."""
+shared memory, and a 16 MiB one is more than the kernel's socket buffers take from the server at once); binary
+bodies of 1.5 MiB, read into the shared memory itself where it has room (operands the engine reads in place); and
+shapes small enough for the JSON ways."""
 SCARCE_SLAB_BYTES = 20 * MIB
 """Room for one 2048x8 @ 8x2048 request (16.1 MiB) at a time: the others wait for its slab."""
 
@@ -80,7 +89,14 @@ def test_every_answer_is_its_own_requests_product(
     assert set(tally.checked) == set(WAYS)
 
 
-GPU_SHAPES = ((4096, 4096, 4096), (2048, 8, 2048), (1024, 16, 1024), (256, 256, 256), (128, 128, 128))
+GPU_SHAPES = (
+    (4096, 4096, 4096),
+    (2048, 8, 2048),
+    (1024, 16, 1024),
+    (512, 1024, 512),
+    (256, 256, 256),
+    (128, 128, 128),
+)
 GPU_CONFIGURATIONS = [
     {},  # matmul-service as it starts with no setting
     {"MATMUL_BATCHING": "true", "MATMUL_SLAB_BYTES": str(200 * MIB), "MATMUL_PIPELINE_DEPTH": "1"},

@@ -121,11 +121,14 @@ async def matmul(
     answer_as = choose_encoding(request.headers.get("accept"))
     service.admit()
     content_type = request.headers.get("content-type", "")
-    if codecs.decodable_media_type(content_type) == codecs.JSON_MEDIA_TYPE:
+    media_type = codecs.decodable_media_type(content_type)
+    if media_type == codecs.JSON_MEDIA_TYPE:
         limit, what = settings.max_json_bytes, "JSON body"
     else:
         limit, what = settings.max_body_bytes, "body"
-    async with reading_body(request, limit, what) as body:
+    # .npy parts are decoded as views of the body: in the engine's memory, they are not copied again
+    lend = service.engine.lend if media_type == codecs.MULTIPART_MEDIA_TYPE else None
+    async with reading_body(request, limit, what, lend) as body:
         clock.mark_read()
         operands = await off_loop_if_large(
             len(body), settings, codecs.decode, content_type, body, service.limits, settings.max_body_bytes

@@ -8,6 +8,7 @@ An answer's `parameters` name the kernel and backend that ran it and carry its r
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 from typing import Annotated, Any, TypeVar
 
 from fastapi import APIRouter, Depends, Path, Request, Response
@@ -188,9 +189,14 @@ async def infer(
     catalogue.kernel_of(model)
     try:
         service.admit()
-        async with reading_body(request, settings.max_body_bytes, "body") as body:
+        header_length = request.headers.get(codecs.inference_v2.HEADER_LENGTH)
+        # binary tensors are decoded as views of the body: in the engine's memory, with the first one aligned
+        # (after the JSON header), they are not copied again
+        lend = None
+        if header_length is not None and header_length.isascii() and header_length.isdigit():
+            lend = partial(service.engine.lend, data_at=int(header_length))
+        async with reading_body(request, settings.max_body_bytes, "body", lend) as body:
             clock.mark_read()
-            header_length = request.headers.get(codecs.inference_v2.HEADER_LENGTH)
             decoded = await off_loop_if_large(
                 len(body), settings, codecs.decode_infer, body, header_length, service.limits
             )
