@@ -23,7 +23,10 @@ What it costs: a 4096x4096 float32 product moves 192 MiB, and a client that copi
 multipart body, out of a socket's chunks, into an array) spends more than the server does. This one writes a
 request's head and the operands' own memory (`.npy` parts are a small header and the array's buffer) with one
 scatter-gather `sendmsg`, and reads a `.npy` answer's bytes straight into the result array (`readinto`), on
-keep-alive connections kept in a pool; answers' heads are parsed by the standard library's `http.client`.
+keep-alive connections kept in a pool; answers' heads are parsed by the standard library's `http.client`. Each
+`.npy` part's data begins on a multiple of 64 bytes of the body, so that the server, which reads a large body into
+its shared memory, hands the operands to the engine where they lie; an answer of 1 MiB or more is read into memory
+an earlier answer of its size used, once nothing views that one any more (`AnswerMemory`).
 Operands that are not C-contiguous, `.npz` and JSON bodies are encoded into new bytes. `AsyncMatmulClient` runs
 the same exchanges on a pool of threads, one per connection: the socket work releases the GIL.
 """
@@ -35,11 +38,13 @@ import concurrent.futures
 import contextlib
 import http.client
 import io
+import mmap
 import re
 import secrets
 import socket
 import ssl
 import threading
+import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -162,23 +167,22 @@ class Payload:
         return b"".join(self.parts)
 
 
-def _npy_parts(array: np.ndarray) -> tuple[bytes, Buffer]:
-    """A `.npy` file as its header and the array's own memory (a C-contiguous copy only where it is not)."""
-    if array.dtype.hasobject:
-        raise ValueError("object arrays cannot be sent: the server reads numbers only")
-    return npy_parts(array)
-
-
 def _multipart(parts: Mapping[str, np.ndarray]) -> tuple[tuple[Buffer, ...], str]:
+    """A multipart body of `.npy` file parts, each part's data on a multiple of 64 bytes of the body (the server
+    reads a large body into aligned memory and an operand aligned there is not copied again)."""
     boundary = secrets.token_hex(16)
     buffers: list[Buffer] = []
+    size = 0
     for name, array in parts.items():
-        header, data = _npy_parts(array)
-        opening = (
+        if array.dtype.hasobject:
+            raise ValueError("object arrays cannot be sent: the server reads numbers only")
+        opening = (b"\r\n" if buffers else b"") + (
             f'--{boundary}\r\nContent-Disposition: form-data; name="{name}"; filename="{name}.npy"\r\n'
             f"Content-Type: {NPY_MEDIA_TYPE}\r\n\r\n"
-        )
-        buffers += [(b"\r\n" if buffers else b"") + opening.encode() + header, data]
+        ).encode()
+        header, data = npy_parts(array, starts_at=size + len(opening))
+        buffers += [opening + header, data]
+        size += len(opening) + len(header) + data.nbytes
     buffers.append(f"\r\n--{boundary}--\r\n".encode())
     return tuple(buffers), f"multipart/form-data; boundary={boundary}"
 
@@ -249,9 +253,52 @@ def _read_exactly(response: http.client.HTTPResponse, into: memoryview) -> None:
         done += got
 
 
-def _read_npy(response: http.client.HTTPResponse) -> np.ndarray:
-    """A `.npy` answer read into a new array: its header through NumPy's own parser (no pickles, bounded), then
-    its data into the array's memory."""
+POOLED_ANSWER_BYTES = 1 << 20
+"""Answers of at least this many bytes are read into AnswerMemory's buffers."""
+KEPT_ANSWER_BYTES = 1 << 30
+"""The most bytes of buffers a client keeps for answers to come."""
+
+
+class AnswerMemory:
+    """Memory for large answers, kept once the caller has let go of an answer for the next one of its size.
+
+    A 4096^2 float32 answer read into new memory costs the client a page fault and the kernel's zeroing of every one
+    of its 64 MiB before the socket's bytes are written there. Callers ask for the same shapes again and again, so
+    an answer's array is a view of a buffer of this pool: every view of it, NumPy's or a memoryview, keeps the root
+    array it was made from alive, and when the last of them goes a finalizer keeps the buffer for the next answer of
+    its size (the `kept` most recent, at most `kept_bytes` together). Safe from any thread."""
+
+    def __init__(self, kept: int, kept_bytes: int = KEPT_ANSWER_BYTES, min_bytes: int = POOLED_ANSWER_BYTES) -> None:
+        self.kept = kept
+        self.kept_bytes = kept_bytes
+        self.min_bytes = min_bytes
+        self._free: list[mmap.mmap] = []
+        self._lock = threading.Lock()
+
+    def take(self, nbytes: int) -> np.ndarray:
+        """`nbytes` bytes (uint8) to read an answer into: a kept buffer of that size, else new memory."""
+        if nbytes < self.min_bytes:
+            return np.empty(nbytes, np.uint8)
+        with self._lock:
+            found = next((i for i, kept in enumerate(self._free) if len(kept) == nbytes), None)
+            buffer = self._free.pop(found) if found is not None else None
+        if buffer is None:
+            buffer = mmap.mmap(-1, nbytes)  # anonymous: pages are mapped as they are first written
+        root = np.frombuffer(buffer, np.uint8)
+        weakref.finalize(root, self._give, buffer).atexit = False
+        return root
+
+    def _give(self, buffer: mmap.mmap) -> None:
+        """The last view of an answer is gone: keep its buffer, forgetting the oldest past `kept` or `kept_bytes`."""
+        with self._lock:
+            self._free.append(buffer)
+            while len(self._free) > self.kept or sum(map(len, self._free)) > self.kept_bytes:
+                del self._free[0]
+
+
+def _read_npy(response: http.client.HTTPResponse, memory: AnswerMemory) -> np.ndarray:
+    """A `.npy` answer read into memory from `memory`: its header through NumPy's own parser (no pickles, bounded),
+    then its data into the array's memory."""
     read_header = {(1, 0): np.lib.format.read_array_header_1_0, (2, 0): np.lib.format.read_array_header_2_0}
     try:
         version = np.lib.format.read_magic(response)
@@ -267,19 +314,19 @@ def _read_npy(response: http.client.HTTPResponse) -> np.ndarray:
         raise http.client.HTTPException(
             f"the answer's .npy header describes {count * dtype.itemsize} bytes, {response.length} follow it"
         )
-    flat = np.empty(count, dtype)
-    _read_exactly(response, flat.view(np.uint8).data)
-    return flat.reshape(shape, order="F" if fortran_order else "C")
+    data = memory.take(count * dtype.itemsize)
+    _read_exactly(response, data.data)
+    return data.view(dtype).reshape(shape, order="F" if fortran_order else "C")
 
 
-def _product(response: http.client.HTTPResponse) -> Product:
+def _product(memory: AnswerMemory, response: http.client.HTTPResponse) -> Product:
     if response.status != 200:
         raise _error(response.status, response.headers, response.read())
     # one pass over the two dozen X-Matmul-* headers (each lookup in the message object is another pass)
     headers = {name.lower(): value for name, value in response.getheaders()}
     try:
         if headers.get("content-type", "").startswith(NPY_MEDIA_TYPE):
-            c = _read_npy(response)
+            c = _read_npy(response, memory)
         else:
             dtype = np.dtype(headers["x-matmul-dtype"])
             m, n = (int(side) for side in headers["x-matmul-shape"].split("x"))
@@ -540,6 +587,7 @@ class MatmulClient:
         if api_key is not None:
             sent["Authorization"] = f"Bearer {api_key}"
         self._pool = _Connections(url, timeout, connections, sent)
+        self._answers = AnswerMemory(kept=connections)
         self._threads: ThreadPoolExecutor | None = None
         self._threads_lock = threading.Lock()
 
@@ -572,7 +620,8 @@ class MatmulClient:
     def send(self, payload: Payload, **options: Unpack[Options]) -> Product:
         """Send a body encoded beforehand with `encode_payload` (to send the same operands many times)."""
         headers = {"Content-Type": payload.content_type, "Accept": _ACCEPT[payload.answer]}
-        return self._pool.exchange("POST", _product_path(options), _product, payload.parts, headers)
+        read = partial(_product, self._answers)
+        return self._pool.exchange("POST", _product_path(options), read, payload.parts, headers)
 
     def info(self) -> dict[str, Any]:
         """GET /v1/info: backend, state, device, queue and kernels."""

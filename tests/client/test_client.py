@@ -18,6 +18,7 @@ import pytest
 
 from app.client import (
     FORMATS,
+    AnswerMemory,
     AsyncMatmulClient,
     MatmulClient,
     RequestFormat,
@@ -252,7 +253,8 @@ def test_the_operands_travel_as_their_own_memory() -> None:
 
 
 def test_what_the_client_sends_is_what_np_save_and_multipart_say(stub: Callable[..., Stub]) -> None:
-    """The body, as the server reads it: a multipart form of two .npy files, byte for byte np.save's."""
+    """The body, as the server reads it: a multipart form of two .npy files that np.load reads, each array's data
+    beginning on a multiple of 64 bytes of the body."""
     server = stub(npy_answer(np.zeros((3, 2), np.float32)))
     a, b = np.asfortranarray(operands(3, 4, 2, "float64")[0]), np.arange(8, dtype=">i4").reshape(4, 2)
     with MatmulClient(server.url, api_key="k1", headers={"X-Trace": "t"}) as client:
@@ -264,9 +266,13 @@ def test_what_the_client_sends_is_what_np_save_and_multipart_say(stub: Callable[
     parts = body.split(b"--" + boundary)
     assert parts[0] == b"" and parts[-1] == b"--\r\n" and len(parts) == 4
     for part, x in zip(parts[1:3], (a, b), strict=True):
-        saved = io.BytesIO()
-        np.save(saved, np.ascontiguousarray(x))
-        assert part.split(b"\r\n\r\n", 1)[1] == saved.getvalue() + b"\r\n"
+        npy = part.split(b"\r\n\r\n", 1)[1].removesuffix(b"\r\n")
+        loaded = np.load(io.BytesIO(npy), allow_pickle=False)
+        assert loaded.dtype == x.dtype and loaded.flags.c_contiguous
+        np.testing.assert_array_equal(loaded, x)
+        assert npy.endswith(np.ascontiguousarray(x).tobytes())
+        # its header as np.save writes it but for the spaces that put the data on a multiple of 64 of the body
+        assert (body.index(npy) + len(npy) - x.nbytes) % 64 == 0
 
 
 def test_the_answer_is_read_into_an_array_with_what_the_server_said(stub: Callable[..., Stub]) -> None:
@@ -276,6 +282,41 @@ def test_the_answer_is_read_into_an_array_with_what_the_server_said(stub: Callab
         product = client.multiply(np.ones((2, 1)), np.ones((1, 3)))
     np.testing.assert_array_equal(product.c, c)
     assert (product.batch_size, product.timing, product.device) == (3, {"total": 1.5}, "stub")
+
+
+def test_an_answers_memory_serves_the_next_answer_only_once_its_last_view_is_gone() -> None:
+    memory = AnswerMemory(kept=2, min_bytes=1024)
+    first = memory.take(4096).view(np.float32)
+    first[:] = 1.0
+    row = first.reshape(32, 32)[3]  # the caller keeps a view of the answer, not the answer
+    address = first.ctypes.data
+    del first
+    second = memory.take(4096)
+    assert second.ctypes.data != address and set(row.tolist()) == {1.0}
+    del row, second
+    assert memory.take(4096).ctypes.data == address  # kept, and given to the next answer of its size
+    assert memory.take(512).base is None  # small answers are new arrays
+
+
+def test_answers_kept_by_the_caller_stay_their_own_while_later_ones_reuse_memory(served_url: str) -> None:
+    """Many products at once, answers of 1 MiB (pooled) on 4 connections: the caller keeps every third answer (or a
+    view of it) and drops the rest, whose memory the next answers are read into; every answer is checked when it
+    comes and every kept one again at the end."""
+    pairs = [operands(512, 8 + seed % 3, 512, "float32") for seed in range(36)]
+    kept: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
+    with MatmulClient(served_url, connections=4) as client:
+
+        def one(index: int, a: np.ndarray, b: np.ndarray) -> None:
+            c = client.matmul(a, b)
+            assert_close_to_reference(c, a, b, np.dtype(np.float32))
+            if index % 3 == 0:
+                kept.append((c, a, b) if index % 2 else (c[::2], a[::2], b))
+
+        for outcome in [client.threads().submit(one, index, *pair) for index, pair in enumerate(pairs)]:
+            outcome.result()
+    assert len(kept) == 12
+    for c, a, b in kept:
+        assert_close_to_reference(c, a, b, np.dtype(np.float32))
 
 
 def test_a_npy_answer_longer_or_shorter_than_its_header_says_is_a_protocol_error(stub: Callable[..., Stub]) -> None:
