@@ -28,7 +28,10 @@ its cell loudly and the run exits 1 once every cell has run.
 
 A cell takes its first answers, `--warmup` and `--seconds` (about 7 s by default): the default grid, 2 servers x 4
 sizes x 4 clients, is 32 cells, under 4 minutes, plus each server's start (`--ready-timeout`). A sweep of six
-servers is 96 cells: narrow it with `--clients`, `--sizes` or `--seconds`.
+servers is 96 cells: narrow it with `--clients`, `--sizes` or `--seconds`. `--rounds R` measures each size's clients R
+times, in their order and then in reverse, turn about (on a shared host the cell that comes first after another load
+runs on a different machine state): each ratio is taken within its round, and the tables and the chart show the
+mean of the rounds beside each round's ratios.
 
     python scripts/bench_users.py --backend gpu
     python scripts/bench_users.py --backend gpu --servers workers=1,workers=2,workers=4,workers=8,workers=12,workers=16
@@ -560,13 +563,33 @@ def measure_cell(
     return cell
 
 
+def _schedule(sizes: list[int], kinds: list[ClientKind], rounds: int) -> list[tuple[int, int, ClientKind]]:
+    """(size, round, client kind) in the order measured: each size's kinds `rounds` times, reversed every other."""
+    return [
+        (n, round_, kind) for n in sizes for round_ in range(rounds) for kind in (kinds[::-1] if round_ % 2 else kinds)
+    ]
+
+
 def add_ratios(cells: list[dict[str, Any]]) -> None:
-    """Each client library's products/s over its raw sender's, on the same server, size and concurrency."""
-    products = {(cell["server"], cell["size"], cell["client"]): cell.get("products_per_s") for cell in cells}
+    """Each client library's products/s over its raw sender's, on the same server, size, concurrency and round."""
+    products = {
+        (cell["server"], cell["size"], cell.get("round", 0), cell["client"]): cell.get("products_per_s")
+        for cell in cells
+    }
     for cell in cells:
         found = cell.get("products_per_s")
-        floor = products.get((cell["server"], cell["size"], RAW_OF.get(cell["client"])))
+        floor = products.get((cell["server"], cell["size"], cell.get("round", 0), RAW_OF.get(cell["client"])))
         cell["ratio_to_raw"] = found / floor if found is not None and floor else None
+
+
+def mean_products(cells: list[dict[str, Any]]) -> dict[tuple[str, int, str], float | None]:
+    """Products/s by (server, size, client), the mean of the rounds that answered."""
+    rounds: dict[tuple[str, int, str], list[float]] = {}
+    for cell in cells:
+        found = rounds.setdefault((cell["server"], cell["size"], cell["client"]), [])
+        if cell.get("products_per_s") is not None:
+            found.append(cell["products_per_s"])
+    return {key: (sum(values) / len(values) if values else None) for key, values in rounds.items()}
 
 
 def host_facts() -> dict[str, Any]:
@@ -624,17 +647,33 @@ def _errors(cell: dict[str, Any]) -> str:
 
 def print_report(report: dict[str, Any]) -> None:
     cells = report["cells"]
+    several = any(cell.get("round", 0) for cell in cells)
     rows = [
         [
-            cell["server"], str(cell["size"]), str(cell["concurrency"]), cell["client"],
-            _figure(cell.get("products_per_s"), 1), _figure(cell.get("latency_ms", {}).get("p50")),
+            cell["server"], str(cell["size"]), str(cell["concurrency"]), *([str(cell.get("round", 0))] * several),
+            cell["client"], _figure(cell.get("products_per_s"), 1), _figure(cell.get("latency_ms", {}).get("p50")),
             _figure(cell.get("latency_ms", {}).get("p99")), _figure(cell.get("ratio_to_raw")), _errors(cell),
         ]
         for cell in cells
     ]  # fmt: skip
     print("## Products/s and latency (ms), closed loop\n")
-    headers = ["server", "size", "conc", "client", "products/s", "p50", "p99", "vs raw", "errors"]
-    print(markdown(headers, rows))
+    headers = ["server", "size", "conc", *(["round"] * several), "client", "products/s", "p50", "p99", "vs raw"]
+    print(markdown([*headers, "errors"], rows))
+    if several:
+        print("\n## Each library over its raw sender, round by round, and the mean of the rounds' products/s\n")
+        mean = mean_products(cells)
+        ratios: dict[tuple[str, int, ClientKind], list[str]] = {}
+        for cell in cells:
+            if cell["client"] in RAW_OF:
+                ratios.setdefault((cell["server"], cell["size"], cell["client"]), []).append(
+                    _figure(cell.get("ratio_to_raw"))
+                )
+        rows = []
+        for (server, n, kind), found in ratios.items():
+            floor = mean.get((server, n, RAW_OF[kind]))
+            mine = mean.get((server, n, kind))
+            rows.append([server, str(n), kind, " / ".join(found), _figure(mine / floor if mine and floor else None)])
+        print(markdown(["server", "size", "client", "vs raw by round", "vs raw, means"], rows))
     costs = [cell for cell in cells if "client_cost" in cell]
     if costs:
         print("\n## MatmulClient: its own cost per product beside the server's timing total (mean ms)\n")
@@ -650,7 +689,7 @@ def print_report(report: dict[str, Any]) -> None:
     servers = list(report["servers"])
     if len(servers) > 1:
         print("\n## Products/s by server\n")
-        by_cell = {(cell["size"], cell["client"], cell["server"]): cell.get("products_per_s") for cell in cells}
+        by_cell = {(n, kind, server): found for (server, n, kind), found in mean_products(cells).items()}
         pairs = list(dict.fromkeys((cell["size"], cell["client"]) for cell in cells))
         rows = [[str(n), kind, *(_figure(by_cell.get((n, kind, s)), 1) for s in servers)] for n, kind in pairs]
         print(markdown(["size", "client", *servers], rows))
@@ -659,7 +698,7 @@ def print_report(report: dict[str, Any]) -> None:
 
 
 def plot_report(report: dict[str, Any], path: Path) -> None:
-    """Products/s of every cell: a panel per size, the servers along x, a bar per client."""
+    """Products/s of every cell (the mean of its rounds): a panel per size, the servers along x, a bar per client."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -669,15 +708,12 @@ def plot_report(report: dict[str, Any], path: Path) -> None:
     sizes = sorted({cell["size"] for cell in cells})
     servers = list(report["servers"])
     kinds = [kind for kind in CLIENT_KINDS if any(cell["client"] == kind for cell in cells)]
+    mean = mean_products(cells)
     figure, axes = plt.subplots(1, max(1, len(sizes)), figsize=(4.2 * max(1, len(sizes)), 4), squeeze=False)
     width = 0.8 / max(1, len(kinds))
     for axis, n in zip(axes[0], sizes, strict=False):
         for i, kind in enumerate(kinds):
-            found = {
-                cell["server"]: cell.get("products_per_s") or 0.0
-                for cell in cells
-                if (cell["size"], cell["client"]) == (n, kind)
-            }
+            found = {server: mean.get((server, n, kind)) or 0.0 for server in servers}
             axis.bar(
                 [x + i * width for x in range(len(servers))], [found.get(s, 0.0) for s in servers], width, label=kind
             )
@@ -725,6 +761,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--seconds", type=float, default=5.0, help="measured seconds per cell (default: 5)")
     parser.add_argument("--warmup", type=float, default=1.0, help="seconds of load before each cell's (default: 1)")
     parser.add_argument(
+        "--rounds", type=int, default=1, help="times each size's clients are measured, every other in reverse (1)"
+    )
+    parser.add_argument(
         "--backend", choices=["auto", "cpu", "gpu"], help="MATMUL_BACKEND for every server (default: unset)"
     )
     parser.add_argument(
@@ -754,8 +793,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     missing = [n for n in args.sizes if n not in args.concurrency]
     if missing:
         parser.error(f"--concurrency has no connections for size {missing}")
-    if min(args.sizes) < 1 or min(args.concurrency.values()) < 1 or args.processes < 1:
-        parser.error("--sizes, --concurrency and --processes must be positive")
+    if min(args.sizes) < 1 or min(args.concurrency.values()) < 1 or args.processes < 1 or args.rounds < 1:
+        parser.error("--sizes, --concurrency, --processes and --rounds must be positive")
     if args.seconds <= 0 or args.warmup < 0:
         parser.error("--seconds must be positive, --warmup not negative")
     args.png = args.png or (args.plot_only or args.out).with_suffix(".png")
@@ -780,18 +819,18 @@ def run_server(
     workers = started.info["http_workers"]
     print(f"{config.name}: ready in {started.ready_s:.1f} s, {workers} HTTP workers", file=sys.stderr)
     try:
-        for n in args.sizes:
-            for kind in kinds:
-                number = len(report["cells"])
-                cell = measure_cell(clients, number, started.service.url, config.name, kind, n, args)
-                report["cells"].append(cell)
-                said = f"{config.name} {n}x{n} c={cell['concurrency']} {kind}:"
-                if cell["failure"] is None:
-                    print(f"{said} {cell['products_per_s']:.1f} products/s, errors {cell['errors']}", file=sys.stderr)
-                    continue
-                print(f"{said} FAILED: {cell['failure']}", file=sys.stderr)
-                for wrong in cell.get("wrong", []):
-                    print(f"  WRONG ANSWER {wrong}", file=sys.stderr)
+        for n, round_, kind in _schedule(args.sizes, kinds, args.rounds):
+            number = len(report["cells"])
+            cell = measure_cell(clients, number, started.service.url, config.name, kind, n, args) | {"round": round_}
+            report["cells"].append(cell)
+            said = f"{config.name} {n}x{n} c={cell['concurrency']} {kind}" + (f" (round {round_})" if round_ else "")
+            said += ":"
+            if cell["failure"] is None:
+                print(f"{said} {cell['products_per_s']:.1f} products/s, errors {cell['errors']}", file=sys.stderr)
+                continue
+            print(f"{said} FAILED: {cell['failure']}", file=sys.stderr)
+            for wrong in cell.get("wrong", []):
+                print(f"  WRONG ANSWER {wrong}", file=sys.stderr)
     finally:
         started.service.stop()
 

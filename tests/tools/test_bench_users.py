@@ -68,6 +68,26 @@ def test_every_cell_of_the_smallest_grid_answers_right(tmp_path: Path) -> None:
     assert again.read_bytes().startswith(PNG_MAGIC)
 
 
+def test_rounds_reverse_the_clients_every_other_time_and_ratios_stay_within_their_round(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert bench._schedule([64, 512], ["client", "raw-npy"], 2) == [
+        (64, 0, "client"), (64, 0, "raw-npy"), (64, 1, "raw-npy"), (64, 1, "client"),
+        (512, 0, "client"), (512, 0, "raw-npy"), (512, 1, "raw-npy"), (512, 1, "client"),
+    ]  # fmt: skip
+    figures = {(0, "client"): 90.0, (0, "raw-npy"): 100.0, (1, "client"): 120.0, (1, "raw-npy"): 100.0}
+    cells = [
+        {"server": "default", "size": 64, "concurrency": 4, "client": kind, "round": round_, "products_per_s": found}
+        | {"failure": None, "errors": {}, "wrong": []}
+        for (round_, kind), found in figures.items()
+    ]
+    bench.add_ratios(cells)
+    assert [cell["ratio_to_raw"] for cell in cells] == [0.9, None, 1.2, None]
+    assert bench.mean_products(cells) == {("default", 64, "client"): 105.0, ("default", 64, "raw-npy"): 100.0}
+    bench.print_report({"cells": cells, "servers": {"default": {}}, "notes": []})
+    assert "| default |   64 | client | 0.90 / 1.20     |          1.05 |" in capsys.readouterr().out
+
+
 def test_servers_and_sizes_are_parsed_with_their_settings() -> None:
     args = bench.parse_args(["--servers", "default,tuned,workers=4,workers=4", "--sizes", "64,512"])
     assert [(c.name, dict(c.settings), c.workers) for c in args.servers] == [
@@ -77,7 +97,7 @@ def test_servers_and_sizes_are_parsed_with_their_settings() -> None:
     ]
     assert args.concurrency == {64: 64, 512: 16, 2048: 8, 4096: 8} and args.processes == 8
     assert args.out == Path("docs/bench/bench-users.json") and args.png == Path("docs/bench/bench-users.png")
-    for wrong in (["--servers", "workers=0"], ["--sizes", "100"], ["--clients", "curl"]):
+    for wrong in (["--servers", "workers=0"], ["--sizes", "100"], ["--clients", "curl"], ["--rounds", "0"]):
         with pytest.raises(SystemExit):
             bench.parse_args(wrong)
 
