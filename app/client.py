@@ -34,6 +34,7 @@ the same exchanges on a pool of threads, one per connection: the socket work rel
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures
 import contextlib
 import http.client
@@ -273,6 +274,9 @@ class AnswerMemory:
         self.kept_bytes = kept_bytes
         self.min_bytes = min_bytes
         self._free: list[mmap.mmap] = []
+        self._returned: collections.deque[mmap.mmap] = collections.deque(maxlen=kept)
+        """Buffers whose last view went, the `kept` latest: the finalizer only appends here, never taking the lock (a
+        garbage collection may run it in the middle of `take`, on the thread that holds it)."""
         self._lock = threading.Lock()
 
     def take(self, nbytes: int) -> np.ndarray:
@@ -280,20 +284,17 @@ class AnswerMemory:
         if nbytes < self.min_bytes:
             return np.empty(nbytes, np.uint8)
         with self._lock:
+            while self._returned:
+                self._free.append(self._returned.popleft())
+            while len(self._free) > self.kept or sum(map(len, self._free)) > self.kept_bytes:
+                del self._free[0]  # the longest unused
             found = next((i for i, kept in enumerate(self._free) if len(kept) == nbytes), None)
             buffer = self._free.pop(found) if found is not None else None
         if buffer is None:
             buffer = mmap.mmap(-1, nbytes)  # anonymous: pages are mapped as they are first written
         root = np.frombuffer(buffer, np.uint8)
-        weakref.finalize(root, self._give, buffer).atexit = False
+        weakref.finalize(root, self._returned.append, buffer).atexit = False
         return root
-
-    def _give(self, buffer: mmap.mmap) -> None:
-        """The last view of an answer is gone: keep its buffer, forgetting the oldest past `kept` or `kept_bytes`."""
-        with self._lock:
-            self._free.append(buffer)
-            while len(self._free) > self.kept or sum(map(len, self._free)) > self.kept_bytes:
-                del self._free[0]
 
 
 def _read_npy(response: http.client.HTTPResponse, memory: AnswerMemory) -> np.ndarray:

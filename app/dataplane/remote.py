@@ -378,7 +378,8 @@ class RemoteEngine:
         if into is None:
             staged_shapes.append((m, n))
         nbytes = sum(aligned(rows * cols * dtype.itemsize) for rows, cols in staged_shapes)
-        slab = await self.arena.reserve(nbytes, budget_s, holding=bool(in_arena))
+        held = sum(self.arena.bytes_in(operand) for operand in (a, b) if isinstance(operand, np.ndarray))
+        slab = await self.arena.reserve(nbytes, budget_s, holding=held)
         try:
             where = {
                 name: await self._place(operand, slab, dtype, name, precision, in_arena.get(name))

@@ -15,10 +15,12 @@ runs on the HTTP worker's event loop.
 A large binary body may be read straight into the arena (`Arena.lend`), so that operands sent in the working dtype
 are where the engine reads them without a copy; the request then reserves a second slab for C and whatever must
 still be converted. Holding one slab while waiting for another could wait forever, each request holding what the
-one ahead of it needs; so body memory is never waited for (no room now: the body is read elsewhere and copied, as
-before), bodies hold at most `LENT_SHARE` of the arena together, and a request that holds one is served before any
-that holds none, first-fit among them. Whatever the others hold, a product's own body and product then fit once the
-products ahead of it have been answered, the bodies of those waiting with it holding at most half the arena.
+one ahead of it needs; so body memory is never waited for (no room now, or a request waiting: the body is read
+elsewhere and copied, as before), bodies hold at most `LENT_SHARE` of the arena together, and while any body is lent
+a waiting request that fits beside the lent bodies is served first-fit, before those that do not (which hold no body
+and wait until the bodies are back); a request holding a body that could not fit beside them gets 503 at once (413
+when it could not fit beside its own). No body is lent while anyone waits, so the lent bytes only shrink during a
+wait: once the products granted before have been answered, the smallest first-fit request fits.
 
 When a slab's bytes go back to the arena: once its owner has released it *and* no array or memoryview of them is
 left. The owner (the request) releases it when it no longer needs the slab, but readers it handed the memory to
@@ -96,7 +98,7 @@ class Arena:
         """Free extents (offset, size), sorted by offset, never adjacent (merged on release)."""
         self._waiters: collections.deque[tuple[int, asyncio.Future[int]]] = collections.deque()
         self._holders: list[tuple[int, asyncio.Future[int]]] = []
-        """Requests waiting that hold a lent body: served before `_waiters`, whichever of them fits first."""
+        """Requests that began to wait while a body was lent: served before `_waiters`, whichever fits first."""
         self._lent: dict[int, int] = {}
         """Slabs lent to bodies (`lend`) by offset, until their bytes are back: their sizes."""
         self.used_bytes = 0
@@ -109,9 +111,21 @@ class Arena:
         return len(self._waiters) + len(self._holders)
 
     def offset_of(self, array: np.ndarray) -> int | None:
-        """Where `array`'s memory begins in the arena, if all of it lies there (a view of a slab's bytes)."""
+        """Where a C-contiguous `array` begins in the arena, if all of it lies there (a view of a slab's bytes)."""
+        if not array.flags.c_contiguous:
+            raise ValueError("offset_of takes a C-contiguous array")
         start = array.__array_interface__["data"][0] - self.address
         return start if start >= 0 and start + array.nbytes <= self.capacity else None
+
+    def bytes_in(self, array: np.ndarray) -> int:
+        """`array.nbytes` if its memory, whatever its strides, lies in the arena (a view of a lent body), else 0."""
+        low = high = array.__array_interface__["data"][0]
+        for size, stride in zip(array.shape, array.strides, strict=True):
+            if size == 0:
+                return 0
+            low, high = (low + (size - 1) * stride, high) if stride < 0 else (low, high + (size - 1) * stride)
+        inside = self.address <= low and high + array.itemsize <= self.address + self.capacity
+        return array.nbytes if inside else 0
 
     def lend(self, nbytes: int) -> Slab | None:
         """A slab of `nbytes` for a body to be read into, now or never: None when it does not fit at once, when
@@ -127,21 +141,32 @@ class Arena:
         self.lent_bytes += size
         return Slab(self, offset, size)
 
-    async def reserve(self, nbytes: int, timeout_s: float, holding: bool = False) -> Slab:
-        """A slab of `nbytes`, once one is free: PayloadTooLarge at once when no arena could hold it, Overloaded
-        when none came free within `timeout_s`. `holding`: the request holds a lent body, and goes first."""
+    async def reserve(self, nbytes: int, timeout_s: float, holding: int = 0) -> Slab:
+        """A slab of `nbytes`, once one is free: PayloadTooLarge at once when it could not fit beside the `holding`
+        bytes of lent body the request holds; Overloaded when none came free within `timeout_s`, and at once for a
+        request holding a body when it could not fit beside the bodies lent now (they go back as their requests
+        end: retry). While bodies are lent, a request that fits beside them is served first-fit; one that does not
+        (it holds none) waits behind every other until they are back."""
         self._loop = asyncio.get_running_loop()
         size = aligned(max(nbytes, 1))
-        if size > self.capacity:
+        if size + holding > self.capacity:
+            held = f" beside the {holding} bytes of its body" if holding else ""
             raise PayloadTooLarge(
-                f"the operands and product need {nbytes} bytes of shared memory, more than the {self.capacity} "
-                "each HTTP worker has (MATMUL_SLAB_BYTES)"
+                f"the operands and product need {nbytes} bytes of shared memory{held}, more than the "
+                f"{self.capacity} each HTTP worker has (MATMUL_SLAB_BYTES)"
             )
-        ahead = self._holders if holding else self.waiting
+        beside_bodies = size <= self.capacity - self.lent_bytes
+        if holding and not beside_bodies:
+            raise Overloaded(
+                f"this request's {nbytes} bytes of shared memory do not fit beside the {self.lent_bytes} bytes that "
+                "request bodies hold now; retry later"
+            )
+        first_fit = self.lent_bytes > 0 and beside_bodies
+        ahead = self._holders if first_fit else self.waiting
         if not ahead and (offset := self._take(size)) is not None:
             return Slab(self, offset, size)
         future: asyncio.Future[int] = asyncio.get_running_loop().create_future()
-        if holding:
+        if first_fit:
             self._holders.append((size, future))
         else:
             self._waiters.append((size, future))
@@ -153,6 +178,8 @@ class Arena:
             self._holders = [w for w in self._holders if w[1] is not future]
             if future.done() and not future.cancelled():  # handed a slab just as it gave up
                 self._give_back(future.result(), size)
+            else:
+                self._serve_waiters()  # those it stood in front of may fit now
             if isinstance(exc, TimeoutError):
                 raise Overloaded(
                     f"no shared memory came free for this request's {nbytes} bytes within {timeout_s:g} s "
@@ -193,8 +220,8 @@ class Arena:
         self._serve_waiters()
 
     def _serve_waiters(self) -> None:
-        """Hand slabs to the waiting requests that hold a body, any that fits; once none of them waits, to the
-        others in the order they asked, as long as the first of them fits."""
+        """Hand slabs to the requests that began to wait while a body was lent, any that fits; once none of them
+        waits, to the others in the order they asked, as long as the first of them fits."""
         for size, future in list(self._holders):
             if future.done():  # its request gave up
                 self._holders.remove((size, future))

@@ -186,26 +186,54 @@ async def _all_given_back_but(arena: Arena, held: int) -> None:
     await until(lambda: arena.used_bytes == held)
 
 
-async def test_a_request_holding_a_body_is_served_before_those_holding_none(arena: Arena) -> None:
-    """A request that waits for its product's slab while its body holds lent memory goes first, whichever such
-    request fits first: otherwise it could wait behind a request that waits for its body's bytes."""
+async def test_while_a_body_is_lent_requests_that_fit_beside_it_are_served_first_fit(arena: Arena) -> None:
+    """Holding one slab while waiting for another in the order asked could wait for ever: while a body is lent, the
+    requests that fit beside the lent bodies are served whichever fits first, and those that do not wait behind."""
     body = arena.lend(2 * MIB)
     assert body is not None
-    filler = await arena.reserve(2 * MIB, timeout_s=1)
+    fillers = [await arena.reserve(MIB // 2, timeout_s=1), await arena.reserve(3 * MIB // 2, timeout_s=1)]
     plain = asyncio.create_task(arena.reserve(3 * MIB, timeout_s=30))  # needs the body's bytes back
     await until(lambda: arena.waiting == 1)
-    big_holder = asyncio.create_task(arena.reserve(3 * MIB, timeout_s=30, holding=True))
-    small_holder = asyncio.create_task(arena.reserve(MIB, timeout_s=30, holding=True))
+    holder = asyncio.create_task(arena.reserve(MIB, timeout_s=30, holding=2 * MIB))
+    small = asyncio.create_task(arena.reserve(MIB // 2, timeout_s=30))
     await until(lambda: arena.waiting == 3)
-    filler.release()
-    served = await small_holder  # fits first, ahead of the larger holder and of the request that asked before both
-    assert not big_holder.done() and not plain.done()
+    fillers.pop(0).release()
+    served = await small  # fits first, ahead of the holder and of the request that asked before both
+    assert not holder.done() and not plain.done()
+    fillers.pop().release()
+    (await holder).release()
     served.release()
+    await asyncio.sleep(0.01)
+    assert not plain.done()  # the body still holds its bytes
     body.release()
-    (await big_holder).release()
     (await plain).release()
     await _all_given_back(arena)
     assert arena.lent_bytes == 0
+
+
+async def test_a_request_holding_a_body_that_cannot_fit_beside_the_bodies_is_refused_at_once(arena: Arena) -> None:
+    body, other = arena.lend(MIB), arena.lend(MIB)
+    assert body is not None and other is not None
+    with pytest.raises(PayloadTooLarge, match="beside the 1048576 bytes of its body"):
+        await arena.reserve(3 * MIB + 1, timeout_s=30, holding=MIB)
+    with pytest.raises(Overloaded, match="do not fit beside the 2097152 bytes that request bodies hold"):
+        await arena.reserve(5 * MIB // 2, timeout_s=30, holding=MIB)
+    assert arena.waiting == 0
+    body.release()
+    other.release()
+    await _all_given_back(arena)
+
+
+async def test_a_waiter_that_gives_up_lets_those_behind_it_be_served(arena: Arena) -> None:
+    held = await arena.reserve(2 * MIB, timeout_s=1)
+    first = asyncio.create_task(arena.reserve(3 * MIB, timeout_s=0.05))
+    await until(lambda: arena.waiting == 1)
+    behind = asyncio.create_task(arena.reserve(MIB, timeout_s=30))
+    with pytest.raises(Overloaded):
+        await first
+    (await asyncio.wait_for(behind, 5)).release()
+    held.release()
+    await _all_given_back(arena)
 
 
 async def test_a_lent_body_viewed_after_its_release_keeps_its_bytes(arena: Arena) -> None:
