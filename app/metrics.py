@@ -53,6 +53,10 @@ class ServiceMetrics:
             "matmul_queue_depth", "Products waiting in the engine processes' queues.",
             registry=r, multiprocess_mode="livemostrecent",
         )  # fmt: skip
+        self.engine_queue_depth = Gauge(
+            "matmul_engine_queue_depth", "Products waiting in each engine process's queue, by its device index ('cpu' "
+            "for the CPU backend's).", ["device"], registry=r, multiprocess_mode="livemostrecent",
+        )  # fmt: skip
         self.device_memory = Gauge(
             "matmul_device_memory_bytes", "Device memory the engines' CuPy pools hold (in arrays or cached for reuse).",
             registry=r, multiprocess_mode="livemostrecent",

@@ -6,14 +6,18 @@
    - cuBLAS: A, B and C already on the device: products/s.
 2. The service, `matmul-service --workers N` with MATMUL_SHARED_MEMORY=system,cuda, loaded by `--clients` processes
    that each send one request at a time with tritonclient's HTTP client (its own client and shared-memory
-   utilities: what a co-located user runs):
-   - system: each client's A and B in a POSIX shared-memory region of its own, C into another;
-   - cuda (`--backend gpu`): the same in device memory, by CUDA IPC handles.
-   Each client checks its first product against a float64 product of its first rows.
+   utilities: what a co-located user runs), once for each `--devices` setting (MATMUL_DEVICES, e.g. `0 0,1`):
+   - system: each client's A and B in a POSIX shared-memory region of its own, C into another (any engine
+     process reads them: the least-loaded one computes);
+   - cuda (`--backend gpu`): the same in device memory, by CUDA IPC handles, client i's regions on the i-th
+     device of the setting in turn (its products computed by that device's engine, never copied across).
+   Every answer's first rows are checked against a float64 product of them (on the device, for CUDA regions).
 
-Prints a table with each cell over its ceiling; writes OUT/bench-shared-memory.json and the server's log.
+Prints a table with each cell over its ceiling (the one-GPU ceiling times the setting's devices), and each kind's
+products/s with every setting over the first; writes OUT/bench-shared-memory.json and each server's log.
 
     python scripts/bench_shared_memory.py --backend gpu --size 4096 --clients 8 --duration 10
+    python scripts/bench_shared_memory.py --backend gpu --size 4096 --clients 16 --devices 0 0,1
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ import multiprocessing
 import sys
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +38,9 @@ from matmul_tools.service import LocalService, free_port
 
 CHECKED_ROWS = 64
 """Rows of C each client checks against a float64 product (all 4096 would take the CPU seconds)."""
+WRONG_ERROR = 1e-3
+"""A relative error of those rows above this is a wrong answer (float32 at k = 4096 is near 1e-6; another
+request's product is near 1.4)."""
 
 
 def data_path_ceiling(size: int, seconds: float) -> float:
@@ -102,17 +109,18 @@ def _rate(step: Any, synchronize: Any, seconds: float) -> float:
     return count / (time.perf_counter() - began)
 
 
-def client(url: str, kind: str, size: int, seconds: float, seed: int, results: Any) -> None:
-    """One co-located client (a process of its own): its count and check, or what went wrong."""
+def client(url: str, kind: str, size: int, seconds: float, seed: int, device: int, results: Any) -> None:
+    """One co-located client (a process of its own): its count and checks, or what went wrong."""
     try:
-        results.put(_client(url, kind, size, seconds, seed))
+        results.put(_client(url, kind, size, seconds, seed, device))
     except Exception as exc:
         results.put({"error": f"{type(exc).__name__}: {exc}"})
         raise
 
 
-def _client(url: str, kind: str, size: int, seconds: float, seed: int) -> dict[str, Any]:
-    """Its regions, registered; one infer at a time for `seconds`; its count and check."""
+def _client(url: str, kind: str, size: int, seconds: float, seed: int, device: int) -> dict[str, Any]:
+    """Its regions, registered (CUDA ones on `device`); one infer at a time for `seconds`, every answer's first
+    rows checked; its count and its worst error."""
     import tritonclient.http as httpclient
 
     if kind == "cuda":
@@ -122,13 +130,14 @@ def _client(url: str, kind: str, size: int, seconds: float, seed: int) -> dict[s
     nbytes = size * size * 4
     rng = np.random.default_rng(seed)
     a, b = rng.standard_normal((size, size), dtype=np.float32), rng.standard_normal((size, size), dtype=np.float32)
+    expected = a[:CHECKED_ROWS].astype(np.float64) @ b.astype(np.float64)
     name = f"bench-{uuid.uuid4().hex[:12]}"
     triton = httpclient.InferenceServerClient(url=url.removeprefix("http://"), network_timeout=120)
     if kind == "cuda":
-        inputs = memory.create_shared_memory_region(f"{name}-in", 2 * nbytes, 0)
-        output = memory.create_shared_memory_region(f"{name}-out", nbytes, 0)
-        triton.register_cuda_shared_memory(f"{name}-in", memory.get_raw_handle(inputs), 0, 2 * nbytes)
-        triton.register_cuda_shared_memory(f"{name}-out", memory.get_raw_handle(output), 0, nbytes)
+        inputs = memory.create_shared_memory_region(f"{name}-in", 2 * nbytes, device)
+        output = memory.create_shared_memory_region(f"{name}-out", nbytes, device)
+        triton.register_cuda_shared_memory(f"{name}-in", memory.get_raw_handle(inputs), device, 2 * nbytes)
+        triton.register_cuda_shared_memory(f"{name}-out", memory.get_raw_handle(output), device, nbytes)
     else:
         inputs = memory.create_shared_memory_region(f"{name}-in", f"/{name}-in", 2 * nbytes)
         output = memory.create_shared_memory_region(f"{name}-out", f"/{name}-out", nbytes)
@@ -141,15 +150,16 @@ def _client(url: str, kind: str, size: int, seconds: float, seed: int) -> dict[s
         tensors[1].set_shared_memory(f"{name}-in", nbytes, offset=nbytes)
         wanted = httpclient.InferRequestedOutput("C")
         wanted.set_shared_memory(f"{name}-out", nbytes)
+        error = _first_rows_error(kind, memory, output, size, device, expected)
         triton.infer("matmul", tensors, outputs=[wanted])
-        c = memory.get_contents_as_numpy(output, np.float32, [size, size])
-        expected = a[:CHECKED_ROWS].astype(np.float64) @ b.astype(np.float64)
-        error = float(np.linalg.norm(c[:CHECKED_ROWS] - expected) / np.linalg.norm(expected))
-        began, count = time.perf_counter(), 0
+        errors = [error()]
+        began = time.perf_counter()
         while time.perf_counter() - began < seconds:
             triton.infer("matmul", tensors, outputs=[wanted])
-            count += 1
-        return {"count": count, "seconds": time.perf_counter() - began, "relative_error": error}
+            errors.append(error())
+        elapsed = time.perf_counter() - began
+        wrong = sum(found > WRONG_ERROR for found in errors)
+        return {"count": len(errors) - 1, "seconds": elapsed, "relative_error": max(errors), "wrong": wrong}
     finally:
         unregister = triton.unregister_cuda_shared_memory if kind == "cuda" else triton.unregister_system_shared_memory
         unregister(f"{name}-in")
@@ -159,12 +169,41 @@ def _client(url: str, kind: str, size: int, seconds: float, seed: int) -> dict[s
         triton.close()
 
 
-def measure_service(url: str, kind: str, args: argparse.Namespace) -> dict[str, Any]:
-    """`args.clients` clients at once for `args.duration` seconds: products/s in all, and each one's error."""
+def _first_rows_error(
+    kind: str, memory: Any, output: Any, size: int, device: int, expected: np.ndarray
+) -> Callable[[], float]:
+    """The relative error of C's first rows in the output region against `expected`, read where C lies: from the
+    shared memory, or on the device for a CUDA region (a 64 MiB copy per answer would be the benchmark)."""
+    if kind != "cuda":
+        c = memory.get_contents_as_numpy(output, np.float32, [size, size])
+        return lambda: _relative_error(c[:CHECKED_ROWS].astype(np.float64), expected)
+    import cupy as cp
+
+    with cp.cuda.Device(device):
+        c_on_device = cp.from_dlpack(memory.as_shared_memory_tensor(output, "FP32", [size, size]))
+        expected_on_device = cp.asarray(expected)
+
+    def on_device() -> float:
+        with cp.cuda.Device(device):
+            rows = c_on_device[:CHECKED_ROWS].astype(cp.float64)
+            return float(cp.linalg.norm(rows - expected_on_device) / cp.linalg.norm(expected_on_device))
+
+    return on_device
+
+
+def _relative_error(found: np.ndarray, expected: np.ndarray) -> float:
+    return float(np.linalg.norm(found - expected) / np.linalg.norm(expected))
+
+
+def measure_service(url: str, kind: str, devices: list[int], args: argparse.Namespace) -> dict[str, Any]:
+    """`args.clients` clients at once for `args.duration` seconds (client i's CUDA regions on devices[i % n]):
+    products/s in all, each one's worst error, and the answers found wrong."""
     context = multiprocessing.get_context("spawn")
     results = context.Queue()
     processes = [
-        context.Process(target=client, args=(url, kind, args.size, args.duration, seed, results))
+        context.Process(
+            target=client, args=(url, kind, args.size, args.duration, seed, devices[seed % len(devices)], results)
+        )
         for seed in range(args.clients)
     ]
     for process in processes:
@@ -177,9 +216,12 @@ def measure_service(url: str, kind: str, args: argparse.Namespace) -> dict[str, 
         raise RuntimeError(f"{len(failures)} of the {kind} clients failed: {failures[0]}")
     return {
         "kind": kind,
+        "devices": ",".join(map(str, devices)),
         "clients": args.clients,
         "products": sum(one["count"] for one in found),
         "products_per_s": sum(one["count"] / one["seconds"] for one in found),
+        "answers_checked": sum(one["count"] + 1 for one in found),
+        "wrong": sum(one["wrong"] for one in found),
         "worst_relative_error": max(one["relative_error"] for one in found),
     }
 
@@ -191,8 +233,16 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--clients", type=int, default=8, help="client processes, one request in flight each")
     parser.add_argument("--workers", type=int, default=4, help="HTTP worker processes of the service")
     parser.add_argument("--duration", type=float, default=10.0, help="seconds each cell runs")
+    parser.add_argument(
+        "--devices", nargs="+", default=["0"], help="MATMUL_DEVICES settings, one service each (default: 0)"
+    )
     parser.add_argument("--out", type=Path, default=Path("out/bench-shared-memory"))
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    try:
+        args.devices = [[int(index) for index in setting.split(",")] for setting in args.devices]
+    except ValueError:
+        parser.error(f"--devices takes comma-separated device indices, not {args.devices}")
+    return args
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -204,34 +254,51 @@ def main(argv: Sequence[str] | None = None) -> int:
         if gpu
         else {}
     )
+    cells = []
+    for devices in args.devices:
+        cells += measure_setting(devices, args, gpu)
+    for cell in cells:
+        ceiling = ceilings.get("data_path" if cell["kind"] == "system" else "cublas")
+        devices = len(cell["devices"].split(","))
+        cell["over_ceiling"] = None if ceiling is None else cell["products_per_s"] / (devices * ceiling)
+    first = {cell["kind"]: cell["products_per_s"] for cell in cells if cell["devices"] == cells[0]["devices"]}
+    for cell in cells:
+        cell["over_first_setting"] = cell["products_per_s"] / first[cell["kind"]] if first[cell["kind"]] else None
+    report = {"settings": {key: str(value) for key, value in vars(args).items()}, "ceilings": ceilings, "cells": cells}
+    print(f"{args.size}^2 float32, {args.clients} clients, {args.workers} HTTP workers, {args.duration:g} s a cell")
+    for name, rate in ceilings.items():
+        print(f"  ceiling {name:10s} {rate:8.1f} products/s (one GPU)")
+    for cell in cells:
+        over = "" if cell["over_ceiling"] is None else f"  {cell['over_ceiling']:.2f} of its ceiling"
+        print(
+            f"  devices {cell['devices']:5s} {cell['kind']:8s} {cell['products_per_s']:8.1f} products/s{over}"
+            f"  {cell['over_first_setting']:.2f}x devices {cells[0]['devices']}"
+            f"  ({cell['answers_checked']} answers checked, {cell['wrong']} wrong,"
+            f" worst relative error {cell['worst_relative_error']:.1e})"
+        )
+    (args.out / "bench-shared-memory.json").write_text(json.dumps(report, indent=2))
+    print(f"wrote {args.out / 'bench-shared-memory.json'}")
+    return 1 if any(cell["wrong"] for cell in cells) else 0
+
+
+def measure_setting(devices: list[int], args: argparse.Namespace, gpu: bool) -> list[dict[str, Any]]:
+    """The service on `devices` (MATMUL_DEVICES; the CPU backend has one engine whatever it says): its cells."""
     env = {
         "MATMUL_BACKEND": args.backend,
         "MATMUL_SHARED_MEMORY": "system,cuda",
         "MATMUL_ACCESS_LOG": "false",
         "MATMUL_MAX_DIM": str(max(args.size, 65_536)),
+        "MATMUL_DEVICES": ",".join(map(str, devices)),
     }
-    service = LocalService.matmul_service(free_port(), env, args.out / "server.log", args.workers)
+    log = args.out / f"server-devices-{'-'.join(map(str, devices))}.log"
+    service = LocalService.matmul_service(free_port(), env, log, args.workers)
     try:
         service.wait_ready(300)
-        cells = [measure_service(service.url, kind, args) for kind in (["system", "cuda"] if gpu else ["system"])]
+        return [
+            measure_service(service.url, kind, devices, args) for kind in (["system", "cuda"] if gpu else ["system"])
+        ]
     finally:
         service.stop()
-    for cell in cells:
-        ceiling = ceilings.get("data_path" if cell["kind"] == "system" else "cublas")
-        cell["over_ceiling"] = None if ceiling is None else cell["products_per_s"] / ceiling
-    report = {"settings": {key: str(value) for key, value in vars(args).items()}, "ceilings": ceilings, "cells": cells}
-    print(f"{args.size}^2 float32, {args.clients} clients, {args.workers} HTTP workers, {args.duration:g} s a cell")
-    for name, rate in ceilings.items():
-        print(f"  ceiling {name:10s} {rate:8.1f} products/s")
-    for cell in cells:
-        over = "" if cell["over_ceiling"] is None else f"  {cell['over_ceiling']:.2f} of its ceiling"
-        print(
-            f"  service {cell['kind']:10s} {cell['products_per_s']:8.1f} products/s{over}"
-            f"  (worst relative error {cell['worst_relative_error']:.1e})"
-        )
-    (args.out / "bench-shared-memory.json").write_text(json.dumps(report, indent=2))
-    print(f"wrote {args.out / 'bench-shared-memory.json'}")
-    return 0
 
 
 if __name__ == "__main__":

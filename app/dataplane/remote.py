@@ -224,6 +224,8 @@ class RemoteEngine:
         self.arena = Arena(settings.slab_bytes)
         self.links = [EngineLink(path, self.arena) for path in paths]
         self.inline_bytes = settings.inline_codec_bytes
+        self._all_were_ready = False
+        """Every engine process has been ready at once (start-up is over): from then on one ready engine serves."""
         self._forgetting: set[asyncio.Task[None]] = set()
         for link in self.links:
             link.on_restart = self._forget_regions
@@ -269,6 +271,12 @@ class RemoteEngine:
         return next((link.failure for link in self.links if link.failure), None)
 
     def check_ready(self) -> None:
+        """NotReady at start-up until every engine process is ready; after that, only while none is: with several,
+        the ready ones serve while another starts again (its products go to them; `describe` says which is down)."""
+        ready = [link.state is EngineState.READY for link in self.links]
+        self._all_were_ready = self._all_were_ready or all(ready)
+        if any(ready) and self._all_were_ready:
+            return
         for link in self.links:
             state = link.state
             if state is EngineState.STARTING:
@@ -310,9 +318,11 @@ class RemoteEngine:
         described = []
         for link in self.links:
             status = link.status or {}
+            welcome = link.welcome or {}
             described.append(
                 {
-                    **status.get("describe", {"name": link.welcome["device_name"] if link.welcome else None}),
+                    "index": welcome.get("device_index"),
+                    **status.get("describe", {"name": welcome.get("device_name")}),
                     "state": link.state.value,
                     "queue_depth": status.get("queue_depth", 0),
                     "engine_pid": link.welcome["engine_pid"] if link.welcome else None,

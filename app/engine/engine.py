@@ -52,7 +52,7 @@ class EngineFront(Protocol):
     def failure(self) -> str | None: ...
 
     def check_ready(self) -> None:
-        """NotReady unless every device is ready."""
+        """NotReady unless the engine can take a product now."""
         ...
 
     def check_room(self) -> None:

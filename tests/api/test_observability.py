@@ -48,6 +48,7 @@ async def test_metrics_move_with_requests(client: httpx.AsyncClient) -> None:
     ):
         assert f"# TYPE {gauge} gauge" in after
     assert sample(after, "matmul_requests_in_flight") == 1  # the scrape itself
+    assert 'matmul_engine_queue_depth{device="cpu"} 0.0' in after.splitlines()  # one engine process, idle
 
 
 async def test_access_log_is_one_json_line_per_request(client: httpx.AsyncClient) -> None:

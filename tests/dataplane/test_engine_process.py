@@ -135,3 +135,26 @@ def test_the_engine_process_runs_on_uvloop_where_it_is_installed() -> None:
         assert isinstance(loop, uvloop.Loop)
     finally:
         loop.close()
+
+
+def test_with_several_engines_the_service_is_ready_while_one_of_them_is_once_all_have_been() -> None:
+    """Each engine process's state as its link last heard it: at start-up products wait until every engine is ready;
+    after that they are taken while any engine is (the others' go to it), and refused while none is, saying why."""
+    engine = RemoteEngine(["device-0.sock", "device-1.sock"], Settings(backend="cpu", slab_bytes=MIB))
+    try:
+        with pytest.raises(NotReady, match="still being compiled"):
+            engine.check_ready()
+        first, second = engine.links
+        first._writer = second._writer = object()  # type: ignore[assignment]  # connected
+        first.status = {"state": "ready", "failure": None}
+        with pytest.raises(NotReady, match="still being compiled"):  # the second is still starting
+            engine.check_ready()
+        second.status = {"state": "ready", "failure": None}
+        engine.check_ready()
+        second.status = {"state": "failed", "failure": "device lost"}
+        engine.check_ready()  # the first serves while the second starts again
+        first.status = {"state": "failed", "failure": "device lost"}
+        with pytest.raises(NotReady, match="the engine is failed: device lost"):
+            engine.check_ready()
+    finally:
+        engine.arena.close()

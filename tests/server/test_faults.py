@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
 import time
 from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
@@ -127,3 +128,68 @@ def test_a_killed_engine_process_fails_what_it_held_and_a_new_one_serves(
     assert any(message.startswith("503") for message in tally.messages), tally.as_dict()
     _serves_again(service)
     assert int(_info(service)["devices"][0]["engine_pid"]) != victim  # type: ignore[index]
+
+
+def _gpus() -> int:
+    listed = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, check=False)
+    return len([line for line in listed.stdout.splitlines() if line.startswith("GPU ")])
+
+
+TWO_GPU_SHAPES = (
+    (4096, 4096, 4096),
+    (2048, 8, 2048),
+    (1024, 16, 1024),
+    (512, 1024, 512),
+    (128, 128, 128),
+    (64, 64, 64),
+)
+"""Mixed sizes, 64^2 to 4096^2, on two engines at once."""
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(900)
+def test_on_two_gpus_a_killed_engine_leaves_the_other_serving_and_comes_back(
+    clients: ProcessPoolExecutor, serve: Serve
+) -> None:
+    """MATMUL_DEVICES=0,1 under mixed sizes from every way: the engine process of device 1 is killed with SIGKILL
+    mid-load. Device 0's engine keeps answering products while device 1's is away, the supervisor starts device 1's
+    again, `/metrics` has each engine's queue depth, and no answer is anyone else's product."""
+    if _gpus() < 2:
+        pytest.skip("needs two GPUs")
+    env = {**ENV, "MATMUL_BACKEND": "gpu", "MATMUL_DEVICES": "0,1", "MATMUL_SLAB_BYTES": str(512 * MIB)}
+    service = serve(env, 2)
+    devices = _info(service)["devices"]
+    assert [device["index"] for device in devices] == [0, 1]  # type: ignore[index]
+    victim = int(devices[1]["engine_pid"])  # type: ignore[index]
+    while_away: list[tuple[str, int]] = []
+
+    def kill_then_multiply_until_it_is_back() -> None:
+        time.sleep(KILL_AFTER_S)
+        os.kill(victim, signal.SIGKILL)
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            second = _info(service)["devices"][1]  # type: ignore[index]
+            if second["state"] == "ready" and int(second["engine_pid"]) != victim:
+                return
+            answer = httpx.post(f"{service.url}/matmul", json={"a": [[1, 2]], "b": [[3], [4]]}, timeout=30)
+            ok = answer.status_code == 200 and answer.json()["result"] == [[11.0]]
+            while_away.append((str(second["state"]), 200 if ok else answer.status_code))
+            time.sleep(0.05)
+
+    tally = checked_load(
+        clients,
+        service.url,
+        CLIENTS,
+        REQUESTS,
+        ways=list(WAYS),
+        shapes=TWO_GPU_SHAPES,
+        pause_s=PAUSE_S,
+        during=kill_then_multiply_until_it_is_back,
+    )
+    lost_regions = {f"{way} 400" for way in SYSTEM_SHM_WAYS}
+    _only_allowed(tally, {"closed", "503", *lost_regions})
+    assert any(state != "ready" and status == 200 for state, status in while_away), while_away
+    _serves_again(service)
+    assert int(_info(service)["devices"][1]["engine_pid"]) != victim  # type: ignore[index]
+    metrics = httpx.get(f"{service.url}/metrics", timeout=10).text
+    assert all(f'matmul_engine_queue_depth{{device="{index}"}}' in metrics for index in (0, 1)), metrics[-2000:]

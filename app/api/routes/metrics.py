@@ -17,9 +17,13 @@ router = APIRouter(tags=["observability"])
     responses={200: {"content": {"text/plain": {}}, "description": "Prometheus text exposition format."}},
 )
 async def metrics(request: Request, engine: EngineDep) -> Response:
-    """Requests by route/status/kernel, latency and stage histograms, queue depth, in-flight, device memory, bytes."""
+    """Requests by route/status/kernel, latency and stage histograms, queue depth (in all and by engine), in-flight,
+    device memory, bytes."""
     service_metrics: ServiceMetrics = request.app.state.metrics
     service_metrics.queue_depth.set(engine.queue_depth)
+    for device in engine.describe():
+        label = "cpu" if device.get("index") is None else str(device["index"])
+        service_metrics.engine_queue_depth.labels(device=label).set(device["queue_depth"])
     service_metrics.device_memory.set(engine.memory_held())
     service_metrics.kernels_compiled.set(engine.compiled_instances())
     slabs = engine.slab_use()
