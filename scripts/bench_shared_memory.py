@@ -11,7 +11,8 @@
      process reads them: the least-loaded one computes);
    - cuda (`--backend gpu`): the same in device memory, by CUDA IPC handles, client i's regions on the i-th
      device of the setting in turn (its products computed by that device's engine, never copied across).
-   Every answer's first rows are checked against a float64 product of them (on the device, for CUDA regions).
+   Every answer's first rows are set to NaN before its request and checked against a float64 product of them after
+   it (on the device, for CUDA regions): an answer that is not the service's own is counted wrong.
 
 Prints a table with each cell over its ceiling (the one-GPU ceiling times the setting's devices), and each kind's
 products/s with every setting over the first; writes OUT/bench-shared-memory.json and each server's log.
@@ -150,15 +151,17 @@ def _client(url: str, kind: str, size: int, seconds: float, seed: int, device: i
         tensors[1].set_shared_memory(f"{name}-in", nbytes, offset=nbytes)
         wanted = httpclient.InferRequestedOutput("C")
         wanted.set_shared_memory(f"{name}-out", nbytes)
-        error = _first_rows_error(kind, memory, output, size, device, expected)
+        poison, error = _first_rows_check(kind, memory, output, size, device, expected)
+        poison()
         triton.infer("matmul", tensors, outputs=[wanted])
         errors = [error()]
         began = time.perf_counter()
         while time.perf_counter() - began < seconds:
+            poison()  # an answer the service did not write is caught, not the last one read again
             triton.infer("matmul", tensors, outputs=[wanted])
             errors.append(error())
         elapsed = time.perf_counter() - began
-        wrong = sum(found > WRONG_ERROR for found in errors)
+        wrong = sum(not found <= WRONG_ERROR for found in errors)  # NaN is wrong too
         return {"count": len(errors) - 1, "seconds": elapsed, "relative_error": max(errors), "wrong": wrong}
     finally:
         unregister = triton.unregister_cuda_shared_memory if kind == "cuda" else triton.unregister_system_shared_memory
@@ -169,26 +172,36 @@ def _client(url: str, kind: str, size: int, seconds: float, seed: int, device: i
         triton.close()
 
 
-def _first_rows_error(
+def _first_rows_check(
     kind: str, memory: Any, output: Any, size: int, device: int, expected: np.ndarray
-) -> Callable[[], float]:
-    """The relative error of C's first rows in the output region against `expected`, read where C lies: from the
-    shared memory, or on the device for a CUDA region (a 64 MiB copy per answer would be the benchmark)."""
+) -> tuple[Callable[[], None], Callable[[], float]]:
+    """Two calls on C's first rows in the output region, where C lies (in the shared memory, or on the device for a
+    CUDA region: a 64 MiB copy per answer would be the benchmark): one sets them to NaN before a request, one gives
+    their relative error against `expected` after it."""
     if kind != "cuda":
         c = memory.get_contents_as_numpy(output, np.float32, [size, size])
-        return lambda: _relative_error(c[:CHECKED_ROWS].astype(np.float64), expected)
+
+        def poison_here() -> None:
+            c[:CHECKED_ROWS] = np.nan
+
+        return poison_here, lambda: _relative_error(c[:CHECKED_ROWS].astype(np.float64), expected)
     import cupy as cp
 
     with cp.cuda.Device(device):
         c_on_device = cp.from_dlpack(memory.as_shared_memory_tensor(output, "FP32", [size, size]))
         expected_on_device = cp.asarray(expected)
 
+    def poison_on_device() -> None:
+        with cp.cuda.Device(device):
+            c_on_device[:CHECKED_ROWS] = cp.nan
+            cp.cuda.get_current_stream().synchronize()
+
     def on_device() -> float:
         with cp.cuda.Device(device):
             rows = c_on_device[:CHECKED_ROWS].astype(cp.float64)
             return float(cp.linalg.norm(rows - expected_on_device) / cp.linalg.norm(expected_on_device))
 
-    return on_device
+    return poison_on_device, on_device
 
 
 def _relative_error(found: np.ndarray, expected: np.ndarray) -> float:
@@ -272,7 +285,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         over = "" if cell["over_ceiling"] is None else f"  {cell['over_ceiling']:.2f} of its ceiling"
         print(
             f"  devices {cell['devices']:5s} {cell['kind']:8s} {cell['products_per_s']:8.1f} products/s{over}"
-            f"  {cell['over_first_setting']:.2f}x devices {cells[0]['devices']}"
+            f"  {cell['over_first_setting'] or 0:.2f}x devices {cells[0]['devices']}"
             f"  ({cell['answers_checked']} answers checked, {cell['wrong']} wrong,"
             f" worst relative error {cell['worst_relative_error']:.1e})"
         )

@@ -69,6 +69,8 @@ class EngineLink:
         self.welcomed = asyncio.Event()
         self.on_restart: Callable[[], None] | None = None
         """Called when a new engine process welcomes this link after the one before it exited."""
+        self.on_status: Callable[[], None] | None = None
+        """Called after each status the engine sends."""
         self._writer: asyncio.StreamWriter | None = None
         self._pending: dict[int, asyncio.Future[wire.Message]] = {}
         self._ids = itertools.count()
@@ -180,6 +182,8 @@ class EngineLink:
         elif op == "status":
             self.status = message
             self._load = message["load"]
+            if self.on_status is not None:
+                self.on_status()
         else:
             self._load = message["load"]
             future = self._pending.pop(message["id"], None)
@@ -229,6 +233,7 @@ class RemoteEngine:
         self._forgetting: set[asyncio.Task[None]] = set()
         for link in self.links:
             link.on_restart = self._forget_regions
+            link.on_status = self._note_readiness
 
     def _forget_regions(self) -> None:
         """An engine process restarted without the regions clients had registered: unregister them from the
@@ -270,12 +275,15 @@ class RemoteEngine:
     def failure(self) -> str | None:
         return next((link.failure for link in self.links if link.failure), None)
 
+    def _note_readiness(self) -> None:
+        """Start-up is over once every engine process has said it is ready at once."""
+        self._all_were_ready = self._all_were_ready or all(link.state is EngineState.READY for link in self.links)
+
     def check_ready(self) -> None:
         """NotReady at start-up until every engine process is ready; after that, only while none is: with several,
         the ready ones serve while another starts again (its products go to them; `describe` says which is down)."""
-        ready = [link.state is EngineState.READY for link in self.links]
-        self._all_were_ready = self._all_were_ready or all(ready)
-        if any(ready) and self._all_were_ready:
+        self._note_readiness()
+        if self._all_were_ready and any(link.state is EngineState.READY for link in self.links):
             return
         for link in self.links:
             state = link.state
@@ -365,8 +373,8 @@ class RemoteEngine:
         then bounds the product's wait in the engine's queue too. Operands in a client's regions (`SharedTensor`) and a
         product asked `into` one are not staged: the engine process reads and writes them there."""
         began = perf_counter()
-        named = {where.region for where in (a, b, into) if isinstance(where, SharedTensor | SharedOutput)}
-        link = self._least_loaded(frozenset(named))
+        named = frozenset(where.region for where in (a, b, into) if isinstance(where, SharedTensor | SharedOutput))
+        self._least_loaded(named)  # NotReady now rather than after a wait for shared memory
         (m, k), n = a.shape, b.shape[1]
         if into is not None and into.byte_size < m * n * dtype.itemsize:
             raise SharedMemoryError(
@@ -403,6 +411,7 @@ class RemoteEngine:
                 where["c"] = _in_region(into, (m, n), dtype)
             staged = perf_counter()
             left_s = max(budget_s - (staged - began), 1e-3)
+            link = self._least_loaded(named)  # chosen when sent: one may have gone, or come back, meanwhile
             key, reply = link.send(
                 {
                     "op": "matmul",
@@ -471,11 +480,24 @@ class RemoteEngine:
             "byte_size": byte_size,
         }
         owners = [link for link in self.links if link.welcome is not None and link.welcome["device_index"] == device_id]
+        await self._check_no_cuda_region_named(name, [link for link in self.links if link not in owners])
         if not owners and self.backend_name == "gpu":
             raise SharedMemoryError(
                 f"no engine process of this server serves device {device_id}", location=["device_id"]
             )
         await self._register(owners or self.links[:1], request)  # on the CPU backend, its engine says why not
+
+    async def _check_no_cuda_region_named(self, name: str, others: list[EngineLink]) -> None:
+        """SharedMemoryError when another device's engine holds a CUDA region of this name: names are one namespace
+        across the server (a product names its region, and the engine holding that name computes it); each engine
+        checks its own when it registers. An engine that cannot answer now holds none (a new one starts empty)."""
+        request = {"op": "region_status", "kind": "cuda", "name": None}
+        replies = await asyncio.gather(*(link.ask(request) for link in others), return_exceptions=True)
+        for reply in replies:
+            if not isinstance(reply, BaseException) and any(region["name"] == name for region in reply["regions"]):
+                raise SharedMemoryError(
+                    f"a region named '{name}' is already registered (on another device)", location=["name"]
+                )
 
     async def _register(self, links: list[EngineLink], request: wire.Message) -> None:
         """Register a region with `links`' engines; when one refuses, those that took it forget it again."""

@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 import numpy as np
 import pytest
@@ -17,7 +17,7 @@ from app.dataplane.engine_process import _event_loop
 from app.dataplane.remote import RemoteEngine
 from app.dataplane.supervisor import EngineSupervisor
 from app.engine import EngineState
-from app.errors import DeviceLost, NotReady, UnknownKernel
+from app.errors import DeviceLost, NotReady, SharedMemoryError, UnknownKernel
 from kernels.reference import assert_close_to_reference
 from tests.fakes import until
 
@@ -137,24 +137,61 @@ def test_the_engine_process_runs_on_uvloop_where_it_is_installed() -> None:
         loop.close()
 
 
-def test_with_several_engines_the_service_is_ready_while_one_of_them_is_once_all_have_been() -> None:
-    """Each engine process's state as its link last heard it: at start-up products wait until every engine is ready;
-    after that they are taken while any engine is (the others' go to it), and refused while none is, saying why."""
+def _two_engines() -> RemoteEngine:
+    """A worker's side of two GPU engine processes that are never started: the tests set what their links heard."""
     engine = RemoteEngine(["device-0.sock", "device-1.sock"], Settings(backend="cpu", slab_bytes=MIB))
+    for index, link in enumerate(engine.links):
+        link._writer = object()  # type: ignore[assignment]  # connected
+        link.welcome = {"backend": "gpu", "device_index": index, "device_name": f"GPU {index}", "engine_pid": index}
+    return engine
+
+
+def _status(state: str, failure: str | None = None) -> dict[str, object]:
+    return {"op": "status", "state": state, "failure": failure, "load": 0, "regions": []}
+
+
+def test_with_several_engines_the_service_is_ready_while_one_of_them_is_once_all_have_been() -> None:
+    """At start-up products wait until every engine is ready (as the engines' statuses say, whether or not anyone
+    asked meanwhile); after that they are taken while any engine is (the others' go to it), and refused while none
+    is, saying why."""
+    engine = _two_engines()
+    first, second = engine.links
     try:
-        with pytest.raises(NotReady, match="still being compiled"):
-            engine.check_ready()
-        first, second = engine.links
-        first._writer = second._writer = object()  # type: ignore[assignment]  # connected
-        first.status = {"state": "ready", "failure": None}
+        first._take(_status("ready"))
+        second._take(_status("starting"))
         with pytest.raises(NotReady, match="still being compiled"):  # the second is still starting
             engine.check_ready()
-        second.status = {"state": "ready", "failure": None}
-        engine.check_ready()
-        second.status = {"state": "failed", "failure": "device lost"}
+        second._take(_status("ready"))
+        second._take(_status("failed", "device lost"))
         engine.check_ready()  # the first serves while the second starts again
-        first.status = {"state": "failed", "failure": "device lost"}
+        assert engine._least_loaded(frozenset()) is first
+        first._take(_status("failed", "device lost"))
         with pytest.raises(NotReady, match="the engine is failed: device lost"):
             engine.check_ready()
+    finally:
+        engine.arena.close()
+
+
+async def test_a_cuda_region_name_held_on_another_device_is_refused() -> None:
+    """Region names are one namespace: a product names its region and the engine holding the name computes it, so
+    a second device must not register a name the first holds."""
+    engine = _two_engines()
+    asked: list[tuple[int, str]] = []
+
+    def answering(index: int, cuda_names: list[str]) -> Callable[[dict[str, object]], Awaitable[dict[str, object]]]:
+        async def ask(request: dict[str, object]) -> dict[str, object]:
+            asked.append((index, str(request["op"])))
+            return {"op": "done", "regions": [{"name": name} for name in cuda_names]}
+
+        return ask
+
+    engine.links[0].ask = answering(0, ["out"])  # type: ignore[method-assign]
+    engine.links[1].ask = answering(1, [])  # type: ignore[method-assign]
+    try:
+        with pytest.raises(SharedMemoryError, match="'out' is already registered \\(on another device\\)"):
+            await engine.register_cuda_region("out", "handle", device_id=1, byte_size=64)
+        assert asked == [(0, "region_status")]
+        await engine.register_cuda_region("in", "handle", device_id=1, byte_size=64)
+        assert asked[1:] == [(0, "region_status"), (1, "register_cuda_region")]
     finally:
         engine.arena.close()
