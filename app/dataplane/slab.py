@@ -97,25 +97,28 @@ class Arena:
         self._free: list[tuple[int, int]] = [(0, self.capacity)]
         """Free extents (offset, size), sorted by offset, never adjacent (merged on release)."""
         self._waiters: collections.deque[tuple[int, asyncio.Future[int]]] = collections.deque()
-        self._holders: list[tuple[int, asyncio.Future[int]]] = []
+        self._first_fit: list[tuple[int, asyncio.Future[int]]] = []
         """Requests that began to wait while a body was lent: served before `_waiters`, whichever fits first."""
         self._lent: dict[int, int] = {}
         """Slabs lent to bodies (`lend`) by offset, until their bytes are back: their sizes."""
         self.used_bytes = 0
-        self.lent_bytes = 0
         self._loop: asyncio.AbstractEventLoop | None = None
         """The loop whose requests reserve slabs: the one a slab's bytes are handed back on."""
 
     @property
     def waiting(self) -> int:
-        return len(self._waiters) + len(self._holders)
+        return len(self._waiters) + len(self._first_fit)
+
+    @property
+    def lent_bytes(self) -> int:
+        """Bytes lent to bodies that are not back yet."""
+        return sum(self._lent.values())
 
     def offset_of(self, array: np.ndarray) -> int | None:
         """Where a C-contiguous `array` begins in the arena, if all of it lies there (a view of a slab's bytes)."""
         if not array.flags.c_contiguous:
             raise ValueError("offset_of takes a C-contiguous array")
-        start = array.__array_interface__["data"][0] - self.address
-        return start if start >= 0 and start + array.nbytes <= self.capacity else None
+        return array.__array_interface__["data"][0] - self.address if self.bytes_in(array) else None
 
     def bytes_in(self, array: np.ndarray) -> int:
         """`array.nbytes` if its memory, whatever its strides, lies in the arena (a view of a lent body), else 0."""
@@ -138,7 +141,6 @@ class Arena:
         if offset is None:
             return None
         self._lent[offset] = size
-        self.lent_bytes += size
         return Slab(self, offset, size)
 
     async def reserve(self, nbytes: int, timeout_s: float, holding: int = 0) -> Slab:
@@ -162,12 +164,12 @@ class Arena:
                 "request bodies hold now; retry later"
             )
         first_fit = self.lent_bytes > 0 and beside_bodies
-        ahead = self._holders if first_fit else self.waiting
+        ahead = self._first_fit if first_fit else self.waiting
         if not ahead and (offset := self._take(size)) is not None:
             return Slab(self, offset, size)
         future: asyncio.Future[int] = asyncio.get_running_loop().create_future()
         if first_fit:
-            self._holders.append((size, future))
+            self._first_fit.append((size, future))
         else:
             self._waiters.append((size, future))
         try:
@@ -175,7 +177,7 @@ class Arena:
                 offset = await future
         except BaseException as exc:
             self._waiters = collections.deque(w for w in self._waiters if w[1] is not future)
-            self._holders = [w for w in self._holders if w[1] is not future]
+            self._first_fit = [w for w in self._first_fit if w[1] is not future]
             if future.done() and not future.cancelled():  # handed a slab just as it gave up
                 self._give_back(future.result(), size)
             else:
@@ -208,7 +210,7 @@ class Arena:
 
     def _give_back(self, offset: int, size: int) -> None:
         self.used_bytes -= size
-        self.lent_bytes -= self._lent.pop(offset, 0)
+        self._lent.pop(offset, None)
         i = bisect.bisect(self._free, (offset, size))
         if i < len(self._free) and offset + size == self._free[i][0]:
             size += self._free.pop(i)[1]
@@ -222,13 +224,13 @@ class Arena:
     def _serve_waiters(self) -> None:
         """Hand slabs to the requests that began to wait while a body was lent, any that fits; once none of them
         waits, to the others in the order they asked, as long as the first of them fits."""
-        for size, future in list(self._holders):
+        for size, future in list(self._first_fit):
             if future.done():  # its request gave up
-                self._holders.remove((size, future))
+                self._first_fit.remove((size, future))
             elif (offset := self._take(size)) is not None:
-                self._holders.remove((size, future))
+                self._first_fit.remove((size, future))
                 future.set_result(offset)
-        if self._holders:
+        if self._first_fit:
             return
         while self._waiters:
             size, future = self._waiters[0]
