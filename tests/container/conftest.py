@@ -14,6 +14,11 @@ Podman is run with a containers.conf of its own (CONTAINERS_CONF): limits on ope
 grants (podman's defaults, a million files and the host's process limit, were refused here), and runc as the OCI
 runtime (crun refused this machine's hybrid cgroup layout). The build mounts the host's CA bundle and a pip.conf
 naming it, so that pip trusts what the host trusts (a TLS-intercepting proxy's certificate included).
+
+A build keeps no layer cache (`--layers=false`), and the images a session built are removed when it ends: a
+machine that runs these tests again and again (CI's does) would otherwise gather two 1.8 GB images a run until its
+disk is full. A build needs about BUILD_DISK_BYTES free where the engine keeps images; with less, the session fails
+at once saying how much there is.
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ import shutil
 import subprocess
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -37,6 +42,9 @@ BUILD_TIMEOUT_S = 1200
 RUNTIME = "runc"
 PROCESSES = 32768
 """The process limit asked for containers: the service starts a few dozen threads and processes."""
+BUILD_DISK_BYTES = 8 << 30
+"""Free space a build needs: the service image (1.8 GB), its build stage's container, the layer blobs written while
+committing them, and the load-test image, with room to spare."""
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -118,11 +126,27 @@ def _stand_in_base(engine: Engine, tmp: Path) -> str:
     return name
 
 
+def _check_disk_space(engine: Engine) -> None:
+    """Fails at once, naming the folder and its free space, where a build would run out of disk half-way."""
+    where = "/var/lib/docker"
+    if engine.is_podman:
+        where = engine.run("info", "--format", "{{.Store.GraphRoot}}").stdout.strip()
+    folders = {Path(where), Path(os.environ.get("TMPDIR", "/var/tmp"))}
+    for folder in folders:
+        existing = next(p for p in (folder, *folder.parents) if p.exists())
+        free = shutil.disk_usage(existing).free
+        if free < BUILD_DISK_BYTES:
+            pytest.fail(
+                f"{existing} has {free / 2**30:.1f} GiB free; building the images needs about "
+                f"{BUILD_DISK_BYTES / 2**30:.0f} GiB (`{engine.command} system prune` removes unused images)"
+            )
+
+
 def _build(engine: Engine, target: str, tag: str, build_args: dict[str, str], tmp: Path) -> None:
-    args = ["build", "--target", target, "--tag", tag, "--network", "host"]
+    args = ["build", "--target", target, "--tag", tag, "--network", "host", "--force-rm"]
     args += [f"--build-arg={name}={value}" for name, value in build_args.items()]
     if engine.is_podman:
-        args += ["--format", "docker"]  # OCI drops HEALTHCHECK
+        args += ["--format", "docker", "--layers=false"]  # OCI drops HEALTHCHECK
         if HOST_CA_BUNDLE.exists():
             pip_conf = tmp / "pip.conf"
             pip_conf.write_text("[global]\ncert = /etc/ssl/certs/host-ca.crt\n")
@@ -139,8 +163,10 @@ def engine(tmp_path_factory: pytest.TempPathFactory) -> Engine:
 
 
 @pytest.fixture(scope="session")
-def images(engine: Engine, tmp_path_factory: pytest.TempPathFactory) -> Images:
-    """The service and load-test images, built from the Dockerfile as it is (on a stand-in base where asked)."""
+def images(engine: Engine, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Images]:
+    """The service and load-test images, built from the Dockerfile as it is (on a stand-in base where asked), and
+    removed, with the stand-in base, when the session ends."""
+    _check_disk_space(engine)
     tmp = tmp_path_factory.mktemp("build")
     base = os.environ.get("CONTAINER_BASE", "")
     build_args = {}
@@ -151,12 +177,16 @@ def images(engine: Engine, tmp_path_factory: pytest.TempPathFactory) -> Images:
         "service": "localhost/matmul-service:container-test",
         "loadtest": "localhost/matmul-loadtest:container-test",
     }
-    took = {}
-    for target, tag in tags.items():
-        started = time.monotonic()
-        _build(engine, target, tag, build_args, tmp)
-        took[target] = time.monotonic() - started
-    return Images(tags["service"], tags["loadtest"], base or "the Dockerfile's", took)
+    built = [*tags.values(), *((base,) if os.environ.get("CONTAINER_BASE") == "stand-in" else ())]
+    try:
+        took = {}
+        for target, tag in tags.items():
+            started = time.monotonic()
+            _build(engine, target, tag, build_args, tmp)
+            took[target] = time.monotonic() - started
+        yield Images(tags["service"], tags["loadtest"], base or "the Dockerfile's", took)
+    finally:
+        engine.run("rmi", "--force", *built, check=False)
 
 
 def unique(prefix: str) -> str:
