@@ -208,7 +208,7 @@ class MatmulService:
         outcome = await self.engine.matmul(a, b, working, kernel, options.tile, queue_s, into=into, precision=precision)
         clock.computed = perf_counter()
         line = roofline(
-            outcome.plan.config,
+            outcome.global_elements,
             (m, n, k),
             working,
             outcome.batch_size,

@@ -27,7 +27,6 @@ from types import MappingProxyType
 import numpy as np
 
 from kernels.precision import Precision
-from kernels.registry import LaunchConfig, minimum_global_elements
 
 FMA_LANES: MappingProxyType[tuple[int, int], tuple[int, int]] = MappingProxyType(
     {
@@ -115,7 +114,7 @@ class Roofline:
 
 
 def roofline(
-    config: LaunchConfig | None,
+    global_elements: int,
     shape: tuple[int, int, int],
     dtype: np.dtype,
     batch_size: int,
@@ -123,12 +122,11 @@ def roofline(
     peaks: DevicePeaks,
     precision: Precision = Precision.FP32,
 ) -> Roofline:
-    """The roofline of an (m, n, k) product run by `config` (None: a library or a tensor-core kernel, counted at
-    the minimum traffic) in `precision`."""
+    """The roofline of an (m, n, k) product in `precision` whose kernel moves `global_elements` to and from global
+    memory (`LaunchConfig.global_elements`, or `minimum_global_elements` for a library or tensor-core kernel)."""
     m, n, k = shape
     flops = 2 * m * n * k
-    elements = minimum_global_elements(m, n, k) if config is None else config.global_elements(m, n, k)
-    global_bytes = elements * dtype.itemsize
+    global_bytes = global_elements * dtype.itemsize
     seconds = kernel_ms / 1e3
     achieved_flops = flops * batch_size / seconds if flops and seconds > 0 else None
     peak = peaks.flops_per_s.get(roof_name(dtype, precision))

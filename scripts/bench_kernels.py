@@ -38,7 +38,7 @@ from kernels.cublas import cublas_product
 from kernels.cuda import KernelLibrary, TensorCoreLibrary, device_attributes
 from kernels.precision import Precision
 from kernels.reference import BOUND_CONSTANT, Reference
-from kernels.registry import KERNELS, KernelSpec, LaunchConfig
+from kernels.registry import KERNELS, KernelSpec, LaunchConfig, minimum_global_elements
 from kernels.roofline import DevicePeaks, gpu_peaks, roofline
 from kernels.tensorcore import DMMA, KERNEL_NAMES, MMA_SYNC, MMA_SYNC_CONFIGS, WGMMA
 
@@ -329,9 +329,10 @@ def label(name: str, r: Result) -> str:
 
 def intensity(r: Result) -> float:
     """FLOPs per byte of the global-memory requests of the run's instance (cuBLAS: A, B read and C written once)."""
-    # the libraries' and the tensor-core kernels' traffic: A, B read and C written once
     config = next((c for c in KERNELS[r.kernel].configs if c.label == r.config), None) if r.kernel in KERNELS else None
-    line = roofline(config, (r.m, r.n, r.k), np.dtype(r.dtype), 1, r.ms or 0.0, DevicePeaks())
+    # the libraries' and the tensor-core kernels' traffic: A, B read and C written once
+    elements = minimum_global_elements(r.m, r.n, r.k) if config is None else config.global_elements(r.m, r.n, r.k)
+    line = roofline(elements, (r.m, r.n, r.k), np.dtype(r.dtype), 1, r.ms or 0.0, DevicePeaks())
     return line.flops / line.global_bytes
 
 

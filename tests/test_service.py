@@ -34,6 +34,7 @@ def _product(m: int, k: int, n: int, kernel_ms: float, batch_size: int = 1) -> s
         device=DeviceTiming(h2d_ms=0.5, kernel_ms=kernel_ms, d2h_ms=0.25),
         device_name="test",
         peaks=DevicePeaks(),
+        global_elements=m * k + k * n + m * n,
         batch_size=batch_size,
         stage_ms=0.125,
         handoff_ms=0.0625,
@@ -174,6 +175,7 @@ class RecordingEngine(Engine):
             device=DeviceTiming(h2d_ms=0.0, kernel_ms=2.0, d2h_ms=0.0),
             device_name="recorded",
             peaks=DevicePeaks(),
+            global_elements=a.size + b.size + a.shape[0] * b.shape[1],
             batch_size=3,
         )
 

@@ -35,7 +35,6 @@ import signal
 import socket
 import sys
 from collections.abc import Coroutine, Sequence
-from dataclasses import asdict
 from typing import Any
 
 import numpy as np
@@ -46,7 +45,7 @@ from app.config import BackendChoice, Settings, SharedMemoryKind
 from app.dataplane import wire
 from app.dataplane.regions import CudaRegion, Region, Regions, SystemRegion
 from app.dataplane.slab import Placement, view
-from app.engine import BatchPolicy, Engine, EngineState, Worker
+from app.engine import BatchPolicy, EngineState, Outcome, Worker
 from app.engine.base import Backend
 from app.engine.cpu import CpuBackend
 from app.errors import InvalidParameter, MatmulError, NotReady, SharedMemoryError
@@ -60,8 +59,6 @@ HELLO_TIMEOUT_S = 10.0
 STATUS_EVERY_S = 0.5
 """How often every HTTP worker is sent the engine's status (and at once when its state changes)."""
 STATE_POLL_S = 0.05
-REGION_OPS = frozenset({"register_region", "register_cuda_region", "unregister_region", "region_status"})
-"""Operations on the clients' shared-memory regions, each answered with done or failed."""
 CUDA_IPC_HANDLE_BYTES = 64
 DRAIN_S = 60.0
 """Longest a draining engine waits for its HTTP workers to go."""
@@ -111,16 +108,15 @@ class _Peer:
         self.tasks: dict[int, asyncio.Task[None]] = {}
         self.pinning: asyncio.Task[None] | None = None
 
-    def start(self, key: int, product: Coroutine[Any, Any, None]) -> None:
-        """Run a product request as a task of this peer's, until it has replied."""
-        task = asyncio.create_task(product)
+    def start(self, key: int, request: Coroutine[Any, Any, None]) -> None:
+        """Run a request as a task of this peer's, until it has replied."""
+        task = asyncio.create_task(request)
         self.tasks[key] = task
         task.add_done_callback(lambda _: self.tasks.pop(key, None))
 
-    def array(self, where: list[int], dtype: str) -> np.ndarray:
-        offset, rows, cols = where
+    def array(self, where: wire.InArena, dtype: str) -> np.ndarray:
         try:
-            return view(self.memory, Placement(offset, (rows, cols), dtype))
+            return view(self.memory, Placement(where.offset, (where.rows, where.cols), dtype))
         except ValueError as exc:
             raise InvalidParameter(str(exc)) from None
 
@@ -133,17 +129,17 @@ class _Peer:
 
 
 class EngineServer:
-    """Serves one engine to every HTTP worker that connects to its socket."""
+    """Serves its device's worker to every HTTP worker that connects to its socket."""
 
     def __init__(
         self,
-        engine: Engine,
+        worker: Worker,
         device_index: int | None,
         drain_s: float = DRAIN_S,
         shared_memory: frozenset[SharedMemoryKind] = frozenset(),
     ) -> None:
-        self.engine = engine
-        self.backend = engine.workers[0].backend
+        self.worker = worker
+        self.backend = worker.backend
         self.shared_memory = shared_memory
         """The kinds of clients' shared-memory regions MATMUL_SHARED_MEMORY enables."""
         self.regions = Regions(self.backend)
@@ -208,13 +204,29 @@ class EngineServer:
         try:
             connection.settimeout(HELLO_TIMEOUT_S)
             hello, fd = await asyncio.to_thread(wire.receive_hello, connection)
-            connection.setblocking(False)
-            reader, writer = await asyncio.open_unix_connection(sock=connection)
-        except (OSError, wire.ChannelClosed, ValueError) as exc:
+        except (OSError, wire.ChannelClosed) as exc:
             log.warning("an HTTP worker's handshake failed: %s", exc)
             connection.close()
             return
-        peer = _Peer(int(hello["pid"]), fd, int(hello["arena_bytes"]), writer)
+        if hello.version != wire.PROTOCOL_VERSION:
+            log.error(
+                "HTTP worker %d speaks version %d of the control channel, this engine %d: refused",
+                hello.pid, hello.version, wire.PROTOCOL_VERSION,
+            )  # fmt: skip
+            with contextlib.suppress(OSError):
+                connection.sendall(wire.frame(self._welcome()))  # so that the worker can say which versions met
+            os.close(fd)
+            connection.close()
+            return
+        try:
+            connection.setblocking(False)
+            reader, writer = await asyncio.open_unix_connection(sock=connection)
+            peer = _Peer(hello.pid, fd, hello.arena_bytes, writer)
+        except (OSError, ValueError) as exc:
+            log.warning("an HTTP worker's handshake failed: %s", exc)
+            os.close(fd)
+            connection.close()
+            return
         # Pinned in the background once the engine has started, so that neither this worker's start nor readiness
         # waits for it (about 0.3 s a GiB): registering 8 GiB while the kernels were being self-tested and timed
         # doubled the time to ready with 8 HTTP workers. Until then the backend stages operands through pinned
@@ -226,13 +238,14 @@ class EngineServer:
             wire.send(writer, self._welcome())
             wire.send(writer, self._status())
             while True:
-                message = await wire.receive(reader)
-                if message["op"] == "matmul":
-                    peer.start(message["id"], self._matmul(peer, message))
-                elif message["op"] in REGION_OPS:
-                    peer.start(message["id"], self._region_op(peer, message))
-                elif message["op"] == "cancel" and (running := peer.tasks.get(message["id"])) is not None:
-                    running.cancel()
+                message = await wire.receive_from_worker(reader)
+                if isinstance(message, wire.Matmul):
+                    peer.start(message.id, self._matmul(peer, message))
+                elif isinstance(message, wire.Cancel):
+                    if (running := peer.tasks.get(message.id)) is not None:
+                        running.cancel()
+                else:
+                    peer.start(message.id, self._region_op(peer, message))
         except wire.ChannelClosed:
             pass
         finally:
@@ -261,19 +274,15 @@ class EngineServer:
         self._peers.discard(peer)
         log.info("HTTP worker %d disconnected", peer.pid)
 
-    def _operand(
-        self, peer: _Peer, where: list[int] | dict[str, Any], dtype: str, name: str, lent: list[Region]
-    ) -> Any:
-        """An operand or product where the message says: [offset, rows, cols] in the peer's arena (in the product's
-        dtype), or {region, offset, shape, dtype} in a registered region (a device array for a CUDA one), which it
-        then holds (`lent`)."""
-        if isinstance(where, list):
+    def _operand(self, peer: _Peer, where: wire.Place, dtype: str, name: str, lent: list[Region]) -> Any:
+        """An operand or product where the message says: in the peer's arena (in the product's dtype), or in a
+        registered region (a device array for a CUDA one), which it then holds (`lent`)."""
+        if isinstance(where, wire.InArena):
             return peer.array(where, dtype)
         if not self.shared_memory:
             raise SharedMemoryError("shared memory is off: MATMUL_SHARED_MEMORY does not enable it")
-        region = self.regions.get(where["region"])
-        rows, cols = where["shape"]
-        tensor = region.tensor(where["offset"], (rows, cols), np.dtype(where["dtype"]), name)
+        region = self.regions.get(where.region)
+        tensor = region.tensor(where.offset, (where.rows, where.cols), np.dtype(where.dtype), name)
         self.regions.lend(region)
         lent.append(region)
         return tensor
@@ -303,123 +312,129 @@ class EngineServer:
         await self._close([region for region in removed if region.users == 0])
         await asyncio.gather(*(region.closed.wait() for region in removed))
 
-    async def _region_op(self, peer: _Peer, message: wire.Message) -> None:
-        """Register, unregister or describe clients' shared-memory regions (REGION_OPS). The blocking part of each
-        runs in one thread call, waited for to its end even when this task is cancelled (its HTTP worker went). Every
-        HTTP worker is sent the new list of regions before the reply, so that one of them asked to serve a product
-        in a region just registered finds the engine that holds it."""
-        reply: wire.Message = {"op": "done", "id": message["id"]}
+    async def _region_op(self, peer: _Peer, message: wire.Request) -> None:
+        """Register, unregister or describe clients' shared-memory regions. The blocking part of each runs in one
+        thread call, waited for to its end even when this task is cancelled (its HTTP worker went). Every HTTP worker
+        is sent the new list of regions before the reply, so that one of them asked to serve a product in a region
+        just registered finds the engine that holds it."""
+        reply: wire.Reply
         try:
-            op, name = message["op"], message["name"]
-            kind = CudaRegion if op == "register_cuda_region" or message.get("kind") == "cuda" else SystemRegion
-            wanted = SharedMemoryKind.CUDA if kind is CudaRegion else SharedMemoryKind.SYSTEM
-            if wanted not in self.shared_memory:
-                raise SharedMemoryError(f"{wanted} shared memory is off: MATMUL_SHARED_MEMORY does not enable it")
-            if op == "region_status":
-                reply["regions"] = self.regions.status(kind, name)
-            elif op == "register_region":
-                await in_thread(
-                    self.regions.register_system, name, message["key"], message["offset"], message["byte_size"]
-                )
-            elif op == "register_cuda_region":
-                handle = _raw_handle(message["raw_handle"])
-                await in_thread(self.regions.register_cuda, name, handle, message["device_id"], message["byte_size"])
-            else:
-                await self._unregister(kind, name)
-            if op != "region_status":
-                self._broadcast(self._status())
+            regions = await self._on_regions(message)
+            reply = wire.RegionsDone(id=message.id, load=self.worker.load, regions=regions)
         except MatmulError as exc:
-            reply = {"op": "failed", "id": message["id"], "code": exc.code, "message": exc.message}
-            reply["location"] = exc.location
+            reply = _failed(message.id, self.worker.load, exc)
         except Exception:
-            log.exception("%s of HTTP worker %d failed", message["op"], peer.pid)
-            reply = {"op": "failed", "id": message["id"], "code": "internal_error", "message": "internal error"}
-            reply["location"] = None
-        reply["load"] = self.engine.workers[0].load
+            log.exception("%s of HTTP worker %d failed", type(message).__name__, peer.pid)
+            reply = wire.Failed(message.id, self.worker.load, "internal_error", "internal error")
         with contextlib.suppress(wire.ChannelClosed):
             wire.send(peer.writer, reply)
 
-    async def _matmul(self, peer: _Peer, message: wire.Message) -> None:
-        key = message["id"]
+    async def _on_regions(self, message: wire.Request) -> list[dict[str, str | int]]:
+        """What a region request asks: the regions listed (RegionStatus), else none once it is done."""
+        kind: type[Region] = SystemRegion
+        if isinstance(message, wire.RegisterCudaRegion) or getattr(message, "kind", None) == "cuda":
+            kind = CudaRegion
+        wanted = SharedMemoryKind.CUDA if kind is CudaRegion else SharedMemoryKind.SYSTEM
+        if wanted not in self.shared_memory:
+            raise SharedMemoryError(f"{wanted} shared memory is off: MATMUL_SHARED_MEMORY does not enable it")
+        match message:
+            case wire.RegionStatus(name=name):
+                return self.regions.status(kind, name)
+            case wire.RegisterRegion(name=name, key=key, offset=offset, byte_size=byte_size):
+                await in_thread(self.regions.register_system, name, key, offset, byte_size)
+            case wire.RegisterCudaRegion(name=name, raw_handle=raw, device_id=device_id, byte_size=byte_size):
+                await in_thread(self.regions.register_cuda, name, _raw_handle(raw), device_id, byte_size)
+            case wire.UnregisterRegion(name=name):
+                await self._unregister(kind, name)
+            case _:
+                raise InvalidParameter(f"{type(message).__name__} is not a region request")
+        self._broadcast(self._status())
+        return []
+
+    async def _matmul(self, peer: _Peer, message: wire.Matmul) -> None:
+        key = message.id
         lent: list[Region] = []
+        reply: wire.Reply
         try:
-            reply = await self._compute(peer, message, lent)
+            outcome = await self._compute(peer, message, lent)
         except MatmulError as exc:
-            reply = {"op": "failed", "id": key, "code": exc.code, "message": exc.message, "location": exc.location}
+            reply = _failed(key, self.worker.load, exc)
         except asyncio.CancelledError:
-            reply = {"op": "failed", "id": key, "code": "client_gone", "message": "cancelled", "location": None}
+            reply = wire.Failed(key, self.worker.load, "client_gone", "cancelled")
         except Exception:
             log.exception("product %s of HTTP worker %d failed", key, peer.pid)
             # what went wrong stays in this log; the client is told no more than of any unexpected error
-            reply = {"op": "failed", "id": key, "code": "internal_error", "message": "internal error", "location": None}
+            reply = wire.Failed(key, self.worker.load, "internal_error", "internal error")
+        else:
+            (m, k), n = _shape(message.a), message.b.cols
+            reply = wire.Computed(
+                id=key,
+                load=self.worker.load,
+                kernel=outcome.plan.kernel,
+                tile=outcome.plan.tile,
+                global_elements=outcome.plan.global_elements(m, n, k),
+                queue_ms=outcome.queue_ms,
+                h2d_ms=outcome.device.h2d_ms,
+                kernel_ms=outcome.device.kernel_ms,
+                d2h_ms=outcome.device.d2h_ms,
+                batch_size=outcome.batch_size,
+            )
         self._give_back(lent)  # after `_compute` returned: no variable of it views a region any more
-        reply["load"] = self.engine.workers[0].load
         with contextlib.suppress(wire.ChannelClosed):
             wire.send(peer.writer, reply)
 
-    async def _compute(self, peer: _Peer, message: wire.Message, lent: list[Region]) -> wire.Message:
-        """The product the message asks for, computed where it says; the reply that says how."""
+    async def _compute(self, peer: _Peer, message: wire.Matmul, lent: list[Region]) -> Outcome:
+        """The product the message asks for, computed where it says."""
         if self._draining:
             raise NotReady("the engine is shutting down")
-        dtype, precision = np.dtype(message["dtype"]), Precision(message["precision"])
-        a, b, c = (self._operand(peer, message[name], dtype.name, name, lent) for name in ("a", "b", "c"))
+        dtype, precision = np.dtype(message.dtype), Precision(message.precision)
+        places = {"a": message.a, "b": message.b, "c": message.c}
+        a, b, c = (self._operand(peer, place, dtype.name, name, lent) for name, place in places.items())
         for name, operand in (("a", a), ("b", b)):
             # in a client's region, no HTTP worker staged and checked it; fp32 rounds nothing, so nothing to check
-            if isinstance(message[name], dict) and precision in OPERAND_FORMATS:
+            if isinstance(places[name], wire.InRegion) and precision in OPERAND_FORMATS:
                 await in_thread(self.backend.check_operand, operand, name, precision)
-        outcome = await self.engine.matmul(
-            a, b, dtype, message["kernel"], message["tile"], message["timeout_s"], out=c, precision=precision
+        (m, k), n = _shape(message.a), message.b.cols
+        plan = self.backend.plan(message.kernel, message.tile, m, n, k, precision, dtype.name)
+        return await self.worker.matmul(a, b, dtype, plan, timeout_s=message.timeout_s, out=c)
+
+    def _welcome(self) -> wire.Welcome:
+        return wire.Welcome(
+            engine_pid=os.getpid(),
+            backend=self.backend.name,
+            device_index=self.device_index,
+            device_name=self.backend.device_name,
+            queue_size=self.worker.queue_size,
+            kernels=self.backend.kernels(),
+            peaks=self.backend.peaks,
         )
-        return {
-            "op": "done",
-            "id": message["id"],
-            "kernel": outcome.plan.kernel,
-            "tile": outcome.plan.tile,
-            "label": None if outcome.plan.config is None else outcome.plan.config.label,
-            "queue_ms": outcome.queue_ms,
-            **asdict(outcome.device),
-            "batch_size": outcome.batch_size,
-        }
 
-    def _welcome(self) -> wire.Message:
-        return {
-            "op": "welcome",
-            "engine_pid": os.getpid(),
-            "backend": self.backend.name,
-            "device_index": self.device_index,
-            "device_name": self.backend.device_name,
-            "queue_size": self.engine.queue_size,
-            "kernels": [asdict(info) for info in self.engine.kernels()],
-            "peaks": asdict(self.backend.peaks),
-        }
-
-    def _status(self) -> wire.Message:
-        worker = self.engine.workers[0]
-        return {
-            "op": "status",
-            "state": "stopped" if self._draining else worker.state.value,
-            "failure": worker.failure or ("the engine is shutting down" if self._draining else None),
-            "queue_depth": worker.queue_depth,
-            "load": worker.load,
-            "describe": self.backend.describe(),
-            "memory_held": self.backend.memory_held(),
-            "compiled_instances": self.backend.compiled_instances(),
-            "shared_memory_bytes": sum(peer.map.size() for peer in self._peers),
-            "http_workers": len(self._peers),
-            "regions": self.regions.names(),
-            "auto": [
-                {
-                    "shape_class": choice.shape_class.name,
-                    "precision": choice.precision,
-                    "dtype": choice.dtype,
-                    "kernel": choice.kernel,
-                    "probe_ms": choice.probe_ms,
-                }
-                for choice in self.engine.auto_choices()
+    def _status(self) -> wire.Status:
+        worker = self.worker
+        return wire.Status(
+            state="stopped" if self._draining else worker.state.value,
+            failure=worker.failure or ("the engine is shutting down" if self._draining else None),
+            queue_depth=worker.queue_depth,
+            load=worker.load,
+            describe=self.backend.describe(),
+            memory_held=self.backend.memory_held(),
+            compiled_instances=self.backend.compiled_instances(),
+            shared_memory_bytes=sum(peer.map.size() for peer in self._peers),
+            http_workers=len(self._peers),
+            regions=self.regions.names(),
+            auto=[
+                wire.AutoPick(
+                    shape_class=choice.shape_class.name,
+                    precision=choice.precision,
+                    dtype=choice.dtype,
+                    kernel=choice.kernel,
+                    probe_ms=dict(choice.probe_ms),
+                )
+                for choice in self.backend.auto_choices()
             ],
-        }
+        )
 
-    def _broadcast(self, message: wire.Message) -> None:
+    def _broadcast(self, message: wire.Status) -> None:
         for peer in list(self._peers):
             with contextlib.suppress(wire.ChannelClosed):
                 wire.send(peer.writer, message)
@@ -429,7 +444,7 @@ class EngineServer:
         loop = asyncio.get_running_loop()
         last_state, last_sent = None, 0.0
         while True:
-            state = (self.engine.state, self._draining)
+            state = (self.worker.state, self._draining)
             if state[0] is not EngineState.STARTING:
                 self._started.set()
             if state != last_state or loop.time() - last_sent >= STATUS_EVERY_S:
@@ -451,17 +466,25 @@ async def _serve(settings: Settings, device: int | None, why_cpu: str, path: str
         if server is not None:
             server.stop(DEVICE_LOST_EXIT_CODE)
 
-    engine = Engine([Worker(backend, queue_size=settings.queue_size, on_device_lost=device_lost, batching=batching)])
-    server = EngineServer(engine, device, shared_memory=frozenset(settings.shared_memory))
+    worker = Worker(backend, queue_size=settings.queue_size, on_device_lost=device_lost, batching=batching)
+    server = EngineServer(worker, device, shared_memory=frozenset(settings.shared_memory))
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, server.stop)
     loop.add_reader(sys.stdin.fileno(), _stop_at_end_of_file, server)
-    engine.start()
+    worker.start()
     await server.serve(path)
     if server.exit_code == 0:
-        await engine.stop()
+        await worker.stop()
     return server.exit_code
+
+
+def _failed(key: int, load: int, error: MatmulError) -> wire.Failed:
+    return wire.Failed(key, load, error.code, error.message, error.location)
+
+
+def _shape(place: wire.Place) -> tuple[int, int]:
+    return place.rows, place.cols
 
 
 def _raw_handle(encoded: str) -> bytes:

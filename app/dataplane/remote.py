@@ -25,8 +25,9 @@ import socket
 from collections.abc import Callable
 from functools import partial
 from time import perf_counter
-from typing import Any, Literal, cast
+from typing import Any, Literal
 
+import msgspec
 import numpy as np
 
 from app.awaiting import in_thread
@@ -40,7 +41,6 @@ from app.engine.staging import cast_into, check_in_format
 from app.errors import DeviceLost, NotReady, Overloaded, SharedMemoryError, error_of
 from app.shared_memory import Matrix, SharedOutput, SharedTensor
 from kernels.precision import Precision
-from kernels.registry import KERNELS
 from kernels.roofline import DevicePeaks
 
 log = logging.getLogger(__name__)
@@ -59,20 +59,20 @@ class EngineLink:
     def __init__(self, path: str, arena: Arena) -> None:
         self.path = path
         self.arena = arena
-        self.welcome: wire.Message | None = None
-        self.kernels: list[KernelInfo] = []
-        """The welcome's kernels, read once: every v2 request asks for them."""
-        self.peaks = DevicePeaks()
-        self.status: wire.Message | None = None
+        self.welcome: wire.Welcome | None = None
+        self.status: wire.Status | None = None
         self.lost: str | None = None
         """Why the link is down after having been up (the engine process exited), until it is back."""
+        self.refused: str | None = None
+        """Why the engine cannot be used at all (it speaks another version of the channel); then no reconnecting."""
         self.welcomed = asyncio.Event()
+        """Set by the first welcome (or refusal)."""
         self.on_restart: Callable[[], None] | None = None
         """Called when a new engine process welcomes this link after the one before it exited."""
         self.on_status: Callable[[], None] | None = None
         """Called after each status the engine sends."""
         self._writer: asyncio.StreamWriter | None = None
-        self._pending: dict[int, asyncio.Future[wire.Message]] = {}
+        self._pending: dict[int, asyncio.Future[wire.Reply]] = {}
         self._ids = itertools.count()
         self._load = 0
         self._task: asyncio.Task[None] | None = None
@@ -80,16 +80,25 @@ class EngineLink:
     # ------------------------------------------------------------------------------------------ state
 
     @property
+    def kernels(self) -> list[KernelInfo]:
+        """The welcome's kernels: every v2 request asks for them."""
+        return [] if self.welcome is None else self.welcome.kernels
+
+    @property
+    def peaks(self) -> DevicePeaks:
+        return DevicePeaks() if self.welcome is None else self.welcome.peaks
+
+    @property
     def state(self) -> EngineState:
         if self._writer is None or self.status is None:
             return EngineState.FAILED if self.lost else EngineState.STARTING
-        return EngineState(self.status["state"])
+        return EngineState(self.status.state)
 
     @property
     def failure(self) -> str | None:
         if self._writer is None:
             return self.lost
-        return None if self.status is None else cast(str | None, self.status["failure"])
+        return None if self.status is None else self.status.failure
 
     @property
     def in_flight(self) -> int:
@@ -123,9 +132,15 @@ class EngineLink:
             self._writer, self.lost = writer, None
             try:
                 while True:
-                    self._take(await wire.receive(reader))
+                    self._take(await wire.receive_from_engine(reader))
+            except _Refused as exc:
+                log.critical("the engine process on %s cannot be used: %s", self.path, exc)
+                self._drop(str(exc))
+                self.refused = str(exc)
+                self.welcomed.set()
+                return
             except wire.ChannelClosed as exc:
-                pid = self.welcome["engine_pid"] if self.welcome else "?"
+                pid = self.welcome.engine_pid if self.welcome else "?"
                 log.error("engine process %s (%s) went away: %s", pid, self.path, exc)
                 if isinstance(exc, wire.ChannelCorrupt):
                     # The engine may still be computing into this worker's slabs: hang up and let it finish
@@ -144,7 +159,7 @@ class EngineLink:
             sock.setblocking(False)
             await asyncio.get_running_loop().sock_connect(sock, self.path)
             sock.setblocking(True)
-            hello = {"op": "hello", "pid": os.getpid(), "arena_bytes": self.arena.capacity}
+            hello = wire.Hello(pid=os.getpid(), arena_bytes=self.arena.capacity, version=wire.PROTOCOL_VERSION)
             await asyncio.to_thread(wire.send_hello, sock, hello, self.arena.fd)
             sock.setblocking(False)
             return await asyncio.open_unix_connection(sock=sock)
@@ -160,63 +175,62 @@ class EngineLink:
             if not future.done():
                 future.set_exception(DeviceLost(f"{why}; the product was lost with it"))
 
-    def _take(self, message: wire.Message) -> None:
-        op = message["op"]
-        if op == "welcome":
-            if self.welcome is not None and self.on_restart is not None:
-                self.on_restart()
-            self.welcome = message
-            self.kernels = [
-                KernelInfo(
-                    **{
-                        **info,
-                        "dtypes": tuple(info["dtypes"]),
-                        "tiles": tuple(info["tiles"]),
-                        "precisions": tuple(info["precisions"]),
-                    }
+    def _take(self, message: wire.FromEngine) -> None:
+        match message:
+            case wire.Welcome(version=version) if version != wire.PROTOCOL_VERSION:
+                raise _Refused(
+                    f"it speaks version {version} of the control channel and this HTTP worker "
+                    f"{wire.PROTOCOL_VERSION}: the two come from different builds"
                 )
-                for info in message["kernels"]
-            ]
-            self.peaks = DevicePeaks(message["peaks"]["flops_per_s"], message["peaks"]["dram_bytes_per_s"])
-            self.welcomed.set()
-        elif op == "status":
-            self.status = message
-            self._load = message["load"]
-            if self.on_status is not None:
-                self.on_status()
-        else:
-            self._load = message["load"]
-            future = self._pending.pop(message["id"], None)
-            if future is not None and not future.done():
-                future.set_result(message)
+            case wire.Welcome():
+                if self.welcome is not None and self.on_restart is not None:
+                    self.on_restart()
+                self.welcome = message
+                self.welcomed.set()
+            case wire.Status():
+                self.status = message
+                self._load = message.load
+                if self.on_status is not None:
+                    self.on_status()
+            case _:
+                self._load = message.load
+                future = self._pending.pop(message.id, None)
+                if future is not None and not future.done():
+                    future.set_result(message)
 
-    def send(self, request: wire.Message) -> tuple[int, asyncio.Future[wire.Message]]:
+    def send(self, request: wire.Matmul) -> tuple[int, asyncio.Future[wire.Reply]]:
         """Send a product request; the future is settled by its reply (or the connection's end)."""
         key, future = self._request(request)
         self._load += 1
         return key, future
 
-    async def ask(self, request: wire.Message) -> wire.Message:
-        """Send a request that is not a product and wait for its reply; the error it reports, raised."""
+    async def ask(self, request: wire.Request) -> wire.RegionsDone:
+        """Send a region request and wait for its reply; the error it reports, raised."""
         _, future = self._request(request)
         reply = await future
-        if reply["op"] == "failed":
-            raise error_of(reply["code"], reply["message"], reply["location"])
+        if isinstance(reply, wire.Failed):
+            raise error_of(reply.code, reply.message, reply.location)
+        if not isinstance(reply, wire.RegionsDone):
+            raise TypeError(f"a {type(reply).__name__} answered a region request")
         return reply
 
-    def _request(self, request: wire.Message) -> tuple[int, asyncio.Future[wire.Message]]:
+    def _request(self, request: wire.Request) -> tuple[int, asyncio.Future[wire.Reply]]:
         if self._writer is None:
             raise NotReady(self.lost or "the engine process is not connected yet")
         key = next(self._ids)
-        future: asyncio.Future[wire.Message] = asyncio.get_running_loop().create_future()
+        future: asyncio.Future[wire.Reply] = asyncio.get_running_loop().create_future()
         self._pending[key] = future
-        wire.send(self._writer, {**request, "id": key})
+        wire.send(self._writer, msgspec.structs.replace(request, id=key))
         return key, future
 
     def cancel(self, key: int) -> None:
         if self._writer is not None:
             with contextlib.suppress(wire.ChannelClosed):
-                wire.send(self._writer, {"op": "cancel", "id": key})
+                wire.send(self._writer, wire.Cancel(id=key))
+
+
+class _Refused(Exception):
+    """The engine process cannot serve this HTTP worker (another version of the channel)."""
 
 
 class RemoteEngine:
@@ -254,18 +268,22 @@ class RemoteEngine:
             await self.stop()
             silent = [link.path for link in self.links if not link.welcomed.is_set()]
             raise RuntimeError(f"no engine process answered on {silent} in {WELCOME_TIMEOUT_S:g} s") from None
+        refusals = [f"{link.path}: {link.refused}" for link in self.links if link.refused]
+        if refusals:
+            await self.stop()
+            raise RuntimeError(f"engine processes this HTTP worker cannot use: {'; '.join(refusals)}")
 
     async def stop(self) -> None:
         await asyncio.gather(*(link.stop() for link in self.links))
 
-    def _first_welcome(self) -> wire.Message:
+    def _first_welcome(self) -> wire.Welcome:
         return next(link.welcome for link in self.links if link.welcome is not None)
 
     # -------------------------------------------------------------------------------------- what it is
 
     @property
     def backend_name(self) -> Literal["cpu", "gpu"]:
-        return cast(Literal["cpu", "gpu"], self._first_welcome()["backend"])
+        return self._first_welcome().backend
 
     @property
     def state(self) -> EngineState:
@@ -299,11 +317,11 @@ class RemoteEngine:
 
     @property
     def queue_size(self) -> int:
-        return int(self._first_welcome()["queue_size"])
+        return self._first_welcome().queue_size
 
     @property
     def queue_depth(self) -> int:
-        return sum(link.status["queue_depth"] for link in self.links if link.status is not None)
+        return sum(link.status.queue_depth for link in self.links if link.status is not None)
 
     def kernels(self) -> list[KernelInfo]:
         return next(link.kernels for link in self.links if link.welcome is not None)
@@ -313,38 +331,37 @@ class RemoteEngine:
         classes = {shape_class.name: shape_class for shape_class in SHAPE_CLASSES}
         return [
             AutoChoice(
-                shape_class=classes[choice["shape_class"]],
-                kernel=choice["kernel"],
-                probe_ms=choice["probe_ms"],
-                precision=Precision(choice["precision"]),
-                dtype=choice["dtype"],
+                shape_class=classes[pick.shape_class],
+                kernel=pick.kernel,
+                probe_ms=pick.probe_ms,
+                precision=Precision(pick.precision),
+                dtype=pick.dtype,
             )
-            for choice in (status["auto"] if status else [])
+            for pick in (status.auto if status else [])
         ]
 
     def describe(self) -> list[dict[str, Any]]:
         described = []
         for link in self.links:
-            status = link.status or {}
-            welcome = link.welcome or {}
+            status, welcome = link.status, link.welcome
             described.append(
                 {
-                    "index": welcome.get("device_index"),
-                    **status.get("describe", {"name": welcome.get("device_name")}),
+                    "index": welcome.device_index if welcome else None,
+                    **(status.describe if status else {"name": welcome.device_name if welcome else None}),
                     "state": link.state.value,
-                    "queue_depth": status.get("queue_depth", 0),
-                    "engine_pid": link.welcome["engine_pid"] if link.welcome else None,
-                    "engine_http_workers": status.get("http_workers", 0),
-                    "engine_shared_memory_bytes": status.get("shared_memory_bytes", 0),
+                    "queue_depth": status.queue_depth if status else 0,
+                    "engine_pid": welcome.engine_pid if welcome else None,
+                    "engine_http_workers": status.http_workers if status else 0,
+                    "engine_shared_memory_bytes": status.shared_memory_bytes if status else 0,
                 }
             )
         return described
 
     def memory_held(self) -> int:
-        return sum(link.status["memory_held"] for link in self.links if link.status is not None)
+        return sum(link.status.memory_held for link in self.links if link.status is not None)
 
     def compiled_instances(self) -> int:
-        return sum(link.status["compiled_instances"] for link in self.links if link.status is not None)
+        return sum(link.status.compiled_instances for link in self.links if link.status is not None)
 
     def slab_use(self) -> SlabUse:
         return SlabUse(self.arena.capacity, self.arena.used_bytes, self.arena.waiting)
@@ -399,30 +416,19 @@ class RemoteEngine:
         held = sum(self.arena.bytes_in(operand) for operand in (a, b) if isinstance(operand, np.ndarray))
         slab = await self.arena.reserve(nbytes, budget_s, holding=held)
         try:
-            where = {
-                name: await self._place(operand, slab, dtype, name, precision, in_arena.get(name))
-                for name, operand in (("a", a), ("b", b))
-            }
+            a_at = await self._place(a, slab, dtype, "a", precision, in_arena.get("a"))
+            b_at = await self._place(b, slab, dtype, "b", precision, in_arena.get("b"))
             c_at = None
             if into is None:
                 c_at = slab.place((m, n), dtype)
-                where["c"] = [c_at.offset, m, n]
+                c_place: wire.Place = wire.InArena(c_at.offset, m, n)
             else:
-                where["c"] = _in_region(into, (m, n), dtype)
+                c_place = _in_region(into, (m, n), dtype)
             staged = perf_counter()
             left_s = max(budget_s - (staged - began), 1e-3)
             link = self._least_loaded(named)  # chosen when sent: one may have gone, or come back, meanwhile
-            key, reply = link.send(
-                {
-                    "op": "matmul",
-                    **where,
-                    "dtype": dtype.name,
-                    "kernel": kernel,
-                    "tile": tile,
-                    "precision": precision.value,
-                    "timeout_s": left_s,
-                }
-            )
+            request = wire.Matmul(a_at, b_at, c_place, dtype.name, kernel, tile, precision.value, timeout_s=left_s)
+            key, reply = link.send(request)
         except BaseException:
             slab.release()
             raise
@@ -446,7 +452,7 @@ class RemoteEngine:
         name: str,
         precision: Precision,
         offset: int | None,
-    ) -> list[int] | dict[str, Any]:
+    ) -> wire.Place:
         """Where the engine finds an operand: at `offset` in the arena where it already lies as the engine reads it,
         else converted into the slab (either way checked to be in range for `precision`); or in the client's region
         where it is (the engine checks it there)."""
@@ -457,29 +463,22 @@ class RemoteEngine:
                 check_in_format(operand, name, precision)
             else:
                 await in_thread(check_in_format, operand, name, precision)
-            return [offset, *operand.shape]
+            return wire.InArena(offset, *operand.shape)
         at = slab.place(operand.shape, dtype)
         await self._stage(operand, slab.array(at), name, precision)
-        return [at.offset, *at.shape]
+        return wire.InArena(at.offset, *at.shape)
 
     # ------------------------------------------------------------------- clients' shared memory regions
 
     async def register_region(self, name: str, key: str, offset: int, byte_size: int) -> None:
         """Register a system shared-memory region with every engine process (each maps and pins it)."""
-        request = {"op": "register_region", "name": name, "key": key, "offset": offset, "byte_size": byte_size}
-        await self._register(self.links, request)
+        await self._register(self.links, wire.RegisterRegion(name, key, offset, byte_size))
 
     async def register_cuda_region(self, name: str, raw_handle: str, device_id: int, byte_size: int) -> None:
         """Register a CUDA shared-memory region (its IPC handle in base64) with the engine process of its device,
         which opens it; products that name it run there."""
-        request = {
-            "op": "register_cuda_region",
-            "name": name,
-            "raw_handle": raw_handle,
-            "device_id": device_id,
-            "byte_size": byte_size,
-        }
-        owners = [link for link in self.links if link.welcome is not None and link.welcome["device_index"] == device_id]
+        request = wire.RegisterCudaRegion(name, raw_handle, device_id, byte_size)
+        owners = [link for link in self.links if link.welcome is not None and link.welcome.device_index == device_id]
         await self._check_no_cuda_region_named(name, [link for link in self.links if link not in owners])
         if not owners and self.backend_name == "gpu":
             raise SharedMemoryError(
@@ -491,30 +490,29 @@ class RemoteEngine:
         """SharedMemoryError when another device's engine holds a CUDA region of this name: names are one namespace
         across the server (a product names its region, and the engine holding that name computes it); each engine
         checks its own when it registers. An engine that cannot answer now holds none (a new one starts empty)."""
-        request = {"op": "region_status", "kind": "cuda", "name": None}
+        request = wire.RegionStatus("cuda", None)
         replies = await asyncio.gather(*(link.ask(request) for link in others), return_exceptions=True)
         for reply in replies:
-            if not isinstance(reply, BaseException) and any(region["name"] == name for region in reply["regions"]):
+            if not isinstance(reply, BaseException) and any(region["name"] == name for region in reply.regions):
                 raise SharedMemoryError(
                     f"a region named '{name}' is already registered (on another device)", location=["name"]
                 )
 
-    async def _register(self, links: list[EngineLink], request: wire.Message) -> None:
+    async def _register(self, links: list[EngineLink], request: wire.RegisterRegion | wire.RegisterCudaRegion) -> None:
         """Register a region with `links`' engines; when one refuses, those that took it forget it again."""
         replies = await asyncio.gather(*(link.ask(request) for link in links), return_exceptions=True)
         failure = next((reply for reply in replies if isinstance(reply, BaseException)), None)
         if failure is None:
             return
-        kind = "cuda" if request["op"] == "register_cuda_region" else "system"
-        undo = {"op": "unregister_region", "kind": kind, "name": request["name"]}
+        undo = wire.UnregisterRegion("cuda" if isinstance(request, wire.RegisterCudaRegion) else "system", request.name)
         took = [link for link, reply in zip(links, replies, strict=True) if not isinstance(reply, BaseException)]
         await asyncio.gather(*(link.ask(undo) for link in took), return_exceptions=True)
         raise failure
 
-    async def unregister_region(self, name: str | None, kind: str = "system") -> None:
+    async def unregister_region(self, name: str | None, kind: wire.RegionKind = "system") -> None:
         """Unregister one region of a kind ("system" or "cuda"; every one of it when `name` is None) from every
         engine process."""
-        request = {"op": "unregister_region", "kind": kind, "name": name}
+        request = wire.UnregisterRegion(kind, name)
         replies = await asyncio.gather(*(link.ask(request) for link in self.links), return_exceptions=True)
         failure = next((reply for reply in replies if isinstance(reply, BaseException)), None)
         if failure is not None:
@@ -522,20 +520,19 @@ class RemoteEngine:
 
     async def _unregister_everywhere(self) -> None:
         for kind in ("system", "cuda"):
-            request = {"op": "unregister_region", "kind": kind, "name": None}
+            request = wire.UnregisterRegion(kind, None)
             replies = await asyncio.gather(*(link.ask(request) for link in self.links), return_exceptions=True)
             for link, reply in zip(self.links, replies, strict=True):
                 if isinstance(reply, Exception) and not isinstance(reply, SharedMemoryError):
                     log.warning("the engine process on %s may still hold clients' regions: %s", link.path, reply)
 
-    async def region_status(self, name: str | None, kind: str = "system") -> list[dict[str, Any]]:
+    async def region_status(self, name: str | None, kind: wire.RegionKind = "system") -> list[dict[str, str | int]]:
         """The registered regions of a kind (the one named): system ones as the first engine process holds them
         (every one holds the same), CUDA ones from the engine processes of their devices."""
-        request = {"op": "region_status", "kind": kind, "name": None}
         if kind == "system":
-            regions: list[dict[str, Any]] = (await self.links[0].ask({**request, "name": name}))["regions"]
-            return regions
-        found = [region for link in self.links for region in (await link.ask(request))["regions"]]
+            return (await self.links[0].ask(wire.RegionStatus(kind, name))).regions
+        request = wire.RegionStatus(kind, None)
+        found = [region for link in self.links for region in (await link.ask(request)).regions]
         if name is None:
             return found
         named = [region for region in found if region["name"] == name]
@@ -550,7 +547,7 @@ class RemoteEngine:
         if not ready:
             self.check_ready()
             raise NotReady("no engine is ready")
-        holding = [link for link in ready if link.status is not None and regions <= set(link.status["regions"])]
+        holding = [link for link in ready if link.status is not None and regions <= set(link.status.regions)]
         return min(holding or ready, key=lambda link: link.load)
 
     async def _stage(self, operand: np.ndarray, target: np.ndarray, name: str, precision: Precision) -> None:
@@ -565,7 +562,7 @@ class RemoteEngine:
         self,
         link: EngineLink,
         key: int,
-        reply: asyncio.Future[wire.Message],
+        reply: asyncio.Future[wire.Reply],
         slab: Slab,
         c_at: Placement | None,
         began: float,
@@ -584,46 +581,45 @@ class RemoteEngine:
         except BaseException:
             slab.release()
             raise
-        if message["op"] == "failed":
+        if not isinstance(message, wire.Computed):
             slab.release()
-            raise error_of(message["code"], message["message"], message["location"])
+            if isinstance(message, wire.Failed):
+                raise error_of(message.code, message.message, message.location)
+            raise TypeError(f"a {type(message).__name__} answered a product")
         return self._outcome(link, message, slab, c_at, began, staged, precision)
 
     def _outcome(
         self,
         link: EngineLink,
-        message: wire.Message,
+        message: wire.Computed,
         slab: Slab,
         c_at: Placement | None,
         began: float,
         staged: float,
         precision: Precision,
     ) -> Outcome:
-        device = DeviceTiming(h2d_ms=message["h2d_ms"], kernel_ms=message["kernel_ms"], d2h_ms=message["d2h_ms"])
-        spec = KERNELS.get(message["kernel"])
-        config = next((c for c in spec.configs if c.label == message["label"]), None) if spec else None
-        engine_ms = message["queue_ms"] + device.h2d_ms + device.kernel_ms + device.d2h_ms
+        device = DeviceTiming(h2d_ms=message.h2d_ms, kernel_ms=message.kernel_ms, d2h_ms=message.d2h_ms)
+        engine_ms = message.queue_ms + device.h2d_ms + device.kernel_ms + device.d2h_ms
         return Outcome(
             c=None if c_at is None else slab.array(c_at),
-            plan=Plan(kernel=message["kernel"], tile=message["tile"], config=config, precision=precision),
-            queue_ms=message["queue_ms"],
+            plan=Plan(kernel=message.kernel, tile=message.tile, precision=precision),
+            queue_ms=message.queue_ms,
             device=device,
-            device_name=link.welcome["device_name"] if link.welcome else "",
+            device_name=link.welcome.device_name if link.welcome else "",
             peaks=link.peaks,
-            batch_size=message["batch_size"],
+            global_elements=message.global_elements,
+            batch_size=message.batch_size,
             stage_ms=(staged - began) * 1e3,
             handoff_ms=max((perf_counter() - staged) * 1e3 - engine_ms, 0.0),
             release=slab.release,
         )
 
 
-def _in_region(where: SharedTensor | SharedOutput, shape: tuple[int, int], dtype: np.dtype) -> dict[str, Any]:
-    return {"region": where.region, "offset": where.offset, "shape": list(shape), "dtype": dtype.name}
+def _in_region(where: SharedTensor | SharedOutput, shape: tuple[int, int], dtype: np.dtype) -> wire.InRegion:
+    return wire.InRegion(where.region, where.offset, *shape, dtype.name)
 
 
-def _release_after_reply(
-    slab: Slab, read_in_place: tuple[np.ndarray, ...], reply: asyncio.Future[wire.Message]
-) -> None:
+def _release_after_reply(slab: Slab, read_in_place: tuple[np.ndarray, ...], reply: asyncio.Future[wire.Reply]) -> None:
     """The reply to a cancelled product came: the engine no longer writes its C (its outcome is not wanted) nor reads
     `read_in_place`, operands in a lent body, which were held until now (their views keep its bytes from going back)."""
     if not reply.cancelled():

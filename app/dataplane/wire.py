@@ -1,36 +1,26 @@
-"""The control channel between HTTP workers and engine processes: small JSON messages over a Unix socket.
+"""The control channel between HTTP workers and engine processes: typed messages over a Unix socket.
 
-Why a Unix socket with asyncio streams and not a message library (pyzmq): the descriptors are a few hundred bytes
+Why a Unix socket with asyncio streams and not a message library (pyzmq): the messages are a few hundred bytes
 and the operands travel in shared memory, so the channel's speed hardly matters, but its failures do. When an
 engine process dies its sockets close and every HTTP worker reads end-of-file at once, so their requests in
 flight get 503 at once; when an HTTP worker dies the engine reads end-of-file and drops that worker's queued
 work. A ZeroMQ socket reconnects silently and reports neither, so both would need heartbeats and timeouts. A Unix
 socket also carries the arena's file descriptor (SCM_RIGHTS) in the handshake, and needs no new dependency.
 
-Each message is a 4-byte big-endian length and an orjson object with an "op":
+Each message is a 4-byte big-endian length and a msgspec struct as JSON, tagged by its "op". The classes below are
+the schema: msgspec encodes each and decodes it back into its class, checking every field's type, so a reader
+never meets a missing key. The exchange:
 
-    HTTP worker -> engine                        engine -> HTTP worker
-    hello   {pid, arena_bytes} + the arena's fd  welcome {engine_pid, backend, device_index, device_name,
-                                                          queue_size, kernels, peaks}
-                                                 status  {state, failure, queue_depth, load, describe,
-                                                          memory_held, compiled_instances, auto, http_workers,
-                                                          shared_memory_bytes, regions}
-    matmul  {id, a, b, c, dtype, kernel, tile,   done    {id, kernel, tile, label, queue_ms, h2d_ms,
-             precision, timeout_s}                        kernel_ms, d2h_ms, batch_size, load}
-             (a, b, c: [offset, rows, cols]      failed  {id, code, message, location, load}
-             in the arena)
-    cancel  {id}
-    register_region {id, name, key, offset,      done    {id, load}, or failed
-             byte_size}
-    register_cuda_region {id, name, raw_handle,  done    {id, load}, or failed
-             device_id, byte_size}
-    unregister_region {id, kind, name}           done    {id, load}, or failed
-             (kind: system or cuda; name null: all of that kind)
-    region_status {id, kind, name}               done    {id, regions: [...], load}, or failed
+    HTTP worker -> engine                            engine -> HTTP worker
+    Hello + the arena's file descriptor              Welcome, then a Status every STATUS_EVERY_S and on change
+    Matmul                                           Computed or Failed, exactly once, also when cancelled
+    Cancel                                           (the Matmul's Failed, "client_gone", or its Computed)
+    RegisterRegion, RegisterCudaRegion,              RegionsDone or Failed
+    UnregisterRegion, RegionStatus
 
-A, B or C of a matmul may instead lie in a client's registered region: {region, offset, shape, dtype}.
-
-Every matmul gets exactly one done or failed, also when cancelled; until then the engine may still write its C.
+Until a Matmul's reply the engine may still write its C and read its operands. Both sides send PROTOCOL_VERSION in
+Hello and Welcome; an engine refuses a Hello of another version (an HTTP worker of an older or newer build than the
+engine it reached), and the worker refuses such a Welcome.
 """
 
 from __future__ import annotations
@@ -38,17 +28,212 @@ from __future__ import annotations
 import asyncio
 import socket
 import struct
-from typing import Any
+from typing import Any, Literal
 
-import orjson
+import msgspec
 
+from app.engine.base import KernelInfo
+from kernels.roofline import DevicePeaks
+
+PROTOCOL_VERSION = 1
+"""Raised whenever a message changes in a way an older reader could not decode."""
 LENGTH = struct.Struct("!I")
 MAX_MESSAGE_BYTES = 64 << 20
 """Far more than any message needs (the largest, the status of every registered region, takes under 600 bytes a
 region, and an engine holds at most 4,096 regions: app.dataplane.regions); a longer length means the stream is
 corrupt."""
+UNNUMBERED = -1
+"""The id of a request before its link numbers it (`EngineLink` gives each request its own)."""
 
-Message = dict[str, Any]
+RegionKind = Literal["system", "cuda"]
+
+
+class _Message(msgspec.Struct, frozen=True, tag_field="op"):
+    """A message of the channel; each subclass is one "op"."""
+
+
+# ------------------------------------------------------------------------------------- where a matrix lies
+
+
+class InArena(msgspec.Struct, frozen=True, tag="arena", tag_field="in"):
+    """A matrix at `offset` of the HTTP worker's arena, C-ordered, in the product's dtype."""
+
+    offset: int
+    rows: int
+    cols: int
+
+
+class InRegion(msgspec.Struct, frozen=True, tag="region", tag_field="in"):
+    """A matrix at `offset` of a client's registered region (system or CUDA shared memory)."""
+
+    region: str
+    offset: int
+    rows: int
+    cols: int
+    dtype: str
+
+
+Place = InArena | InRegion
+
+
+# ------------------------------------------------------------------------------- HTTP worker -> engine
+
+
+class Hello(_Message, tag="hello", frozen=True):
+    """The handshake's first message; the socket carries the arena's file descriptor beside it."""
+
+    pid: int
+    arena_bytes: int
+    version: int = PROTOCOL_VERSION
+
+
+class Matmul(_Message, tag="matmul", frozen=True):
+    """C = A @ B where the places say, computed as `kernel` (with `tile`) in `precision`; dropped, never run, if
+    still queued after `timeout_s`."""
+
+    a: Place
+    b: Place
+    c: Place
+    dtype: str
+    kernel: str
+    tile: int | None
+    precision: str
+    timeout_s: float
+    id: int = UNNUMBERED
+
+
+class Cancel(_Message, tag="cancel", frozen=True):
+    id: int
+
+
+class RegisterRegion(_Message, tag="register_region", frozen=True):
+    """A window of a system shared-memory object (`key`) for products to name, mapped and pinned by the engine."""
+
+    name: str
+    key: str
+    offset: int
+    byte_size: int
+    id: int = UNNUMBERED
+
+
+class RegisterCudaRegion(_Message, tag="register_cuda_region", frozen=True):
+    """Device memory of another process, opened from its CUDA IPC handle (base64)."""
+
+    name: str
+    raw_handle: str
+    device_id: int
+    byte_size: int
+    id: int = UNNUMBERED
+
+
+class UnregisterRegion(_Message, tag="unregister_region", frozen=True):
+    """Forget the region of this kind named (every one of the kind when `name` is None)."""
+
+    kind: RegionKind
+    name: str | None
+    id: int = UNNUMBERED
+
+
+class RegionStatus(_Message, tag="region_status", frozen=True):
+    """The registered regions of this kind (the one named)."""
+
+    kind: RegionKind
+    name: str | None
+    id: int = UNNUMBERED
+
+
+Request = Matmul | RegisterRegion | RegisterCudaRegion | UnregisterRegion | RegionStatus
+"""What an HTTP worker asks of an engine, each answered once."""
+ToEngine = Request | Cancel
+
+
+# ------------------------------------------------------------------------------- engine -> HTTP worker
+
+
+class Welcome(_Message, tag="welcome", frozen=True):
+    """The engine's answer to Hello: what it is and what it computes."""
+
+    engine_pid: int
+    backend: Literal["cpu", "gpu"]
+    device_index: int | None
+    device_name: str
+    queue_size: int
+    kernels: list[KernelInfo]
+    peaks: DevicePeaks
+    version: int = PROTOCOL_VERSION
+
+
+class AutoPick(msgspec.Struct, frozen=True):
+    """What `auto` runs for one shape class, precision and dtype, from the probe's times (`AutoChoice`)."""
+
+    shape_class: str
+    precision: str
+    dtype: str
+    kernel: str
+    probe_ms: dict[str, float]
+
+
+class Status(_Message, tag="status", frozen=True):
+    """The engine's state and figures, sent to every HTTP worker."""
+
+    state: Literal["starting", "ready", "failed", "stopped"]
+    failure: str | None
+    queue_depth: int
+    load: int
+    """Products queued or running."""
+    describe: dict[str, Any]
+    """The device as `GET /v1/info` shows it (the backend's `describe`)."""
+    memory_held: int
+    compiled_instances: int
+    shared_memory_bytes: int
+    http_workers: int
+    regions: list[str]
+    """The names of the clients' regions this engine holds."""
+    auto: list[AutoPick]
+
+
+class Computed(_Message, tag="computed", frozen=True):
+    """A Matmul's product is in its C: how it was made, with what the answer's roofline needs."""
+
+    id: int
+    load: int
+    kernel: str
+    """The kernel that ran (`auto` resolved)."""
+    tile: int | None
+    global_elements: int
+    """The elements the kernel moves to and from global memory for this shape (`LaunchConfig.global_elements`)."""
+    queue_ms: float
+    h2d_ms: float
+    kernel_ms: float
+    d2h_ms: float
+    batch_size: int
+
+
+class RegionsDone(_Message, tag="regions_done", frozen=True):
+    """A region request succeeded; RegionStatus's answer lists the regions (the protocol's status objects)."""
+
+    id: int
+    load: int
+    regions: list[dict[str, str | int]] = []
+
+
+class Failed(_Message, tag="failed", frozen=True):
+    """A request failed: the error the HTTP worker raises (`app.errors.error_of`)."""
+
+    id: int
+    load: int
+    code: str
+    message: str
+    location: list[str | int] | None = None
+
+
+Reply = Computed | RegionsDone | Failed
+FromEngine = Welcome | Status | Reply
+
+_encoder = msgspec.json.Encoder()
+_to_engine = msgspec.json.Decoder(ToEngine)
+_from_engine = msgspec.json.Decoder(FromEngine)
+_hello = msgspec.json.Decoder(Hello)
 
 
 class ChannelClosed(ConnectionError):
@@ -59,38 +244,48 @@ class ChannelCorrupt(ChannelClosed):
     """What came is not a message: the other end may still be running (and using the memory it was lent)."""
 
 
-def frame(message: Message) -> bytes:
-    body = orjson.dumps(message)
+def frame(message: _Message) -> bytes:
+    body = _encoder.encode(message)
     return LENGTH.pack(len(body)) + body
 
 
-def send(writer: asyncio.StreamWriter, message: Message) -> None:
+def send(writer: asyncio.StreamWriter, message: _Message) -> None:
     """Queue one message (the socket takes it as soon as it can; no message waits for the reader)."""
     if writer.is_closing():
         raise ChannelClosed("the channel is closed")
     writer.write(frame(message))
 
 
-async def receive(reader: asyncio.StreamReader) -> Message:
-    """The next message; ChannelClosed at end of file."""
+async def _receive(reader: asyncio.StreamReader, decoder: msgspec.json.Decoder[Any]) -> Any:
     try:
         (length,) = LENGTH.unpack(await reader.readexactly(LENGTH.size))
         if length > MAX_MESSAGE_BYTES:
             raise ChannelCorrupt(f"a message of {length} bytes: the stream is corrupt")
-        message: Message = orjson.loads(await reader.readexactly(length))
+        return decoder.decode(await reader.readexactly(length))
     except (asyncio.IncompleteReadError, ConnectionError) as exc:
         raise ChannelClosed(str(exc) or "end of file") from exc
-    except orjson.JSONDecodeError as exc:
-        raise ChannelCorrupt(f"a message that is not JSON ({exc}): the stream is corrupt") from exc
+    except msgspec.DecodeError as exc:
+        raise ChannelCorrupt(f"a message that is not one of the channel's ({exc}): the stream is corrupt") from exc
+
+
+async def receive_from_engine(reader: asyncio.StreamReader) -> FromEngine:
+    """The engine's next message; ChannelClosed at end of file, ChannelCorrupt if it is not one."""
+    message: FromEngine = await _receive(reader, _from_engine)
     return message
 
 
-def send_hello(sock: socket.socket, message: Message, fd: int) -> None:
+async def receive_from_worker(reader: asyncio.StreamReader) -> ToEngine:
+    """The HTTP worker's next message; ChannelClosed at end of file, ChannelCorrupt if it is not one."""
+    message: ToEngine = await _receive(reader, _to_engine)
+    return message
+
+
+def send_hello(sock: socket.socket, hello: Hello, fd: int) -> None:
     """The handshake's first message, with a file descriptor, on a blocking socket."""
-    socket.send_fds(sock, [frame(message)], [fd])
+    socket.send_fds(sock, [frame(hello)], [fd])
 
 
-def receive_hello(sock: socket.socket) -> tuple[Message, int]:
+def receive_hello(sock: socket.socket) -> tuple[Hello, int]:
     """The handshake's first message and the file descriptor it carries, from a blocking socket."""
     data, fds, _, _ = socket.recv_fds(sock, MAX_MESSAGE_BYTES, 1)
     if len(fds) != 1 or len(data) < LENGTH.size:
@@ -104,5 +299,9 @@ def receive_hello(sock: socket.socket) -> tuple[Message, int]:
             socket.close(fds[0])
             raise ChannelClosed("end of file in the hello")
         data += more
-    message: Message = orjson.loads(data[LENGTH.size : LENGTH.size + length])
-    return message, fds[0]
+    try:
+        hello = _hello.decode(data[LENGTH.size : LENGTH.size + length])
+    except msgspec.DecodeError as exc:
+        socket.close(fds[0])
+        raise ChannelCorrupt(f"a hello that is not one ({exc})") from exc
+    return hello, fds[0]

@@ -11,7 +11,7 @@ import numpy as np
 from app.engine.autotune import AutoChoice
 from app.errors import InvalidParameter
 from kernels.precision import Precision
-from kernels.registry import LaunchConfig
+from kernels.registry import LaunchConfig, minimum_global_elements
 from kernels.roofline import DevicePeaks
 
 AUTO = "auto"
@@ -59,6 +59,11 @@ class Plan:
     precision: Precision = Precision.FP32
     """How the multiplier rounds the float32 operands (kernels/precision.py); fp32 for float64 products."""
 
+    def global_elements(self, m: int, n: int, k: int) -> int:
+        """The elements an (m, n, k) product moves to and from global memory, for the roofline: as the launch's
+        access pattern asks, or the minimum (A and B read once, C written once) for a library or tensor-core kernel."""
+        return minimum_global_elements(m, n, k) if self.config is None else self.config.global_elements(m, n, k)
+
 
 def check_fp32_kernel(kernel: str, precision: Precision, library: str) -> None:
     """InvalidParameter unless `precision` is fp32: the kernels of the ladder compute with the FMA units (the
@@ -91,6 +96,8 @@ class Outcome:
     device_name: str
     peaks: DevicePeaks
     """The roofs of the device that computed it, for the answer's roofline."""
+    global_elements: int
+    """The elements the kernel moved to and from global memory (`Plan.global_elements`), for the roofline."""
     batch_size: int = 1
     """Products in the launch that computed this one (dynamic batching); its timings are the launch's."""
     stage_ms: float = 0.0

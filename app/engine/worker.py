@@ -374,6 +374,9 @@ class Worker:
         settled: list[Outcome | BaseException]
         try:
             products, device = submitted.launch.result()
+            a, b = jobs[0].operands()
+            (m, k), n = a.shape, b.shape[1]
+            elements = jobs[0].plan.global_elements(m, n, k)  # one launch: one shape, one kernel
             settled = [
                 Outcome(
                     c=c,
@@ -382,6 +385,7 @@ class Worker:
                     device=device,
                     device_name=self.backend.device_name,
                     peaks=self.backend.peaks,
+                    global_elements=elements,
                     batch_size=len(jobs),
                 )
                 for j, c in zip(jobs, products, strict=True)

@@ -7,18 +7,23 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import socket
 from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Literal
 
 import numpy as np
 import pytest
 
 from app.config import Settings
+from app.dataplane import wire
 from app.dataplane.engine_process import _event_loop
 from app.dataplane.remote import RemoteEngine
+from app.dataplane.slab import Arena
 from app.dataplane.supervisor import EngineSupervisor
 from app.engine import EngineState
 from app.errors import DeviceLost, NotReady, SharedMemoryError, UnknownKernel
 from kernels.reference import assert_close_to_reference
+from kernels.roofline import DevicePeaks
 from tests.fakes import until
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(120)]
@@ -69,8 +74,43 @@ async def test_products_of_two_http_workers_batch_in_the_one_engine(workers: lis
     """A batch of 2 fills only when both workers' products are queued together: each alone would wait 1 s."""
     first, second = await asyncio.gather(_product(workers[0], 1), _product(workers[1], 2))
     assert first.tolist() == second.tolist() == [2]
-    assert {w.describe()[0]["engine_pid"] for w in workers} == {w.links[0].welcome["engine_pid"] for w in workers}
+    assert {w.describe()[0]["engine_pid"] for w in workers} == {w.links[0].welcome.engine_pid for w in workers}
     await until(lambda: all(w.arena.used_bytes == 0 for w in workers))  # given back on the loop, soon after
+
+
+async def test_an_http_worker_of_another_channel_version_is_refused_saying_which(
+    supervisor: EngineSupervisor, settings: Settings, engine: RemoteEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Hello and Welcome carry the channel's version: an engine answers a Hello of another version with its Welcome
+    and hangs up, and the HTTP worker's start fails at once naming both versions (not after the welcome timeout)."""
+    ours = wire.PROTOCOL_VERSION
+    arena = Arena(MIB)
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.connect(supervisor.sockets[0])
+    wire.send_hello(sock, wire.Hello(pid=os.getpid(), arena_bytes=arena.capacity, version=ours + 1), arena.fd)
+    sock.setblocking(False)
+    reader, writer = await asyncio.open_unix_connection(sock=sock)
+    try:
+        async with asyncio.timeout(10):
+            welcome = await wire.receive_from_engine(reader)
+            assert isinstance(welcome, wire.Welcome) and welcome.version == ours
+            with pytest.raises(wire.ChannelClosed):
+                await wire.receive_from_engine(reader)
+    finally:
+        writer.close()
+        arena.close()
+
+    monkeypatch.setattr(wire, "PROTOCOL_VERSION", ours + 1)
+    newer = RemoteEngine(supervisor.sockets, settings)
+    try:
+        async with asyncio.timeout(10):
+            with pytest.raises(
+                RuntimeError, match=f"speaks version {ours} of the control channel and this HTTP worker {ours + 1}"
+            ):
+                await newer.start()
+    finally:
+        newer.arena.close()
+    assert engine.state is EngineState.READY  # the engine serves its other workers on
 
 
 async def test_the_engine_checks_the_kernel_and_its_refusal_reaches_the_worker(workers: list[RemoteEngine]) -> None:
@@ -94,7 +134,7 @@ async def test_a_killed_engine_fails_what_it_held_at_once_and_a_fresh_one_serves
     supervisor: EngineSupervisor, workers: list[RemoteEngine]
 ) -> None:
     worker = workers[0]
-    first_pid = worker.links[0].welcome["engine_pid"]
+    first_pid = worker.links[0].welcome.engine_pid
     held = asyncio.create_task(_product(worker, 4))  # waits out the batching window in the engine
     await until(lambda: worker.links[0].in_flight == 1)
     os.kill(first_pid, signal.SIGKILL)
@@ -104,7 +144,7 @@ async def test_a_killed_engine_fails_what_it_held_at_once_and_a_fresh_one_serves
     with pytest.raises(NotReady, match="a new one is starting"):
         worker.check_ready()
     await until(lambda: all(w.state is EngineState.READY for w in workers), guard_s=60)
-    assert worker.links[0].welcome["engine_pid"] != first_pid
+    assert worker.links[0].welcome.engine_pid != first_pid
     assert supervisor.engines[0].exits == [-signal.SIGKILL]
     assert (await asyncio.gather(_product(worker, 5), _product(workers[1], 6)))[0].tolist() == [2]
 
@@ -142,12 +182,12 @@ def _two_engines() -> RemoteEngine:
     engine = RemoteEngine(["device-0.sock", "device-1.sock"], Settings(backend="cpu", slab_bytes=MIB))
     for index, link in enumerate(engine.links):
         link._writer = object()  # type: ignore[assignment]  # connected
-        link.welcome = {"backend": "gpu", "device_index": index, "device_name": f"GPU {index}", "engine_pid": index}
+        link.welcome = wire.Welcome(index, "gpu", index, f"GPU {index}", queue_size=8, kernels=[], peaks=DevicePeaks())
     return engine
 
 
-def _status(state: str, failure: str | None = None) -> dict[str, object]:
-    return {"op": "status", "state": state, "failure": failure, "load": 0, "regions": []}
+def _status(state: Literal["starting", "ready", "failed"], failure: str | None = None) -> wire.Status:
+    return wire.Status(state, failure, 0, 0, {}, 0, 0, 0, http_workers=1, regions=[], auto=[])
 
 
 def test_with_several_engines_the_service_is_ready_while_one_of_them_is_once_all_have_been() -> None:
@@ -178,10 +218,10 @@ async def test_a_cuda_region_name_held_on_another_device_is_refused() -> None:
     engine = _two_engines()
     asked: list[tuple[int, str]] = []
 
-    def answering(index: int, cuda_names: list[str]) -> Callable[[dict[str, object]], Awaitable[dict[str, object]]]:
-        async def ask(request: dict[str, object]) -> dict[str, object]:
-            asked.append((index, str(request["op"])))
-            return {"op": "done", "regions": [{"name": name} for name in cuda_names]}
+    def answering(index: int, cuda_names: list[str]) -> Callable[[wire.Request], Awaitable[wire.RegionsDone]]:
+        async def ask(request: wire.Request) -> wire.RegionsDone:
+            asked.append((index, type(request).__name__))
+            return wire.RegionsDone(request.id, 0, [{"name": name} for name in cuda_names])
 
         return ask
 
@@ -190,8 +230,8 @@ async def test_a_cuda_region_name_held_on_another_device_is_refused() -> None:
     try:
         with pytest.raises(SharedMemoryError, match="'out' is already registered \\(on another device\\)"):
             await engine.register_cuda_region("out", "handle", device_id=1, byte_size=64)
-        assert asked == [(0, "region_status")]
+        assert asked == [(0, "RegionStatus")]
         await engine.register_cuda_region("in", "handle", device_id=1, byte_size=64)
-        assert asked[1:] == [(0, "region_status"), (1, "register_cuda_region")]
+        assert asked[1:] == [(0, "RegionStatus"), (1, "RegisterCudaRegion")]
     finally:
         engine.arena.close()

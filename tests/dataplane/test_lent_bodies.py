@@ -112,7 +112,7 @@ async def test_a_cancelled_product_keeps_its_lent_body_until_the_engine_lets_go(
     assert lent is not None
     waiting = asyncio.create_task(engine.matmul(a, b, np.dtype(np.float32), "auto", None, timeout_s=30))
     await until(lambda: engine.links[0].in_flight == 1)
-    engine_pid = engine.links[0].welcome["engine_pid"]  # type: ignore[index]
+    engine_pid = engine.links[0].welcome.engine_pid  # type: ignore[union-attr]
     os.kill(engine_pid, signal.SIGSTOP)
     try:
         waiting.cancel()

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 from app.config import Settings
+from app.dataplane import wire
 from app.dataplane.regions import SHARED_MEMORY_FOLDER, object_path, open_window
 from app.dataplane.remote import RemoteEngine
 from app.dataplane.supervisor import EngineSupervisor
@@ -119,7 +120,7 @@ async def test_a_region_unregistered_while_in_use_is_unmapped_and_the_unregistra
     engine: RemoteEngine, shared_object: tuple[str, Path]
 ) -> None:
     key, path = shared_object
-    pid = engine.links[0].welcome["engine_pid"]
+    pid = engine.links[0].welcome.engine_pid
     memory = np.memmap(path, F64, "r+", shape=(3 * mmap.PAGESIZE // 8,))
     rng = np.random.default_rng(41)
     a, b = rng.standard_normal((9, 5)), rng.standard_normal((5, 7))
@@ -155,7 +156,7 @@ async def test_a_fresh_engine_process_holds_no_region(engine: RemoteEngine, shar
     key, _ = shared_object
     await engine.register_region("r", key, 0, 64)
     assert [status["name"] for status in await engine.region_status(None)] == ["r"]
-    os.kill(engine.links[0].welcome["engine_pid"], signal.SIGKILL)
+    os.kill(engine.links[0].welcome.engine_pid, signal.SIGKILL)
     await until(lambda: engine.links[0].lost is not None)
     await until(lambda: engine.state is EngineState.READY, guard_s=60)
     assert await engine.region_status(None) == []
@@ -199,11 +200,11 @@ async def test_when_one_of_two_engines_restarts_every_engine_forgets_the_regions
         survivor = engine.links[1]
 
         async def survivor_regions() -> list[str]:
-            return [region["name"] for region in (await survivor.ask({"op": "region_status", "name": None}))["regions"]]
+            return [region["name"] for region in (await survivor.ask(wire.RegionStatus("system", None))).regions]
 
         await engine.register_region("r", shared_object[0], 0, 64)
         assert await survivor_regions() == ["r"]
-        os.kill(engine.links[0].welcome["engine_pid"], signal.SIGKILL)
+        os.kill(engine.links[0].welcome.engine_pid, signal.SIGKILL)
         await until(lambda: engine.links[0].lost is not None)
         await until(lambda: engine.state is EngineState.READY, guard_s=60)
         for _ in range(1000):  # the unregistering runs on its own once the new engine process welcomes the link

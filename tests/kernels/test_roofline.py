@@ -106,7 +106,9 @@ def test_an_unknown_compute_capability_has_no_flops_peak() -> None:
 def test_the_roofline_of_tiled_against_an_h100() -> None:
     m = n = k = 4096
     config = KERNELS["tiled"].config_for(m, n, k, 16)
-    line = roofline(config, (m, n, k), FLOAT32, 1, kernel_ms=16.0, peaks=gpu_peaks((9, 0), **H100))
+    line = roofline(
+        config.global_elements(m, n, k), (m, n, k), FLOAT32, 1, kernel_ms=16.0, peaks=gpu_peaks((9, 0), **H100)
+    )
     assert line.flops == 2 * 4096**3
     assert line.global_bytes == 4 * (2 * 4096**3 // 16 + 4096**2)
     assert line.intensity == pytest.approx(2 * 4096**3 / line.global_bytes)  # about 4 FLOP/B
@@ -131,14 +133,15 @@ def test_a_product_is_rated_against_its_arithmetics_roof(
     dtype: type[np.floating], precision: Precision, roof: str
 ) -> None:
     peaks = gpu_peaks((9, 0), **H100)
-    line = roofline(None, (4096, 4096, 4096), np.dtype(dtype), 1, kernel_ms=1.0, peaks=peaks, precision=precision)
+    elements = minimum_global_elements(4096, 4096, 4096)
+    line = roofline(elements, (4096, 4096, 4096), np.dtype(dtype), 1, kernel_ms=1.0, peaks=peaks, precision=precision)
     peak = peaks.flops_per_s[roof]
     assert peak is not None and line.peak_gflops == pytest.approx(peak / 1e9)
     assert line.peak_fraction == pytest.approx(2 * 4096**3 / 1e-3 / peak)
 
 
 def test_a_batch_is_rated_over_the_launch_and_a_library_at_the_minimum() -> None:
-    line = roofline(None, (10, 20, 30), np.dtype(np.float64), 4, kernel_ms=1.0, peaks=DevicePeaks())
+    line = roofline(minimum_global_elements(10, 20, 30), (10, 20, 30), np.dtype(np.float64), 4, 1.0, DevicePeaks())
     assert line.flops == 2 * 10 * 20 * 30 and line.global_bytes == 8 * (10 * 30 + 30 * 20 + 10 * 20)
     assert line.global_gbps == pytest.approx(4 * line.global_bytes / 1e-3 / 1e9)
     assert (line.peak_gflops, line.peak_fraction, line.dram_gbps) == (None, None, None)
@@ -151,7 +154,7 @@ def test_a_batch_is_rated_over_the_launch_and_a_library_at_the_minimum() -> None
 def test_nothing_to_rate_gives_nulls_not_errors(
     shape: tuple[int, int, int], kernel_ms: float, intensity: float | None
 ) -> None:
-    line = roofline(None, shape, FLOAT32, 1, kernel_ms, gpu_peaks((9, 0), **H100))
+    line = roofline(minimum_global_elements(*shape), shape, FLOAT32, 1, kernel_ms, gpu_peaks((9, 0), **H100))
     assert line.intensity == intensity and line.peak_fraction is None
     assert line.global_gbps is None if kernel_ms == 0 else line.global_gbps == pytest.approx(4.8e-3)
 
