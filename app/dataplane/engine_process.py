@@ -34,7 +34,8 @@ import os
 import signal
 import socket
 import sys
-from collections.abc import Coroutine, Sequence
+from collections.abc import Callable, Coroutine, Sequence
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -108,11 +109,20 @@ class _Peer:
         self.tasks: dict[int, asyncio.Task[None]] = {}
         self.pinning: asyncio.Task[None] | None = None
 
-    def start(self, key: int, request: Coroutine[Any, Any, None]) -> None:
-        """Run a request as a task of this peer's, until it has replied."""
+    def start(self, key: int, request: Coroutine[Any, Any, None], load: Callable[[], int]) -> None:
+        """Run a request as a task of this peer's, until it has replied. A request answers its own cancellation,
+        but a task cancelled before its first step never runs: a Cancel read in the same breath as its Matmul
+        (both in one read from the socket) does that, and the Failed is then sent here, so that every request
+        still gets its one reply (the HTTP worker frees the product's slab on it)."""
         task = asyncio.create_task(request)
         self.tasks[key] = task
-        task.add_done_callback(lambda _: self.tasks.pop(key, None))
+        task.add_done_callback(partial(self._ended, key, load))
+
+    def _ended(self, key: int, load: Callable[[], int], task: asyncio.Task[None]) -> None:
+        self.tasks.pop(key, None)
+        if task.cancelled():
+            with contextlib.suppress(wire.ChannelClosed):
+                wire.send(self.writer, wire.Failed(key, load(), "client_gone", "cancelled"))
 
     def array(self, where: wire.InArena, dtype: str) -> np.ndarray:
         try:
@@ -240,16 +250,19 @@ class EngineServer:
             while True:
                 message = await wire.receive_from_worker(reader)
                 if isinstance(message, wire.Matmul):
-                    peer.start(message.id, self._matmul(peer, message))
+                    peer.start(message.id, self._matmul(peer, message), self._load)
                 elif isinstance(message, wire.Cancel):
                     if (running := peer.tasks.get(message.id)) is not None:
                         running.cancel()
                 else:
-                    peer.start(message.id, self._region_op(peer, message))
+                    peer.start(message.id, self._region_op(peer, message), self._load)
         except wire.ChannelClosed:
             pass
         finally:
             await self._hang_up(peer)
+
+    def _load(self) -> int:
+        return self.worker.load
 
     async def _pin(self, peer: _Peer) -> None:
         await self._started.wait()

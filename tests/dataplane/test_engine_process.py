@@ -5,6 +5,7 @@ a restarted one serves the same links again."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import socket
@@ -128,6 +129,41 @@ async def test_a_cancelled_product_keeps_its_slab_until_the_engine_lets_go(worke
         await waiting
     assert worker.arena.used_bytes > 0  # the engine may still write C: the slab waits for its reply
     await until(lambda: worker.arena.used_bytes == 0, guard_s=10)
+
+
+async def test_a_product_cancelled_in_the_same_read_as_it_is_still_answered_once(
+    supervisor: EngineSupervisor, engine: RemoteEngine
+) -> None:
+    """A Cancel that reaches the engine with its Matmul, in one read, cancels the product's task before it first
+    runs; the product still gets exactly one reply (the HTTP worker frees its slab on it), here from a bare client
+    of the engine's socket (once `engine` found it ready)."""
+    arena = Arena(MIB)
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.connect(supervisor.sockets[0])
+    wire.send_hello(sock, wire.Hello(pid=os.getpid(), arena_bytes=arena.capacity), arena.fd)
+    sock.setblocking(False)
+    reader, writer = await asyncio.open_unix_connection(sock=sock)
+
+    async def replies(within_s: float) -> list[wire.Reply]:
+        """The replies that come within `within_s`."""
+        came: list[wire.Reply] = []
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(within_s):
+                while True:
+                    message = await wire.receive_from_engine(reader)
+                    came += [message] if isinstance(message, wire.Failed | wire.Computed | wire.RegionsDone) else []
+        return came
+
+    try:
+        place = wire.InArena(0, 4, 4)
+        matmul = wire.Matmul(place, place, wire.InArena(64, 4, 4), "float32", "auto", None, "fp32", 30.0, id=7)
+        writer.write(wire.frame(matmul) + wire.frame(wire.Cancel(id=7)))
+        came = await replies(within_s=WINDOW_US / 1e6 + 1)  # a product run would be answered after the window
+        assert [(reply.id, type(reply)) for reply in came] == [(7, wire.Failed)]
+        assert isinstance(came[0], wire.Failed) and came[0].code == "client_gone"
+    finally:
+        writer.close()
+        arena.close()
 
 
 async def test_a_killed_engine_fails_what_it_held_at_once_and_a_fresh_one_serves_the_same_link(
