@@ -1,7 +1,7 @@
 # The two commands of the README:
 #   make run    install the service into .venv and start it on :8000 (GPU backend if CuPy sees a device) as the
 #               container does: matmul-service with its defaults (HTTP workers and shared memory from the host's
-#               CPUs and memory, batching on); MATMUL_* variables or a .env file change them (README, "Settings")
+#               CPUs and memory, batching on); MATMUL_* variables or a .env file change them (docs/deployment.md, "Settings")
 #   make test   install the test tools into .venv and run ruff, mypy, the import contracts and pytest
 #   make mutation   mutation testing of the core modules with mutmut (hours on two cores: docs/testing.md)
 #   make container-test   build the Dockerfile's images with podman (or docker) and run them as compose and the Helm

@@ -117,7 +117,7 @@ class CpuBackend:
         staged_pairs = [(_in_dtype(a, dtype, "a"), _in_dtype(b, dtype, "b")) for a, b in pairs]
         staged = perf_counter()
         products = list(outputs) if outputs is not None else [np.empty((m, n), dtype) for _ in pairs]
-        # NaN and infinities propagate as the README says; NumPy's RuntimeWarnings about them are log noise.
+        # NaN and infinities propagate as docs/api.md says; NumPy's RuntimeWarnings about them are log noise.
         with np.errstate(invalid="ignore", over="ignore"):
             for (a, b), c in zip(staged_pairs, products, strict=True):
                 if plan.precision is not Precision.FP32:

@@ -1,6 +1,6 @@
 """The image a user deploys, built from the project's Dockerfile and run as the compose file and the Helm chart run
 it: on the CPU backend (no GPU where these run), with a read-only root filesystem, no capabilities and no privilege
-escalation, everything checked through the published port. What only a GPU host proves is said in the README
+escalation, everything checked through the published port. What only a GPU host proves is said in docs/deployment.md
 (`--gpus all`, the kernels compiled and run on a device): here NVRTC compiles every kernel inside the image, with no
 driver, and the GPU backend's start fails at once with a clear message.
 

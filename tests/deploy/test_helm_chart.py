@@ -29,14 +29,13 @@ from tests.deploy.manifests import (
     check_queue_depth_query,
     check_queue_depth_target,
     exported_gauges,
-    graceful_shutdown_s,
     load_documents,
     probes,
     schema_errors,
     served_routes,
     settings_of,
 )
-from tests.deploy.test_deploy_files import SERVED_PORT, run_tool
+from tests.deploy.test_deploy_files import run_tool
 from tests.scripts import ROOT
 
 CHART = ROOT / "deploy" / "kubernetes" / "matmul-service"
@@ -335,26 +334,3 @@ async def test_the_kubelet_and_prometheus_get_their_answers(keyed_pod: tuple[Rel
     [trigger] = render().one("ScaledObject")["spec"]["triggers"]
     [metric] = {name for name in exported_gauges() if f"{name}{{" in trigger["metadata"]["query"]}
     assert f"\n{metric} " in metrics.text
-
-
-def test_the_readme_quotes_the_charts_defaults() -> None:
-    """README's "On Kubernetes" states the default release's names and figures; they are the chart's."""
-    text = (ROOT / "README.md").read_text()
-    section = " ".join(text[text.index("## On Kubernetes") : text.index("## How it works")].split())
-    release = render()
-    pod, name = release.pod, release.deployment["metadata"]["name"]
-    startup = pod.container["startupProbe"]
-    sleep = pod.container["lifecycle"]["preStop"]["sleep"]["seconds"]
-    [trigger] = release.one("ScaledObject")["spec"]["triggers"]
-    facts = [
-        f"deployment/{name}",
-        f"service/{name}",
-        f"port {SERVED_PORT})",
-        f"({startup['periodSeconds'] * startup['failureThreshold'] // 60} minutes for the kernels)",
-        f"a {sleep} s preStop sleep",
-        f"then {graceful_shutdown_s(pod)} s of graceful shutdown",
-        f"inside a {pod.spec['terminationGracePeriodSeconds']} s grace period",
-        f"`targetQueueDepthPerGpu` ({trigger['metadata']['threshold']})",
-        f"a quarter of a GPU's `MATMUL_QUEUE_SIZE` ({settings_of(pod).queue_size})",
-    ]
-    assert [fact for fact in facts if fact not in section] == []
