@@ -17,7 +17,8 @@ import numpy as np
 from app.codecs import Limits, Operands, RequestOptions
 from app.codecs.operands import check_shape
 from app.config import Settings
-from app.engine import EngineFront, Outcome
+from app.engine import EngineFront, Outcome, ProductRequest
+from app.engine.base import AUTO
 from app.errors import InvalidParameter, ShapeMismatch
 from app.product import BackendName, DtypeName, ErrorBound, MatmulMetadata, RooflineModel, Timing
 from app.shared_memory import Matrix, SharedOutput
@@ -204,8 +205,8 @@ class MatmulService:
         precision = requested_precision(options.precision, working, operands)
         (m, k), n = a.shape, b.shape[1]
         queue_s = self.max_queue_s if deadline_s is None else min(deadline_s, self.max_queue_s)
-        kernel = options.kernel or "auto"
-        outcome = await self.engine.matmul(a, b, working, kernel, options.tile, queue_s, into=into, precision=precision)
+        request = ProductRequest.of(a, b, working, options.kernel or AUTO, options.tile, precision)
+        outcome = await self.engine.matmul(a, b, request, queue_s, into=into)
         clock.computed = perf_counter()
         line = roofline(
             outcome.global_elements,

@@ -28,7 +28,7 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
-from app.engine import DeviceTiming, EngineState, Outcome, Worker
+from app.engine import DeviceTiming, EngineState, Outcome, ProductRequest, Worker
 from app.engine.gpu import GpuBackend
 
 DEPTHS = (1, 2)
@@ -43,7 +43,7 @@ async def measure_shape(worker: Worker, size: int, kernel: str, clients: int, re
     a = rng.standard_normal((size, size), dtype=np.float32)
     b = rng.standard_normal((size, size), dtype=np.float32)
     dtype = np.dtype(np.float32)
-    plan = worker.backend.plan(kernel, None, size, size, size)
+    plan = worker.backend.plan(ProductRequest.of(a, b, dtype, kernel))
     for _ in range(WARMUP):
         await worker.matmul(a, b, dtype, plan)
     timings: list[tuple[float, DeviceTiming]] = []

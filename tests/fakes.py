@@ -16,14 +16,30 @@ import numpy as np
 import pytest
 
 from app.dataplane import remote
-from app.engine import KernelInfo, Plan
-from app.engine.base import Finished, Outputs, Pairs
+from app.engine import Engine, EngineFront, KernelInfo, Outcome, Plan, ProductRequest
+from app.engine.base import AUTO, Finished, Outputs, Pairs
 from app.engine.cpu import CpuBackend
+from app.shared_memory import Matrix
 from kernels.precision import Precision
 
 BLAS = "blas"
 GATE_TIMEOUT_S = 10
 """A hang guard: the longest a held launch waits for its gate."""
+
+
+async def multiply(
+    engine: EngineFront | Engine,
+    a: Matrix,
+    b: Matrix,
+    dtype: np.dtype,
+    kernel: str = AUTO,
+    tile: int | None = None,
+    timeout_s: float | None = None,
+    precision: Precision = Precision.FP32,
+    **where: Any,
+) -> Outcome:
+    """`engine.matmul` of a @ b, its request made from the operands as the service makes it."""
+    return await engine.matmul(a, b, ProductRequest.of(a, b, dtype, kernel, tile, precision), timeout_s, **where)
 
 
 async def until(condition: Callable[[], bool], guard_s: float = GATE_TIMEOUT_S) -> None:
@@ -80,20 +96,11 @@ class SteeredBackend(CpuBackend):
     def kernels(self) -> list[KernelInfo]:
         return [*super().kernels(), KernelInfo(name=BLAS, kind="library", summary="numpy.matmul under another name")]
 
-    def plan(
-        self,
-        kernel: str,
-        tile: int | None,
-        m: int,
-        n: int,
-        k: int,
-        precision: Precision = Precision.FP32,
-        dtype: str = "float32",
-    ) -> Plan:
-        self.planned.append((m, n, k))
-        if kernel == BLAS and tile is None:
-            return Plan(kernel=BLAS, precision=precision)
-        return super().plan(kernel, tile, m, n, k, precision, dtype)
+    def plan(self, request: ProductRequest) -> Plan:
+        self.planned.append((request.m, request.n, request.k))
+        if request.kernel == BLAS and request.tile is None:
+            return Plan(kernel=BLAS, precision=request.precision)
+        return super().plan(request)
 
     def batchable(self, plan: Plan) -> bool:
         self.asked_to_batch.append(plan.kernel)

@@ -20,7 +20,7 @@ from app.config import (
     default_slab_bytes,
 )
 from app.engine import BatchPolicy, Engine, EngineState, Worker
-from tests.fakes import GATE_TIMEOUT_S, SteeredBackend, until
+from tests.fakes import GATE_TIMEOUT_S, SteeredBackend, multiply, until
 
 MIB, GIB = 1 << 20, 1 << 30
 Host = Callable[[int, int], None]
@@ -148,14 +148,12 @@ async def test_by_default_a_lone_product_is_launched_at_once_and_products_queued
     try:
         await until(lambda: engine.state is EngineState.READY)
         backend.gate.clear()
-        products = [asyncio.create_task(engine.matmul(np.ones((2, 1)), np.ones((1, 1)), np.dtype(np.float64),
-                                                      "numpy", None, None))]  # fmt: skip
+        f64 = np.dtype(np.float64)
+        products = [asyncio.create_task(multiply(engine, np.ones((2, 1)), np.ones((1, 1)), f64, "numpy"))]
         assert await asyncio.to_thread(backend.entered.acquire, True, GATE_TIMEOUT_S), "it waited for company"
         products += [
-            asyncio.create_task(engine.matmul(np.full((2, 1), x), np.ones((1, 1)), np.dtype(np.float64), "numpy",
-                                              None, None))
-            for x in (2.0, 3.0)
-        ]  # fmt: skip
+            asyncio.create_task(multiply(engine, np.full((2, 1), x), np.ones((1, 1)), f64, "numpy")) for x in (2.0, 3.0)
+        ]
         await until(lambda: engine.queue_depth == 2)
         backend.gate.set()
         outcomes = await asyncio.wait_for(asyncio.gather(*products), GATE_TIMEOUT_S)

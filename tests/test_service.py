@@ -12,12 +12,12 @@ import pytest
 from app import service
 from app.codecs import Limits, Operands, RequestOptions
 from app.config import Settings
-from app.engine import DeviceTiming, Engine, Outcome, Plan
+from app.engine import DeviceTiming, Engine, Outcome, Plan, ProductRequest
 from app.engine.cpu import CpuBackend
 from app.engine.worker import Worker
 from app.errors import InvalidParameter, ShapeMismatch
 from app.product import RooflineModel
-from app.shared_memory import SharedOutput
+from app.shared_memory import Matrix, SharedOutput
 from kernels.precision import Precision
 from kernels.roofline import DevicePeaks
 
@@ -154,23 +154,22 @@ class RecordingEngine(Engine):
 
     def __init__(self) -> None:
         super().__init__([Worker(CpuBackend("tests"), queue_size=2)])
-        self.calls: list[tuple[np.dtype, str, int | None, float | None]] = []
+        self.calls: list[tuple[ProductRequest, float | None]] = []
 
     async def matmul(
         self,
-        a: np.ndarray,
-        b: np.ndarray,
-        dtype: np.dtype,
-        kernel: str,
-        tile: int | None,
+        a: Matrix,
+        b: Matrix,
+        request: ProductRequest,
         timeout_s: float | None,
         into: SharedOutput | None = None,
-        precision: Precision = Precision.FP32,
+        out: np.ndarray | None = None,
     ) -> Outcome:
-        self.calls.append((dtype, kernel, tile, timeout_s))
+        self.calls.append((request, timeout_s))
+        assert isinstance(a, np.ndarray) and isinstance(b, np.ndarray)
         return Outcome(
-            c=np.asarray(a, dtype) @ np.asarray(b, dtype),
-            plan=Plan(kernel=kernel, tile=tile),
+            c=np.asarray(a, request.dtype) @ np.asarray(b, request.dtype),
+            plan=Plan(kernel=request.kernel, tile=request.tile),
             queue_ms=0.0,
             device=DeviceTiming(h2d_ms=0.0, kernel_ms=2.0, d2h_ms=0.0),
             device_name="recorded",
@@ -193,7 +192,7 @@ async def test_run_hands_the_engine_its_options_and_the_capped_deadline(
     clock = service.Stopwatch(received=1.0, read=1.0, decoded=1.0)
     monkeypatch.setattr(service, "perf_counter", lambda: 4.0)
     product = await matmul.run(Operands(a=a, b=b), RequestOptions(kernel="k", tile=4), deadline_s, clock)
-    assert engine.calls == [(np.dtype(np.float64), "k", 4, queue_s)]
+    assert engine.calls == [(ProductRequest(2, 4, 3, "float64", "k", 4, Precision.FP32), queue_s)]
     assert (product.m, product.k, product.n, product.dtype, product.backend) == (2, 3, 4, np.dtype(np.float64), "cpu")
     assert clock.computed == 4.0 and product.clock is clock
     np.testing.assert_array_equal(product.c, a @ b)
@@ -208,7 +207,7 @@ async def test_run_asks_for_auto_when_no_kernel_is_named_and_checks_first() -> N
     matmul = service.MatmulService(engine, Settings(backend="cpu", max_result_elements=12))
     operands = Operands(a=np.ones((2, 3), np.float32), b=np.ones((3, 4), np.float32))
     await matmul.run(operands, RequestOptions(), None, service.Stopwatch())
-    assert engine.calls[0][:3] == (np.dtype(np.float32), "auto", None)
+    assert engine.calls[0][0] == ProductRequest(2, 4, 3, "float32", "auto", None, Precision.FP32)
     with pytest.raises(ShapeMismatch):
         await matmul.run(Operands(a=np.ones((2, 3)), b=np.ones((3, 7))), RequestOptions(), None, service.Stopwatch())
     with pytest.raises(InvalidParameter):

@@ -50,7 +50,7 @@ from app.engine import BatchPolicy, EngineState, Outcome, Worker
 from app.engine.base import Backend
 from app.engine.cpu import CpuBackend
 from app.errors import InvalidParameter, MatmulError, NotReady, SharedMemoryError
-from kernels.precision import OPERAND_FORMATS, Precision
+from kernels.precision import OPERAND_FORMATS
 
 log = logging.getLogger("app.engine_process")
 
@@ -379,13 +379,13 @@ class EngineServer:
             # what went wrong stays in this log; the client is told no more than of any unexpected error
             reply = wire.Failed(key, self.worker.load, "internal_error", "internal error")
         else:
-            (m, k), n = _shape(message.a), message.b.cols
+            request = message.request
             reply = wire.Computed(
                 id=key,
                 load=self.worker.load,
                 kernel=outcome.plan.kernel,
                 tile=outcome.plan.tile,
-                global_elements=outcome.plan.global_elements(m, n, k),
+                global_elements=outcome.plan.global_elements(request.m, request.n, request.k),
                 queue_ms=outcome.queue_ms,
                 h2d_ms=outcome.device.h2d_ms,
                 kernel_ms=outcome.device.kernel_ms,
@@ -400,15 +400,14 @@ class EngineServer:
         """The product the message asks for, computed where it says."""
         if self._draining:
             raise NotReady("the engine is shutting down")
-        dtype, precision = np.dtype(message.dtype), Precision(message.precision)
+        dtype, precision = np.dtype(message.request.dtype), message.request.precision
         places = {"a": message.a, "b": message.b, "c": message.c}
         a, b, c = (self._operand(peer, place, dtype.name, name, lent) for name, place in places.items())
         for name, operand in (("a", a), ("b", b)):
             # in a client's region, no HTTP worker staged and checked it; fp32 rounds nothing, so nothing to check
             if isinstance(places[name], wire.InRegion) and precision in OPERAND_FORMATS:
                 await in_thread(self.backend.check_operand, operand, name, precision)
-        (m, k), n = _shape(message.a), message.b.cols
-        plan = self.backend.plan(message.kernel, message.tile, m, n, k, precision, dtype.name)
+        plan = self.backend.plan(message.request)
         return await self.worker.matmul(a, b, dtype, plan, timeout_s=message.timeout_s, out=c)
 
     def _welcome(self) -> wire.Welcome:
@@ -494,10 +493,6 @@ async def _serve(settings: Settings, device: int | None, why_cpu: str, path: str
 
 def _failed(key: int, load: int, error: MatmulError) -> wire.Failed:
     return wire.Failed(key, load, error.code, error.message, error.location)
-
-
-def _shape(place: wire.Place) -> tuple[int, int]:
-    return place.rows, place.cols
 
 
 def _raw_handle(encoded: str) -> bytes:

@@ -34,7 +34,7 @@ from app.awaiting import in_thread
 from app.config import Settings
 from app.dataplane import wire
 from app.dataplane.slab import ALIGNMENT, Arena, Placement, Slab, aligned
-from app.engine import EngineState, KernelInfo, LentMemory, Outcome, Plan, SlabUse
+from app.engine import EngineState, KernelInfo, LentMemory, Outcome, Plan, ProductRequest, SlabUse
 from app.engine.autotune import SHAPE_CLASSES, AutoChoice
 from app.engine.base import DeviceTiming
 from app.engine.staging import cast_into, check_in_format
@@ -376,20 +376,14 @@ class RemoteEngine:
     # ---------------------------------------------------------------------------------------- products
 
     async def matmul(
-        self,
-        a: Matrix,
-        b: Matrix,
-        dtype: np.dtype,
-        kernel: str,
-        tile: int | None,
-        timeout_s: float | None,
-        into: SharedOutput | None = None,
-        precision: Precision = Precision.FP32,
+        self, a: Matrix, b: Matrix, request: ProductRequest, timeout_s: float | None, into: SharedOutput | None = None
     ) -> Outcome:
-        """a @ b in `precision` on the least-loaded ready engine; waits for shared memory within `timeout_s`, which
-        then bounds the product's wait in the engine's queue too. Operands in a client's regions (`SharedTensor`) and a
-        product asked `into` one are not staged: the engine process reads and writes them there."""
+        """a @ b as `request` asks, on the least-loaded ready engine; waits for shared memory within `timeout_s`,
+        which then bounds the product's wait in the engine's queue too. Operands in a client's regions
+        (`SharedTensor`) and a product asked `into` one are not staged: the engine process reads and writes them
+        there."""
         began = perf_counter()
+        dtype, precision = np.dtype(request.dtype), request.precision
         named = frozenset(where.region for where in (a, b, into) if isinstance(where, SharedTensor | SharedOutput))
         self._least_loaded(named)  # NotReady now rather than after a wait for shared memory
         (m, k), n = a.shape, b.shape[1]
@@ -427,8 +421,7 @@ class RemoteEngine:
             staged = perf_counter()
             left_s = max(budget_s - (staged - began), 1e-3)
             link = self._least_loaded(named)  # chosen when sent: one may have gone, or come back, meanwhile
-            request = wire.Matmul(a_at, b_at, c_place, dtype.name, kernel, tile, precision.value, timeout_s=left_s)
-            key, reply = link.send(request)
+            key, reply = link.send(wire.Matmul(a_at, b_at, c_place, request, timeout_s=left_s))
         except BaseException:
             slab.release()
             raise

@@ -32,7 +32,7 @@ from typing import Any, Literal
 
 import msgspec
 
-from app.engine.base import KernelInfo
+from app.engine.base import KernelInfo, ProductRequest
 from kernels.roofline import DevicePeaks
 
 PROTOCOL_VERSION = 1
@@ -88,16 +88,12 @@ class Hello(_Message, tag="hello", frozen=True):
 
 
 class Matmul(_Message, tag="matmul", frozen=True):
-    """C = A @ B where the places say, computed as `kernel` (with `tile`) in `precision`; dropped, never run, if
-    still queued after `timeout_s`."""
+    """C = A @ B where the places say, as `request` asks; dropped, never run, if still queued after `timeout_s`."""
 
     a: Place
     b: Place
     c: Place
-    dtype: str
-    kernel: str
-    tile: int | None
-    precision: str
+    request: ProductRequest
     timeout_s: float
     id: int = UNNUMBERED
 

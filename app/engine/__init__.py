@@ -3,7 +3,7 @@ routes ask of an engine. It runs in the engine processes of `app.dataplane`."""
 
 from __future__ import annotations
 
-from app.engine.base import DeviceTiming, KernelInfo, Outcome, Plan
+from app.engine.base import DeviceTiming, KernelInfo, Outcome, Plan, ProductRequest
 from app.engine.engine import Engine, EngineFront, LentMemory, SlabUse
 from app.engine.worker import BatchPolicy, EngineState, Worker
 
@@ -17,6 +17,7 @@ __all__ = [
     "LentMemory",
     "Outcome",
     "Plan",
+    "ProductRequest",
     "SlabUse",
     "Worker",
 ]

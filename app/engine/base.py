@@ -50,6 +50,35 @@ TENSOR_CORE_PRECISIONS = tuple(precision for precision in Precision if precision
 
 
 @dataclass(frozen=True)
+class ProductRequest:
+    """One product as the service asks the engine for it, from the route to the backend's planning: its shape, the
+    working dtype, the kernel (`auto`, or one a client named) with its tile, and the precision. The deadline travels
+    beside it."""
+
+    m: int
+    n: int
+    k: int
+    dtype: str = "float32"
+    kernel: str = AUTO
+    tile: int | None = None
+    precision: Precision = Precision.FP32
+
+    @classmethod
+    def of(
+        cls,
+        a: Any,
+        b: Any,
+        dtype: np.dtype | str,
+        kernel: str = AUTO,
+        tile: int | None = None,
+        precision: Precision = Precision.FP32,
+    ) -> ProductRequest:
+        """The request for a @ b (arrays, or anything with a 2-D `shape`)."""
+        (m, k), n = a.shape, b.shape[1]
+        return cls(m, n, k, np.dtype(dtype).name, kernel, tile, precision)
+
+
+@dataclass(frozen=True)
 class Plan:
     """A request's kernel, resolved and checked before it is queued: what the worker will launch."""
 
@@ -152,18 +181,9 @@ class Backend(Protocol):
 
     def kernels(self) -> list[KernelInfo]: ...
 
-    def plan(
-        self,
-        kernel: str,
-        tile: int | None,
-        m: int,
-        n: int,
-        k: int,
-        precision: Precision = Precision.FP32,
-        dtype: str = "float32",
-    ) -> Plan:
-        """Resolve `auto` and check the kernel and tile (and that the kernel computes in `precision` and `dtype`);
-        raises UnknownKernel or InvalidParameter."""
+    def plan(self, request: ProductRequest) -> Plan:
+        """Resolve `auto` and check the kernel and tile (and that the kernel computes in the request's precision and
+        dtype); raises UnknownKernel or InvalidParameter."""
         ...
 
     def prepare(self) -> None:

@@ -23,6 +23,7 @@ from app.engine.base import (
     Outputs,
     Pairs,
     Plan,
+    ProductRequest,
     check_fp32_kernel,
 )
 from app.engine.staging import cast_into, check_in_format
@@ -68,21 +69,13 @@ class CpuBackend:
             ),
         ]
 
-    def plan(
-        self,
-        kernel: str,
-        tile: int | None,
-        m: int,
-        n: int,
-        k: int,
-        precision: Precision = Precision.FP32,
-        dtype: str = "float32",
-    ) -> Plan:
+    def plan(self, request: ProductRequest) -> Plan:
+        kernel, tile, precision = request.kernel, request.tile, request.precision
         if kernel in EMULATIONS:
             check_fp32_kernel(kernel, precision, NUMPY)
             spec = KERNELS[kernel]
             try:
-                config = spec.config_for(m, n, k, tile)
+                config = spec.config_for(request.m, request.n, request.k, tile)
             except ValueError as exc:
                 raise InvalidParameter(str(exc), location=["tile"]) from exc
             return Plan(kernel=kernel, tile=int(config.label) if spec.tiles else None, config=config)

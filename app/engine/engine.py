@@ -12,11 +12,10 @@ from typing import Any, Literal, Protocol
 import numpy as np
 
 from app.engine.autotune import AutoChoice
-from app.engine.base import KernelInfo, Outcome
+from app.engine.base import KernelInfo, Outcome, ProductRequest
 from app.engine.worker import EngineState, Worker
 from app.errors import NotReady, SharedMemoryError
 from app.shared_memory import Matrix, SharedOutput, SharedTensor
-from kernels.precision import Precision
 
 
 @dataclass(frozen=True)
@@ -85,18 +84,10 @@ class EngineFront(Protocol):
         ...
 
     async def matmul(
-        self,
-        a: Matrix,
-        b: Matrix,
-        dtype: np.dtype,
-        kernel: str,
-        tile: int | None,
-        timeout_s: float | None,
-        into: SharedOutput | None = None,
-        precision: Precision = Precision.FP32,
+        self, a: Matrix, b: Matrix, request: ProductRequest, timeout_s: float | None, into: SharedOutput | None = None
     ) -> Outcome:
-        """a @ b in `precision`; operands and the product may lie in a client's registered shared-memory regions
-        (`SharedTensor`, `into`), which only engine processes hold."""
+        """a @ b as `request` asks, if it leaves the queue within `timeout_s`; operands and the product may lie in a
+        client's registered shared-memory regions (`SharedTensor`, `into`), which only engine processes hold."""
         ...
 
 
@@ -183,18 +174,14 @@ class Engine:
         self,
         a: Matrix,
         b: Matrix,
-        dtype: np.dtype,
-        kernel: str,
-        tile: int | None,
+        request: ProductRequest,
         timeout_s: float | None,
-        out: np.ndarray | None = None,
         into: SharedOutput | None = None,
-        precision: Precision = Precision.FP32,
+        out: np.ndarray | None = None,
     ) -> Outcome:
-        """a @ b on the least-loaded ready worker's device (into `out`, when given), in `precision`, with `kernel`
-        (and `tile`) checked and resolved there (UnknownKernel, InvalidParameter) before the product is queued.
-        Clients' shared-memory regions are held by engine processes (which resolve them into arrays first), not
-        here."""
+        """a @ b on the least-loaded ready worker's device (into `out`, when given), with the request's kernel (and
+        tile) checked and resolved there (UnknownKernel, InvalidParameter) before the product is queued. Clients'
+        shared-memory regions are held by engine processes (which resolve them into arrays first), not here."""
         if into is not None or isinstance(a, SharedTensor) or isinstance(b, SharedTensor):
             raise SharedMemoryError("shared-memory regions are served by engine processes, not an in-process engine")
         ready = [worker for worker in self.workers if worker.state is EngineState.READY]
@@ -202,6 +189,5 @@ class Engine:
             self.check_ready()
             raise NotReady("no device is ready")
         worker = min(ready, key=lambda w: w.load)
-        (m, k), n = a.shape, b.shape[1]
-        plan = worker.backend.plan(kernel, tile, m, n, k, precision, dtype.name)
-        return await worker.matmul(a, b, dtype, plan, timeout_s=timeout_s, out=out)
+        plan = worker.backend.plan(request)
+        return await worker.matmul(a, b, np.dtype(request.dtype), plan, timeout_s=timeout_s, out=out)

@@ -46,6 +46,7 @@ from app.engine.base import (
     Outputs,
     Pairs,
     Plan,
+    ProductRequest,
     check_fp32_kernel,
 )
 from app.engine.staging import cast_into_parallel, check_in_format
@@ -362,16 +363,9 @@ class GpuBackend:
     def _tensor_core_kernels(self) -> list[KernelInfo]:
         return list(TENSOR_CORE_KERNELS.values()) if self._has_tensor_core_kernels else []
 
-    def plan(
-        self,
-        kernel: str,
-        tile: int | None,
-        m: int,
-        n: int,
-        k: int,
-        precision: Precision = Precision.FP32,
-        dtype: str = "float32",
-    ) -> Plan:
+    def plan(self, request: ProductRequest) -> Plan:
+        kernel, tile, precision, dtype = request.kernel, request.tile, request.precision, request.dtype
+        m, n, k = request.m, request.n, request.k
         if kernel == FAULT_TRAP and self._fault_injection:
             return Plan(kernel=FAULT_TRAP)
         if kernel == AUTO:
@@ -510,7 +504,7 @@ class GpuBackend:
                 size = shape_class.probe
                 timings = {}
                 for name in names:
-                    plan = self.plan(name, None, size, size, size, precision, dtype)
+                    plan = self.plan(ProductRequest(size, size, size, dtype, name, None, precision))
                     try:
                         timings[name] = self._probe_ms(plan, size, dtype)
                     except self._cp.cuda.memory.OutOfMemoryError:

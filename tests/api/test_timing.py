@@ -17,13 +17,12 @@ from fastapi import FastAPI
 
 from app.api.deps import get_engine
 from app.config import Settings
-from app.engine import DeviceTiming, Engine, Outcome, Plan, Worker
+from app.engine import DeviceTiming, Engine, Outcome, Plan, ProductRequest, Worker
 from app.engine.base import Finished, Outputs, Pairs
 from app.engine.cpu import CpuBackend
 from app.errors import Overloaded
 from app.main import create_app
-from app.shared_memory import SharedOutput
-from kernels.precision import Precision
+from app.shared_memory import Matrix, SharedOutput
 from kernels.reference import assert_close_to_reference
 from kernels.roofline import DevicePeaks
 from matmul_tools.bodies import load_npy, npy_bytes
@@ -73,17 +72,15 @@ class RecordingEngine(Engine):
 
     async def matmul(
         self,
-        a: np.ndarray,
-        b: np.ndarray,
-        dtype: np.dtype,
-        kernel: str,
-        tile: int | None,
+        a: Matrix,
+        b: Matrix,
+        request: ProductRequest,
         timeout_s: float | None,
         into: SharedOutput | None = None,
-        precision: Precision = Precision.FP32,
+        out: np.ndarray | None = None,
     ) -> Outcome:
         self.deadlines.append(timeout_s)
-        return await super().matmul(a, b, dtype, kernel, tile, timeout_s, into=into, precision=precision)
+        return await super().matmul(a, b, request, timeout_s, into=into, out=out)
 
 
 async def _serving(app: FastAPI, engine: Engine) -> AsyncIterator[httpx.AsyncClient]:

@@ -21,11 +21,11 @@ from app.dataplane.engine_process import _event_loop
 from app.dataplane.remote import RemoteEngine
 from app.dataplane.slab import Arena
 from app.dataplane.supervisor import EngineSupervisor
-from app.engine import EngineState
+from app.engine import EngineState, ProductRequest
 from app.errors import DeviceLost, NotReady, SharedMemoryError, UnknownKernel
 from kernels.reference import assert_close_to_reference
 from kernels.roofline import DevicePeaks
-from tests.fakes import until
+from tests.fakes import multiply, until
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(120)]
 MIB = 1 << 20
@@ -62,7 +62,7 @@ def _operands(seed: int) -> tuple[np.ndarray, np.ndarray]:
 
 async def _product(engine: RemoteEngine, seed: int, kernel: str = "auto") -> np.ndarray:
     a, b = _operands(seed)
-    outcome = await engine.matmul(a, b, np.dtype(np.float64), kernel, None, timeout_s=30)
+    outcome = await multiply(engine, a, b, np.dtype(np.float64), kernel, None, timeout_s=30)
     try:
         assert_close_to_reference(outcome.c, a, b, np.dtype(np.float64))
         assert outcome.stage_ms >= 0 and outcome.handoff_ms >= 0
@@ -156,7 +156,7 @@ async def test_a_product_cancelled_in_the_same_read_as_it_is_still_answered_once
 
     try:
         place = wire.InArena(0, 4, 4)
-        matmul = wire.Matmul(place, place, wire.InArena(64, 4, 4), "float32", "auto", None, "fp32", 30.0, id=7)
+        matmul = wire.Matmul(place, place, wire.InArena(64, 4, 4), ProductRequest(4, 4, 4), 30.0, id=7)
         writer.write(wire.frame(matmul) + wire.frame(wire.Cancel(id=7)))
         came = await replies(within_s=WINDOW_US / 1e6 + 1)  # a product run would be answered after the window
         assert [(reply.id, type(reply)) for reply in came] == [(7, wire.Failed)]

@@ -15,7 +15,7 @@ import pytest
 from app.config import Settings
 from app.dataplane.remote import RemoteEngine
 from kernels.reference import assert_close_to_reference
-from tests.fakes import record_staging, until
+from tests.fakes import multiply, record_staging, until
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(120)]
 MIB = 1 << 20
@@ -53,7 +53,7 @@ async def _product(engine: RemoteEngine, seed: int, data_at: int) -> bool:
     """One product as a route runs it: whether its body was lent; its answer checked."""
     lent, a, b = _body(engine, seed, data_at)
     try:
-        outcome = await engine.matmul(a, b, np.dtype(np.float32), "auto", None, timeout_s=30)
+        outcome = await multiply(engine, a, b, np.dtype(np.float32), "auto", None, timeout_s=30)
         try:
             assert_close_to_reference(outcome.c, a.astype(np.float64), b, np.dtype(np.float32))
         finally:
@@ -94,7 +94,7 @@ async def test_an_operand_in_a_lent_body_is_copied_where_the_engine_could_not_re
         y[:] = b
         x[:] = a
         staged.clear()
-        outcome = await engine.matmul(x, y, np.dtype(np.float32), "auto", None, timeout_s=30)
+        outcome = await multiply(engine, x, y, np.dtype(np.float32), "auto", None, timeout_s=30)
         assert staged == copied
         assert_close_to_reference(outcome.c, x.astype(np.float64), y.astype(np.float64), np.dtype(np.float32))
         outcome.release()
@@ -110,7 +110,7 @@ async def test_a_cancelled_product_keeps_its_lent_body_until_the_engine_lets_go(
     process)."""
     lent, a, b = _body(engine, seed=1)
     assert lent is not None
-    waiting = asyncio.create_task(engine.matmul(a, b, np.dtype(np.float32), "auto", None, timeout_s=30))
+    waiting = asyncio.create_task(multiply(engine, a, b, np.dtype(np.float32), "auto", None, timeout_s=30))
     await until(lambda: engine.links[0].in_flight == 1)
     engine_pid = engine.links[0].welcome.engine_pid  # type: ignore[union-attr]
     os.kill(engine_pid, signal.SIGSTOP)

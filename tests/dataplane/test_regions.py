@@ -24,7 +24,7 @@ from app.engine import EngineState
 from app.errors import SharedMemoryError
 from app.shared_memory import SharedOutput, SharedTensor
 from kernels.reference import assert_close_to_reference
-from tests.fakes import until
+from tests.fakes import multiply, until
 
 pytestmark = pytest.mark.timeout(120)
 F64 = np.dtype(np.float64)
@@ -128,7 +128,8 @@ async def test_a_region_unregistered_while_in_use_is_unmapped_and_the_unregistra
     await engine.register_region("r", key, 0, 3 * mmap.PAGESIZE)
     assert _mapped(pid, path)
     product = asyncio.create_task(
-        engine.matmul(
+        multiply(
+            engine,
             SharedTensor("r", 0, (9, 5), F64),
             SharedTensor("r", 64 * 8, (5, 7), F64),
             F64,
@@ -161,7 +162,7 @@ async def test_a_fresh_engine_process_holds_no_region(engine: RemoteEngine, shar
     await until(lambda: engine.state is EngineState.READY, guard_s=60)
     assert await engine.region_status(None) == []
     with pytest.raises(SharedMemoryError, match="no shared-memory region named 'r'"):
-        await engine.matmul(SharedTensor("r", 0, (2, 2), F64), np.ones((2, 2)), F64, "numpy", None, timeout_s=5)
+        await multiply(engine, SharedTensor("r", 0, (2, 2), F64), np.ones((2, 2)), F64, "numpy", None, timeout_s=5)
 
 
 @pytest.mark.anyio
@@ -176,7 +177,7 @@ async def test_regions_are_refused_when_the_setting_is_off(shared_object: tuple[
         with pytest.raises(SharedMemoryError, match="shared memory is off"):
             await engine.register_region("r", shared_object[0], 0, 64)
         with pytest.raises(SharedMemoryError, match="shared memory is off"):
-            await engine.matmul(SharedTensor("r", 0, (2, 2), F64), np.ones((2, 2)), F64, "numpy", None, timeout_s=5)
+            await multiply(engine, SharedTensor("r", 0, (2, 2), F64), np.ones((2, 2)), F64, "numpy", None, timeout_s=5)
     finally:
         await engine.stop()
         engine.arena.close()

@@ -18,7 +18,7 @@ import pytest
 from app.engine import BatchPolicy, Engine, EngineState, Outcome, Worker
 from app.errors import DeviceLost, InvalidInput, NotReady
 from kernels.reference import assert_close_to_reference
-from tests.fakes import BLAS, GATE_TIMEOUT_S, SteeredBackend, until
+from tests.fakes import BLAS, GATE_TIMEOUT_S, SteeredBackend, multiply, until
 
 pytestmark = pytest.mark.anyio
 
@@ -44,7 +44,7 @@ async def test_the_plan_is_asked_for_m_n_k_of_the_product() -> None:
     rng = np.random.default_rng(0)
     a, b = rng.standard_normal((5, 3)), rng.standard_normal((3, 7))
     async with _engine(backend) as engine:
-        outcome = await engine.matmul(a, b, F64, "tiled", 8, None)
+        outcome = await multiply(engine, a, b, F64, "tiled", 8, None)
     assert backend.planned == [(5, 7, 3)]
     assert_close_to_reference(outcome.c, a, b, F64)
 
@@ -69,11 +69,11 @@ async def test_queued_products_share_a_launch_only_with_the_same_dtype_kernel_an
     operands = [(rng.standard_normal((6, 5)), rng.standard_normal((5, 4))) for _ in requests]
     async with _engine(backend, BatchPolicy(max_size=8, max_delay_s=0.01)) as engine:
         backend.gate.clear()
-        first = asyncio.create_task(engine.matmul(np.ones((1, 1)), np.ones((1, 1)), F64, "numpy", None, None))
+        first = asyncio.create_task(multiply(engine, np.ones((1, 1)), np.ones((1, 1)), F64, "numpy"))
         # once the worker is inside the first launch, the two products wait in its queue together
         assert await asyncio.to_thread(backend.entered.acquire, True, GATE_TIMEOUT_S)
         products = [
-            asyncio.create_task(engine.matmul(a, b, dtype, kernel, tile, None))
+            asyncio.create_task(multiply(engine, a, b, dtype, kernel, tile, None))
             for (a, b), (kernel, tile, dtype) in zip(operands, requests, strict=True)
         ]
         await until(lambda: engine.queue_depth == len(products))
@@ -101,10 +101,10 @@ async def _queued_together(
     """What each of `products` (with `numpy`, into its entry of `outs` where one is given) got, queued while the
     worker is inside a first launch, so that they all wait for it together."""
     backend.gate.clear()
-    first = asyncio.create_task(engine.matmul(np.ones((1, 1)), np.ones((1, 1)), F64, "numpy", None, None))
+    first = asyncio.create_task(multiply(engine, np.ones((1, 1)), np.ones((1, 1)), F64, "numpy"))
     assert await asyncio.to_thread(backend.entered.acquire, True, GATE_TIMEOUT_S)
     queued = [
-        asyncio.create_task(engine.matmul(a, b, dtype, "numpy", None, None, out=out))
+        asyncio.create_task(multiply(engine, a, b, dtype, "numpy", None, None, out=out))
         for (a, b), out in zip(products, outs or [None] * len(products), strict=True)
     ]
     await until(lambda: engine.queue_depth == len(queued))
@@ -139,7 +139,7 @@ async def test_a_product_given_its_memory_is_computed_there_and_answered_with_th
     a, b = rng.standard_normal((5, 3)), rng.standard_normal((3, 7))
     out = np.full((5, 7), np.nan)
     async with _engine(backend) as engine:
-        outcome = await engine.matmul(a, b, F64, "numpy", None, None, out=out)
+        outcome = await multiply(engine, a, b, F64, "numpy", None, None, out=out)
     [launch] = backend.submitted
     assert launch.outputs is not None and [given is out for given in launch.outputs] == [True]
     assert np.shares_memory(outcome.c, out) and outcome.c.shape == out.shape
@@ -180,9 +180,9 @@ async def test_with_the_device_idle_a_batch_waits_its_window_for_products_to_joi
     backend = SteeredBackend()
     # a window far longer than the test: the batch is launched because it is full, not because the window ended
     async with _engine(backend, BatchPolicy(max_size=2, max_delay_s=3600)) as engine:
-        first = asyncio.create_task(engine.matmul(np.ones((2, 1)), np.ones((1, 1)), F64, "numpy", None, None))
+        first = asyncio.create_task(multiply(engine, np.ones((2, 1)), np.ones((1, 1)), F64, "numpy"))
         await until(lambda: backend.asked_to_batch == ["numpy"])  # the worker has begun a batch with it
-        second = asyncio.create_task(engine.matmul(np.full((2, 1), 2.0), np.ones((1, 1)), F64, "numpy", None, None))
+        second = asyncio.create_task(multiply(engine, np.full((2, 1), 2.0), np.ones((1, 1)), F64, "numpy"))
         outcomes = await asyncio.wait_for(asyncio.gather(first, second), GATE_TIMEOUT_S)
     assert [s.products for s in backend.submitted] == [2]
     assert [(o.c.tolist(), o.batch_size) for o in outcomes] == [([[1.0], [1.0]], 2), ([[2.0], [2.0]], 2)]
@@ -204,7 +204,7 @@ async def test_stopping_ends_a_batch_still_gathering_and_runs_it() -> None:
     backend = SteeredBackend()
     # a window far longer than the test: only the stop ends the batch
     async with _engine(backend, BatchPolicy(max_size=8, max_delay_s=3600)) as engine:
-        product = asyncio.create_task(engine.matmul(np.ones((2, 1)), np.ones((1, 1)), F64, "numpy", None, None))
+        product = asyncio.create_task(multiply(engine, np.ones((2, 1)), np.ones((1, 1)), F64, "numpy"))
         await until(lambda: engine.queue_depth == 1)
         await asyncio.wait_for(engine.stop(), GATE_TIMEOUT_S)
         outcome = await asyncio.wait_for(product, GATE_TIMEOUT_S)
@@ -220,8 +220,7 @@ async def test_a_device_lost_under_a_batch_answers_the_products_held_back_from_i
     # pulled meanwhile is held back for the next launch
     async with _engine(backend, BatchPolicy(max_size=2, max_delay_s=3600)) as engine:
         queued = [
-            asyncio.create_task(engine.matmul(np.ones(shape), np.ones((3, 1)), F64, "numpy", None, None))
-            for shape in shapes
+            asyncio.create_task(multiply(engine, np.ones(shape), np.ones((3, 1)), F64, "numpy")) for shape in shapes
         ]
         first, held, second = await asyncio.wait_for(asyncio.gather(*queued, return_exceptions=True), GATE_TIMEOUT_S)
         assert engine.state is EngineState.FAILED
@@ -240,6 +239,6 @@ async def test_k_zero_gives_exact_zeros_through_the_cpu_engine(kernel: str, tile
     backend = SteeredBackend()
     a, b = np.ones((6, 0)), np.ones((0, 5))
     async with _engine(backend) as engine:
-        outcome = await engine.matmul(a, b, dtype, kernel, tile, None)
+        outcome = await multiply(engine, a, b, dtype, kernel, tile, None)
     assert outcome.c.dtype == dtype and outcome.c.shape == (6, 5)
     assert_close_to_reference(outcome.c, a, b, dtype)

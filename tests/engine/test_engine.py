@@ -15,15 +15,15 @@ import pytest
 
 from app.api.deps import get_engine
 from app.config import Settings
-from app.engine import BatchPolicy, DeviceTiming, Engine, EngineState, KernelInfo, Outcome, Plan, Worker
+from app.engine import BatchPolicy, DeviceTiming, Engine, EngineState, KernelInfo, Outcome, Plan, ProductRequest, Worker
 from app.engine.autotune import AutoChoice
 from app.engine.base import Finished, Outputs
 from app.engine.cpu import CpuBackend
 from app.errors import DeviceFailure, DeviceOutOfMemory, NotReady
 from app.main import create_app
-from kernels.precision import Precision
 from kernels.roofline import DevicePeaks
 from matmul_tools.service import wait_ready_async
+from tests.fakes import multiply
 
 pytestmark = pytest.mark.anyio
 
@@ -46,17 +46,8 @@ class GatedBackend:
     def kernels(self) -> list[KernelInfo]:
         return [KernelInfo(name="numpy", kind="library", summary="test")]
 
-    def plan(
-        self,
-        kernel: str,
-        tile: int | None,
-        m: int,
-        n: int,
-        k: int,
-        precision: Precision = Precision.FP32,
-        dtype: str = "float32",
-    ) -> Plan:
-        return Plan(kernel="numpy", precision=precision)
+    def plan(self, request: ProductRequest) -> Plan:
+        return Plan(kernel="numpy", precision=request.precision)
 
     def prepare(self) -> None:
         self.prepared.wait(timeout=10)
@@ -200,11 +191,11 @@ async def test_an_abandoned_job_is_not_run(gated: tuple[GatedBackend, Engine, ht
     backend.prepared.set()
     await _wait(lambda: engine.state is EngineState.READY)
     f64 = np.dtype(np.float64)
-    first = asyncio.create_task(engine.matmul(np.ones((1, 1)), np.ones((1, 1)), f64, "numpy", None, None))
+    first = asyncio.create_task(multiply(engine, np.ones((1, 1)), np.ones((1, 1)), f64, "numpy"))
     await asyncio.to_thread(backend.started.acquire, True, 5)
     a = np.ones((2, 1))
     operand = weakref.ref(a)
-    abandoned = asyncio.create_task(engine.matmul(a, np.ones((1, 1)), f64, "numpy", None, None))
+    abandoned = asyncio.create_task(multiply(engine, a, np.ones((1, 1)), f64, "numpy"))
     await _wait(lambda: engine.queue_depth == 1)
     abandoned.cancel()
     await asyncio.wait([abandoned])  # not awaited itself: its CancelledError's frames would hold `a` here
@@ -217,7 +208,7 @@ async def test_an_abandoned_job_is_not_run(gated: tuple[GatedBackend, Engine, ht
     await first
     await _wait(lambda: engine.queue_depth == 0)
     backend.step.release()
-    await engine.matmul(np.ones((3, 1)), np.ones((1, 1)), f64, "numpy", None, None)
+    await multiply(engine, np.ones((3, 1)), np.ones((1, 1)), f64, "numpy")
     assert backend.multiplied == [(1, 1), (3, 1)]
 
 
@@ -341,10 +332,10 @@ async def test_each_product_goes_to_the_least_loaded_device() -> None:
     engine.start()
     await _wait(lambda: engine.state is EngineState.READY)
     f64 = np.dtype(np.float64)
-    busy = asyncio.create_task(engine.matmul(np.ones((1, 1)), np.ones((1, 1)), f64, "numpy", None, None))
+    busy = asyncio.create_task(multiply(engine, np.ones((1, 1)), np.ones((1, 1)), f64, "numpy"))
     await asyncio.to_thread(first.started.acquire, True, 5)
     second.step.release()
-    outcome = await engine.matmul(np.ones((2, 1)), np.ones((1, 1)), f64, "numpy", None, None)
+    outcome = await multiply(engine, np.ones((2, 1)), np.ones((1, 1)), f64, "numpy")
     assert outcome.device_name == "gpu1" and second.multiplied == [(2, 1)]
     assert [d["name"] for d in engine.describe()] == ["gpu0", "gpu1"]
     first.step.release()
@@ -360,11 +351,11 @@ async def test_queued_products_of_one_shape_run_as_one_batch(policy: BatchPolicy
     engine.start()
     await _wait(lambda: engine.state is EngineState.READY)
     f64 = np.dtype(np.float64)
-    first = asyncio.create_task(engine.matmul(np.ones((1, 1)), np.ones((1, 1)), f64, "numpy", None, None))
+    first = asyncio.create_task(multiply(engine, np.ones((1, 1)), np.ones((1, 1)), f64, "numpy"))
     await asyncio.to_thread(backend.started.acquire, True, 5)
     shapes = [(2, 3), (2, 3), (5, 3), (2, 3), (2, 3)]
     rest = [
-        asyncio.create_task(engine.matmul(np.full(shape, i + 1.0), np.ones((3, 1)), f64, "numpy", None, None))
+        asyncio.create_task(multiply(engine, np.full(shape, i + 1.0), np.ones((3, 1)), f64, "numpy"))
         for i, shape in enumerate(shapes)
     ]
     await _wait(lambda: engine.queue_depth == len(shapes))
@@ -450,7 +441,7 @@ async def _pipelined(backend: PipelinedBackend, batching: BatchPolicy | None = N
 
 def _product(engine: Engine, value: float) -> asyncio.Task[Outcome]:
     f64 = np.dtype(np.float64)
-    return asyncio.create_task(engine.matmul(np.full((1, 1), value), np.ones((1, 1)), f64, "numpy", None, None))
+    return asyncio.create_task(multiply(engine, np.full((1, 1), value), np.ones((1, 1)), f64, "numpy"))
 
 
 async def _submitted(engine: Engine, backend: PipelinedBackend, value: float) -> asyncio.Task[Outcome]:
@@ -539,7 +530,7 @@ async def test_a_product_held_back_from_a_batch_is_submitted_while_the_launch_be
     assert await asyncio.to_thread(backend.launches[0].collecting.wait, 10)
     f64 = np.dtype(np.float64)
     alike = _product(engine, 3)
-    other = asyncio.create_task(engine.matmul(np.full((2, 1), 4.0), np.ones((1, 1)), f64, "numpy", None, None))
+    other = asyncio.create_task(multiply(engine, np.full((2, 1), 4.0), np.ones((1, 1)), f64, "numpy"))
     await _wait(lambda: engine.queue_depth == 2)
     backend.launches[0].finish()
     # the 1 x 1 one is launched, the 2 x 1 one it pulled is held back for the next launch

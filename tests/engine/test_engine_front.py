@@ -13,7 +13,7 @@ from app.engine import Engine, EngineState, Worker
 from app.engine.autotune import SHAPE_CLASSES, AutoChoice
 from app.errors import NotReady, Overloaded, SharedMemoryError
 from app.shared_memory import SharedOutput, SharedTensor
-from tests.fakes import GATE_TIMEOUT_S, SteeredBackend, until
+from tests.fakes import GATE_TIMEOUT_S, SteeredBackend, multiply, until
 
 pytestmark = pytest.mark.anyio
 
@@ -31,7 +31,7 @@ async def test_before_it_starts_the_engine_is_starting_and_says_so() -> None:
     with pytest.raises(NotReady, match=r"^the kernels are still being compiled and warmed; retry shortly$"):
         engine.check_ready()
     with pytest.raises(NotReady):
-        await engine.matmul(np.ones((1, 1)), np.ones((1, 1)), F32, "numpy", None, None)
+        await multiply(engine, np.ones((1, 1)), np.ones((1, 1)), F32, "numpy")
     engine.check_room()  # no ready worker: readiness, not room, is what is refused
     assert (engine.backend_name, engine.queue_size, engine.queue_depth) == ("cpu", 3, 0)
 
@@ -62,14 +62,13 @@ async def test_what_the_engine_sums_and_takes_from_its_workers() -> None:
         # both devices busy, one product queued behind each: no ready worker has room
         first.gate.clear()
         second.gate.clear()
-        running = [asyncio.ensure_future(engine.matmul(np.ones((1, 1)), np.ones((1, 1)), F32, "numpy", None, None))]
+        running = [asyncio.ensure_future(multiply(engine, np.ones((1, 1)), np.ones((1, 1)), F32, "numpy"))]
         assert await asyncio.to_thread(first.entered.acquire, timeout=GATE_TIMEOUT_S)
-        running.append(asyncio.ensure_future(engine.matmul(np.ones((1, 1)), np.ones((1, 1)), F32, "numpy", None, None)))
+        running.append(asyncio.ensure_future(multiply(engine, np.ones((1, 1)), np.ones((1, 1)), F32, "numpy")))
         assert await asyncio.to_thread(second.entered.acquire, timeout=GATE_TIMEOUT_S)
         engine.check_room()
         running += [
-            asyncio.ensure_future(engine.matmul(np.ones((1, 1)), np.ones((1, 1)), F32, "numpy", None, None))
-            for _ in range(2)
+            asyncio.ensure_future(multiply(engine, np.ones((1, 1)), np.ones((1, 1)), F32, "numpy")) for _ in range(2)
         ]
         await until(lambda: engine.queue_depth == 2)
         with pytest.raises(Overloaded, match=r"^the cpu worker's queue is full \(1 waiting\); retry later$"):
@@ -114,7 +113,7 @@ async def test_with_no_ready_worker_a_product_is_refused_as_not_ready() -> None:
     try:
         await until(lambda: engine.state is EngineState.FAILED)
         with pytest.raises(NotReady, match=r"^the cpu backend is failed: preparing the kernels failed: broken$"):
-            await engine.matmul(np.ones((1, 1)), np.ones((1, 1)), F32, "numpy", None, None)
+            await multiply(engine, np.ones((1, 1)), np.ones((1, 1)), F32, "numpy")
     finally:
         await engine.stop()
 
@@ -124,9 +123,9 @@ async def test_an_engine_in_this_process_refuses_clients_shared_memory() -> None
     engine = Engine([Worker(SteeredBackend(), queue_size=3)])
     tensor = SharedTensor("r", 0, (1, 1), F32)
     for call in (
-        engine.matmul(tensor, np.ones((1, 1)), F32, "numpy", None, None),
-        engine.matmul(np.ones((1, 1)), tensor, F32, "numpy", None, None),
-        engine.matmul(np.ones((1, 1)), np.ones((1, 1)), F32, "numpy", None, None, into=SharedOutput("r", 0, 4)),
+        multiply(engine, tensor, np.ones((1, 1)), F32, "numpy"),
+        multiply(engine, np.ones((1, 1)), tensor, F32, "numpy"),
+        multiply(engine, np.ones((1, 1)), np.ones((1, 1)), F32, "numpy", None, None, into=SharedOutput("r", 0, 4)),
     ):
         with pytest.raises(SharedMemoryError, match=r"^shared-memory regions are served by engine processes"):
             await call

@@ -9,7 +9,7 @@ import httpx
 import numpy as np
 import pytest
 
-from app.engine.base import CUBLAS, Plan
+from app.engine.base import CUBLAS, Plan, ProductRequest
 from kernels.cublas import cublas_product
 from kernels.emulation import EMULATIONS
 from kernels.precision import Precision
@@ -133,7 +133,7 @@ def test_a_kernel_that_does_not_batch_refuses_a_batch(library: Any) -> None:
 def test_the_engine_path_batches(backend: Any, seed: int, kernel: str) -> None:
     rng = np.random.default_rng(seed)
     pairs = [(rng.standard_normal((33, 17)), rng.standard_normal((17, 9))) for _ in range(4)]
-    plan = backend.plan(kernel, None, 33, 9, 17)
+    plan = backend.plan(ProductRequest(33, 9, 17, kernel=kernel))
     products, timing = backend.submit(pairs, np.dtype(np.float32), plan, on_done=_nothing).result()
     for (a, b), c in zip(pairs, products, strict=True):
         assert_close_to_reference(c, a, b, np.dtype(np.float32))
@@ -157,14 +157,20 @@ def test_a_batch_in_pinned_memory_is_copied_from_and_into_where_it_lies(backend:
             pairs.append((a, b))
             outputs.append(c)
         products, _ = backend.submit(
-            pairs, f32, backend.plan(CUBLAS, None, m, n, k), on_done=_nothing, outputs=outputs
+            pairs, f32, backend.plan(ProductRequest(m, n, k, kernel=CUBLAS)), on_done=_nothing, outputs=outputs
         ).result()
         for (a, b), c, given in zip(pairs, products, outputs, strict=True):
             assert c is given
             assert_close_to_reference(c, a, b, f32)
         misshapen = [np.zeros((n, m), f32)]
         with pytest.raises(ValueError, match="C-contiguous float32 array of shape"):
-            backend.submit(pairs[:1], f32, backend.plan(CUBLAS, None, m, n, k), on_done=_nothing, outputs=misshapen)
+            backend.submit(
+                pairs[:1],
+                f32,
+                backend.plan(ProductRequest(m, n, k, kernel=CUBLAS)),
+                on_done=_nothing,
+                outputs=misshapen,
+            )
     finally:
         backend.unpin(memory)
 
@@ -191,7 +197,7 @@ def test_with_batching_auto_times_kernels_that_batch_on_a_batch_and_small_produc
     try:
         small = gpu.auto_choices()[0]
         assert small.shape_class.name == "small"
-        assert gpu.batchable(gpu.plan(small.kernel, None, 256, 256, 256)), small.probe_ms
+        assert gpu.batchable(gpu.plan(ProductRequest(256, 256, 256, kernel=small.kernel))), small.probe_ms
         assert small.probe_ms[small.kernel] < small.probe_ms["fast"]
     finally:
         gpu.close()
@@ -257,7 +263,7 @@ def test_launches_in_flight_each_get_their_own_product(backend: Any) -> None:
     submitted = []
     for kernel, (m, k, n) in cases:
         a, b = rng.standard_normal((m, k)), rng.standard_normal((k, n))
-        launch = backend.submit([(a, b)], f32, backend.plan(kernel, None, m, n, k), on_done=_nothing)
+        launch = backend.submit([(a, b)], f32, backend.plan(ProductRequest(m, n, k, kernel=kernel)), on_done=_nothing)
         submitted.append((a, b, launch))
     for a, b, launch in submitted:
         (c,), _ = launch.result()
@@ -276,7 +282,7 @@ def test_the_next_launch_copies_while_the_previous_one_computes(backend: Any) ->
 
     def submit(kernel: str, a: np.ndarray, b: np.ndarray) -> Any:
         (m, k), n = a.shape, b.shape[1]
-        return backend.submit([(a, b)], f64, backend.plan(kernel, None, m, n, k), on_done=_nothing)
+        return backend.submit([(a, b)], f64, backend.plan(ProductRequest(m, n, k, "float64", kernel)), on_done=_nothing)
 
     def ms(origin: Any, event: Any) -> float:
         return float(cupy.cuda.get_elapsed_time(origin, event))
@@ -327,7 +333,7 @@ def test_after_the_first_launches_pinned_buffers_are_reused(backend: Any) -> Non
     try:
         rng = np.random.default_rng(16)
         a, b = rng.standard_normal((512, 384)), rng.standard_normal((384, 256))
-        plan = backend.plan(CUBLAS, None, 512, 256, 384)
+        plan = backend.plan(ProductRequest(512, 256, 384, kernel=CUBLAS))
         _two_launches_in_flight(backend, plan, a, b)
         assert len(allocated) == 6  # A, B and C of each launch in flight
         for _ in range(10):
