@@ -28,7 +28,7 @@ from app.api.observe import RequestObserver, configure_access_log
 from app.api.routes import docs, include_routers
 from app.api.v2.statistics import InferenceStatistics
 from app.config import Settings
-from app.dataplane.remote import RemoteEngine
+from app.dataplane.engine_client import EngineClient
 from app.dataplane.supervisor import ENGINE_SOCKETS_VARIABLE, EngineSupervisor
 from app.metrics import ServiceMetrics
 
@@ -52,7 +52,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         cap_malloc_arenas()  # before the codec thread pool starts its threads
         resolved = settings if settings is not None else Settings()
         async with AsyncExitStack() as stack:
-            engine = RemoteEngine(await _engine_sockets(resolved, stack), resolved)
+            engine = EngineClient(await _engine_sockets(resolved, stack), resolved)
             stack.callback(engine.arena.close)
             await engine.start()
             stack.push_async_callback(engine.stop)

@@ -1,6 +1,6 @@
 """Measure the GPU worker's copy/compute overlap: products/s of one worker at pipeline depth 1 and 2, no HTTP.
 
-For each depth a Worker on a fresh GpuBackend (MATMUL_PIPELINE_DEPTH) takes `--clients` concurrent callers on
+For each depth a DeviceWorker on a fresh GpuBackend (MATMUL_PIPELINE_DEPTH) takes `--clients` concurrent callers on
 one event loop, each sending its share of `--requests` products of one shape, as the routes would (float32
 operands as a decoded .npy body holds them). Depth 1 stages, copies in, multiplies and copies out each launch
 before the next; depth 2 stages and copies the next launch in while the current kernel runs, and copies the
@@ -28,7 +28,7 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
-from app.engine import DeviceTiming, EngineState, Outcome, ProductRequest, Worker
+from app.engine import DeviceTiming, DeviceWorker, EngineState, Outcome, ProductRequest
 from app.engine.gpu import GpuBackend
 
 DEPTHS = (1, 2)
@@ -38,7 +38,7 @@ WARMUP = 3
 """Products of each shape run first and left out: pinned and device pools fill, cuBLAS loads its kernels."""
 
 
-async def measure_shape(worker: Worker, size: int, kernel: str, clients: int, requests: int) -> dict[str, Any]:
+async def measure_shape(worker: DeviceWorker, size: int, kernel: str, clients: int, requests: int) -> dict[str, Any]:
     rng = np.random.default_rng(size)
     a = rng.standard_normal((size, size), dtype=np.float32)
     b = rng.standard_normal((size, size), dtype=np.float32)
@@ -79,7 +79,7 @@ async def measure_shape(worker: Worker, size: int, kernel: str, clients: int, re
 
 
 async def measure_depth(args: argparse.Namespace, depth: int) -> list[dict[str, Any]]:
-    worker = Worker(GpuBackend(args.device, pipeline_depth=depth), queue_size=args.clients)
+    worker = DeviceWorker(GpuBackend(args.device, pipeline_depth=depth), queue_size=args.clients)
     worker.start()
     for _ in range(READY_POLLS):
         if worker.state is not EngineState.STARTING:

@@ -15,8 +15,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from app.dataplane import remote
-from app.engine import Engine, EngineFront, KernelInfo, Outcome, Plan, ProductRequest
+from app.dataplane import engine_client
+from app.engine import EngineFront, KernelInfo, LocalEngine, Outcome, Plan, ProductRequest
 from app.engine.base import AUTO, Finished, Outputs, Pairs
 from app.engine.cpu import CpuBackend
 from app.shared_memory import Matrix
@@ -28,7 +28,7 @@ GATE_TIMEOUT_S = 10
 
 
 async def multiply(
-    engine: EngineFront | Engine,
+    engine: EngineFront | LocalEngine,
     a: Matrix,
     b: Matrix,
     dtype: np.dtype,
@@ -52,15 +52,15 @@ async def until(condition: Callable[[], bool], guard_s: float = GATE_TIMEOUT_S) 
 
 
 def record_staging(monkeypatch: pytest.MonkeyPatch) -> list[str]:
-    """The names of the operands the HTTP worker copies into a slab from here on (`RemoteEngine` staging them)."""
+    """The names of the operands the HTTP worker copies into a slab from here on (`EngineClient` staging them)."""
     names: list[str] = []
-    copy = remote.cast_into
+    copy = engine_client.cast_into
 
     def recording(target: np.ndarray, operand: np.ndarray, name: str, **kwargs: Any) -> None:
         names.append(name)
         copy(target, operand, name, **kwargs)
 
-    monkeypatch.setattr(remote, "cast_into", recording)
+    monkeypatch.setattr(engine_client, "cast_into", recording)
     return names
 
 

@@ -19,7 +19,7 @@ from app.config import (
     default_http_workers,
     default_slab_bytes,
 )
-from app.engine import BatchPolicy, Engine, EngineState, Worker
+from app.engine import BatchPolicy, DeviceWorker, EngineState, LocalEngine
 from tests.fakes import GATE_TIMEOUT_S, SteeredBackend, multiply, until
 
 MIB, GIB = 1 << 20, 1 << 30
@@ -143,7 +143,7 @@ async def test_by_default_a_lone_product_is_launched_at_once_and_products_queued
     defaults = settings()
     policy = BatchPolicy(max_size=defaults.max_batch_size, max_delay_s=defaults.max_queue_delay_us / 1e6)
     backend = SteeredBackend()
-    engine = Engine([Worker(backend, queue_size=8, batching=policy if defaults.batching else None)])
+    engine = LocalEngine(DeviceWorker(backend, queue_size=8, batching=policy if defaults.batching else None))
     engine.start()
     try:
         await until(lambda: engine.state is EngineState.READY)

@@ -12,9 +12,9 @@ import pytest
 from app import service
 from app.codecs import Limits, Operands, RequestOptions
 from app.config import Settings
-from app.engine import DeviceTiming, Engine, Outcome, Plan, ProductRequest
+from app.engine import DeviceTiming, LocalEngine, Outcome, Plan, ProductRequest
 from app.engine.cpu import CpuBackend
-from app.engine.worker import Worker
+from app.engine.device_worker import DeviceWorker
 from app.errors import InvalidParameter, ShapeMismatch
 from app.product import RooflineModel
 from app.shared_memory import Matrix, SharedOutput
@@ -149,11 +149,11 @@ def test_the_stopwatch_counts_milliseconds_since_the_request_arrived(monkeypatch
 # ------------------------------------------------------------------------------------------------ the run
 
 
-class RecordingEngine(Engine):
+class RecordingEngine(LocalEngine):
     """An engine that remembers what each product was handed to it with."""
 
     def __init__(self) -> None:
-        super().__init__([Worker(CpuBackend("tests"), queue_size=2)])
+        super().__init__(DeviceWorker(CpuBackend("tests"), queue_size=2))
         self.calls: list[tuple[ProductRequest, float | None]] = []
 
     async def matmul(

@@ -46,7 +46,7 @@ from app.config import BackendChoice, Settings, SharedMemoryKind
 from app.dataplane import wire
 from app.dataplane.regions import CudaRegion, Region, Regions, SystemRegion
 from app.dataplane.slab import Placement, view
-from app.engine import BatchPolicy, EngineState, Outcome, Worker
+from app.engine import BatchPolicy, DeviceWorker, EngineState, Outcome
 from app.engine.base import Backend
 from app.engine.cpu import CpuBackend
 from app.errors import InvalidParameter, MatmulError, NotReady, SharedMemoryError
@@ -143,7 +143,7 @@ class EngineServer:
 
     def __init__(
         self,
-        worker: Worker,
+        worker: DeviceWorker,
         device_index: int | None,
         drain_s: float = DRAIN_S,
         shared_memory: frozenset[SharedMemoryKind] = frozenset(),
@@ -478,7 +478,7 @@ async def _serve(settings: Settings, device: int | None, why_cpu: str, path: str
         if server is not None:
             server.stop(DEVICE_LOST_EXIT_CODE)
 
-    worker = Worker(backend, queue_size=settings.queue_size, on_device_lost=device_lost, batching=batching)
+    worker = DeviceWorker(backend, queue_size=settings.queue_size, on_device_lost=device_lost, batching=batching)
     server = EngineServer(worker, device, shared_memory=frozenset(settings.shared_memory))
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):

@@ -1,10 +1,9 @@
-"""The engine: one worker per device, each product sent to the least-loaded one; and `EngineFront`, what the
-service and the routes ask of an engine, whether it runs in their process (this one) or in engine processes
-behind the data plane (`app.dataplane.remote`)."""
+"""`EngineFront`, what the service and the routes ask of an engine, whether it runs in engine processes behind the
+data plane (`app.dataplane.engine_client.EngineClient`, what the service uses) or in this process (`LocalEngine`,
+one device worker: what tests and benchmarks use)."""
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
@@ -13,8 +12,8 @@ import numpy as np
 
 from app.engine.autotune import AutoChoice
 from app.engine.base import KernelInfo, Outcome, ProductRequest
-from app.engine.worker import EngineState, Worker
-from app.errors import NotReady, SharedMemoryError
+from app.engine.device_worker import DeviceWorker, EngineState
+from app.errors import SharedMemoryError
 from app.shared_memory import Matrix, SharedOutput, SharedTensor
 
 
@@ -91,77 +90,69 @@ class EngineFront(Protocol):
         ...
 
 
-class Engine:
-    """Workers of one backend kind (one CPU worker, or one GPU worker per device)."""
+class LocalEngine:
+    """One device worker in this process, behind the interface the service uses (`EngineFront`): what tests and
+    benchmarks serve through. The service itself reaches its engine processes through `EngineClient`
+    (`app.dataplane.engine_client`), which also spreads products over several devices."""
 
-    def __init__(self, workers: list[Worker]) -> None:
-        if not workers:
-            raise ValueError("an engine needs at least one worker")
-        self.workers = workers
+    def __init__(self, worker: DeviceWorker) -> None:
+        self.worker = worker
 
     @property
     def backend_name(self) -> Literal["cpu", "gpu"]:
-        return self.workers[0].backend.name
+        return self.worker.backend.name
 
     def start(self) -> None:
-        for worker in self.workers:
-            worker.start()
+        self.worker.start()
 
     async def stop(self) -> None:
-        await asyncio.gather(*(worker.stop() for worker in self.workers))
+        await self.worker.stop()
 
     @property
     def state(self) -> EngineState:
-        """READY when every worker is; otherwise the first state that is not."""
-        return next((w.state for w in self.workers if w.state is not EngineState.READY), EngineState.READY)
+        return self.worker.state
 
     @property
     def failure(self) -> str | None:
-        return next((w.failure for w in self.workers if w.failure), None)
+        return self.worker.failure
 
     @property
     def device_lost(self) -> bool:
-        return any(worker.device_lost for worker in self.workers)
+        return self.worker.device_lost
 
     def check_ready(self) -> None:
-        for worker in self.workers:
-            worker.check_ready()
+        self.worker.check_ready()
 
     def check_room(self) -> None:
-        """Overloaded when no ready worker's queue has room: said before the body is read, and checked again
+        """Overloaded when the ready worker's queue has no room: said before the body is read, and checked again
         when the product is queued."""
-        ready = [worker for worker in self.workers if worker.state is EngineState.READY]
-        if ready and not any(worker.has_room for worker in ready):
-            raise ready[0].overloaded()
+        if self.worker.state is EngineState.READY and not self.worker.has_room:
+            raise self.worker.overloaded()
 
     @property
     def queue_size(self) -> int:
-        """Products each worker may hold waiting."""
-        return self.workers[0].queue_size
+        return self.worker.queue_size
 
     @property
     def queue_depth(self) -> int:
-        return sum(worker.queue_depth for worker in self.workers)
+        return self.worker.queue_depth
 
     def kernels(self) -> list[KernelInfo]:
-        return self.workers[0].backend.kernels()
+        return self.worker.backend.kernels()
 
     def auto_choices(self) -> list[AutoChoice]:
-        """What auto picks, as the first device measured it (devices of one server are alike)."""
-        return self.workers[0].backend.auto_choices()
+        return self.worker.backend.auto_choices()
 
     def describe(self) -> list[dict[str, Any]]:
-        """Every device, with its worker's state and queue."""
-        return [
-            {**worker.backend.describe(), "state": worker.state.value, "queue_depth": worker.queue_depth}
-            for worker in self.workers
-        ]
+        """The device, with its worker's state and queue."""
+        worker = self.worker
+        return [{**worker.backend.describe(), "state": worker.state.value, "queue_depth": worker.queue_depth}]
 
     def memory_held(self) -> int:
-        return sum(worker.backend.memory_held() for worker in self.workers)
+        return self.worker.backend.memory_held()
 
     def compiled_instances(self) -> int:
-        return sum(worker.backend.compiled_instances() for worker in self.workers)
+        return self.worker.backend.compiled_instances()
 
     def lend(self, nbytes: int, data_at: int = 0) -> None:
         """In-process operands are read where they are: nothing to lend."""
@@ -179,15 +170,11 @@ class Engine:
         into: SharedOutput | None = None,
         out: np.ndarray | None = None,
     ) -> Outcome:
-        """a @ b on the least-loaded ready worker's device (into `out`, when given), with the request's kernel (and
-        tile) checked and resolved there (UnknownKernel, InvalidParameter) before the product is queued. Clients'
-        shared-memory regions are held by engine processes (which resolve them into arrays first), not here."""
+        """a @ b on the worker's device (into `out`, when given), with the request's kernel (and tile) checked and
+        resolved (UnknownKernel, InvalidParameter) before the product is queued. Clients' shared-memory regions are
+        held by engine processes (which resolve them into arrays first), not here."""
         if into is not None or isinstance(a, SharedTensor) or isinstance(b, SharedTensor):
             raise SharedMemoryError("shared-memory regions are served by engine processes, not an in-process engine")
-        ready = [worker for worker in self.workers if worker.state is EngineState.READY]
-        if not ready:
-            self.check_ready()
-            raise NotReady("no device is ready")
-        worker = min(ready, key=lambda w: w.load)
-        plan = worker.backend.plan(request)
-        return await worker.matmul(a, b, np.dtype(request.dtype), plan, timeout_s=timeout_s, out=out)
+        self.worker.check_ready()
+        plan = self.worker.backend.plan(request)
+        return await self.worker.matmul(a, b, np.dtype(request.dtype), plan, timeout_s=timeout_s, out=out)

@@ -1,6 +1,6 @@
 """The GPU backend: CuPy on one device, our kernels compiled once with NVRTC, cuBLAS as the reference.
 
-All of this runs on the worker thread that owns the device (see `app.engine.worker`). Per launch: operands
+All of this runs on the worker thread that owns the device (see `app.engine.device_worker`). Per launch: operands
 are converted into pinned host buffers (one pass that also fixes dtype, byte order and layout), copied to the
 device on the copy-in stream, multiplied on the compute stream, and copied back on the copy-out stream into a
 pinned buffer that is handed to the encoder as it is. Events order the three streams, so with two launches in

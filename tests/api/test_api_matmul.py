@@ -14,7 +14,7 @@ import pytest
 
 from app import codecs
 from app.config import Settings
-from app.dataplane.remote import RemoteEngine
+from app.dataplane.engine_client import EngineClient
 from app.engine import Plan
 from app.engine.cpu import CpuBackend
 from app.main import create_app
@@ -454,9 +454,9 @@ async def test_an_unexpected_error_is_a_500_in_the_error_format_that_shows_nothi
     does not raise it on to the server (which would log the traceback a second time)."""
 
     async def broken(*args: object, **kwargs: object) -> NoReturn:
-        raise RuntimeError("secret-internal-detail /srv/app/engine/worker.py")
+        raise RuntimeError("secret-internal-detail /srv/app/engine/device_worker.py")
 
-    monkeypatch.setattr(RemoteEngine, "matmul", broken)
+    monkeypatch.setattr(EngineClient, "matmul", broken)
     app = create_app(cpu_settings)
     async with app.router.lifespan_context(app):
         transport = httpx.ASGITransport(app=app, raise_app_exceptions=True)

@@ -12,7 +12,7 @@ import pytest
 
 from app.api.deps import get_engine
 from app.config import Settings
-from app.engine import Engine, Worker
+from app.engine import DeviceWorker, LocalEngine
 from app.errors import DeviceLost, DeviceOutOfMemory
 from app.main import create_app
 from matmul_tools.service import wait_ready_async
@@ -48,7 +48,7 @@ class Steered:
 async def steered() -> AsyncIterator[Steered]:
     """The app, its engine one worker over a SteeredBackend (no restart is asked for when the device is lost)."""
     backend = SteeredBackend()
-    engine = Engine([Worker(backend, queue_size=4)])
+    engine = LocalEngine(DeviceWorker(backend, queue_size=4))
     app = create_app(Settings(backend="cpu", retry_after_s=7, access_log=False))
     app.dependency_overrides[get_engine] = lambda: engine
     async with app.router.lifespan_context(app):

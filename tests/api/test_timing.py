@@ -17,7 +17,7 @@ from fastapi import FastAPI
 
 from app.api.deps import get_engine
 from app.config import Settings
-from app.engine import DeviceTiming, Engine, Outcome, Plan, ProductRequest, Worker
+from app.engine import DeviceTiming, DeviceWorker, LocalEngine, Outcome, Plan, ProductRequest
 from app.engine.base import Finished, Outputs, Pairs
 from app.engine.cpu import CpuBackend
 from app.errors import Overloaded
@@ -63,11 +63,11 @@ class KnownTimesBackend(CpuBackend):
         return Finished(products, KNOWN)
 
 
-class RecordingEngine(Engine):
+class RecordingEngine(LocalEngine):
     """An engine that remembers the queue deadline each product is handed."""
 
-    def __init__(self, workers: list[Worker]) -> None:
-        super().__init__(workers)
+    def __init__(self, worker: DeviceWorker) -> None:
+        super().__init__(worker)
         self.deadlines: list[float | None] = []
 
     async def matmul(
@@ -83,7 +83,7 @@ class RecordingEngine(Engine):
         return await super().matmul(a, b, request, timeout_s, into=into, out=out)
 
 
-async def _serving(app: FastAPI, engine: Engine) -> AsyncIterator[httpx.AsyncClient]:
+async def _serving(app: FastAPI, engine: LocalEngine) -> AsyncIterator[httpx.AsyncClient]:
     app.dependency_overrides[get_engine] = lambda: engine
     async with app.router.lifespan_context(app):
         engine.start()
@@ -96,7 +96,7 @@ async def _serving(app: FastAPI, engine: Engine) -> AsyncIterator[httpx.AsyncCli
 
 @pytest.fixture
 async def known() -> AsyncIterator[httpx.AsyncClient]:
-    engine = Engine([Worker(KnownTimesBackend(), queue_size=4)])
+    engine = LocalEngine(DeviceWorker(KnownTimesBackend(), queue_size=4))
     async for client in _serving(create_app(Settings(backend="cpu", access_log=False)), engine):
         yield client
 
@@ -182,7 +182,7 @@ async def test_an_inference_answer_carries_them_in_its_parameters_and_server_tim
 
 
 async def test_the_deadline_a_request_asks_for_is_capped_at_the_request_timeout() -> None:
-    engine = RecordingEngine([Worker(KnownTimesBackend(), queue_size=4)])
+    engine = RecordingEngine(DeviceWorker(KnownTimesBackend(), queue_size=4))
     app = create_app(Settings(backend="cpu", request_timeout_s=2.5, access_log=False))
     async for client in _serving(app, engine):
         for sent in (None, "1", "2.5", "2.5001", "86400"):
@@ -196,7 +196,7 @@ async def test_a_product_held_in_the_queue_gets_504_at_the_capped_deadline_not_t
     """A day asked for, a quarter of a second allowed: the product queued behind a held launch is dropped with 504
     once the settings' deadline passes (without the cap the test would hang until its guard)."""
     backend = KnownTimesBackend(hold=True)
-    engine = Engine([Worker(backend, queue_size=4)])
+    engine = LocalEngine(DeviceWorker(backend, queue_size=4))
     app = create_app(Settings(backend="cpu", request_timeout_s=0.25, access_log=False))
     async for client in _serving(app, engine):
         running = asyncio.create_task(client.post("/matmul", json={"a": [[1.0]], "b": [[1.0]]}))
@@ -212,7 +212,7 @@ async def test_a_product_held_in_the_queue_gets_504_at_the_capped_deadline_not_t
 async def test_the_queue_holds_exactly_queue_size_products() -> None:
     """MATMUL_QUEUE_SIZE = 2: with one product on the device, two more wait and the third is 503 at once."""
     backend = KnownTimesBackend(hold=True)
-    engine = Engine([Worker(backend, queue_size=2)])
+    engine = LocalEngine(DeviceWorker(backend, queue_size=2))
     app = create_app(Settings(backend="cpu", retry_after_s=7, access_log=False))
     async for client in _serving(app, engine):
         products = [asyncio.create_task(client.post("/matmul", json={"a": [[1.0]], "b": [[1.0]]}))]

@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator, Iterator
 import pytest
 
 from app.config import Settings
-from app.dataplane.remote import RemoteEngine
+from app.dataplane.engine_client import EngineClient
 from app.dataplane.supervisor import EngineSupervisor
 from app.engine import EngineState
 from tests.fakes import until
@@ -23,9 +23,9 @@ def supervisor(settings: Settings) -> Iterator[EngineSupervisor]:
 
 
 @pytest.fixture
-async def engine(supervisor: EngineSupervisor, settings: Settings) -> AsyncIterator[RemoteEngine]:
+async def engine(supervisor: EngineSupervisor, settings: Settings) -> AsyncIterator[EngineClient]:
     """An HTTP worker's side of those engine processes, with an arena of its own, once they are ready."""
-    engine = RemoteEngine(supervisor.sockets, settings)
+    engine = EngineClient(supervisor.sockets, settings)
     await engine.start()
     await until(lambda: engine.state is EngineState.READY, guard_s=60)
     yield engine

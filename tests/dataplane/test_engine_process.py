@@ -17,12 +17,12 @@ import pytest
 
 from app.config import Settings
 from app.dataplane import wire
+from app.dataplane.engine_client import EngineClient
 from app.dataplane.engine_process import _event_loop
-from app.dataplane.remote import RemoteEngine
 from app.dataplane.slab import Arena
 from app.dataplane.supervisor import EngineSupervisor
 from app.engine import EngineState, ProductRequest
-from app.errors import DeviceLost, NotReady, SharedMemoryError, UnknownKernel
+from app.errors import DeviceLost, NotReady, Overloaded, SharedMemoryError, UnknownKernel
 from kernels.reference import assert_close_to_reference
 from kernels.roofline import DevicePeaks
 from tests.fakes import multiply, until
@@ -38,15 +38,15 @@ def settings() -> Settings:
     return Settings(backend="cpu", batching=True, max_batch_size=2, max_queue_delay_us=WINDOW_US, slab_bytes=8 * MIB)
 
 
-async def _connected(supervisor: EngineSupervisor, settings: Settings) -> RemoteEngine:
-    engine = RemoteEngine(supervisor.sockets, settings)
+async def _connected(supervisor: EngineSupervisor, settings: Settings) -> EngineClient:
+    engine = EngineClient(supervisor.sockets, settings)
     await engine.start()
     await until(lambda: engine.state is EngineState.READY, guard_s=60)
     return engine
 
 
 @pytest.fixture
-async def workers(supervisor: EngineSupervisor, settings: Settings) -> AsyncIterator[list[RemoteEngine]]:
+async def workers(supervisor: EngineSupervisor, settings: Settings) -> AsyncIterator[list[EngineClient]]:
     """Two HTTP workers' links to the one engine process, each with its own arena."""
     engines = [await _connected(supervisor, settings) for _ in range(2)]
     yield engines
@@ -60,7 +60,7 @@ def _operands(seed: int) -> tuple[np.ndarray, np.ndarray]:
     return rng.standard_normal((33, 17)), rng.standard_normal((17, 9))
 
 
-async def _product(engine: RemoteEngine, seed: int, kernel: str = "auto") -> np.ndarray:
+async def _product(engine: EngineClient, seed: int, kernel: str = "auto") -> np.ndarray:
     a, b = _operands(seed)
     outcome = await multiply(engine, a, b, np.dtype(np.float64), kernel, None, timeout_s=30)
     try:
@@ -71,7 +71,7 @@ async def _product(engine: RemoteEngine, seed: int, kernel: str = "auto") -> np.
         outcome.release()
 
 
-async def test_products_of_two_http_workers_batch_in_the_one_engine(workers: list[RemoteEngine]) -> None:
+async def test_products_of_two_http_workers_batch_in_the_one_engine(workers: list[EngineClient]) -> None:
     """A batch of 2 fills only when both workers' products are queued together: each alone would wait 1 s."""
     first, second = await asyncio.gather(_product(workers[0], 1), _product(workers[1], 2))
     assert first.tolist() == second.tolist() == [2]
@@ -80,7 +80,7 @@ async def test_products_of_two_http_workers_batch_in_the_one_engine(workers: lis
 
 
 async def test_an_http_worker_of_another_channel_version_is_refused_saying_which(
-    supervisor: EngineSupervisor, settings: Settings, engine: RemoteEngine, monkeypatch: pytest.MonkeyPatch
+    supervisor: EngineSupervisor, settings: Settings, engine: EngineClient, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Hello and Welcome carry the channel's version: an engine answers a Hello of another version with its Welcome
     and hangs up, and the HTTP worker's start fails at once naming both versions (not after the welcome timeout)."""
@@ -102,7 +102,7 @@ async def test_an_http_worker_of_another_channel_version_is_refused_saying_which
         arena.close()
 
     monkeypatch.setattr(wire, "PROTOCOL_VERSION", ours + 1)
-    newer = RemoteEngine(supervisor.sockets, settings)
+    newer = EngineClient(supervisor.sockets, settings)
     try:
         async with asyncio.timeout(10):
             with pytest.raises(
@@ -114,13 +114,13 @@ async def test_an_http_worker_of_another_channel_version_is_refused_saying_which
     assert engine.state is EngineState.READY  # the engine serves its other workers on
 
 
-async def test_the_engine_checks_the_kernel_and_its_refusal_reaches_the_worker(workers: list[RemoteEngine]) -> None:
+async def test_the_engine_checks_the_kernel_and_its_refusal_reaches_the_worker(workers: list[EngineClient]) -> None:
     with pytest.raises(UnknownKernel, match="'fast' needs the GPU backend"):
         await _product(workers[0], 1, kernel="fast")
     await until(lambda: workers[0].arena.used_bytes == 0)
 
 
-async def test_a_cancelled_product_keeps_its_slab_until_the_engine_lets_go(workers: list[RemoteEngine]) -> None:
+async def test_a_cancelled_product_keeps_its_slab_until_the_engine_lets_go(workers: list[EngineClient]) -> None:
     worker = workers[0]
     waiting = asyncio.create_task(_product(worker, 3))
     await until(lambda: worker.links[0].in_flight == 1)
@@ -132,7 +132,7 @@ async def test_a_cancelled_product_keeps_its_slab_until_the_engine_lets_go(worke
 
 
 async def test_a_product_cancelled_in_the_same_read_as_it_is_still_answered_once(
-    supervisor: EngineSupervisor, engine: RemoteEngine
+    supervisor: EngineSupervisor, engine: EngineClient
 ) -> None:
     """A Cancel that reaches the engine with its Matmul, in one read, cancels the product's task before it first
     runs; the product still gets exactly one reply (the HTTP worker frees its slab on it), here from a bare client
@@ -167,7 +167,7 @@ async def test_a_product_cancelled_in_the_same_read_as_it_is_still_answered_once
 
 
 async def test_a_killed_engine_fails_what_it_held_at_once_and_a_fresh_one_serves_the_same_link(
-    supervisor: EngineSupervisor, workers: list[RemoteEngine]
+    supervisor: EngineSupervisor, workers: list[EngineClient]
 ) -> None:
     worker = workers[0]
     first_pid = worker.links[0].welcome.engine_pid
@@ -213,17 +213,41 @@ def test_the_engine_process_runs_on_uvloop_where_it_is_installed() -> None:
         loop.close()
 
 
-def _two_engines() -> RemoteEngine:
+def _two_engines() -> EngineClient:
     """A worker's side of two GPU engine processes that are never started: the tests set what their links heard."""
-    engine = RemoteEngine(["device-0.sock", "device-1.sock"], Settings(backend="cpu", slab_bytes=MIB))
+    engine = EngineClient(["device-0.sock", "device-1.sock"], Settings(backend="cpu", slab_bytes=MIB))
     for index, link in enumerate(engine.links):
         link._writer = object()  # type: ignore[assignment]  # connected
         link.welcome = wire.Welcome(index, "gpu", index, f"GPU {index}", queue_size=8, kernels=[], peaks=DevicePeaks())
     return engine
 
 
-def _status(state: Literal["starting", "ready", "failed"], failure: str | None = None) -> wire.Status:
-    return wire.Status(state, failure, 0, 0, {}, 0, 0, 0, http_workers=1, regions=[], auto=[])
+def _status(state: Literal["starting", "ready", "failed"], failure: str | None = None, load: int = 0) -> wire.Status:
+    return wire.Status(state, failure, 0, load, {}, 0, 0, 0, http_workers=1, regions=[], auto=[])
+
+
+def test_each_product_goes_to_the_least_loaded_ready_engine_and_is_refused_when_every_queue_is_full() -> None:
+    """Products queued or running on each engine, as its last status said: the least-loaded ready engine takes the
+    next product; a failed one takes none, however idle; Overloaded once every ready engine's queue is full."""
+    engine = _two_engines()
+    first, second = engine.links
+    try:
+        first._take(_status("ready", load=3))
+        second._take(_status("ready", load=1))
+        assert engine._least_loaded() is second
+        second._take(_status("ready", load=4))
+        assert engine._least_loaded() is first
+        first._take(_status("failed", "device lost"))
+        assert engine._least_loaded() is second
+        engine.check_room()
+        second._take(_status("ready", load=engine.queue_size))
+        with pytest.raises(Overloaded, match=r"^every engine's queue is full \(8 waiting\); retry later$"):
+            engine.check_room()
+        first._take(_status("ready", load=engine.queue_size - 1))
+        engine.check_room()
+        assert engine._least_loaded() is first
+    finally:
+        engine.arena.close()
 
 
 def test_with_several_engines_the_service_is_ready_while_one_of_them_is_once_all_have_been() -> None:

@@ -1,4 +1,4 @@
-"""Bodies read into the HTTP worker's arena (`RemoteEngine.lend`): operands that lie there in the working dtype go to
+"""Bodies read into the HTTP worker's arena (`EngineClient.lend`): operands that lie there in the working dtype go to
 a real engine process (CPU backend) where they are, without the staging copy, under concurrency with scarce shared
 memory, every product checked; a cancelled product keeps its body's bytes until the engine has let go of them."""
 
@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from app.config import Settings
-from app.dataplane.remote import RemoteEngine
+from app.dataplane.engine_client import EngineClient
 from kernels.reference import assert_close_to_reference
 from tests.fakes import multiply, record_staging, until
 
@@ -34,7 +34,7 @@ def staged(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     return record_staging(monkeypatch)
 
 
-def _body(engine: RemoteEngine, seed: int, data_at: int = 0) -> tuple[Any, np.ndarray, np.ndarray]:
+def _body(engine: EngineClient, seed: int, data_at: int = 0) -> tuple[Any, np.ndarray, np.ndarray]:
     """What a route holds after reading a body of two float32 operands: the lent memory (None when the arena lent
     none) and the operands decoded from it, as views of it."""
     rng = np.random.default_rng(seed)
@@ -49,7 +49,7 @@ def _body(engine: RemoteEngine, seed: int, data_at: int = 0) -> tuple[Any, np.nd
     return lent, *views
 
 
-async def _product(engine: RemoteEngine, seed: int, data_at: int) -> bool:
+async def _product(engine: EngineClient, seed: int, data_at: int) -> bool:
     """One product as a route runs it: whether its body was lent; its answer checked."""
     lent, a, b = _body(engine, seed, data_at)
     try:
@@ -65,7 +65,7 @@ async def _product(engine: RemoteEngine, seed: int, data_at: int) -> bool:
 
 
 async def test_operands_in_a_lent_body_are_read_where_they_lie_and_every_product_is_its_own(
-    engine: RemoteEngine, staged: list[str]
+    engine: EngineClient, staged: list[str]
 ) -> None:
     """48 products at once on a 4 MiB arena: bodies are lent while there is room and no one waits, the others are
     copied into slabs; products whose bodies hold memory go first; every answer is its own."""
@@ -78,7 +78,7 @@ async def test_operands_in_a_lent_body_are_read_where_they_lie_and_every_product
 
 
 async def test_an_operand_in_a_lent_body_is_copied_where_the_engine_could_not_read_it_as_it_is(
-    engine: RemoteEngine, staged: list[str]
+    engine: EngineClient, staged: list[str]
 ) -> None:
     """Another dtype or byte order, or a view that is not aligned: converted into the slab as any operand."""
     lent = engine.lend(MIB)
@@ -104,7 +104,7 @@ async def test_an_operand_in_a_lent_body_is_copied_where_the_engine_could_not_re
 
 
 @pytest.mark.parametrize("settings", [1_000_000], indirect=True)  # a product waits a second for company
-async def test_a_cancelled_product_keeps_its_lent_body_until_the_engine_lets_go(engine: RemoteEngine) -> None:
+async def test_a_cancelled_product_keeps_its_lent_body_until_the_engine_lets_go(engine: EngineClient) -> None:
     """The route gives its body back as soon as its request is cancelled; the engine may still read the operands
     there: the bytes come back only with the engine's reply to the cancel (held back here by stopping the engine
     process)."""

@@ -17,8 +17,8 @@ import pytest
 
 from app.config import Settings
 from app.dataplane import wire
+from app.dataplane.engine_client import EngineClient
 from app.dataplane.regions import SHARED_MEMORY_FOLDER, object_path, open_window
-from app.dataplane.remote import RemoteEngine
 from app.dataplane.supervisor import EngineSupervisor
 from app.engine import EngineState
 from app.errors import SharedMemoryError
@@ -117,7 +117,7 @@ def _mapped(pid: int, path: Path) -> bool:
 
 @pytest.mark.anyio
 async def test_a_region_unregistered_while_in_use_is_unmapped_and_the_unregistration_answered_when_its_product_ends(
-    engine: RemoteEngine, shared_object: tuple[str, Path]
+    engine: EngineClient, shared_object: tuple[str, Path]
 ) -> None:
     key, path = shared_object
     pid = engine.links[0].welcome.engine_pid
@@ -153,7 +153,7 @@ async def test_a_region_unregistered_while_in_use_is_unmapped_and_the_unregistra
 
 
 @pytest.mark.anyio
-async def test_a_fresh_engine_process_holds_no_region(engine: RemoteEngine, shared_object: tuple[str, Path]) -> None:
+async def test_a_fresh_engine_process_holds_no_region(engine: EngineClient, shared_object: tuple[str, Path]) -> None:
     key, _ = shared_object
     await engine.register_region("r", key, 0, 64)
     assert [status["name"] for status in await engine.region_status(None)] == ["r"]
@@ -170,7 +170,7 @@ async def test_regions_are_refused_when_the_setting_is_off(shared_object: tuple[
     settings = Settings(backend="cpu", slab_bytes=1 << 20)
     supervisor = EngineSupervisor(settings)
     supervisor.start()
-    engine = RemoteEngine(supervisor.sockets, settings)
+    engine = EngineClient(supervisor.sockets, settings)
     try:
         await engine.start()
         await until(lambda: engine.state is EngineState.READY, guard_s=60)
@@ -194,7 +194,7 @@ async def test_when_one_of_two_engines_restarts_every_engine_forgets_the_regions
     supervisors = [EngineSupervisor(settings) for _ in range(2)]
     for supervisor in supervisors:
         supervisor.start()
-    engine = RemoteEngine([path for supervisor in supervisors for path in supervisor.sockets], settings)
+    engine = EngineClient([path for supervisor in supervisors for path in supervisor.sockets], settings)
     try:
         await engine.start()
         await until(lambda: engine.state is EngineState.READY, guard_s=60)

@@ -15,7 +15,7 @@ from contextlib import asynccontextmanager
 import numpy as np
 import pytest
 
-from app.engine import BatchPolicy, Engine, EngineState, Outcome, Worker
+from app.engine import BatchPolicy, DeviceWorker, EngineState, LocalEngine, Outcome
 from app.errors import DeviceLost, InvalidInput, NotReady
 from kernels.reference import assert_close_to_reference
 from tests.fakes import BLAS, GATE_TIMEOUT_S, SteeredBackend, multiply, until
@@ -26,8 +26,8 @@ F32, F64 = np.dtype(np.float32), np.dtype(np.float64)
 
 
 @asynccontextmanager
-async def _engine(backend: SteeredBackend, batching: BatchPolicy | None = None) -> AsyncIterator[Engine]:
-    engine = Engine([Worker(backend, queue_size=8, batching=batching)])
+async def _engine(backend: SteeredBackend, batching: BatchPolicy | None = None) -> AsyncIterator[LocalEngine]:
+    engine = LocalEngine(DeviceWorker(backend, queue_size=8, batching=batching))
     engine.start()
     try:
         await until(lambda: engine.state is EngineState.READY)
@@ -93,7 +93,7 @@ async def test_queued_products_share_a_launch_only_with_the_same_dtype_kernel_an
 
 async def _queued_together(
     backend: SteeredBackend,
-    engine: Engine,
+    engine: LocalEngine,
     products: list[tuple[np.ndarray, np.ndarray]],
     dtype: np.dtype = F64,
     outs: list[np.ndarray | None] | None = None,

@@ -15,7 +15,17 @@ import pytest
 
 from app.api.deps import get_engine
 from app.config import Settings
-from app.engine import BatchPolicy, DeviceTiming, Engine, EngineState, KernelInfo, Outcome, Plan, ProductRequest, Worker
+from app.engine import (
+    BatchPolicy,
+    DeviceTiming,
+    DeviceWorker,
+    EngineState,
+    KernelInfo,
+    LocalEngine,
+    Outcome,
+    Plan,
+    ProductRequest,
+)
 from app.engine.autotune import AutoChoice
 from app.engine.base import Finished, Outputs
 from app.engine.cpu import CpuBackend
@@ -108,9 +118,9 @@ async def _wait(predicate: Any) -> None:
 
 
 @pytest.fixture
-async def gated() -> AsyncIterator[tuple[GatedBackend, Engine, httpx.AsyncClient]]:
+async def gated() -> AsyncIterator[tuple[GatedBackend, LocalEngine, httpx.AsyncClient]]:
     backend = GatedBackend()
-    engine = Engine([Worker(backend, queue_size=1)])
+    engine = LocalEngine(DeviceWorker(backend, queue_size=1))
     app = create_app(Settings(backend="cpu", retry_after_s=7))
     app.dependency_overrides[get_engine] = lambda: engine
     async with app.router.lifespan_context(app):
@@ -128,7 +138,7 @@ BODY = {"a": [[1.0, 2.0]], "b": [[3.0], [4.0]]}
 
 
 async def _one_product_running(
-    backend: GatedBackend, engine: Engine, client: httpx.AsyncClient
+    backend: GatedBackend, engine: LocalEngine, client: httpx.AsyncClient
 ) -> asyncio.Task[httpx.Response]:
     """Let the engine get ready, then start one request and wait until the backend is inside it."""
     backend.prepared.set()
@@ -138,7 +148,9 @@ async def _one_product_running(
     return running
 
 
-async def test_not_ready_until_the_kernels_are_prepared(gated: tuple[GatedBackend, Engine, httpx.AsyncClient]) -> None:
+async def test_not_ready_until_the_kernels_are_prepared(
+    gated: tuple[GatedBackend, LocalEngine, httpx.AsyncClient],
+) -> None:
     backend, engine, client = gated
     r = await client.get("/readyz")
     assert r.status_code == 503 and r.headers["retry-after"] == "7"
@@ -150,7 +162,7 @@ async def test_not_ready_until_the_kernels_are_prepared(gated: tuple[GatedBacken
     assert (await client.get("/readyz")).status_code == 200
 
 
-async def test_a_full_queue_answers_503_at_once(gated: tuple[GatedBackend, Engine, httpx.AsyncClient]) -> None:
+async def test_a_full_queue_answers_503_at_once(gated: tuple[GatedBackend, LocalEngine, httpx.AsyncClient]) -> None:
     backend, engine, client = gated
     running = await _one_product_running(backend, engine, client)
     queued = asyncio.create_task(client.post("/matmul", json=BODY))
@@ -165,7 +177,7 @@ async def test_a_full_queue_answers_503_at_once(gated: tuple[GatedBackend, Engin
 
 
 async def test_a_full_queue_answers_503_before_reading_the_body(
-    gated: tuple[GatedBackend, Engine, httpx.AsyncClient],
+    gated: tuple[GatedBackend, LocalEngine, httpx.AsyncClient],
 ) -> None:
     """A body that never comes: the 503 cannot wait for it."""
     backend, engine, client = gated
@@ -186,7 +198,7 @@ async def test_a_full_queue_answers_503_before_reading_the_body(
     assert (await running).status_code == 200 and (await queued).status_code == 200
 
 
-async def test_an_abandoned_job_is_not_run(gated: tuple[GatedBackend, Engine, httpx.AsyncClient]) -> None:
+async def test_an_abandoned_job_is_not_run(gated: tuple[GatedBackend, LocalEngine, httpx.AsyncClient]) -> None:
     backend, engine, _ = gated
     backend.prepared.set()
     await _wait(lambda: engine.state is EngineState.READY)
@@ -213,7 +225,7 @@ async def test_an_abandoned_job_is_not_run(gated: tuple[GatedBackend, Engine, ht
 
 
 async def test_an_unexpected_backend_error_is_a_device_failure_and_the_worker_goes_on(
-    gated: tuple[GatedBackend, Engine, httpx.AsyncClient],
+    gated: tuple[GatedBackend, LocalEngine, httpx.AsyncClient],
 ) -> None:
     backend, engine, client = gated
     backend.prepared.set()
@@ -230,7 +242,7 @@ async def test_an_unexpected_backend_error_is_a_device_failure_and_the_worker_go
 async def test_a_backend_that_cannot_prepare_is_reported_not_ready() -> None:
     backend = GatedBackend(prepare_error=RuntimeError("nvrtc: error in tiled.cu"))
     backend.prepared.set()
-    engine = Worker(backend, queue_size=4)
+    engine = DeviceWorker(backend, queue_size=4)
     engine.start()
     await _wait(lambda: engine.state is EngineState.FAILED)
     with pytest.raises(NotReady, match=r"nvrtc: error in tiled\.cu"):
@@ -239,7 +251,7 @@ async def test_a_backend_that_cannot_prepare_is_reported_not_ready() -> None:
 
 
 async def test_a_product_still_queued_past_its_deadline_gets_504_and_is_never_run(
-    gated: tuple[GatedBackend, Engine, httpx.AsyncClient],
+    gated: tuple[GatedBackend, LocalEngine, httpx.AsyncClient],
 ) -> None:
     backend, engine, client = gated
     running = await _one_product_running(backend, engine, client)
@@ -263,7 +275,7 @@ async def test_a_bad_request_timeout_is_refused(client: httpx.AsyncClient, sent:
 
 
 async def test_a_client_that_disconnects_while_queued_takes_its_product_out_of_the_queue(
-    gated: tuple[GatedBackend, Engine, httpx.AsyncClient],
+    gated: tuple[GatedBackend, LocalEngine, httpx.AsyncClient],
 ) -> None:
     backend, engine, client = gated
     running = await _one_product_running(backend, engine, client)
@@ -302,7 +314,7 @@ async def test_a_lost_device_fails_the_engine_answers_the_queue_with_503_and_ask
     backend = GatedBackend()
     backend.prepared.set()
     lost = asyncio.Event()
-    engine = Worker(backend, queue_size=4, on_device_lost=lost.set)
+    engine = DeviceWorker(backend, queue_size=4, on_device_lost=lost.set)
     engine.start()
     await _wait(lambda: engine.state is EngineState.READY)
     plan = Plan(kernel="numpy")
@@ -324,30 +336,11 @@ async def test_a_lost_device_fails_the_engine_answers_the_queue_with_503_and_ask
     await engine.stop()
 
 
-async def test_each_product_goes_to_the_least_loaded_device() -> None:
-    first, second = GatedBackend(device_name="gpu0"), GatedBackend(device_name="gpu1")
-    engine = Engine([Worker(first, queue_size=4), Worker(second, queue_size=4)])
-    for backend in (first, second):
-        backend.prepared.set()
-    engine.start()
-    await _wait(lambda: engine.state is EngineState.READY)
-    f64 = np.dtype(np.float64)
-    busy = asyncio.create_task(multiply(engine, np.ones((1, 1)), np.ones((1, 1)), f64, "numpy"))
-    await asyncio.to_thread(first.started.acquire, True, 5)
-    second.step.release()
-    outcome = await multiply(engine, np.ones((2, 1)), np.ones((1, 1)), f64, "numpy")
-    assert outcome.device_name == "gpu1" and second.multiplied == [(2, 1)]
-    assert [d["name"] for d in engine.describe()] == ["gpu0", "gpu1"]
-    first.step.release()
-    assert (await busy).device_name == "gpu0"
-    await engine.stop()
-
-
 @pytest.mark.parametrize("policy", [None, BatchPolicy(max_size=8, max_delay_s=0.5)])
 async def test_queued_products_of_one_shape_run_as_one_batch(policy: BatchPolicy | None) -> None:
     backend = GatedBackend()
     backend.prepared.set()
-    engine = Engine([Worker(backend, queue_size=16, batching=policy)])
+    engine = LocalEngine(DeviceWorker(backend, queue_size=16, batching=policy))
     engine.start()
     await _wait(lambda: engine.state is EngineState.READY)
     f64 = np.dtype(np.float64)
@@ -432,19 +425,19 @@ class HeldLaunch:
         return self.products, DeviceTiming(h2d_ms=1.0, kernel_ms=1.0, d2h_ms=1.0)
 
 
-async def _pipelined(backend: PipelinedBackend, batching: BatchPolicy | None = None) -> Engine:
-    engine = Engine([Worker(backend, queue_size=8, batching=batching)])
+async def _pipelined(backend: PipelinedBackend, batching: BatchPolicy | None = None) -> LocalEngine:
+    engine = LocalEngine(DeviceWorker(backend, queue_size=8, batching=batching))
     engine.start()
     await _wait(lambda: engine.state is EngineState.READY)
     return engine
 
 
-def _product(engine: Engine, value: float) -> asyncio.Task[Outcome]:
+def _product(engine: LocalEngine, value: float) -> asyncio.Task[Outcome]:
     f64 = np.dtype(np.float64)
     return asyncio.create_task(multiply(engine, np.full((1, 1), value), np.ones((1, 1)), f64, "numpy"))
 
 
-async def _submitted(engine: Engine, backend: PipelinedBackend, value: float) -> asyncio.Task[Outcome]:
+async def _submitted(engine: LocalEngine, backend: PipelinedBackend, value: float) -> asyncio.Task[Outcome]:
     """A product of `value`, once the backend holds its launch (the launch before it already submitted)."""
     launches = len(backend.launches)
     product = _product(engine, value)
@@ -460,7 +453,7 @@ async def test_the_next_launch_is_submitted_while_the_previous_one_runs() -> Non
     await _wait(lambda: len(backend.launches) == 2)
     # two in flight and the worker waiting on the first: the third waits for the first to be answered
     assert await asyncio.to_thread(backend.launches[0].collecting.wait, 10)
-    assert backend.log == ["submit 1", "submit 2"] and engine.queue_depth == 1 and engine.workers[0].load == 3
+    assert backend.log == ["submit 1", "submit 2"] and engine.queue_depth == 1 and engine.worker.load == 3
     assert not first.done()
     backend.launches[0].finish()
     assert (await first).c[0, 0] == 1.0
@@ -583,7 +576,7 @@ async def test_a_bad_operand_in_a_batch_fails_only_its_own_request() -> None:
         return submit(pairs, *args)
 
     backend.submit = counting_submit  # type: ignore[method-assign]
-    engine = Engine([Worker(backend, queue_size=8, batching=BatchPolicy(max_size=8, max_delay_s=0.2))])
+    engine = LocalEngine(DeviceWorker(backend, queue_size=8, batching=BatchPolicy(max_size=8, max_delay_s=0.2)))
     app = create_app(Settings(backend="cpu", access_log=False))
     app.dependency_overrides[get_engine] = lambda: engine
     async with app.router.lifespan_context(app):

@@ -1,5 +1,5 @@
-"""The engine the routes see, over workers of the steered CPU backend: its readiness, room, queue and devices
-summed or taken from its workers, and its refusals by their whole message."""
+"""The in-process engine, over a device worker of the steered CPU backend: its readiness, room, queue and device
+taken from its worker, and its refusals by their whole message."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import logging
 import numpy as np
 import pytest
 
-from app.engine import Engine, EngineState, Worker
+from app.engine import DeviceWorker, EngineState, LocalEngine
 from app.engine.autotune import SHAPE_CLASSES, AutoChoice
 from app.errors import NotReady, Overloaded, SharedMemoryError
 from app.shared_memory import SharedOutput, SharedTensor
@@ -20,13 +20,8 @@ pytestmark = pytest.mark.anyio
 F32 = np.dtype(np.float32)
 
 
-def test_an_engine_needs_a_worker() -> None:
-    with pytest.raises(ValueError, match=r"^an engine needs at least one worker$"):
-        Engine([])
-
-
 async def test_before_it_starts_the_engine_is_starting_and_says_so() -> None:
-    engine = Engine([Worker(SteeredBackend(), queue_size=3)])
+    engine = LocalEngine(DeviceWorker(SteeredBackend(), queue_size=3))
     assert engine.state is EngineState.STARTING and engine.failure is None and not engine.device_lost
     with pytest.raises(NotReady, match=r"^the kernels are still being compiled and warmed; retry shortly$"):
         engine.check_ready()
@@ -43,43 +38,33 @@ class _Measured(SteeredBackend):
         return [AutoChoice(SHAPE_CLASSES[0], "numpy", {"numpy": 0.5})]
 
 
-async def test_what_the_engine_sums_and_takes_from_its_workers() -> None:
-    # auto's choices are told as the first device measured them (the devices of one server are alike); the second,
-    # unmeasured here, tells the two apart
-    first, second = _Measured(), SteeredBackend()
-    engine = Engine([Worker(first, queue_size=1), Worker(second, queue_size=1)])
+async def test_what_the_engine_takes_from_its_worker_and_its_room() -> None:
+    backend = _Measured()
+    engine = LocalEngine(DeviceWorker(backend, queue_size=1))
     engine.start()
     try:
         await until(lambda: engine.state is EngineState.READY)
         engine.check_ready()
-        assert [k.name for k in engine.kernels()] == [k.name for k in first.kernels()]
-        assert engine.auto_choices() == first.auto_choices() and second.auto_choices() == []
+        assert [k.name for k in engine.kernels()] == [k.name for k in backend.kernels()]
+        assert engine.auto_choices() == backend.auto_choices()
         assert engine.memory_held() == 0 and engine.compiled_instances() == 0
         assert [(d["name"], d["state"], d["queue_depth"]) for d in engine.describe()] == [
-            (first.device_name, "ready", 0),
-            (second.device_name, "ready", 0),
+            (backend.device_name, "ready", 0)
         ]
-        # both devices busy, one product queued behind each: no ready worker has room
-        first.gate.clear()
-        second.gate.clear()
+        # the device busy and one product queued behind it: the queue has no room
+        backend.gate.clear()
         running = [asyncio.ensure_future(multiply(engine, np.ones((1, 1)), np.ones((1, 1)), F32, "numpy"))]
-        assert await asyncio.to_thread(first.entered.acquire, timeout=GATE_TIMEOUT_S)
-        running.append(asyncio.ensure_future(multiply(engine, np.ones((1, 1)), np.ones((1, 1)), F32, "numpy")))
-        assert await asyncio.to_thread(second.entered.acquire, timeout=GATE_TIMEOUT_S)
+        assert await asyncio.to_thread(backend.entered.acquire, timeout=GATE_TIMEOUT_S)
         engine.check_room()
-        running += [
-            asyncio.ensure_future(multiply(engine, np.ones((1, 1)), np.ones((1, 1)), F32, "numpy")) for _ in range(2)
-        ]
-        await until(lambda: engine.queue_depth == 2)
+        running.append(asyncio.ensure_future(multiply(engine, np.ones((1, 1)), np.ones((1, 1)), F32, "numpy")))
+        await until(lambda: engine.queue_depth == 1)
         with pytest.raises(Overloaded, match=r"^the cpu worker's queue is full \(1 waiting\); retry later$"):
             engine.check_room()
-        first.gate.set()
-        second.gate.set()
+        backend.gate.set()
         for outcome in await asyncio.wait_for(asyncio.gather(*running), GATE_TIMEOUT_S):
-            assert outcome.c.tolist() == [[1.0]]
+            assert outcome.c is not None and outcome.c.tolist() == [[1.0]]
     finally:
-        first.gate.set()
-        second.gate.set()
+        backend.gate.set()
         await engine.stop()
     assert engine.state is EngineState.STOPPED
 
@@ -89,7 +74,7 @@ async def test_a_failed_worker_makes_the_engine_failed_with_its_reason(caplog: p
         def prepare(self) -> None:
             raise RuntimeError("no kernels today")
 
-    engine = Engine([Worker(SteeredBackend(), queue_size=1), Worker(CannotPrepare(), queue_size=1)])
+    engine = LocalEngine(DeviceWorker(CannotPrepare(), queue_size=1))
     engine.start()
     try:
         await until(lambda: engine.state is EngineState.FAILED)
@@ -108,7 +93,7 @@ async def test_with_no_ready_worker_a_product_is_refused_as_not_ready() -> None:
         def prepare(self) -> None:
             raise RuntimeError("broken")
 
-    engine = Engine([Worker(CannotPrepare(), queue_size=1)])
+    engine = LocalEngine(DeviceWorker(CannotPrepare(), queue_size=1))
     engine.start()
     try:
         await until(lambda: engine.state is EngineState.FAILED)
@@ -120,7 +105,7 @@ async def test_with_no_ready_worker_a_product_is_refused_as_not_ready() -> None:
 
 async def test_an_engine_in_this_process_refuses_clients_shared_memory() -> None:
     """Regions are mapped by engine processes, which hand their engine arrays; one named here cannot be read."""
-    engine = Engine([Worker(SteeredBackend(), queue_size=3)])
+    engine = LocalEngine(DeviceWorker(SteeredBackend(), queue_size=3))
     tensor = SharedTensor("r", 0, (1, 1), F32)
     for call in (
         multiply(engine, tensor, np.ones((1, 1)), F32, "numpy"),

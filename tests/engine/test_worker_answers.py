@@ -13,8 +13,8 @@ from time import perf_counter
 import numpy as np
 import pytest
 
-from app.engine import EngineState, Outcome, Plan, Worker
-from app.engine.worker import _where
+from app.engine import DeviceWorker, EngineState, Outcome, Plan
+from app.engine.device_worker import _where
 from app.errors import DeadlineExceeded, DeviceFailure, DeviceLost, NotReady, Overloaded
 from tests.fakes import GATE_TIMEOUT_S, SteeredBackend, until
 
@@ -26,8 +26,8 @@ NUMPY = Plan(kernel="numpy")
 
 async def _ready(
     backend: SteeredBackend, queue_size: int = 4, on_device_lost: Callable[[], None] | None = None
-) -> Worker:
-    worker = Worker(backend, queue_size=queue_size, on_device_lost=on_device_lost)
+) -> DeviceWorker:
+    worker = DeviceWorker(backend, queue_size=queue_size, on_device_lost=on_device_lost)
     worker.start()
     await until(lambda: worker.state is EngineState.READY)
     return worker
@@ -37,7 +37,7 @@ async def _entered(backend: SteeredBackend) -> None:
     assert await asyncio.to_thread(backend.entered.acquire, timeout=GATE_TIMEOUT_S)
 
 
-async def _held(backend: SteeredBackend, worker: Worker) -> asyncio.Future[Outcome]:
+async def _held(backend: SteeredBackend, worker: DeviceWorker) -> asyncio.Future[Outcome]:
     """A 1x1 product the worker has taken and that waits at the backend's closed gate."""
     backend.gate.clear()
     running = asyncio.ensure_future(worker.matmul(np.ones((1, 1)), np.ones((1, 1)), F64, NUMPY))
@@ -153,8 +153,8 @@ class _Clock:
 async def test_a_ready_worker_says_where_and_how_soon_from_a_daemon_thread_named_for_its_device(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    caplog.set_level(logging.INFO, logger="app.engine.worker")
-    monkeypatch.setattr("app.engine.worker.perf_counter", _Clock(100.0, step=1.25))
+    caplog.set_level(logging.INFO, logger="app.engine.device_worker")
+    monkeypatch.setattr("app.engine.device_worker.perf_counter", _Clock(100.0, step=1.25))
     backend = SteeredBackend()
     worker = await _ready(backend)
     try:
@@ -170,7 +170,7 @@ async def test_a_ready_worker_says_where_and_how_soon_from_a_daemon_thread_named
 
 async def test_the_queue_time_runs_from_queueing_to_submitting_in_milliseconds(monkeypatch: pytest.MonkeyPatch) -> None:
     clock = _Clock(100.0)
-    monkeypatch.setattr("app.engine.worker.perf_counter", clock)
+    monkeypatch.setattr("app.engine.device_worker.perf_counter", clock)
     backend = SteeredBackend()
     worker = await _ready(backend)
     try:
@@ -189,7 +189,7 @@ async def test_the_queue_time_runs_from_queueing_to_submitting_in_milliseconds(m
 async def test_an_unexpected_error_is_a_device_failure_naming_backend_kernel_and_error(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    caplog.set_level(logging.INFO, logger="app.engine.worker")
+    caplog.set_level(logging.INFO, logger="app.engine.device_worker")
     backend = SteeredBackend()
     worker = await _ready(backend)
     try:
@@ -245,7 +245,7 @@ async def test_a_full_queue_says_how_many_wait() -> None:
 
 
 async def test_a_lost_device_fails_the_worker_with_its_message(caplog: pytest.LogCaptureFixture) -> None:
-    caplog.set_level(logging.INFO, logger="app.engine.worker")
+    caplog.set_level(logging.INFO, logger="app.engine.device_worker")
     backend = SteeredBackend()
     lost = asyncio.Event()
     worker = await _ready(backend, on_device_lost=lost.set)

@@ -1,6 +1,6 @@
 """The engine as an HTTP worker sees it: engine processes at the end of Unix sockets, operands in shared memory.
 
-`RemoteEngine` is what the service and the routes call (`app.engine.EngineFront`). A product reserves a slab of
+`EngineClient` is what the service and the routes call (`app.engine.EngineFront`). A product reserves a slab of
 this worker's arena, its operands are converted into the working dtype straight into the slab (one pass, off the
 event loop when large), and a descriptor goes to the least-loaded ready engine; the answer's C is a view of the
 slab, whose bytes go back to the arena once the request has released it and the answer no longer reads them
@@ -50,7 +50,7 @@ CONNECT_RETRY_S = 0.05
 DEFAULT_WAIT_S = 60.0
 """A product's wait for shared memory and in the queue when the caller sets no deadline."""
 WELCOME_TIMEOUT_S = 120.0
-"""Longest `RemoteEngine.start` waits for every engine process to answer: a cold start imports CuPy."""
+"""Longest `EngineClient.start` waits for every engine process to answer: a cold start imports CuPy."""
 
 
 class EngineLink:
@@ -233,12 +233,12 @@ class _Refused(Exception):
     """The engine process cannot serve this HTTP worker (another version of the channel)."""
 
 
-class RemoteEngine:
+class EngineClient:
     """Every engine process of the server, for one HTTP worker."""
 
     def __init__(self, paths: list[str], settings: Settings) -> None:
         if not paths:
-            raise ValueError("a remote engine needs at least one engine process")
+            raise ValueError("an engine client needs at least one engine process")
         self.arena = Arena(settings.slab_bytes)
         self.links = [EngineLink(path, self.arena) for path in paths]
         self.inline_bytes = settings.inline_codec_bytes

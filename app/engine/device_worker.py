@@ -133,7 +133,7 @@ class _InFlight:
     began: float
 
 
-class Worker:
+class DeviceWorker:
     """Runs products on its backend's device, in arrival order."""
 
     def __init__(
