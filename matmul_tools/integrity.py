@@ -293,7 +293,10 @@ def v2_binary_raw(conn: Connections, a: np.ndarray, b: np.ndarray) -> np.ndarray
 
 @contextmanager
 def _triton_errors() -> Iterator[None]:
-    """Triton's client raises one exception for every failure: a status is Refused, none is a closed connection."""
+    """Triton's client raises one exception for every failure: a status is Refused, none is a closed connection. Its
+    HTTP library's own HTTPConnectionClosed (the server closed the connection before a whole answer, and the one
+    retry it makes for a dropped keep-alive connection found it closed too) is a closed connection as well."""
+    from geventhttpclient.response import HTTPConnectionClosed
     from tritonclient.utils import InferenceServerException
 
     try:
@@ -303,6 +306,8 @@ def _triton_errors() -> Iterator[None]:
         if not status:
             raise Closed(exc.message()) from None
         raise Refused(int(status), exc.message()[:60]) from None
+    except HTTPConnectionClosed as exc:
+        raise Closed(str(exc)) from None
 
 
 def tritonclient_binary(conn: Connections, a: np.ndarray, b: np.ndarray) -> np.ndarray:
