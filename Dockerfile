@@ -31,6 +31,7 @@ WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY app app
 COPY kernels kernels
+COPY numerics numerics
 ARG CUDA_WHEELS=12.8.*
 RUN /opt/venv/bin/pip install ".[gpu]" "nvidia-cuda-runtime-cu12==${CUDA_WHEELS}" \
     "nvidia-cuda-nvrtc-cu12==${CUDA_WHEELS}" "nvidia-cublas-cu12==${CUDA_WHEELS}"
@@ -42,6 +43,7 @@ WORKDIR /loadtest
 COPY pyproject.toml README.md ./
 COPY app app
 COPY kernels kernels
+COPY numerics numerics
 COPY matmul_tools matmul_tools
 COPY scripts/loadtest.py scripts/loadtest.py
 # The versions are the project's own, in pyproject.toml (DL3013: no pins on the command line). A virtualenv, so that

@@ -70,7 +70,7 @@ class ErrorBound(BaseModel):
     """What the product promises, element by element, against R, the float64 product of the operands as they were
     converted to the working dtype: |C - R| <= constant * (input_error * sqrt((A*A) @ (B*B)) + sums * sqrt(k) *
     unit_roundoff * (|A| @ |B|)). The first term is the precision's rounding of the operands, the second the
-    float32 (or float64) sums' (kernels/reference.py and kernels/precision.py derive both)."""
+    float32 (or float64) sums' (numerics/reference.py and numerics/precision.py derive both)."""
 
     constant: float = Field(description="c, the headroom of the statistical bound (4).")
     input_error: float = Field(description="What the precision's rounding of A and B adds per term (0 for fp32).")

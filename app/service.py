@@ -22,16 +22,16 @@ from app.engine.base import AUTO
 from app.errors import InvalidParameter, ShapeMismatch
 from app.product import BackendName, DtypeName, ErrorBound, MatmulMetadata, RooflineModel, Timing
 from app.shared_memory import Matrix, SharedOutput
-from kernels.precision import Precision, float32_sums, input_error
-from kernels.reference import BOUND_CONSTANT, unit_roundoff
-from kernels.roofline import roofline
+from numerics.precision import Precision, float32_sums, input_error
+from numerics.reference import BOUND_CONSTANT, unit_roundoff
+from numerics.roofline import roofline
 
 WORKING_DTYPES: dict[str, np.dtype] = {"float32": np.dtype(np.float32), "float64": np.dtype(np.float64)}
 DEFAULT_DTYPE = "float32"
 
 
 def requested_precision(requested: str | None, working: np.dtype, operands: Operands) -> Precision:
-    """The precision asked for, which must be one of kernels/precision.py's; the tensor-core ones take float32
+    """The precision asked for, which must be one of numerics/precision.py's; the tensor-core ones take float32
     operands. When none is asked for: fp16 for two float16 operands multiplied in float32 (their natural precision,
     in which rounding them changes nothing), else fp32."""
     if requested is None:

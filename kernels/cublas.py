@@ -1,4 +1,4 @@
-"""cuBLAS in each precision of kernels/precision.py: the library every rung of the tensor-core ladder is measured
+"""cuBLAS in each precision of numerics/precision.py: the library every rung of the tensor-core ladder is measured
 against in the same mode, and what `kernels=cublas` runs in a precision other than fp32. Only engine processes and
 the benchmark call it; CuPy is imported on first use, so that the GPU backend's module imports where CuPy is not
 installed (and says so) instead of failing to import."""
@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from kernels.precision import Precision
+from numerics.precision import Precision
 
 CUBLAS_OP_N = 0
 CUDA_R_32F, CUDA_R_16F, CUDA_R_16BF = 0, 2, 14
@@ -18,7 +18,7 @@ CUBLAS_GEMM_DEFAULT = -1
 
 
 _DEVICE_CONVERSIONS: dict[str, Any] = {}
-"""kernels/precision.py's `bf16_bits` and `split_tf32` as one fused pass each on the device (CuPy
+"""numerics/precision.py's `bf16_bits` and `split_tf32` as one fused pass each on the device (CuPy
 ElementwiseKernels, built on first use): the array versions take several passes with temporaries, which at 4096^2
 cost more than the bf16 product itself. Same rounding, bit for bit, except that the device flushes a subnormal
 small part of the split to zero (tests/kernels/test_gpu.py compares them)."""

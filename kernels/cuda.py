@@ -2,7 +2,7 @@
 
 `compile_ptx` needs only NVRTC (no driver, no GPU), so CI can check every source; `KernelLibrary` needs a
 device and CuPy's `RawModule`, and compiles everything once, when it is built. `device_attributes` reads what
-the roofline's peaks are computed from (kernels/roofline.py).
+the roofline's peaks are computed from (numerics/roofline.py).
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ from typing import Any, Protocol, TypeVar
 import numpy as np
 
 from kernels import tensorcore, tma
-from kernels.precision import Precision
 from kernels.registry import KERNELS, STATIC_SMEM_LIMIT, KernelSpec, LaunchConfig, cdiv, read_kernel_source
+from numerics.precision import Precision
 
 COMPILE_OPTIONS = ("-std=c++17",)
 Key = TypeVar("Key")
@@ -205,7 +205,7 @@ class TensorCoreLibrary:
         if _nothing_to_multiply(c, k):
             return
         if precision is Precision.TF32 and k % 4 == 0 and a.data.ptr % tensorcore.STRIDE_ALIGNMENT == 0:
-            # read as it is: the tensor cores take a float32's top 19 bits, TF32 truncated (kernels/precision.py's
+            # read as it is: the tensor cores take a float32's top 19 bits, TF32 truncated (numerics/precision.py's
             # tf32 bound is the truncation's)
             a_parts = [a]
         else:

@@ -156,12 +156,6 @@ class KernelSpec:
         return next(c for c in self.configs if c.label == label)
 
 
-def minimum_global_elements(m: int, n: int, k: int) -> int:
-    """The fewest elements any m x n x k product moves: A and B read once, C written once. The roofline's
-    traffic for the libraries (cuBLAS, NumPy's BLAS), whose access patterns are not ours to count."""
-    return m * k + k * n + m * n
-
-
 def _square_tiles(*widths: int) -> tuple[LaunchConfig, ...]:
     return tuple(LaunchConfig(label=str(w), template_args=(w,), threads=(w, w), tile_m=w, tile_n=w) for w in widths)
 

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 from enum import IntEnum
 from types import MappingProxyType
 
-from kernels.precision import Precision
 from kernels.registry import cdiv
+from numerics.precision import Precision
 
 WGMMA = "wgmma"
 WGMMA_SUMMARY = (

@@ -34,8 +34,8 @@ import numpy as np
 import orjson
 
 from app.client import MatmulClient, RequestFormat, encode_payload
-from kernels.reference import Reference
 from matmul_tools.bodies import inference_v2_body, load_npy, npz_bytes
+from numerics.reference import Reference
 
 Shape = tuple[int, int, int]
 MODEL = "matmul"

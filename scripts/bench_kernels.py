@@ -1,7 +1,7 @@
 """Benchmark every registered kernel against cuBLAS (cupy.matmul, TF32 off) on the current GPU.
 
 Each (kernel, shape, dtype) is first checked against a float64 product of the same inputs (every element within
-kernels/reference.py's bound, on an output poisoned with NaN beforehand, so an unwritten element fails), then timed:
+numerics/reference.py's bound, on an output poisoned with NaN beforehand, so an unwritten element fails), then timed:
 warm-up launches, then at least --repeats launches each between its own pair of CUDA events, with L2 flushed
 before each (a buffer twice the L2 size is rewritten) and the inputs rotated among several sets; the median
 is reported. GFLOP/s = 2*m*n*k / t; the ratio is to cuBLAS measured in the same run on the same inputs, in the same
@@ -36,11 +36,11 @@ import numpy as np
 
 from kernels.cublas import cublas_product
 from kernels.cuda import KernelLibrary, TensorCoreLibrary, device_attributes
-from kernels.precision import Precision
-from kernels.reference import BOUND_CONSTANT, Reference
-from kernels.registry import KERNELS, KernelSpec, LaunchConfig, minimum_global_elements
-from kernels.roofline import DevicePeaks, gpu_peaks, roofline
+from kernels.registry import KERNELS, KernelSpec, LaunchConfig
 from kernels.tensorcore import DMMA, KERNEL_NAMES, MMA_SYNC, MMA_SYNC_CONFIGS, WGMMA
+from numerics.precision import Precision
+from numerics.reference import BOUND_CONSTANT, Reference
+from numerics.roofline import DevicePeaks, gpu_peaks, minimum_global_elements, roofline
 
 CUBLAS = "cublas"
 SQUARE_SIZES = (256, 512, 1024, 2048, 4096, 8192)
@@ -68,10 +68,10 @@ class Result:
     gflops: float | None
     ratio: float | None
     error_ratio: float | None = None
-    """The largest |C - R| / (sqrt(k) u |A||B|) of the product (kernels/reference.py): wrong past BOUND_CONSTANT."""
+    """The largest |C - R| / (sqrt(k) u |A||B|) of the product (numerics/reference.py): wrong past BOUND_CONSTANT."""
     note: str = ""
     precision: str = "fp32"
-    """The mode the product ran in (kernels/precision.py); `ratio` is to cuBLAS in the same mode."""
+    """The mode the product ran in (numerics/precision.py); `ratio` is to cuBLAS in the same mode."""
     sgemm_ratio: float | None = None
     """cuBLAS SGEMM's time (the float32 product in fp32) over this row's; None for float64."""
     relative_error: float | None = None

@@ -16,7 +16,7 @@ Against each, every size (square float32 n x n) is sent by every client kind:
 
 A cell is closed-loop load from `--processes` client processes sharing the size's connections (`--concurrency`,
 size:connections; each connection a thread with its own client object or socket). Every connection checks its first
-answer against the float64 product of its own operands (kernels.reference's bound); once all have, `--warmup`
+answer against the float64 product of its own operands (numerics.reference's bound); once all have, `--warmup`
 seconds more, then `--seconds` measured: products/s, p50/p99 latency (ms) of the 200 answers, other answers by
 status. For `client`, also the client's own cost: the mean of (wall time of multiply - the server's timing
 "total") per product, beside that mean server total.
@@ -70,7 +70,6 @@ import numpy as np
 import orjson
 
 from app.client import MatmulClient, MatmulServiceError
-from kernels.reference import Reference
 from matmul_tools.bodies import load_npy
 from matmul_tools.raw_load import (
     Answer,
@@ -82,6 +81,7 @@ from matmul_tools.raw_load import (
 )
 from matmul_tools.service import ROOT, LocalService, NotReady, free_port, service_command
 from matmul_tools.together import CLOSED, StartSignal, TogetherPool
+from numerics.reference import Reference
 
 ClientKind = Literal["client", "triton", "raw-npy", "raw-v2"]
 CLIENT_KINDS: tuple[ClientKind, ...] = ("client", "triton", "raw-npy", "raw-v2")

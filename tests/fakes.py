@@ -20,7 +20,7 @@ from app.engine import EngineFront, KernelInfo, LocalEngine, Outcome, Plan, Prod
 from app.engine.base import AUTO, Finished, Outputs, Pairs
 from app.engine.cpu import CpuBackend
 from app.shared_memory import Matrix
-from kernels.precision import Precision
+from numerics.precision import Precision
 
 BLAS = "blas"
 GATE_TIMEOUT_S = 10

@@ -18,8 +18,8 @@ from app.engine.device_worker import DeviceWorker
 from app.errors import InvalidParameter, ShapeMismatch
 from app.product import RooflineModel
 from app.shared_memory import Matrix, SharedOutput
-from kernels.precision import Precision
-from kernels.roofline import DevicePeaks
+from numerics.precision import Precision
+from numerics.roofline import DevicePeaks
 
 ROOFLINE = RooflineModel(
     flops=0, global_bytes=0, intensity=None, peak_gflops=None, peak_fraction=None, global_gbps=None, dram_gbps=None

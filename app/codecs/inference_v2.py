@@ -21,7 +21,7 @@ from app.codecs.npy import data_bytes
 from app.codecs.operands import Body, Limits, Operands, RequestOptions, check_shape
 from app.errors import BadRequest, InvalidMatrix, InvalidParameter, MalformedPayload, SharedMemoryError
 from app.shared_memory import Matrix, SharedOutput, SharedTensor
-from kernels.precision import Precision
+from numerics.precision import Precision
 
 HEADER_LENGTH = "Inference-Header-Content-Length"
 BINARY_MEDIA_TYPE = "application/octet-stream"

@@ -40,8 +40,8 @@ from app.engine.base import DeviceTiming
 from app.engine.staging import cast_into, check_in_format
 from app.errors import DeviceLost, NotReady, Overloaded, SharedMemoryError, error_of
 from app.shared_memory import Matrix, SharedOutput, SharedTensor
-from kernels.precision import Precision
-from kernels.roofline import DevicePeaks
+from numerics.precision import Precision
+from numerics.roofline import DevicePeaks
 
 log = logging.getLogger(__name__)
 

@@ -50,7 +50,7 @@ from app.engine import BatchPolicy, DeviceWorker, EngineState, Outcome
 from app.engine.base import Backend
 from app.engine.cpu import CpuBackend
 from app.errors import InvalidParameter, MatmulError, NotReady, SharedMemoryError
-from kernels.precision import OPERAND_FORMATS
+from numerics.precision import OPERAND_FORMATS
 
 log = logging.getLogger("app.engine_process")
 

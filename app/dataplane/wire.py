@@ -33,7 +33,7 @@ from typing import Any, Literal
 import msgspec
 
 from app.engine.base import KernelInfo, ProductRequest
-from kernels.roofline import DevicePeaks
+from numerics.roofline import DevicePeaks
 
 PROTOCOL_VERSION = 1
 """Raised whenever a message changes in a way an older reader could not decode."""

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from kernels.precision import Precision
+from numerics.precision import Precision
 
 AUTO_REPEATS = 5
 """Launches timed per kernel and class, after one untimed warm-up launch."""

@@ -10,9 +10,9 @@ import numpy as np
 
 from app.engine.autotune import AutoChoice
 from app.errors import InvalidParameter
-from kernels.precision import Precision
-from kernels.registry import LaunchConfig, minimum_global_elements
-from kernels.roofline import DevicePeaks
+from kernels.registry import LaunchConfig
+from numerics.precision import Precision
+from numerics.roofline import DevicePeaks, minimum_global_elements
 
 AUTO = "auto"
 CUBLAS = "cublas"
@@ -42,7 +42,7 @@ class KernelInfo:
     tiles: tuple[int, ...] = ()
     default_tile: int | None = None
     precisions: tuple[str, ...] = (Precision.FP32,)
-    """The precisions it computes in (kernels/precision.py)."""
+    """The precisions it computes in (numerics/precision.py)."""
 
 
 ALL_PRECISIONS = tuple(Precision)
@@ -86,7 +86,7 @@ class Plan:
     tile: int | None = None
     config: LaunchConfig | None = field(default=None, compare=False)
     precision: Precision = Precision.FP32
-    """How the multiplier rounds the float32 operands (kernels/precision.py); fp32 for float64 products."""
+    """How the multiplier rounds the float32 operands (numerics/precision.py); fp32 for float64 products."""
 
     def global_elements(self, m: int, n: int, k: int) -> int:
         """The elements an (m, n, k) product moves to and from global memory, for the roofline: as the launch's
@@ -175,7 +175,7 @@ class Backend(Protocol):
 
     @property
     def peaks(self) -> DevicePeaks:
-        """The device's peak FLOP/s per arithmetic (kernels/roofline.py's `roof_name`) and DRAM bandwidth, where
+        """The device's peak FLOP/s per arithmetic (numerics/roofline.py's `roof_name`) and DRAM bandwidth, where
         known."""
         ...
 

@@ -30,9 +30,9 @@ from app.engine.staging import cast_into, check_in_format
 from app.errors import InvalidParameter, SharedMemoryError, UnknownKernel
 from kernels import tensorcore
 from kernels.emulation import EMULATIONS
-from kernels.precision import Precision, float32_emulation
 from kernels.registry import KERNELS
-from kernels.roofline import DevicePeaks
+from numerics.precision import Precision, float32_emulation
+from numerics.roofline import DevicePeaks
 
 EMULATED = "An emulation of the GPU kernel in NumPy, thread for thread (float32: the GPU's bits). The kernel: "
 
@@ -43,7 +43,7 @@ class CpuBackend:
     def __init__(self, reason: str) -> None:
         self.device_name = platform.processor() or platform.machine() or "cpu"
         self.peaks = DevicePeaks()
-        """None known: see kernels.roofline."""
+        """None known: see numerics.roofline."""
         self._reason = reason
 
     def kernels(self) -> list[KernelInfo]:

@@ -61,10 +61,10 @@ from app.errors import (
 from kernels import tensorcore
 from kernels.cublas import cublas_product
 from kernels.cuda import KernelLibrary, TensorCoreLibrary, device_attributes
-from kernels.precision import Precision
-from kernels.reference import Reference
 from kernels.registry import KERNELS, KernelSpec, LaunchConfig, cdiv
-from kernels.roofline import DevicePeaks, gpu_peaks
+from numerics.precision import Precision
+from numerics.reference import Reference
+from numerics.roofline import DevicePeaks, gpu_peaks
 
 # Self-test shape at start-up: no side a multiple of any tile, so every edge guard is exercised.
 SELF_TEST_SHAPE = (67, 45, 39)
@@ -451,7 +451,7 @@ class GpuBackend:
 
     def _self_test(self) -> None:
         """Run every kernel instance once (the warm-up), alone and, where it batches, as a batch of three, and
-        check every element of each product against a float64 one (kernels/reference.py's bound, in the plan's
+        check every element of each product against a float64 one (numerics/reference.py's bound, in the plan's
         precision)."""
         rng = np.random.default_rng(0)
         for plan, dtypes in self._instances():

@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 
 from app.errors import InvalidMatrix
-from kernels.precision import OPERAND_FORMATS, Precision
+from numerics.precision import OPERAND_FORMATS, Precision
 
 
 def cast_into(

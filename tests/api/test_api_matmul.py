@@ -18,9 +18,9 @@ from app.dataplane.engine_client import EngineClient
 from app.engine import Plan
 from app.engine.cpu import CpuBackend
 from app.main import create_app
-from kernels.reference import assert_close_to_reference
 from matmul_tools.bodies import MULTIPART_CONTENT_TYPE, load_npy, multipart_body, npy_bytes, npz_bytes
 from matmul_tools.service import wait_ready_async
+from numerics.reference import assert_close_to_reference
 
 pytestmark = pytest.mark.anyio
 

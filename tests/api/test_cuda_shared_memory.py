@@ -12,8 +12,8 @@ import httpx
 import numpy as np
 import pytest
 
-from kernels.reference import assert_close_to_reference
 from matmul_tools.service import free_port, running_server, uvicorn_command
+from numerics.reference import assert_close_to_reference
 
 pytestmark = pytest.mark.gpu
 httpclient = pytest.importorskip("tritonclient.http", reason="tritonclient[http] is in the test extra")

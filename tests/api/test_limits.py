@@ -16,8 +16,8 @@ from fastapi import FastAPI
 
 from app.config import Settings
 from app.main import create_app
-from kernels.reference import assert_close_to_reference
 from matmul_tools.bodies import MULTIPART_BOUNDARY, multipart_body, npy_bytes, npz_bytes
+from numerics.reference import assert_close_to_reference
 from tests.conftest import _client_for
 
 pytestmark = pytest.mark.anyio

@@ -13,9 +13,9 @@ import numpy as np
 import orjson
 import pytest
 
-from kernels.precision import Precision, input_error
-from kernels.reference import BOUND_CONSTANT, Reference
 from matmul_tools.bodies import MULTIPART_CONTENT_TYPE, inference_v2_body, load_npy, multipart_body, npy_bytes
+from numerics.precision import Precision, input_error
+from numerics.reference import BOUND_CONSTANT, Reference
 
 pytestmark = pytest.mark.anyio
 

@@ -14,8 +14,8 @@ import httpx
 import numpy as np
 import pytest
 
-from kernels.reference import assert_close_to_reference
 from matmul_tools.service import LocalService, free_port, running_server, uvicorn_command
+from numerics.reference import assert_close_to_reference
 
 httpclient = pytest.importorskip("tritonclient.http", reason="tritonclient[http] is in the test extra")
 shm = pytest.importorskip("tritonclient.utils.shared_memory", reason="tritonclient[http] is in the test extra")

@@ -23,10 +23,10 @@ from app.engine.cpu import CpuBackend
 from app.errors import Overloaded
 from app.main import create_app
 from app.shared_memory import Matrix, SharedOutput
-from kernels.reference import assert_close_to_reference
-from kernels.roofline import DevicePeaks
 from matmul_tools.bodies import load_npy, npy_bytes
 from matmul_tools.service import wait_ready_async
+from numerics.reference import assert_close_to_reference
+from numerics.roofline import DevicePeaks
 from tests.fakes import until
 
 pytestmark = pytest.mark.anyio

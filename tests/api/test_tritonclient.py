@@ -7,8 +7,8 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 
-from kernels.reference import assert_close_to_reference
 from matmul_tools.service import free_port, running_server, uvicorn_command
+from numerics.reference import assert_close_to_reference
 
 httpclient = pytest.importorskip("tritonclient.http", reason="tritonclient[http] is in the test extra")
 from tritonclient.utils import InferenceServerException  # noqa: E402

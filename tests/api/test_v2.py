@@ -9,8 +9,8 @@ import pytest
 
 from app import codecs
 from app.client import encode_payload
-from kernels.reference import assert_close_to_reference
 from matmul_tools.bodies import load_npy
+from numerics.reference import assert_close_to_reference
 from tests.fakes import record_staging
 
 pytestmark = pytest.mark.anyio

@@ -14,9 +14,9 @@ import pytest
 from app.cli import ENV_PREFIX, client_main
 from app.client import FORMATS
 from app.config import Settings
-from kernels.reference import assert_close_to_reference
 from matmul_tools.raw_http import status_of_a_large_header
 from matmul_tools.service import free_port, running_server, uvicorn_command
+from numerics.reference import assert_close_to_reference
 
 SCRIPTS = Path(sys.executable).parent
 

@@ -28,7 +28,7 @@ from app.client import (
     encode_payload,
     parse_server_timing,
 )
-from kernels.reference import assert_close_to_reference
+from numerics.reference import assert_close_to_reference
 from tests.conftest import SERVED_MAX_BODY_BYTES
 
 PHASES = ["read", "decode", "stage", "handoff", "queue", "h2d", "kernel", "d2h", "encode", "total"]

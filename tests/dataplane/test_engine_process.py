@@ -23,8 +23,8 @@ from app.dataplane.slab import Arena
 from app.dataplane.supervisor import EngineSupervisor
 from app.engine import EngineState, ProductRequest
 from app.errors import DeviceLost, NotReady, Overloaded, SharedMemoryError, UnknownKernel
-from kernels.reference import assert_close_to_reference
-from kernels.roofline import DevicePeaks
+from numerics.reference import assert_close_to_reference
+from numerics.roofline import DevicePeaks
 from tests.fakes import multiply, until
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(120)]

@@ -14,7 +14,7 @@ import pytest
 
 from app.config import Settings
 from app.dataplane.engine_client import EngineClient
-from kernels.reference import assert_close_to_reference
+from numerics.reference import assert_close_to_reference
 from tests.fakes import multiply, record_staging, until
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(120)]

@@ -23,7 +23,7 @@ from app.dataplane.supervisor import EngineSupervisor
 from app.engine import EngineState
 from app.errors import SharedMemoryError
 from app.shared_memory import SharedOutput, SharedTensor
-from kernels.reference import assert_close_to_reference
+from numerics.reference import assert_close_to_reference
 from tests.fakes import multiply, until
 
 pytestmark = pytest.mark.timeout(120)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from app.engine.autotune import SHAPE_CLASSES, AutoChoice, pick_auto, shape_class_of
-from kernels.precision import Precision
+from numerics.precision import Precision
 
 
 @pytest.mark.parametrize(

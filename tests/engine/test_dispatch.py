@@ -17,7 +17,7 @@ import pytest
 
 from app.engine import BatchPolicy, DeviceWorker, EngineState, LocalEngine, Outcome
 from app.errors import DeviceLost, InvalidInput, NotReady
-from kernels.reference import assert_close_to_reference
+from numerics.reference import assert_close_to_reference
 from tests.fakes import BLAS, GATE_TIMEOUT_S, SteeredBackend, multiply, until
 
 pytestmark = pytest.mark.anyio

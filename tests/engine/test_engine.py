@@ -31,8 +31,8 @@ from app.engine.base import Finished, Outputs
 from app.engine.cpu import CpuBackend
 from app.errors import DeviceFailure, DeviceOutOfMemory, NotReady
 from app.main import create_app
-from kernels.roofline import DevicePeaks
 from matmul_tools.service import wait_ready_async
+from numerics.roofline import DevicePeaks
 from tests.fakes import multiply
 
 pytestmark = pytest.mark.anyio

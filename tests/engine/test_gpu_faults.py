@@ -12,9 +12,9 @@ import pytest
 
 from app.config import Settings
 from app.main import create_app
-from kernels.reference import assert_close_to_reference
 from matmul_tools.bodies import npy_bytes
 from matmul_tools.service import free_port, running_server, uvicorn_command
+from numerics.reference import assert_close_to_reference
 from tests.conftest import _client_for
 
 pytestmark = pytest.mark.gpu

@@ -10,7 +10,7 @@ import pytest
 
 from app.engine.staging import PARALLEL_BYTES, cast_into, cast_into_parallel, check_in_format
 from app.errors import InvalidMatrix
-from kernels.precision import Precision, to_bf16, to_fp16, to_tf32
+from numerics.precision import Precision, to_bf16, to_fp16, to_tf32
 
 ROWS = 1024
 COLUMNS = PARALLEL_BYTES // (4 * ROWS)

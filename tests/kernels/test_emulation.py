@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 from kernels.emulation import EMULATIONS
-from kernels.reference import assert_close_to_reference
 from kernels.registry import KERNELS, LaunchConfig
+from numerics.reference import assert_close_to_reference
 from tests.conftest import EDGE_SHAPES
 
 # (m, k, n): the edge shapes every kernel is checked on, the self-test's, a k that spans several tiles, and empty

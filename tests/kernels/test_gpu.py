@@ -12,11 +12,11 @@ import pytest
 from app.engine.base import CUBLAS, Plan, ProductRequest
 from kernels.cublas import cublas_product
 from kernels.emulation import EMULATIONS
-from kernels.precision import Precision
-from kernels.reference import Reference, assert_close_to_reference
 from kernels.registry import KERNELS, KernelSpec, LaunchConfig, cdiv
-from kernels.roofline import FMA_LANES
 from matmul_tools.bodies import load_npy, npy_bytes
+from numerics.precision import Precision
+from numerics.reference import Reference, assert_close_to_reference
+from numerics.roofline import FMA_LANES
 from tests.conftest import EDGE_SHAPES
 
 pytestmark = pytest.mark.gpu
@@ -423,7 +423,7 @@ async def test_the_service_on_the_gpu_backend(gpu_client: httpx.AsyncClient) -> 
 @pytest.mark.parametrize(("m", "k", "n"), [(256, 256, 256), (17, 33, 9), (1, 5, 300), (1000, 1, 1000), (300, 4099, 65)])
 def test_cublas_in_each_precision_is_within_its_bound(precision: Precision, m: int, k: int, n: int) -> None:
     """The library every tensor-core rung is measured against, checked as the rungs will be: every element of an
-    output poisoned with NaN within the precision's bound (kernels/precision.py)."""
+    output poisoned with NaN within the precision's bound (numerics/precision.py)."""
     import cupy as cp
 
     rng = cp.random.default_rng(m + k + n)
@@ -454,7 +454,7 @@ def test_the_precisions_device_conversions_round_as_the_array_ones() -> None:
     import cupy as cp
 
     from kernels.cublas import _device_conversion
-    from kernels.precision import bf16_bits, split_tf32
+    from numerics.precision import bf16_bits, split_tf32
 
     rng = np.random.default_rng(65)
     x = (rng.standard_normal(1 << 20) * 10.0 ** rng.integers(-30, 30, 1 << 20)).astype(np.float32)

@@ -1,7 +1,7 @@
 """On an H100 or H200: kernels/wgmma.cu and kernels/mma_sync.cu in each of their tensor-core precisions against a
-float64 product, within the bound kernels/precision.py derives per mode, and kernels/dmma.cu's float64 products within
+float64 product, within the bound numerics/precision.py derives per mode, and kernels/dmma.cu's float64 products within
 float64's, on square, odd and degenerate shapes; kernels/operands.cu's conversions bit for bit against
-kernels/precision.py's; own 3xTF32 as accurate as SGEMM; and the service running them."""
+numerics/precision.py's; own 3xTF32 as accurate as SGEMM; and the service running them."""
 
 from __future__ import annotations
 
@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 
 from kernels import tensorcore
-from kernels.precision import Precision, bf16_bits, split_tf32, to_fp16, to_tf32
-from kernels.reference import Reference
 from kernels.registry import KERNELS
+from numerics.precision import Precision, bf16_bits, split_tf32, to_fp16, to_tf32
+from numerics.reference import Reference
 from tests.conftest import EDGE_SHAPES
 
 pytestmark = pytest.mark.gpu

@@ -9,8 +9,8 @@ import pytest
 
 from kernels import tensorcore
 from kernels.cuda import compile_tensor_core_source
-from kernels.precision import Precision
 from kernels.registry import MAX_DYNAMIC_SMEM, cdiv
+from numerics.precision import Precision
 from tests.kernels.test_kernel_sources import _nvrtc_missing
 
 SPILLS = re.compile(r"(?P<stores>\d+) bytes spill stores, (?P<loads>\d+) bytes spill loads")

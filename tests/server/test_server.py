@@ -9,10 +9,10 @@ import httpx
 import numpy as np
 import pytest
 
-from kernels.reference import assert_close_to_reference
 from matmul_tools.bodies import load_npy, npy_bytes
 from matmul_tools.raw_http import status_of_a_large_header
 from matmul_tools.service import free_port, running_server, uvicorn_command
+from numerics.reference import assert_close_to_reference
 
 
 def exercise(client: httpx.Client, backend: str) -> None:

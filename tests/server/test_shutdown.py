@@ -13,10 +13,10 @@ from collections.abc import Iterator
 import httpx
 import numpy as np
 
-from kernels.reference import assert_close_to_reference
 from matmul_tools.bodies import load_npy, npy_bytes
 from matmul_tools.prometheus import sample_sums
 from matmul_tools.service import free_port, serving, uvicorn_command, wait_ready
+from numerics.reference import assert_close_to_reference
 from tests.scripts import ROOT
 
 

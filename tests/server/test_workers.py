@@ -14,9 +14,9 @@ import httpx
 import numpy as np
 import pytest
 
-from kernels.reference import assert_close_to_reference
 from matmul_tools.bodies import load_npy, npy_bytes
 from matmul_tools.service import LocalService, free_port
+from numerics.reference import assert_close_to_reference
 
 # a process tree started and stopped per test
 pytestmark = pytest.mark.timeout(180)

@@ -25,7 +25,7 @@ from app.api.v2.statistics import StatisticsDep
 from app.config import SharedMemoryKind
 from app.errors import MatmulError
 from app.service import Stopwatch
-from kernels.precision import input_error
+from numerics.precision import input_error
 
 router = APIRouter(prefix=PROTOCOL_PREFIX, tags=["inference protocol v2"])
 _ERROR = protocol_error("The protocol's error answer.")

@@ -26,7 +26,7 @@ from types import MappingProxyType
 
 import numpy as np
 
-from kernels.precision import Precision
+from numerics.precision import Precision
 
 FMA_LANES: MappingProxyType[tuple[int, int], tuple[int, int]] = MappingProxyType(
     {
@@ -111,6 +111,12 @@ class Roofline:
     peak_fraction: float | None
     global_gbps: float | None
     dram_gbps: float | None
+
+
+def minimum_global_elements(m: int, n: int, k: int) -> int:
+    """The fewest elements any m x n x k product moves: A and B read once, C written once. The roofline's
+    traffic for the libraries (cuBLAS, NumPy's BLAS), whose access patterns are not ours to count."""
+    return m * k + k * n + m * n
 
 
 def roofline(

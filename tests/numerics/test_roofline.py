@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 
 from kernels.cuda import device_attributes
-from kernels.precision import Precision
-from kernels.registry import KERNELS, minimum_global_elements
-from kernels.roofline import DevicePeaks, gpu_peaks, roofline
+from kernels.registry import KERNELS
 from matmul_tools.bodies import npy_bytes
+from numerics.precision import Precision
+from numerics.roofline import DevicePeaks, gpu_peaks, minimum_global_elements, roofline
 
 
 @pytest.mark.parametrize(

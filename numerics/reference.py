@@ -60,7 +60,7 @@ from typing import Any
 import numpy as np
 from numpy.typing import DTypeLike
 
-from kernels.precision import Precision, float32_sums, input_error
+from numerics.precision import Precision, float32_sums, input_error
 
 BOUND_CONSTANT = 4.0
 """c of the bound |C - R| <= c * sqrt(k) * u * (|A| @ |B|); see the module's docstring for why 4."""
@@ -93,7 +93,7 @@ class Reference:
         """The reference of a product computed in `dtype` from a and b (2-D, or stacks of them): the operands are
         cast into `dtype` first, as the engine casts them, so that their own rounding is not counted as error.
         A `precision` other than fp32 (float32 only) rounds the operands further on the way into the multiplier:
-        that rounding is the product's error, and its term is added (kernels/precision.py says why this form):
+        that rounding is the product's error, and its term is added (numerics/precision.py says why this form):
 
             |C - R| <= c * (input_error * sqrt((A*A) @ (B*B)) + sums * sqrt(k) * u * (|A| @ |B|))
         """

@@ -1,4 +1,4 @@
-"""The precisions' roundings, emulated on the CPU, and the bound each adds (kernels/precision.py): the conversions
+"""The precisions' roundings, emulated on the CPU, and the bound each adds (numerics/precision.py): the conversions
 round to nearest, ties to even, bit for bit; every mode's product passes its own bound and fails a tighter one."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kernels.precision import (
+from numerics.precision import (
     BF16,
     BF16_UNIT_ROUNDOFF,
     FP16,
@@ -23,7 +23,7 @@ from kernels.precision import (
     to_fp16,
     to_tf32,
 )
-from kernels.reference import BOUND_CONSTANT, Reference, unit_roundoff
+from numerics.reference import BOUND_CONSTANT, Reference, unit_roundoff
 
 F32 = np.dtype(np.float32)
 
@@ -113,7 +113,7 @@ def test_each_format_is_its_definition_and_its_rounding_keeps_exactly_its_bits(n
 
 def test_each_unit_roundoff_is_derived_from_its_formats_bits() -> None:
     """u = 2^-(fraction bits + 1), the largest relative error of rounding to nearest; tf32 promises the truncation
-    unit, 2^-10, twice that (kernels/precision.py says why); 3xtf32's split drops terms of u^2 each, three of them."""
+    unit, 2^-10, twice that (numerics/precision.py says why); 3xtf32's split drops terms of u^2 each, three of them."""
     u = {name: 2.0 ** -(bits + 1) for name, (bits, _) in FORMAT_BITS.items()}
     assert (u["fp16"], u["bf16"], 2 * u["tf32"]) == (FP16_UNIT_ROUNDOFF, BF16_UNIT_ROUNDOFF, TF32_UNIT_ROUNDOFF)
     for precision in (Precision.FP16, Precision.BF16, Precision.TF32):

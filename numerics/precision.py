@@ -17,9 +17,9 @@ more float32 sums:
 
 The bound of that term. A term t = a·b computed from rounded operands a(1 + d1)·b(1 + d2), |d| <= u, errs by at
 most e = 2u + u^2 of itself (`input_error`). Summed over k terms, the errors are at most e * (|A| @ |B|) per element,
-but they have either sign and add like a random walk, as the sum's own roundings do (kernels/reference.py), so what
+but they have either sign and add like a random walk, as the sum's own roundings do (numerics/reference.py), so what
 is met is about e times the 2-norm of the terms, sqrt((A*A) @ (B*B)): the probabilistic form (Higham and Mary,
-2019), exact for k = 1. kernels/reference.py checks
+2019), exact for k = 1. numerics/reference.py checks
 
     |C - R| <= c * (e * sqrt((A*A) @ (B*B)) + sums * sqrt(k) * u32 * (|A| @ |B|)),   c = 4.
 
@@ -179,7 +179,7 @@ def emulate(a: Any, b: Any, precision: Precision) -> Any:
 def float32_emulation(a: np.ndarray, b: np.ndarray, precision: Precision) -> np.ndarray:
     """a @ b as `precision` rounds it, on float32 hardware (the CPU backend): the operands rounded as the tensor
     cores see them, the sums in float32 (3xtf32: the three products summed small ones first). Not the tensor
-    cores' bits, whose order of summing differs, but within the same bound (kernels/reference.py)."""
+    cores' bits, whose order of summing differs, but within the same bound (numerics/reference.py)."""
     if precision is Precision.TF32X3:
         (a_big, a_small), (b_big, b_small) = split_tf32(a), split_tf32(b)
         a_small, b_small = to_tf32(a_small), to_tf32(b_small)
