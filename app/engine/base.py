@@ -10,14 +10,13 @@ import numpy as np
 
 from app.engine.autotune import AutoChoice
 from app.errors import InvalidParameter
+from kernels.catalogue import DTYPES, Rung
 from kernels.registry import LaunchConfig
 from numerics.precision import Precision
 from numerics.roofline import DevicePeaks, minimum_global_elements
 
 AUTO = "auto"
-CUBLAS = "cublas"
 NUMPY = "numpy"
-DTYPE_NAMES = ("float32", "float64")
 
 Pairs = Sequence[tuple[np.ndarray, np.ndarray]]
 """The operands of one launch: (a, b) pairs, all of one shape. On the GPU backend an operand may also be a device
@@ -38,7 +37,7 @@ class KernelInfo:
     name: str
     kind: Literal["cuda", "emulation", "library", "auto"]
     summary: str
-    dtypes: tuple[str, ...] = DTYPE_NAMES
+    dtypes: tuple[str, ...] = DTYPES
     tiles: tuple[int, ...] = ()
     default_tile: int | None = None
     precisions: tuple[str, ...] = (Precision.FP32,)
@@ -46,7 +45,19 @@ class KernelInfo:
 
 
 ALL_PRECISIONS = tuple(Precision)
-TENSOR_CORE_PRECISIONS = tuple(precision for precision in Precision if precision is not Precision.FP32)
+
+
+def kernel_info(rung: Rung, kind: Literal["cuda", "emulation"] = "cuda", summary_prefix: str = "") -> KernelInfo:
+    """How `GET /v1/kernels` lists a rung of the catalogue (cuBLAS as a library; an emulation of it, as such)."""
+    return KernelInfo(
+        name=rung.name,
+        kind="library" if rung.launcher == "cublas" else kind,
+        summary=summary_prefix + rung.summary,
+        dtypes=rung.dtypes,
+        tiles=rung.tiles,
+        default_tile=rung.default_tile,
+        precisions=rung.precisions,
+    )
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,6 @@ from app.engine.autotune import AutoChoice
 from app.engine.base import (
     ALL_PRECISIONS,
     AUTO,
-    CUBLAS,
     NUMPY,
     DeviceTiming,
     Finished,
@@ -25,10 +24,11 @@ from app.engine.base import (
     Plan,
     ProductRequest,
     check_fp32_kernel,
+    kernel_info,
 )
 from app.engine.staging import cast_into, check_in_format
 from app.errors import InvalidParameter, SharedMemoryError, UnknownKernel
-from kernels import tensorcore
+from kernels.catalogue import RUNGS
 from kernels.emulation import EMULATIONS
 from kernels.registry import KERNELS
 from numerics.precision import Precision, float32_emulation
@@ -51,16 +51,7 @@ class CpuBackend:
             KernelInfo(
                 name=AUTO, kind="auto", summary="The fastest kernel this backend has: numpy.", precisions=ALL_PRECISIONS
             ),
-            *(
-                KernelInfo(
-                    name=spec.name,
-                    kind="emulation",
-                    summary=EMULATED + spec.summary,
-                    tiles=spec.tiles,
-                    default_tile=spec.default_tile,
-                )
-                for spec in (KERNELS[name] for name in EMULATIONS)
-            ),
+            *(kernel_info(RUNGS[name], "emulation", EMULATED) for name in EMULATIONS),
             KernelInfo(
                 name=NUMPY,
                 kind="library",
@@ -81,7 +72,7 @@ class CpuBackend:
             return Plan(kernel=kernel, tile=int(config.label) if spec.tiles else None, config=config)
         if kernel not in (AUTO, NUMPY):
             offered = [info.name for info in self.kernels()]
-            needs_gpu = kernel in KERNELS or kernel in (CUBLAS, *tensorcore.KERNEL_NAMES)
+            needs_gpu = kernel in RUNGS
             raise UnknownKernel(
                 f"kernel '{kernel}' "
                 + ("needs the GPU backend, but this server runs on the CPU" if needs_gpu else "does not exist")

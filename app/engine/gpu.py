@@ -26,7 +26,6 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from time import perf_counter
-from types import MappingProxyType
 from typing import Any, Final
 
 import numpy as np
@@ -36,9 +35,6 @@ from app.engine.autotune import AUTO_REPEATS, SHAPE_CLASSES, AutoChoice, pick_au
 from app.engine.base import (
     ALL_PRECISIONS,
     AUTO,
-    CUBLAS,
-    DTYPE_NAMES,
-    TENSOR_CORE_PRECISIONS,
     DeviceTiming,
     Finished,
     KernelInfo,
@@ -48,6 +44,7 @@ from app.engine.base import (
     Plan,
     ProductRequest,
     check_fp32_kernel,
+    kernel_info,
 )
 from app.engine.staging import cast_into_parallel, check_in_format
 from app.errors import (
@@ -59,9 +56,10 @@ from app.errors import (
     UnknownKernel,
 )
 from kernels import tensorcore
+from kernels.catalogue import CUBLAS, DTYPES, RUNGS, TENSOR_CORE_PRECISIONS, Rung, rungs_on
 from kernels.cublas import cublas_product
 from kernels.cuda import KernelLibrary, TensorCoreLibrary, device_attributes
-from kernels.registry import KERNELS, KernelSpec, LaunchConfig, cdiv
+from kernels.registry import KERNELS, LaunchConfig, cdiv
 from numerics.precision import Precision
 from numerics.reference import Reference
 from numerics.roofline import DevicePeaks, gpu_peaks
@@ -252,30 +250,6 @@ class _GpuLaunch:
         return self.backend._collect(self)
 
 
-TENSOR_CORE_KERNELS: Final = MappingProxyType(
-    {
-        info.name: info
-        for info in (
-            KernelInfo(
-                name=tensorcore.MMA_SYNC,
-                kind="cuda",
-                summary=tensorcore.MMA_SYNC_SUMMARY,
-                dtypes=("float32",),
-                precisions=tuple(tensorcore.MMA_SYNC_CONFIGS),
-            ),
-            KernelInfo(
-                name=tensorcore.WGMMA,
-                kind="cuda",
-                summary=tensorcore.WGMMA_SUMMARY,
-                dtypes=("float32",),
-                precisions=TENSOR_CORE_PRECISIONS,
-            ),
-            KernelInfo(name=tensorcore.DMMA, kind="cuda", summary=tensorcore.DMMA_SUMMARY, dtypes=("float64",)),
-        )
-    }
-)
-"""The kernels only compute capability 9.0 runs (kernels/tensorcore.py), by name, with what each computes in."""
-
 AUTO_PROBE_ELEMENTS = 1 << 24
 """Most elements in one operand stack of auto's batched probe (64 MiB of float32): 32 products of the 256^2
 probe, 16 of 1024^2, 4 of 2048^2, one of 4096^2."""
@@ -326,7 +300,8 @@ class GpuBackend:
             initializer=self._use_device,
         )
         self._auto: list[AutoChoice] = []
-        self._has_tensor_core_kernels = (properties["major"], properties["minor"]) == tensorcore.COMPUTE_CAPABILITY
+        self._compute_capability: tuple[int, int] = (properties["major"], properties["minor"])
+        self._has_tensor_core_kernels = self._compute_capability == tensorcore.COMPUTE_CAPABILITY
         """Whether the tensor-core kernels (sm_90a machine code, kernels/tensorcore.py) run here; elsewhere cuBLAS
         runs the tensor-core precisions, and the FMA kernels and cuBLAS float64."""
         self._tensor_cores: TensorCoreLibrary
@@ -345,23 +320,11 @@ class GpuBackend:
                 summary="The kernel measured fastest at start-up for the shape's class and the precision.",
                 precisions=ALL_PRECISIONS,
             ),
-            *(
-                KernelInfo(
-                    name=spec.name, kind="cuda", summary=spec.summary, tiles=spec.tiles, default_tile=spec.default_tile
-                )
-                for spec in KERNELS.values()
-            ),
-            *self._tensor_core_kernels(),
-            KernelInfo(
-                name=CUBLAS,
-                kind="library",
-                summary="cuBLAS: cupy.matmul in fp32 (TF32 off), GemmEx in the precision's types: the reference.",
-                precisions=ALL_PRECISIONS,
-            ),
+            *(kernel_info(rung) for rung in rungs_on(self._compute_capability)),
         ]
 
-    def _tensor_core_kernels(self) -> list[KernelInfo]:
-        return list(TENSOR_CORE_KERNELS.values()) if self._has_tensor_core_kernels else []
+    def _tensor_core_rungs(self) -> list[Rung]:
+        return rungs_on(self._compute_capability, "tensor_core")
 
     def plan(self, request: ProductRequest) -> Plan:
         kernel, tile, precision, dtype = request.kernel, request.tile, request.precision, request.dtype
@@ -370,16 +333,17 @@ class GpuBackend:
             return Plan(kernel=FAULT_TRAP)
         if kernel == AUTO:
             kernel = pick_auto(self._auto, m, n, k, fallback=CUBLAS, precision=precision, dtype=dtype)
-        if kernel in tensorcore.KERNEL_NAMES and self._has_tensor_core_kernels:
-            return self._tensor_core_plan(kernel, tile, precision, dtype)
-        spec: KernelSpec | None = KERNELS.get(kernel)
-        if spec is None and kernel != CUBLAS:
+        rung = RUNGS.get(kernel)
+        if rung is None or not rung.runs_on(self._compute_capability):
             offered = [info.name for info in self.kernels()]
             raise UnknownKernel(f"kernel '{kernel}' does not exist; this server has {offered}", location=["kernel"])
-        if spec is None:
+        if rung.launcher == "tensor_core":
+            return self._tensor_core_plan(rung, tile, precision, dtype)
+        if rung.launcher == "cublas":
             if tile is not None:
                 raise InvalidParameter(f"tile does not apply to kernel '{kernel}'", location=["tile"])
             return Plan(kernel=kernel, precision=precision)
+        spec = KERNELS[kernel]
         check_fp32_kernel(kernel, precision, CUBLAS)
         try:
             config = spec.config_for(m, n, k, tile)
@@ -392,22 +356,21 @@ class GpuBackend:
         return Plan(kernel=kernel, tile=int(config.label) if spec.tiles else None, config=config)
 
     @staticmethod
-    def _tensor_core_plan(kernel: str, tile: int | None, precision: Precision, dtype: str) -> Plan:
+    def _tensor_core_plan(rung: Rung, tile: int | None, precision: Precision, dtype: str) -> Plan:
         """A plan for one of the kernels only compute capability 9.0 runs, checked against what it computes in."""
         if tile is not None:
-            raise InvalidParameter(f"tile does not apply to kernel '{kernel}'", location=["tile"])
-        info = TENSOR_CORE_KERNELS[kernel]
-        if dtype not in info.dtypes:
+            raise InvalidParameter(f"tile does not apply to kernel '{rung.name}'", location=["tile"])
+        if dtype not in rung.dtypes:
             raise InvalidParameter(
-                f"kernel '{kernel}' computes in {', '.join(info.dtypes)}; this product's dtype is {dtype}",
+                f"kernel '{rung.name}' computes in {', '.join(rung.dtypes)}; this product's dtype is {dtype}",
                 location=["dtype"],
             )
-        if precision not in info.precisions:
+        if precision not in rung.precisions:
             raise InvalidParameter(
-                f"kernel '{kernel}' computes in precision {', '.join(info.precisions)}, not {precision}",
+                f"kernel '{rung.name}' computes in precision {', '.join(rung.precisions)}, not {precision}",
                 location=["precision"],
             )
-        return Plan(kernel=kernel, precision=precision)
+        return Plan(kernel=rung.name, precision=precision)
 
     # ------------------------------------------------------------------------------------ on the worker
 
@@ -422,7 +385,7 @@ class GpuBackend:
             self._trap.compile()
         self._copy_in, self._compute, self._copy_out = (cp.cuda.Stream(non_blocking=True) for _ in range(3))
         self._library = KernelLibrary()
-        self._compiled_instances = len(DTYPE_NAMES) * sum(len(spec.configs) for spec in KERNELS.values())
+        self._compiled_instances = len(DTYPES) * sum(len(spec.configs) for spec in KERNELS.values())
         if self._has_tensor_core_kernels:
             self._tensor_cores = TensorCoreLibrary()
             self._compiled_instances += sum(
@@ -441,13 +404,12 @@ class GpuBackend:
             for config in spec.configs
         ]
         float32: tuple[str, ...] = ("float32",)
-        both: tuple[str, ...] = DTYPE_NAMES
         tensor_core = [(Plan(kernel=CUBLAS, precision=precision), float32) for precision in TENSOR_CORE_PRECISIONS] + [
-            (Plan(kernel=info.name, precision=Precision(precision)), info.dtypes)
-            for info in self._tensor_core_kernels()
-            for precision in info.precisions
+            (Plan(kernel=rung.name, precision=precision), rung.dtypes)
+            for rung in self._tensor_core_rungs()
+            for precision in rung.precisions
         ]
-        return [(plan, both) for plan in fma] + tensor_core
+        return [(plan, DTYPES) for plan in fma] + tensor_core
 
     def _self_test(self) -> None:
         """Run every kernel instance once (the warm-up), alone and, where it batches, as a batch of three, and
@@ -487,7 +449,7 @@ class GpuBackend:
                 {
                     (precision, "float32"): [
                         CUBLAS,
-                        *(info.name for info in self._tensor_core_kernels() if precision in info.precisions),
+                        *(rung.name for rung in self._tensor_core_rungs() if precision in rung.precisions),
                     ]
                     for precision in TENSOR_CORE_PRECISIONS
                 }
@@ -496,7 +458,7 @@ class GpuBackend:
             candidates[(Precision.FP32, "float64")] = [
                 CUBLAS,
                 *KERNELS,
-                *(info.name for info in self._tensor_core_kernels() if "float64" in info.dtypes),
+                *(rung.name for rung in self._tensor_core_rungs() if "float64" in rung.dtypes),
             ]
         choices = []
         for (precision, dtype), names in candidates.items():

@@ -9,7 +9,8 @@ import httpx
 import numpy as np
 import pytest
 
-from app.engine.base import CUBLAS, Plan, ProductRequest
+from app.engine.base import Plan, ProductRequest
+from kernels.catalogue import CUBLAS
 from kernels.cublas import cublas_product
 from kernels.emulation import EMULATIONS
 from kernels.registry import KERNELS, KernelSpec, LaunchConfig, cdiv

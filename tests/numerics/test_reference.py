@@ -8,7 +8,7 @@ from collections.abc import Callable
 import numpy as np
 import pytest
 
-from app.engine.base import DTYPE_NAMES
+from kernels import catalogue
 from kernels.emulation import emulate_naive
 from kernels.registry import KERNELS
 from numerics.reference import (
@@ -74,7 +74,7 @@ def _operands(m: int, k: int, n: int, dtype: np.dtype, seed: int) -> tuple[np.nd
 
 
 def test_every_working_dtype_has_its_unit_roundoff() -> None:
-    assert {dtype.name for dtype in UNIT_ROUNDOFF} == set(DTYPE_NAMES)
+    assert {dtype.name for dtype in UNIT_ROUNDOFF} == set(catalogue.DTYPES)
     for dtype in DTYPES:
         assert unit_roundoff(dtype) == unit_roundoff(dtype.name) == float(np.finfo(dtype).eps) / 2
 

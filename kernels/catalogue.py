@@ -1,0 +1,100 @@
+"""Every rung a request may name, in one catalogue: what it computes in, its tiles, the devices it runs on, and how it
+launches. The instances behind each rung are where they are built: the FMA ladder's launch configurations in
+registry.py, the tensor-core kernels' in tensorcore.py; cuBLAS is cuBLAS (cublas.py). The GPU backend lists and plans
+its kernels from here, and the CPU backend names the GPU kernels its emulations stand for from here.
+
+    rung          launcher       dtypes             precisions                   devices
+    naive ..      fma            float32, float64   fp32                         every CUDA GPU
+    fast
+    mma_sync      tensor_core    float32            tf32, bf16, fp16             compute capability 9.0
+    wgmma         tensor_core    float32            tf32, 3xtf32, bf16, fp16     compute capability 9.0
+    dmma          tensor_core    float64            fp32 (float64's own)         compute capability 9.0
+    cublas        cublas         float32, float64   every one                    every CUDA GPU
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Literal
+
+from kernels import tensorcore
+from kernels.registry import KERNELS
+from numerics.precision import Precision
+
+CUBLAS = "cublas"
+DTYPES = ("float32", "float64")
+TENSOR_CORE_PRECISIONS = tuple(precision for precision in Precision if precision is not Precision.FP32)
+
+Launcher = Literal["fma", "tensor_core", "cublas"]
+
+
+@dataclass(frozen=True)
+class Rung:
+    """One kernel a request may name by its `name`."""
+
+    name: str
+    summary: str
+    launcher: Launcher
+    """How it launches: `KernelLibrary` (the FMA ladder, kernels/cuda.py, its instance chosen per shape or tile),
+    `TensorCoreLibrary` (kernels/cuda.py, its instance chosen per precision and shape), or cuBLAS
+    (kernels/cublas.py)."""
+    dtypes: tuple[str, ...] = DTYPES
+    precisions: tuple[Precision, ...] = (Precision.FP32,)
+    """How it rounds the operands (numerics/precision.py); fp32 alone for float64."""
+    tiles: tuple[int, ...] = ()
+    """What a request's `tile` may choose (the FMA ladder's `tiled`)."""
+    default_tile: int | None = None
+    compute_capability: tuple[int, int] | None = None
+    """The one device generation its machine code runs on; None: every CUDA GPU the service runs on."""
+
+    def runs_on(self, compute_capability: tuple[int, int]) -> bool:
+        return self.compute_capability in (None, compute_capability)
+
+
+RUNGS: MappingProxyType[str, Rung] = MappingProxyType(
+    {
+        rung.name: rung
+        for rung in (
+            *(
+                Rung(spec.name, spec.summary, "fma", tiles=spec.tiles, default_tile=spec.default_tile)
+                for spec in KERNELS.values()
+            ),
+            Rung(
+                tensorcore.MMA_SYNC,
+                tensorcore.MMA_SYNC_SUMMARY,
+                "tensor_core",
+                dtypes=("float32",),
+                precisions=tuple(tensorcore.MMA_SYNC_CONFIGS),
+                compute_capability=tensorcore.COMPUTE_CAPABILITY,
+            ),
+            Rung(
+                tensorcore.WGMMA,
+                tensorcore.WGMMA_SUMMARY,
+                "tensor_core",
+                dtypes=("float32",),
+                precisions=TENSOR_CORE_PRECISIONS,
+                compute_capability=tensorcore.COMPUTE_CAPABILITY,
+            ),
+            Rung(
+                tensorcore.DMMA,
+                tensorcore.DMMA_SUMMARY,
+                "tensor_core",
+                dtypes=("float64",),
+                compute_capability=tensorcore.COMPUTE_CAPABILITY,
+            ),
+            Rung(
+                CUBLAS,
+                "cuBLAS: cupy.matmul in fp32 (TF32 off), GemmEx in the precision's types: the reference.",
+                "cublas",
+                precisions=tuple(Precision),
+            ),
+        )
+    }
+)
+"""Every rung, by name, in the ladder's order: the FMA kernels, the tensor-core kernels, cuBLAS."""
+
+
+def rungs_on(compute_capability: tuple[int, int], launcher: Launcher | None = None) -> list[Rung]:
+    """The rungs a device of this compute capability runs (those of one launcher, when named)."""
+    return [rung for rung in RUNGS.values() if rung.runs_on(compute_capability) and launcher in (None, rung.launcher)]
