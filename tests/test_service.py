@@ -4,6 +4,7 @@ stopwatch in milliseconds, GFLOP/s as the launch's 2*m*n*k / kernel time."""
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
 from time import perf_counter
 
 import numpy as np
@@ -12,14 +13,14 @@ import pytest
 from app import service
 from app.codecs import Limits, Operands, RequestOptions
 from app.config import Settings
-from app.engine import DeviceTiming, LocalEngine, Outcome, Plan, ProductRequest
-from app.engine.cpu import CpuBackend
+from app.engine import DeviceTiming, EngineState, Outcome, Plan, ProductRequest
 from app.engine.device_worker import DeviceWorker
 from app.errors import InvalidParameter, ShapeMismatch
 from app.product import RooflineModel
-from app.shared_memory import Matrix, SharedOutput
+from kernels.registry import KERNELS
 from numerics.precision import Precision
 from numerics.roofline import DevicePeaks
+from tests.fakes import RecordingEngine, SteeredBackend, until
 
 ROOFLINE = RooflineModel(
     flops=0, global_bytes=0, intensity=None, peak_gflops=None, peak_fraction=None, global_gbps=None, dram_gbps=None
@@ -149,61 +150,40 @@ def test_the_stopwatch_counts_milliseconds_since_the_request_arrived(monkeypatch
 # ------------------------------------------------------------------------------------------------ the run
 
 
-class RecordingEngine(LocalEngine):
-    """An engine that remembers what each product was handed to it with."""
-
-    def __init__(self) -> None:
-        super().__init__(DeviceWorker(CpuBackend("tests"), queue_size=2))
-        self.calls: list[tuple[ProductRequest, float | None]] = []
-
-    async def matmul(
-        self,
-        a: Matrix,
-        b: Matrix,
-        request: ProductRequest,
-        timeout_s: float | None,
-        into: SharedOutput | None = None,
-        out: np.ndarray | None = None,
-    ) -> Outcome:
-        self.calls.append((request, timeout_s))
-        assert isinstance(a, np.ndarray) and isinstance(b, np.ndarray)
-        return Outcome(
-            c=np.asarray(a, request.dtype) @ np.asarray(b, request.dtype),
-            plan=Plan(kernel=request.kernel, tile=request.tile),
-            queue_ms=0.0,
-            device=DeviceTiming(h2d_ms=0.0, kernel_ms=2.0, d2h_ms=0.0),
-            device_name="recorded",
-            peaks=DevicePeaks(),
-            global_elements=a.size + b.size + a.shape[0] * b.shape[1],
-            batch_size=3,
-        )
+@pytest.fixture
+async def engine() -> AsyncIterator[RecordingEngine]:
+    """An in-process engine over the CPU backend whose launches report 2 ms of kernel time."""
+    recording = RecordingEngine(DeviceWorker(SteeredBackend(DeviceTiming(0.0, 2.0, 0.0)), queue_size=2))
+    recording.start()
+    await until(lambda: recording.state is EngineState.READY)
+    yield recording
+    await recording.stop()
 
 
 @pytest.mark.anyio
 @pytest.mark.parametrize(("deadline_s", "queue_s"), [(None, 5.0), (2.0, 2.0), (5.0, 5.0), (9.0, 5.0)])
 async def test_run_hands_the_engine_its_options_and_the_capped_deadline(
-    monkeypatch: pytest.MonkeyPatch, deadline_s: float | None, queue_s: float
+    engine: RecordingEngine, monkeypatch: pytest.MonkeyPatch, deadline_s: float | None, queue_s: float
 ) -> None:
-    engine = RecordingEngine()
     settings = Settings(backend="cpu", max_dim=8, max_elements=40, max_result_elements=12, request_timeout_s=5.0)
     matmul = service.MatmulService(engine, settings)
     assert matmul.limits == LIMITS and matmul.max_queue_s == 5.0
     a, b = np.arange(6.0).reshape(2, 3), np.ones((3, 4))
     clock = service.Stopwatch(received=1.0, read=1.0, decoded=1.0)
     monkeypatch.setattr(service, "perf_counter", lambda: 4.0)
-    product = await matmul.run(Operands(a=a, b=b), RequestOptions(kernel="k", tile=4), deadline_s, clock)
-    assert engine.calls == [(ProductRequest(2, 4, 3, "float64", "k", 4, Precision.FP32), queue_s)]
+    product = await matmul.run(Operands(a=a, b=b), RequestOptions(kernel="tiled", tile=8), deadline_s, clock)
+    assert engine.calls == [(ProductRequest(2, 4, 3, "float64", "tiled", 8, Precision.FP32), queue_s)]
     assert (product.m, product.k, product.n, product.dtype, product.backend) == (2, 3, 4, np.dtype(np.float64), "cpu")
     assert clock.computed == 4.0 and product.clock is clock
     np.testing.assert_array_equal(product.c, a @ b)
-    # one product's work and traffic (float64), moved by a launch of 3 products in 2 ms
-    assert (product.roofline.flops, product.roofline.global_bytes) == (2 * 2 * 3 * 4, (6 + 12 + 8) * 8)
-    assert product.roofline.global_gbps == pytest.approx(208 * 3 / 2e-3 / 1e9, rel=1e-12)
+    # the product's work, and the traffic of `tiled` with 8x8 tiles (float64), moved in 2 ms
+    global_bytes = KERNELS["tiled"].config_for(2, 4, 3, 8).global_elements(2, 4, 3) * 8
+    assert (product.roofline.flops, product.roofline.global_bytes) == (2 * 2 * 3 * 4, global_bytes)
+    assert product.roofline.global_gbps == pytest.approx(global_bytes / 2e-3 / 1e9, rel=1e-12)
 
 
 @pytest.mark.anyio
-async def test_run_asks_for_auto_when_no_kernel_is_named_and_checks_first() -> None:
-    engine = RecordingEngine()
+async def test_run_asks_for_auto_when_no_kernel_is_named_and_checks_first(engine: RecordingEngine) -> None:
     matmul = service.MatmulService(engine, Settings(backend="cpu", max_result_elements=12))
     operands = Operands(a=np.ones((2, 3), np.float32), b=np.ones((3, 4), np.float32))
     await matmul.run(operands, RequestOptions(), None, service.Stopwatch())

@@ -7,8 +7,7 @@ events."""
 from __future__ import annotations
 
 import asyncio
-import threading
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 
 import httpx
 import numpy as np
@@ -17,17 +16,14 @@ from fastapi import FastAPI
 
 from app.api.deps import get_engine
 from app.config import Settings
-from app.engine import DeviceTiming, DeviceWorker, LocalEngine, Outcome, Plan, ProductRequest
-from app.engine.base import Finished, Outputs, Pairs
-from app.engine.cpu import CpuBackend
+from app.engine import DeviceTiming, DeviceWorker, LocalEngine
 from app.errors import Overloaded
 from app.main import create_app
-from app.shared_memory import Matrix, SharedOutput
 from matmul_tools.bodies import load_npy, npy_bytes
 from matmul_tools.service import wait_ready_async
 from numerics.reference import assert_close_to_reference
 from numerics.roofline import DevicePeaks
-from tests.fakes import until
+from tests.fakes import RecordingEngine, SteeredBackend, until
 
 pytestmark = pytest.mark.anyio
 
@@ -40,47 +36,6 @@ GFLOPS = FLOPS / (KNOWN.kernel_ms * 1e6)
 """12000 FLOPs in 2 microseconds: 6 GFLOP/s."""
 GUARD_S = 30
 """How long a test waits for an answer it expects: only a hang guard, far longer than any of them takes."""
-
-
-class KnownTimesBackend(CpuBackend):
-    """The CPU backend's products, with device times and peaks the test knows; with `hold` set, each launch waits
-    for the test to release it (`entered` says one is waiting)."""
-
-    def __init__(self, hold: bool = False) -> None:
-        super().__init__("tests")
-        self.peaks = PEAKS
-        self.hold = hold
-        self.entered = threading.Semaphore(0)
-        self.release = threading.Semaphore(0)
-
-    def submit(
-        self, pairs: Pairs, dtype: np.dtype, plan: Plan, on_done: Callable[[], None], outputs: Outputs = None
-    ) -> Finished:
-        if self.hold:
-            self.entered.release()
-            assert self.release.acquire(timeout=GUARD_S), "the test never released the launch"
-        products = super().submit(pairs, dtype, plan, on_done, outputs).products
-        return Finished(products, KNOWN)
-
-
-class RecordingEngine(LocalEngine):
-    """An engine that remembers the queue deadline each product is handed."""
-
-    def __init__(self, worker: DeviceWorker) -> None:
-        super().__init__(worker)
-        self.deadlines: list[float | None] = []
-
-    async def matmul(
-        self,
-        a: Matrix,
-        b: Matrix,
-        request: ProductRequest,
-        timeout_s: float | None,
-        into: SharedOutput | None = None,
-        out: np.ndarray | None = None,
-    ) -> Outcome:
-        self.deadlines.append(timeout_s)
-        return await super().matmul(a, b, request, timeout_s, into=into, out=out)
 
 
 async def _serving(app: FastAPI, engine: LocalEngine) -> AsyncIterator[httpx.AsyncClient]:
@@ -96,7 +51,7 @@ async def _serving(app: FastAPI, engine: LocalEngine) -> AsyncIterator[httpx.Asy
 
 @pytest.fixture
 async def known() -> AsyncIterator[httpx.AsyncClient]:
-    engine = LocalEngine(DeviceWorker(KnownTimesBackend(), queue_size=4))
+    engine = LocalEngine(DeviceWorker(SteeredBackend(KNOWN, PEAKS), queue_size=4))
     async for client in _serving(create_app(Settings(backend="cpu", access_log=False)), engine):
         yield client
 
@@ -182,20 +137,21 @@ async def test_an_inference_answer_carries_them_in_its_parameters_and_server_tim
 
 
 async def test_the_deadline_a_request_asks_for_is_capped_at_the_request_timeout() -> None:
-    engine = RecordingEngine(DeviceWorker(KnownTimesBackend(), queue_size=4))
+    engine = RecordingEngine(DeviceWorker(SteeredBackend(KNOWN, PEAKS), queue_size=4))
     app = create_app(Settings(backend="cpu", request_timeout_s=2.5, access_log=False))
     async for client in _serving(app, engine):
         for sent in (None, "1", "2.5", "2.5001", "86400"):
             headers = {} if sent is None else {"x-request-timeout": sent}
             r = await client.post("/matmul", json={"a": [[2.0]], "b": [[3.0]]}, headers=headers)
             assert r.status_code == 200, r.text
-    assert engine.deadlines == [2.5, 1.0, 2.5, 2.5, 2.5]
+    assert [deadline for _, deadline in engine.calls] == [2.5, 1.0, 2.5, 2.5, 2.5]
 
 
 async def test_a_product_held_in_the_queue_gets_504_at_the_capped_deadline_not_the_one_asked_for() -> None:
     """A day asked for, a quarter of a second allowed: the product queued behind a held launch is dropped with 504
     once the settings' deadline passes (without the cap the test would hang until its guard)."""
-    backend = KnownTimesBackend(hold=True)
+    backend = SteeredBackend(KNOWN, PEAKS)
+    backend.gate.clear()
     engine = LocalEngine(DeviceWorker(backend, queue_size=4))
     app = create_app(Settings(backend="cpu", request_timeout_s=0.25, access_log=False))
     async for client in _serving(app, engine):
@@ -205,13 +161,14 @@ async def test_a_product_held_in_the_queue_gets_504_at_the_capped_deadline_not_t
         late = await asyncio.wait_for(queued, GUARD_S)
         assert late.status_code == 504, late.text
         assert "still queued after its deadline of 0.25 s and was dropped" in late.json()["message"]
-        backend.release.release()
+        backend.gate.set()
         assert (await asyncio.wait_for(running, GUARD_S)).json()["result"] == [[1.0]]
 
 
 async def test_the_queue_holds_exactly_queue_size_products() -> None:
     """MATMUL_QUEUE_SIZE = 2: with one product on the device, two more wait and the third is 503 at once."""
-    backend = KnownTimesBackend(hold=True)
+    backend = SteeredBackend(KNOWN, PEAKS)
+    backend.gate.clear()
     engine = LocalEngine(DeviceWorker(backend, queue_size=2))
     app = create_app(Settings(backend="cpu", retry_after_s=7, access_log=False))
     async for client in _serving(app, engine):
@@ -226,7 +183,6 @@ async def test_the_queue_holds_exactly_queue_size_products() -> None:
         refused = await asyncio.wait_for(client.post("/matmul", json={"a": [[4.0]], "b": [[1.0]]}), GUARD_S)
         assert refused.status_code == 503 and refused.headers["retry-after"] == "7"
         assert "queue is full (2 waiting)" in refused.json()["message"]
-        for _ in products:
-            backend.release.release()
+        backend.gate.set()
         answers = await asyncio.wait_for(asyncio.gather(*products), GUARD_S)
         assert [r.json()["result"] for r in answers] == [[[1.0]], [[2.0]], [[3.0]]]

@@ -7,7 +7,7 @@ import gc
 import threading
 import weakref
 from collections.abc import AsyncIterator, Callable, Sequence
-from typing import Any, Final
+from typing import Any
 
 import httpx
 import numpy as np
@@ -20,92 +20,18 @@ from app.engine import (
     DeviceTiming,
     DeviceWorker,
     EngineState,
-    KernelInfo,
     LocalEngine,
     Outcome,
     Plan,
-    ProductRequest,
 )
-from app.engine.autotune import AutoChoice
-from app.engine.base import Finished, Outputs
+from app.engine.base import Outputs
 from app.engine.cpu import CpuBackend
 from app.errors import DeviceFailure, DeviceOutOfMemory, NotReady
 from app.main import create_app
 from matmul_tools.service import wait_ready_async
-from numerics.roofline import DevicePeaks
-from tests.fakes import multiply
+from tests.fakes import SteeredBackend, multiply
 
 pytestmark = pytest.mark.anyio
-
-
-class GatedBackend:
-    """Multiplies with NumPy, but only as far as the test lets it: each gate is opened by the test."""
-
-    name: Final = "cpu"
-
-    def __init__(self, prepare_error: Exception | None = None, device_name: str = "test device") -> None:
-        self.device_name = device_name
-        self.prepared = threading.Event()
-        self.step = threading.Semaphore(0)
-        self.started = threading.Semaphore(0)
-        self.prepare_error = prepare_error
-        self.multiplied: list[tuple[int, ...]] = []
-        self.batches: list[int] = []
-        self.fail_next: Exception | None = None
-
-    def kernels(self) -> list[KernelInfo]:
-        return [KernelInfo(name="numpy", kind="library", summary="test")]
-
-    def plan(self, request: ProductRequest) -> Plan:
-        return Plan(kernel="numpy", precision=request.precision)
-
-    def prepare(self) -> None:
-        self.prepared.wait(timeout=10)
-        if self.prepare_error is not None:
-            raise self.prepare_error
-
-    def batchable(self, plan: Plan) -> bool:
-        return True
-
-    @property
-    def max_in_flight(self) -> int:
-        return 1
-
-    def submit(
-        self,
-        pairs: Sequence[tuple[np.ndarray, np.ndarray]],
-        dtype: np.dtype,
-        plan: Plan,
-        on_done: Callable[[], None],
-        outputs: Outputs = None,
-    ) -> Finished:
-        self.started.release()
-        self.step.acquire(timeout=10)
-        if self.fail_next is not None:
-            error, self.fail_next = self.fail_next, None
-            raise error
-        self.multiplied.extend(a.shape for a, _ in pairs)
-        self.batches.append(len(pairs))
-        return Finished([a @ b for a, b in pairs], DeviceTiming(h2d_ms=0.0, kernel_ms=1.0, d2h_ms=0.0))
-
-    def describe(self) -> dict[str, Any]:
-        return {"name": self.device_name}
-
-    def memory_held(self) -> int:
-        return 0
-
-    def auto_choices(self) -> list[AutoChoice]:
-        return []
-
-    @property
-    def peaks(self) -> DevicePeaks:
-        return DevicePeaks()
-
-    def compiled_instances(self) -> int:
-        return 1 if self.prepared.is_set() else 0
-
-    def close(self) -> None:
-        return None
 
 
 async def _wait(predicate: Any) -> None:
@@ -118,8 +44,10 @@ async def _wait(predicate: Any) -> None:
 
 
 @pytest.fixture
-async def gated() -> AsyncIterator[tuple[GatedBackend, LocalEngine, httpx.AsyncClient]]:
-    backend = GatedBackend()
+async def gated() -> AsyncIterator[tuple[SteeredBackend, LocalEngine, httpx.AsyncClient]]:
+    backend = SteeredBackend()
+    backend.prepared.clear()
+    backend.gate.clear()
     engine = LocalEngine(DeviceWorker(backend, queue_size=1))
     app = create_app(Settings(backend="cpu", retry_after_s=7))
     app.dependency_overrides[get_engine] = lambda: engine
@@ -129,8 +57,7 @@ async def gated() -> AsyncIterator[tuple[GatedBackend, LocalEngine, httpx.AsyncC
         async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
             yield backend, engine, client
             backend.prepared.set()
-            for _ in range(8):
-                backend.step.release()
+            backend.gate.set()
         await engine.stop()
 
 
@@ -138,18 +65,18 @@ BODY = {"a": [[1.0, 2.0]], "b": [[3.0], [4.0]]}
 
 
 async def _one_product_running(
-    backend: GatedBackend, engine: LocalEngine, client: httpx.AsyncClient
+    backend: SteeredBackend, engine: LocalEngine, client: httpx.AsyncClient
 ) -> asyncio.Task[httpx.Response]:
     """Let the engine get ready, then start one request and wait until the backend is inside it."""
     backend.prepared.set()
     await _wait(lambda: engine.state is EngineState.READY)
     running = asyncio.create_task(client.post("/matmul", json=BODY))
-    await asyncio.to_thread(backend.started.acquire, True, 5)
+    await asyncio.to_thread(backend.entered.acquire, True, 5)
     return running
 
 
 async def test_not_ready_until_the_kernels_are_prepared(
-    gated: tuple[GatedBackend, LocalEngine, httpx.AsyncClient],
+    gated: tuple[SteeredBackend, LocalEngine, httpx.AsyncClient],
 ) -> None:
     backend, engine, client = gated
     r = await client.get("/readyz")
@@ -162,7 +89,7 @@ async def test_not_ready_until_the_kernels_are_prepared(
     assert (await client.get("/readyz")).status_code == 200
 
 
-async def test_a_full_queue_answers_503_at_once(gated: tuple[GatedBackend, LocalEngine, httpx.AsyncClient]) -> None:
+async def test_a_full_queue_answers_503_at_once(gated: tuple[SteeredBackend, LocalEngine, httpx.AsyncClient]) -> None:
     backend, engine, client = gated
     running = await _one_product_running(backend, engine, client)
     queued = asyncio.create_task(client.post("/matmul", json=BODY))
@@ -170,14 +97,13 @@ async def test_a_full_queue_answers_503_at_once(gated: tuple[GatedBackend, Local
     refused = await client.post("/matmul", json=BODY)
     assert refused.status_code == 503 and refused.headers["retry-after"] == "7"
     assert refused.json()["code"] == "overloaded" and "queue is full (1 waiting)" in refused.json()["message"]
-    backend.step.release()
-    backend.step.release()
+    backend.gate.set()
     assert (await running).json()["result"] == [[11.0]]
     assert (await queued).status_code == 200
 
 
 async def test_a_full_queue_answers_503_before_reading_the_body(
-    gated: tuple[GatedBackend, LocalEngine, httpx.AsyncClient],
+    gated: tuple[SteeredBackend, LocalEngine, httpx.AsyncClient],
 ) -> None:
     """A body that never comes: the 503 cannot wait for it."""
     backend, engine, client = gated
@@ -193,18 +119,17 @@ async def test_a_full_queue_answers_503_before_reading_the_body(
     headers = {"content-type": "application/json", "content-length": "1000000"}
     refused = await asyncio.wait_for(client.post("/matmul", content=body(), headers=headers), 5)
     assert refused.status_code == 503 and refused.json()["code"] == "overloaded"
-    backend.step.release()
-    backend.step.release()
+    backend.gate.set()
     assert (await running).status_code == 200 and (await queued).status_code == 200
 
 
-async def test_an_abandoned_job_is_not_run(gated: tuple[GatedBackend, LocalEngine, httpx.AsyncClient]) -> None:
+async def test_an_abandoned_job_is_not_run(gated: tuple[SteeredBackend, LocalEngine, httpx.AsyncClient]) -> None:
     backend, engine, _ = gated
     backend.prepared.set()
     await _wait(lambda: engine.state is EngineState.READY)
     f64 = np.dtype(np.float64)
     first = asyncio.create_task(multiply(engine, np.ones((1, 1)), np.ones((1, 1)), f64, "numpy"))
-    await asyncio.to_thread(backend.started.acquire, True, 5)
+    await asyncio.to_thread(backend.entered.acquire, True, 5)
     a = np.ones((2, 1))
     operand = weakref.ref(a)
     abandoned = asyncio.create_task(multiply(engine, a, np.ones((1, 1)), f64, "numpy"))
@@ -216,32 +141,32 @@ async def test_an_abandoned_job_is_not_run(gated: tuple[GatedBackend, LocalEngin
     del a, abandoned
     gc.collect()
     assert engine.queue_depth == 0 and operand() is None
-    backend.step.release()
+    backend.gate.set()
     await first
     await _wait(lambda: engine.queue_depth == 0)
-    backend.step.release()
+    backend.gate.set()
     await multiply(engine, np.ones((3, 1)), np.ones((1, 1)), f64, "numpy")
     assert backend.multiplied == [(1, 1), (3, 1)]
 
 
 async def test_an_unexpected_backend_error_is_a_device_failure_and_the_worker_goes_on(
-    gated: tuple[GatedBackend, LocalEngine, httpx.AsyncClient],
+    gated: tuple[SteeredBackend, LocalEngine, httpx.AsyncClient],
 ) -> None:
     backend, engine, client = gated
     backend.prepared.set()
     await _wait(lambda: engine.state is EngineState.READY)
     backend.fail_next = RuntimeError("cudaErrorLaunchFailure")
-    backend.step.release()
+    backend.gate.set()
     r = await client.post("/matmul", json=BODY)
     assert r.status_code == 500 and r.json()["code"] == "device_failure"
     assert "cudaErrorLaunchFailure" in r.json()["message"]
-    backend.step.release()
+    backend.gate.set()
     assert (await client.post("/matmul", json=BODY)).status_code == 200
 
 
 async def test_a_backend_that_cannot_prepare_is_reported_not_ready() -> None:
-    backend = GatedBackend(prepare_error=RuntimeError("nvrtc: error in tiled.cu"))
-    backend.prepared.set()
+    backend = SteeredBackend()
+    backend.prepare_error = RuntimeError("nvrtc: error in tiled.cu")
     engine = DeviceWorker(backend, queue_size=4)
     engine.start()
     await _wait(lambda: engine.state is EngineState.FAILED)
@@ -251,7 +176,7 @@ async def test_a_backend_that_cannot_prepare_is_reported_not_ready() -> None:
 
 
 async def test_a_product_still_queued_past_its_deadline_gets_504_and_is_never_run(
-    gated: tuple[GatedBackend, LocalEngine, httpx.AsyncClient],
+    gated: tuple[SteeredBackend, LocalEngine, httpx.AsyncClient],
 ) -> None:
     backend, engine, client = gated
     running = await _one_product_running(backend, engine, client)
@@ -261,8 +186,7 @@ async def test_a_product_still_queued_past_its_deadline_gets_504_and_is_never_ru
     assert engine.queue_depth == 0
     next_one = asyncio.create_task(client.post("/matmul", json={"a": [[3.0]], "b": [[3.0]]}))
     await _wait(lambda: engine.queue_depth == 1)
-    backend.step.release()
-    backend.step.release()
+    backend.gate.set()
     assert (await running).status_code == 200
     assert (await next_one).json()["result"] == [[9.0]]
     assert backend.multiplied == [(1, 2), (1, 1)]
@@ -275,7 +199,7 @@ async def test_a_bad_request_timeout_is_refused(client: httpx.AsyncClient, sent:
 
 
 async def test_a_client_that_disconnects_while_queued_takes_its_product_out_of_the_queue(
-    gated: tuple[GatedBackend, LocalEngine, httpx.AsyncClient],
+    gated: tuple[SteeredBackend, LocalEngine, httpx.AsyncClient],
 ) -> None:
     backend, engine, client = gated
     running = await _one_product_running(backend, engine, client)
@@ -302,7 +226,7 @@ async def test_a_client_that_disconnects_while_queued_takes_its_product_out_of_t
     gone.set()
     await asyncio.wait_for(call, 5)
     assert engine.queue_depth == 0
-    backend.step.release()
+    backend.gate.set()
     assert (await running).status_code == 200
     await _wait(lambda: engine.queue_depth == 0)
     assert backend.multiplied == [(1, 2)]
@@ -311,8 +235,8 @@ async def test_a_client_that_disconnects_while_queued_takes_its_product_out_of_t
 async def test_a_lost_device_fails_the_engine_answers_the_queue_with_503_and_asks_for_a_restart() -> None:
     from app.errors import DeviceLost
 
-    backend = GatedBackend()
-    backend.prepared.set()
+    backend = SteeredBackend()
+    backend.gate.clear()
     lost = asyncio.Event()
     engine = DeviceWorker(backend, queue_size=4, on_device_lost=lost.set)
     engine.start()
@@ -320,10 +244,10 @@ async def test_a_lost_device_fails_the_engine_answers_the_queue_with_503_and_ask
     plan = Plan(kernel="numpy")
     backend.fail_next = DeviceLost("cudaErrorIllegalInstruction; the CUDA context is unusable")
     first = asyncio.create_task(engine.matmul(np.ones((1, 1)), np.ones((1, 1)), np.dtype(np.float64), plan))
-    await asyncio.to_thread(backend.started.acquire, True, 5)
+    await asyncio.to_thread(backend.entered.acquire, True, 5)
     queued = asyncio.create_task(engine.matmul(np.ones((2, 1)), np.ones((1, 1)), np.dtype(np.float64), plan))
     await _wait(lambda: engine.queue_depth == 1)
-    backend.step.release()
+    backend.gate.set()
     with pytest.raises(DeviceLost):
         await first
     with pytest.raises(NotReady, match="the device was lost"):
@@ -332,28 +256,27 @@ async def test_a_lost_device_fails_the_engine_answers_the_queue_with_503_and_ask
     assert engine.state is EngineState.FAILED and engine.device_lost
     with pytest.raises(NotReady, match="the device was lost"):
         engine.check_ready()
-    assert backend.multiplied == []
+    assert backend.multiplied == [(1, 1)]  # the launch that failed; the product queued behind it never launched
     await engine.stop()
 
 
 @pytest.mark.parametrize("policy", [None, BatchPolicy(max_size=8, max_delay_s=0.5)])
 async def test_queued_products_of_one_shape_run_as_one_batch(policy: BatchPolicy | None) -> None:
-    backend = GatedBackend()
-    backend.prepared.set()
+    backend = SteeredBackend()
+    backend.gate.clear()
     engine = LocalEngine(DeviceWorker(backend, queue_size=16, batching=policy))
     engine.start()
     await _wait(lambda: engine.state is EngineState.READY)
     f64 = np.dtype(np.float64)
     first = asyncio.create_task(multiply(engine, np.ones((1, 1)), np.ones((1, 1)), f64, "numpy"))
-    await asyncio.to_thread(backend.started.acquire, True, 5)
+    await asyncio.to_thread(backend.entered.acquire, True, 5)
     shapes = [(2, 3), (2, 3), (5, 3), (2, 3), (2, 3)]
     rest = [
         asyncio.create_task(multiply(engine, np.full(shape, i + 1.0), np.ones((3, 1)), f64, "numpy"))
         for i, shape in enumerate(shapes)
     ]
     await _wait(lambda: engine.queue_depth == len(shapes))
-    for _ in range(8):
-        backend.step.release()
+    backend.gate.set()
     outcomes = [await first, *[await task for task in rest]]
     if policy is None:
         assert backend.batches == [1] * 6
@@ -366,7 +289,7 @@ async def test_queued_products_of_one_shape_run_as_one_batch(policy: BatchPolicy
     await engine.stop()
 
 
-class PipelinedBackend(GatedBackend):
+class PipelinedBackend(SteeredBackend):
     """Keeps two launches in flight; each one finishes only when the test sets its event, and what the worker
     does (submit or collect, with the first operand's value) is logged in order."""
 
