@@ -131,6 +131,14 @@ class Settings(BaseSettings):
         description="Longest a product may wait in the queue before 504; a request may ask for less with the "
         "X-Request-Timeout header (seconds).",
     )
+    grpc_port: int = Field(
+        8001,
+        ge=0,
+        le=65535,
+        description="The port of the inference protocol over gRPC, which every HTTP worker serves (they share it); "
+        "0: no gRPC.",
+    )
+    grpc_host: str = Field("0.0.0.0", description="The address the gRPC server listens on.")
     device_memory_limit_bytes: int = Field(
         0, ge=0, description="Most device memory the worker's pool may hold (0: no limit); beyond it, 503."
     )

@@ -18,6 +18,7 @@ from fastapi import FastAPI
 
 from app import __version__
 from app.allocator import cap_malloc_arenas
+from app.api import grpc
 from app.api.auth import ApiKeyMiddleware
 from app.api.connection import HEADER_LIMITS, HeaderLimits
 from app.api.errors import UnexpectedErrors, install_error_handlers
@@ -61,6 +62,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             app.state.metrics = ServiceMetrics()
             app.state.body_buffers = BodyBuffers()
             app.state.inference_stats = InferenceStatistics()
+            if resolved.grpc_port:
+                server = await grpc.start_server(resolved, engine, app.state.inference_stats)
+                stack.push_async_callback(server.stop, grpc.STOP_GRACE_S)
             configure_access_log(resolved.access_log)
             yield {HEADER_LIMITS: HeaderLimits.of(resolved)}  # for the server's connections (app.api.connection)
 

@@ -175,6 +175,7 @@ class Connections:
     http: httpx.Client | None = None
     clients: dict[str, MatmulClient] = field(default_factory=dict)
     triton: Any = None
+    triton_grpc: Any = None
     region: tuple[str, Any] | None = None
 
     def httpx(self) -> httpx.Client:
@@ -194,6 +195,18 @@ class Connections:
             self.triton = triton.InferenceServerClient(urlsplit(self.url).netloc, network_timeout=TIMEOUT_S)
             self.stack.callback(self.triton.close)
         return self.triton
+
+    def triton_grpc_client(self) -> Any:
+        """Triton's gRPC client, to the port the server's /v1/info names."""
+        if self.triton_grpc is None:
+            import tritonclient.grpc as triton
+
+            port = self.httpx().get("/v1/info").json()["grpc_port"]
+            if port is None:
+                raise RuntimeError("the server serves no gRPC: start it with MATMUL_GRPC_PORT")
+            self.triton_grpc = triton.InferenceServerClient(f"{urlsplit(self.url).hostname}:{port}")
+            self.stack.callback(self.triton_grpc.close)
+        return self.triton_grpc
 
     def system_region(self, nbytes: int) -> tuple[str, Any]:
         """This process's shared-memory region (registered with the server), at least `nbytes` long."""
@@ -305,9 +318,22 @@ def _triton_errors() -> Iterator[None]:
         status = exc.status()
         if not status:
             raise Closed(exc.message()) from None
-        raise Refused(int(status), exc.message()[:60]) from None
+        raise Refused(GRPC_STATUSES.get(status) or int(status), exc.message()[:60]) from None
     except HTTPConnectionClosed as exc:
         raise Closed(str(exc)) from None
+
+
+GRPC_STATUSES = {
+    "StatusCode.INVALID_ARGUMENT": 400,
+    "StatusCode.UNAUTHENTICATED": 401,
+    "StatusCode.NOT_FOUND": 404,
+    "StatusCode.RESOURCE_EXHAUSTED": 413,
+    "StatusCode.INTERNAL": 500,
+    "StatusCode.UNAVAILABLE": 503,
+    "StatusCode.DEADLINE_EXCEEDED": 504,
+}
+"""The HTTP status a gRPC status of Triton's gRPC client stands for (app.api.grpc.STATUS_CODES the other way):
+a tally counts both alike. A server that went away is UNAVAILABLE, so 503."""
 
 
 def tritonclient_binary(conn: Connections, a: np.ndarray, b: np.ndarray) -> np.ndarray:
@@ -319,6 +345,19 @@ def tritonclient_binary(conn: Connections, a: np.ndarray, b: np.ndarray) -> np.n
         tensor.set_data_from_numpy(x, binary_data=True)
     with _triton_errors():
         result = conn.triton_client().infer(MODEL, inputs, outputs=[triton.InferRequestedOutput("C", binary_data=True)])
+    c: np.ndarray = result.as_numpy("C")
+    return c
+
+
+def tritonclient_grpc(conn: Connections, a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Triton's gRPC client: raw contents in and out."""
+    import tritonclient.grpc as triton
+
+    inputs = [triton.InferInput(name, list(x.shape), "FP32") for name, x in (("A", a), ("B", b))]
+    for tensor, x in zip(inputs, (a, b), strict=True):
+        tensor.set_data_from_numpy(x)
+    with _triton_errors():
+        result = conn.triton_grpc_client().infer(MODEL, inputs)
     c: np.ndarray = result.as_numpy("C")
     return c
 
@@ -385,6 +424,7 @@ WAYS: dict[str, Send] = {
     "v2 binary (raw, read slowly)": v2_binary_raw,
     "tritonclient binary": tritonclient_binary,
     "tritonclient system shm": tritonclient_system_shm,
+    "tritonclient gRPC": tritonclient_grpc,
 }
 """Every way a product can be asked for and answered, by name: each answers 200 on a healthy server."""
 HURRIED_WAYS: dict[str, Send] = {"matmul npy, 1 ms deadline (raw, read slowly)": matmul_npy_hurried}

@@ -143,7 +143,8 @@ class LocalService:
             self.process = subprocess.Popen(
                 list(command),
                 cwd=ROOT,
-                env={**os.environ, **env},
+                # no gRPC unless `env` gives a port: servers started side by side would share the default one
+                env={"MATMUL_GRPC_PORT": "0", **os.environ, **env},
                 stdout=output,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,

@@ -27,6 +27,11 @@ settings.register_profile("ci", max_examples=100, deadline=None)
 settings.register_profile("thorough", max_examples=5000, deadline=None)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
+# The servers the tests start, in this process and as subprocesses (which inherit it), serve no gRPC unless a test
+# gives them a port of their own: on the default port they would all share one (SO_REUSEPORT) and answer for
+# each other. tests/api/test_grpc.py serves it.
+os.environ.setdefault("MATMUL_GRPC_PORT", "0")
+
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Tests marked `gpu` skip, saying why, where no CUDA device is usable."""

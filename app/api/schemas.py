@@ -83,6 +83,9 @@ class InfoResponse(BaseModel):
     http_workers: int = Field(description="HTTP worker processes of the server (MATMUL_HTTP_WORKERS).")
     http_worker_pid: int = Field(description="The process id of the HTTP worker that answered.")
     slabs: SlabModel | None = Field(description="The answering HTTP worker's shared memory.")
+    grpc_port: int | None = Field(
+        description="The port of the inference protocol over gRPC (MATMUL_GRPC_PORT), or null when it is off."
+    )
     devices: list[dict[str, Any]] = Field(
         description="Each device's engine process: name, memory, compute capability, CuPy/CUDA versions, state, "
         "queue depth, `engine_pid`, the HTTP workers connected to it and the bytes of their shared memory it maps "

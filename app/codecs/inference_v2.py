@@ -9,7 +9,7 @@ in `Inference-Header-Content-Length`, each tensor's size in `parameters.binary_d
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -114,6 +114,45 @@ def decode_infer(body: Body, header_length: str | None, limits: Limits) -> Infer
         doc = _object(orjson.loads(header), "the inference request")
     except orjson.JSONDecodeError as exc:
         raise MalformedPayload(f"the inference request is not valid JSON: {exc}") from exc
+    following = _Following(binary)
+    decoded = decode_infer_document(
+        doc, following.take, limits, may_hold_booleans=b"true" in header or b"false" in header
+    )
+    if following.offset != len(binary):
+        raise MalformedPayload(
+            f"{len(binary) - following.offset} bytes of binary data follow the inputs and belong to none"
+        )
+    return decoded
+
+
+class _Following:
+    """The binary data after an HTTP request's JSON header: each binary input's bytes, one after the other."""
+
+    def __init__(self, binary: memoryview) -> None:
+        self.binary = binary
+        self.offset = 0
+
+    def take(self, name: str, nbytes: int) -> memoryview:
+        if self.offset + nbytes > len(self.binary):
+            raise MalformedPayload(
+                f"input '{name}' needs {nbytes} bytes of binary data, only {len(self.binary) - self.offset} follow",
+                location=[name],
+            )
+        taken = self.binary[self.offset : self.offset + nbytes]
+        self.offset += nbytes
+        return taken
+
+
+BinarySource = Callable[[str, int], memoryview]
+"""The binary data of the input named, of the size its binary_data_size declares (checked against its shape)."""
+
+
+def decode_infer_document(
+    doc: Mapping[str, Any], binary: BinarySource, limits: Limits, may_hold_booleans: bool = True
+) -> InferRequest:
+    """An infer request in the protocol's JSON form (over HTTP, or the gRPC request read into it) -> InferRequest.
+    An input whose parameters give binary_data_size has its bytes from `binary`; `may_hold_booleans` False spares
+    looking for booleans in JSON data that cannot hold any."""
     inputs = doc.get("inputs")
     if not isinstance(inputs, list):
         raise MalformedPayload("the inference request needs a list 'inputs' with tensors A and B", location=["inputs"])
@@ -122,10 +161,8 @@ def decode_infer(body: Body, header_length: str | None, limits: Limits) -> Infer
     if sorted(map(str, names)) != sorted(INPUTS):
         raise InvalidMatrix(f"inputs must be exactly {list(INPUTS)}, got {names}", location=["inputs"])
 
-    may_hold_booleans = b"true" in header or b"false" in header
     arrays: dict[str, Matrix] = {}
     declared: list[str] = []
-    offset = 0
     for tensor in tensors:
         name = str(tensor["name"])
         datatype = tensor.get("datatype")
@@ -158,15 +195,7 @@ def decode_infer(body: Body, header_length: str | None, limits: Limits) -> Infer
         expected = _tensor_bytes(shape, datatype)
         if size != expected:
             raise MalformedPayload(_size_mismatch(name, shape, datatype, "binary_data_size", size), location=[name])
-        if offset + expected > len(binary):
-            raise MalformedPayload(
-                f"input '{name}' needs {expected} bytes of binary data, only {len(binary) - offset} follow",
-                location=[name],
-            )
-        arrays[name] = np.frombuffer(binary, DATATYPES[datatype], math.prod(shape), offset).reshape(shape)
-        offset += expected
-    if offset != len(binary):
-        raise MalformedPayload(f"{len(binary) - offset} bytes of binary data follow the inputs and belong to none")
+        arrays[name] = np.frombuffer(binary(name, expected), DATATYPES[datatype]).reshape(shape)
 
     parameters = _object(doc.get("parameters", {}), "parameters")
     binary_output = bool(parameters.get("binary_data_output", False))

@@ -37,6 +37,8 @@ GPU_MARK = "<!-- example: gpu -->"
 BACKEND = os.environ.get("MATMUL_DOCS_BACKEND", "cpu")
 """The backend of the examples' server: cpu, as `make run` serves without a GPU, or gpu on a GPU machine."""
 EXAMPLES_URL = "localhost:8000"
+EXAMPLES_GRPC = "localhost:8001"
+"""Where the examples reach the inference protocol over gRPC, as after `make run`."""
 VENV = Path(sys.executable).parent.parent
 EXAMPLE_TIMEOUT_S = 60
 
@@ -109,13 +111,21 @@ def test_the_examples_that_run_are_still_there() -> None:
 
 
 @pytest.fixture(scope="module")
-def docs_server() -> Iterator[str]:
+def docs_server() -> Iterator[Server]:
     """What `make run` serves on a machine without a GPU: the CPU backend, default settings but for the
-    shared-memory extensions, which the examples of them enable as they say, a free port."""
-    port = free_port()
-    env = {"MATMUL_BACKEND": BACKEND, "MATMUL_SHARED_MEMORY": "system,cuda"}
+    shared-memory extensions, which the examples of them enable as they say, and free ports."""
+    port, grpc_port = free_port(), free_port()
+    env = {"MATMUL_BACKEND": BACKEND, "MATMUL_SHARED_MEMORY": "system,cuda", "MATMUL_GRPC_PORT": str(grpc_port)}
     with running_server(uvicorn_command(port), port, env=env):
-        yield f"127.0.0.1:{port}"
+        yield Server(f"127.0.0.1:{port}", f"127.0.0.1:{grpc_port}")
+
+
+@dataclass(frozen=True)
+class Server:
+    """The examples' server: its HTTP and gRPC addresses."""
+
+    http: str
+    grpc: str
 
 
 def _environment(url: str) -> dict[str, str]:
@@ -133,11 +143,11 @@ def _uses_curl_without_failing(code: str) -> list[str]:
 
 
 @pytest.mark.parametrize("example", EXAMPLES, ids=[f"{e.where}:{e.language}" for e in EXAMPLES])
-def test_example_runs_as_pasted(example: Block, docs_server: str, tmp_path: Path) -> None:
+def test_example_runs_as_pasted(example: Block, docs_server: Server, tmp_path: Path) -> None:
     if example.skip_reason is not None:
         pytest.skip(f"{example.where}: {example.skip_reason}")
     assert not re.search(r":8000\b", example.code.replace(EXAMPLES_URL, "")), "an example names port 8000 elsewhere"
-    code = example.code.replace(EXAMPLES_URL, docs_server)
+    code = example.code.replace(EXAMPLES_URL, docs_server.http).replace(EXAMPLES_GRPC, docs_server.grpc)
     if example.language == "sh":
         assert _uses_curl_without_failing(code) == [], "curl should fail on an error answer (--fail-with-body)"
         if "curl " in code and shutil.which("curl") is None:
@@ -148,7 +158,7 @@ def test_example_runs_as_pasted(example: Block, docs_server: str, tmp_path: Path
         command = [str(VENV / "bin" / "python"), "example.py"]
     (tmp_path / ".venv").symlink_to(VENV, target_is_directory=True)
     done = subprocess.run(
-        command, cwd=tmp_path, env=_environment(docs_server), capture_output=True, timeout=EXAMPLE_TIMEOUT_S
+        command, cwd=tmp_path, env=_environment(docs_server.http), capture_output=True, timeout=EXAMPLE_TIMEOUT_S
     )
     said = f"stdout:\n{done.stdout.decode(errors='replace')}\nstderr:\n{done.stderr.decode(errors='replace')}"
     assert done.returncode == 0, f"{example.where} exited with {done.returncode}\n{said}"
@@ -198,7 +208,7 @@ def _answer_section() -> str:
     return text[text.index("## The answer") : text.index("## Errors")]
 
 
-def test_the_api_page_lists_every_field_and_header_an_answer_carries(docs_server: str) -> None:
+def test_the_api_page_lists_every_field_and_header_an_answer_carries(docs_server: Server) -> None:
     section = " ".join(_answer_section().split())
     fields_sentence = section[section.index("JSON answers hold") : section.index("`.npy` answers carry")]
     documented_fields = set(re.findall(r"`(\w+)`", re.sub(r"\([^)]*\)", "", fields_sentence)))
@@ -210,7 +220,7 @@ def test_the_api_page_lists_every_field_and_header_an_answer_carries(docs_server
     documented_timing = set(re.findall(r"^\| `(\w+_ms)` \|", _answer_section(), re.MULTILINE))
 
     a, b = np.array([[1.0, 2.0], [3.0, 4.0]]), np.array([[5.0], [6.0]])
-    with httpx.Client(base_url=f"http://{docs_server}") as client:
+    with httpx.Client(base_url=f"http://{docs_server.http}") as client:
         as_json = client.post("/matmul", json={"a": a.tolist(), "b": b.tolist()})
         # float32 as the JSON operands are read, so that both answers hold the same facts
         files = {"a": ("a.npy", npy_bytes(a.astype(np.float32))), "b": ("b.npy", npy_bytes(b.astype(np.float32)))}

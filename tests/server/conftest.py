@@ -29,7 +29,8 @@ def serve(tmp_path: Path) -> Iterator[Serve]:
     started: list[LocalService] = []
 
     def start(env: Mapping[str, str], workers: int) -> LocalService:
-        service = LocalService.matmul_service(free_port(), env, tmp_path / f"server-{len(started)}.log", workers)
+        with_grpc = {"MATMUL_GRPC_PORT": str(free_port()), **env}  # for the load's gRPC way
+        service = LocalService.matmul_service(free_port(), with_grpc, tmp_path / f"server-{len(started)}.log", workers)
         started.append(service)
         service.wait_ready(120)
         return service

@@ -62,6 +62,7 @@ async def info(engine: EngineDep, settings: SettingsDep) -> InfoResponse:
         failure=engine.failure,
         http_workers=settings.http_workers,
         http_worker_pid=os.getpid(),
+        grpc_port=settings.grpc_port or None,
         slabs=None if slabs is None else SlabModel.model_validate(slabs, from_attributes=True),
         devices=engine.describe(),
         queue=QueueModel(size=engine.queue_size, depth=engine.queue_depth),

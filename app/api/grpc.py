@@ -1,0 +1,428 @@
+"""The Open Inference Protocol over gRPC: Triton's and KServe's `inference.GRPCInferenceService`, served by every
+HTTP worker on MATMUL_GRPC_PORT (the workers share the port: SO_REUSEPORT), in front of the same engines as the HTTP
+routes, with the same models, parameters, limits, API keys and errors.
+
+The messages and the service's base class are those of Triton's Python client (`tritonclient.grpc`), compiled from
+the protocol's upstream `grpc_service.proto`: the wire format is the one Triton's clients, KServe's and
+`perf_analyzer -i grpc` speak, by construction. An infer request is read into the protocol's JSON form and decoded by
+the same code as over HTTP (`app.codecs.inference_v2.decode_infer_document`), its raw input contents as views; C
+goes back as raw output contents, or into the client's shared-memory region when the request puts it there.
+
+Errors are gRPC status codes matching the HTTP statuses (`STATUS_CODES`), with the message the HTTP answer carries.
+A call's deadline is the product's deadline in the queue (capped at MATMUL_REQUEST_TIMEOUT_S, as over HTTP); a
+cancelled call cancels its product, which leaves the queue. The RPCs of model repositories, tracing, logging and
+streaming are not served (UNIMPLEMENTED), as for the HTTP protocol.
+"""
+
+from __future__ import annotations
+
+import base64
+import hmac
+import logging
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Any, TypeVar
+
+import grpc
+from google.protobuf import json_format
+from tritonclient.grpc import service_pb2 as pb
+from tritonclient.grpc import service_pb2_grpc as pb_grpc
+
+from app import __version__
+from app.api.errors import status_of
+from app.api.v2.models import VERSION, ModelCatalogue
+from app.api.v2.statistics import InferenceStatistics
+from app.codecs import inference_v2
+from app.codecs.npy import data_bytes
+from app.config import Settings, SharedMemoryKind
+from app.dataplane.engine_client import EngineClient
+from app.errors import MalformedPayload, MatmulError, SharedMemoryError, Unauthorized
+from app.service import MatmulService, Product, Stopwatch
+from numerics.precision import input_error
+
+log = logging.getLogger(__name__)
+
+STATUS_CODES: Mapping[int, grpc.StatusCode] = {
+    400: grpc.StatusCode.INVALID_ARGUMENT,
+    401: grpc.StatusCode.UNAUTHENTICATED,
+    404: grpc.StatusCode.NOT_FOUND,
+    406: grpc.StatusCode.INVALID_ARGUMENT,
+    408: grpc.StatusCode.DEADLINE_EXCEEDED,
+    413: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    415: grpc.StatusCode.INVALID_ARGUMENT,
+    422: grpc.StatusCode.INVALID_ARGUMENT,
+    503: grpc.StatusCode.UNAVAILABLE,
+    504: grpc.StatusCode.DEADLINE_EXCEEDED,
+    500: grpc.StatusCode.INTERNAL,
+}
+"""The gRPC status of each HTTP status the service answers with (app.api.errors.STATUS)."""
+OPEN_METHODS = frozenset({"ServerLive", "ServerReady"})
+"""The RPCs that need no API key, as the HTTP health probes need none."""
+MESSAGE_OVERHEAD_BYTES = 1 << 20
+"""Room for a message's fields beside the tensors' bytes, within the size limits."""
+STOP_GRACE_S = 10.0
+"""How long calls in flight may take to finish when the worker stops, before they are cancelled."""
+
+Reply = TypeVar("Reply")
+
+
+class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):  # type: ignore[misc]
+    """Every RPC of the protocol this service serves, over one HTTP worker's engine link."""
+
+    def __init__(self, settings: Settings, engine: EngineClient, statistics: InferenceStatistics) -> None:
+        self.settings = settings
+        self.engine = engine
+        self.statistics = statistics
+        self._keys = [key.get_secret_value().encode() for key in settings.api_keys]
+
+    # ------------------------------------------------------------------------------------- the calls
+
+    async def _answer(
+        self, method: str, context: grpc.aio.ServicerContext, call: Callable[[], Awaitable[Reply]]
+    ) -> Reply:
+        """The call's reply; a MatmulError ends it with the matching status and the error's message."""
+        try:
+            self._check_key(method, context)
+            return await call()
+        except MatmulError as exc:
+            await context.abort(STATUS_CODES.get(status_of(exc), grpc.StatusCode.INTERNAL), exc.message)
+            raise  # abort raises; this line is never reached
+        except Exception:
+            log.exception("the gRPC call %s failed", method)
+            await context.abort(grpc.StatusCode.INTERNAL, "internal error")
+            raise
+
+    def _check_key(self, method: str, context: grpc.aio.ServicerContext) -> None:
+        """With MATMUL_API_KEYS set, the call's metadata must carry one (authorization: Bearer, or x-api-key)."""
+        if not self._keys or method in OPEN_METHODS:
+            return
+        presented = None
+        for key, value in context.invocation_metadata() or ():
+            if key == "x-api-key":
+                presented = value.encode()
+            elif key == "authorization" and value[:7].lower() == "bearer ":
+                presented = value[7:].strip().encode()
+        found = False
+        for known in self._keys:
+            found |= presented is not None and hmac.compare_digest(presented, known)
+        if not found:
+            raise Unauthorized(
+                "this server needs an API key: send the metadata 'authorization: Bearer <key>' or 'x-api-key: <key>'"
+                if presented is None
+                else "the API key is not valid"
+            )
+
+    def _catalogue(self) -> ModelCatalogue:
+        kernels = [k.name for k in self.engine.kernels() if k.kind != "auto"]
+        return ModelCatalogue(kernels, self.engine.backend_name)
+
+    async def ServerLive(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        async def live() -> Any:
+            return pb.ServerLiveResponse(live=True)
+
+        return await self._answer("ServerLive", context, live)
+
+    async def ServerReady(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        async def ready() -> Any:
+            try:
+                self.engine.check_ready()
+            except MatmulError:
+                return pb.ServerReadyResponse(ready=False)
+            return pb.ServerReadyResponse(ready=True)
+
+        return await self._answer("ServerReady", context, ready)
+
+    async def ModelReady(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        async def ready() -> Any:
+            self._catalogue().kernel_of(request.name, request.version or None)
+            try:
+                self.engine.check_ready()
+            except MatmulError:
+                return pb.ModelReadyResponse(ready=False)
+            return pb.ModelReadyResponse(ready=True)
+
+        return await self._answer("ModelReady", context, ready)
+
+    async def ServerMetadata(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        async def metadata() -> Any:
+            extensions = ["binary_tensor_data", "statistics", "model_configuration"]
+            extensions += [f"{kind}_shared_memory" for kind in SharedMemoryKind if kind in self.settings.shared_memory]
+            return pb.ServerMetadataResponse(name="matmul-service", version=__version__, extensions=extensions)
+
+        return await self._answer("ServerMetadata", context, metadata)
+
+    async def ModelMetadata(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        async def metadata() -> Any:
+            catalogue = self._catalogue()
+            catalogue.kernel_of(request.name, request.version or None)
+            described = {key: value for key, value in catalogue.metadata(request.name).items() if key != "parameters"}
+            return json_format.ParseDict(described, pb.ModelMetadataResponse())
+
+        return await self._answer("ModelMetadata", context, metadata)
+
+    async def ModelConfig(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        async def config() -> Any:
+            catalogue = self._catalogue()
+            catalogue.kernel_of(request.name, request.version or None)
+            return json_format.ParseDict({"config": catalogue.config(request.name)}, pb.ModelConfigResponse())
+
+        return await self._answer("ModelConfig", context, config)
+
+    async def ModelStatistics(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        async def statistics() -> Any:
+            catalogue = self._catalogue()
+            if request.name:
+                catalogue.kernel_of(request.name, request.version or None)
+            names = [request.name] if request.name else list(catalogue.kernels)
+            stats = [self.statistics.of(name).as_json(name) for name in names]
+            return json_format.ParseDict({"model_stats": stats}, pb.ModelStatisticsResponse())
+
+        return await self._answer("ModelStatistics", context, statistics)
+
+    async def ModelInfer(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        clock = Stopwatch()
+        model = request.model_name
+
+        async def infer() -> Any:
+            catalogue = self._catalogue()
+            catalogue.kernel_of(model, request.model_version or None)
+            service = MatmulService(self.engine, self.settings)
+            try:
+                service.admit()
+                clock.mark_read()
+                document, raw = _document(request)
+                decoded = inference_v2.decode_infer_document(document, raw.take, service.limits)
+                raw.check_all_taken()
+                clock.mark_decoded()
+                options = catalogue.options_for(model, decoded.operands.options)
+                product = await service.run(
+                    decoded.operands, options, context.time_remaining(), clock, decoded.output_region
+                )
+                try:
+                    response = _infer_response(product, model, decoded)
+                    timing = product.describe().timing
+                finally:
+                    product.release()
+            except MatmulError:
+                self.statistics.of(model).record_failure(clock.elapsed_ms())
+                raise
+            self.statistics.of(model).record_success(timing)
+            return response
+
+        return await self._answer("ModelInfer", context, infer)
+
+    # ------------------------------------------------------------------------- clients' shared memory
+
+    def _enabled(self, kind: SharedMemoryKind) -> None:
+        if kind not in self.settings.shared_memory:
+            raise SharedMemoryError(f"{kind} shared memory is off: MATMUL_SHARED_MEMORY does not enable it")
+
+    async def SystemSharedMemoryStatus(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        async def status() -> Any:
+            self._enabled(SharedMemoryKind.SYSTEM)
+            regions = await self.engine.region_status(request.name or None, "system")
+            return pb.SystemSharedMemoryStatusResponse(
+                regions={
+                    str(region["name"]): pb.SystemSharedMemoryStatusResponse.RegionStatus(**region)
+                    for region in regions
+                }
+            )
+
+        return await self._answer("SystemSharedMemoryStatus", context, status)
+
+    async def SystemSharedMemoryRegister(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        async def register() -> Any:
+            self._enabled(SharedMemoryKind.SYSTEM)
+            await self.engine.register_region(request.name, request.key, request.offset, request.byte_size)
+            return pb.SystemSharedMemoryRegisterResponse()
+
+        return await self._answer("SystemSharedMemoryRegister", context, register)
+
+    async def SystemSharedMemoryUnregister(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        async def unregister() -> Any:
+            self._enabled(SharedMemoryKind.SYSTEM)
+            await self.engine.unregister_region(request.name or None, "system")
+            return pb.SystemSharedMemoryUnregisterResponse()
+
+        return await self._answer("SystemSharedMemoryUnregister", context, unregister)
+
+    async def CudaSharedMemoryStatus(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        async def status() -> Any:
+            self._enabled(SharedMemoryKind.CUDA)
+            regions = await self.engine.region_status(request.name or None, "cuda")
+            return pb.CudaSharedMemoryStatusResponse(
+                regions={
+                    str(region["name"]): pb.CudaSharedMemoryStatusResponse.RegionStatus(**region) for region in regions
+                }
+            )
+
+        return await self._answer("CudaSharedMemoryStatus", context, status)
+
+    async def CudaSharedMemoryRegister(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        async def register() -> Any:
+            self._enabled(SharedMemoryKind.CUDA)
+            handle = base64.b64encode(request.raw_handle).decode()
+            await self.engine.register_cuda_region(request.name, handle, request.device_id, request.byte_size)
+            return pb.CudaSharedMemoryRegisterResponse()
+
+        return await self._answer("CudaSharedMemoryRegister", context, register)
+
+    async def CudaSharedMemoryUnregister(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        async def unregister() -> Any:
+            self._enabled(SharedMemoryKind.CUDA)
+            await self.engine.unregister_region(request.name or None, "cuda")
+            return pb.CudaSharedMemoryUnregisterResponse()
+
+        return await self._answer("CudaSharedMemoryUnregister", context, unregister)
+
+
+# ------------------------------------------------------------------------------------- infer's messages
+
+
+class _RawContents:
+    """A request's raw input contents, one for each input that is neither in shared memory nor typed contents,
+    in the order of the inputs: taken as views, and all of them must be."""
+
+    def __init__(self, contents: list[bytes]) -> None:
+        self.contents = contents
+        self.taken = 0
+
+    def take(self, name: str, nbytes: int) -> memoryview:
+        if self.taken >= len(self.contents):
+            raise MalformedPayload(f"input '{name}' has no raw contents", location=[name])
+        view = memoryview(self.contents[self.taken])
+        self.taken += 1
+        if len(view) != nbytes:
+            raise MalformedPayload(
+                f"input '{name}' needs {nbytes} bytes of raw contents, not {len(view)}", location=[name]
+            )
+        return view
+
+    def check_all_taken(self) -> None:
+        if self.taken != len(self.contents):
+            raise MalformedPayload(f"{len(self.contents) - self.taken} raw input contents belong to no input")
+
+
+def _parameters(parameters: Mapping[str, Any]) -> dict[str, Any]:
+    """The protocol's parameters (InferParameter's one value each) as the JSON form has them."""
+    read = {}
+    for name, parameter in parameters.items():
+        which = parameter.WhichOneof("parameter_choice")
+        if which is not None:
+            read[name] = getattr(parameter, which)
+    return read
+
+
+TYPED_CONTENTS = {"FP32": "fp32_contents", "FP64": "fp64_contents"}
+"""The typed contents field of each datatype that has one (FP16 tensors travel as raw contents)."""
+
+
+def _document(request: Any) -> tuple[dict[str, Any], _RawContents]:
+    """A ModelInferRequest in the protocol's JSON form: typed contents as data, raw contents as binary inputs."""
+    raw = list(request.raw_input_contents)
+    inputs = []
+    for tensor in request.inputs:
+        entry: dict[str, Any] = {
+            "name": tensor.name,
+            "datatype": tensor.datatype,
+            "shape": list(tensor.shape),
+            "parameters": _parameters(tensor.parameters),
+        }
+        typed = TYPED_CONTENTS.get(tensor.datatype)
+        if tensor.HasField("contents"):
+            if typed is None:
+                raise MalformedPayload(
+                    f"input '{tensor.name}' is {tensor.datatype}: send it as raw contents", location=[tensor.name]
+                )
+            entry["data"] = list(getattr(tensor.contents, typed))
+        elif raw and "shared_memory_region" not in entry["parameters"]:
+            size = inference_v2.DATATYPES.get(tensor.datatype, inference_v2.DATATYPES["FP32"]).itemsize
+            entry["parameters"]["binary_data_size"] = size * _elements(entry["shape"])
+        inputs.append(entry)
+    document: dict[str, Any] = {"inputs": inputs, "parameters": _parameters(request.parameters)}
+    if request.outputs:
+        document["outputs"] = [{"name": o.name, "parameters": _parameters(o.parameters)} for o in request.outputs]
+    if request.id:
+        document["id"] = request.id
+    return document, _RawContents(raw)
+
+
+def _elements(shape: list[Any]) -> int:
+    count = 1
+    for dimension in shape:
+        count *= dimension if isinstance(dimension, int) else 0
+    return count
+
+
+def _parameter(value: Any) -> Any:
+    if isinstance(value, bool):
+        return pb.InferParameter(bool_param=value)
+    if isinstance(value, int):
+        return pb.InferParameter(int64_param=value)
+    if isinstance(value, float):
+        return pb.InferParameter(double_param=value)
+    return pb.InferParameter(string_param=str(value))
+
+
+def _infer_response(product: Product, model: str, decoded: inference_v2.InferRequest) -> Any:
+    """C as raw output contents (or its place in the client's region), with the kernel, backend, batch size,
+    precision, error bound and roofline as parameters, as the HTTP answer has them."""
+    precision = product.outcome.plan.precision
+    parameters = {
+        "kernel": product.outcome.plan.kernel,
+        "backend": product.backend,
+        "batch_size": product.outcome.batch_size,
+        "precision": precision.value,
+        "error_bound_input": float(input_error(precision)),
+        **{f"roofline_{name}": value for name, value in product.roofline.model_dump(exclude_none=True).items()},
+    }
+    output = pb.ModelInferResponse.InferOutputTensor(
+        name=inference_v2.OUTPUT,
+        datatype=inference_v2.DATATYPE_OF[product.dtype.name],
+        shape=[product.m, product.n],
+    )
+    response = pb.ModelInferResponse(
+        model_name=model,
+        model_version=VERSION,
+        id=decoded.id or "",
+        parameters={name: _parameter(value) for name, value in parameters.items()},
+    )
+    region = decoded.output_region
+    if region is not None:
+        placed = {
+            "shared_memory_region": region.region,
+            "shared_memory_offset": region.offset,
+            "shared_memory_byte_size": product.m * product.n * product.dtype.itemsize,
+        }
+        for name, value in placed.items():
+            output.parameters[name].CopyFrom(_parameter(value))
+    else:
+        response.raw_output_contents.append(bytes(data_bytes(product.c)))
+    response.outputs.append(output)
+    return response
+
+
+# ------------------------------------------------------------------------------------------ the server
+
+
+def message_limit(settings: Settings) -> int:
+    """The largest message either way: the body limit over HTTP, and room for the fields beside the tensors."""
+    return settings.max_body_bytes + MESSAGE_OVERHEAD_BYTES
+
+
+async def start_server(settings: Settings, engine: EngineClient, statistics: InferenceStatistics) -> grpc.aio.Server:
+    """This HTTP worker's gRPC server on MATMUL_GRPC_HOST:MATMUL_GRPC_PORT, the port shared with the other workers."""
+    limit = message_limit(settings)
+    server = grpc.aio.server(
+        options=[
+            ("grpc.so_reuseport", 1),
+            ("grpc.max_receive_message_length", limit),
+            ("grpc.max_send_message_length", limit),
+        ]
+    )
+    pb_grpc.add_GRPCInferenceServiceServicer_to_server(InferenceServicer(settings, engine, statistics), server)
+    address = f"{settings.grpc_host}:{settings.grpc_port}"
+    if server.add_insecure_port(address) == 0:
+        raise RuntimeError(f"the gRPC server could not listen on {address}")
+    await server.start()
+    log.info("gRPC inference protocol on %s", address)
+    return server
