@@ -1,7 +1,8 @@
 # syntax=docker/dockerfile:1
 #
 # matmul-service on an NVIDIA GPU:   docker compose up   (or: docker build -t matmul-service . &&
-#                                    docker run --gpus all -p 8000:8000 -v cupy-cache:/var/cache/cupy matmul-service)
+#                                    docker run --gpus all -p 8000:8000 -p 8001:8001 -v cupy-cache:/var/cache/cupy
+#                                    matmul-service)
 #
 # CUDA user-space comes from PyPI, not from the base image. CuPy compiles our kernels with NVRTC when the
 # service starts, and NVRTC needs the CUDA headers (cuda_fp16.h, cuda_runtime.h, ...): the official
@@ -81,7 +82,8 @@ ENV PATH=/opt/venv/bin:$PATH \
 VOLUME ["/var/cache/cupy"]
 USER 10001:10001
 WORKDIR /home/matmul
-EXPOSE 8000
+# 8000: HTTP (the routes and the inference protocol); 8001: the inference protocol over gRPC (MATMUL_GRPC_PORT)
+EXPOSE 8000 8001
 HEALTHCHECK --interval=10s --timeout=3s --start-period=20s --retries=3 \
     CMD ["python3", "-c", "import urllib.request; urllib.request.urlopen('http://127.0.0.1:8000/healthz', timeout=2)"]
 # matmul-service starts one engine process per GPU and MATMUL_HTTP_WORKERS uvicorn workers in front of them, on

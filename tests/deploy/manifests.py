@@ -30,7 +30,7 @@ from app.api.exchange import KEPT_BODY_BYTES
 from app.config import Settings
 from app.main import create_app
 from app.metrics import ServiceMetrics
-from tests.deploy.test_deploy_files import SERVED_PORT, SERVICE, SERVICE_ENV
+from tests.deploy.test_deploy_files import GRPC_PORT, SERVED_PORT, SERVICE, SERVICE_ENV
 
 KUBERNETES_VERSIONS = ("1.30", "1.37")
 """The chart's kubeVersion floor and the newest release whose schemas kubernetes-validate bundles."""
@@ -252,8 +252,12 @@ def check_probes(pod: Pod) -> None:
 
 
 def check_port(pod: Pod) -> None:
-    """The container port is the one the image's CMD serves (and EXPOSEs); Prometheus's annotations aim at it."""
-    assert [p["containerPort"] for p in pod.container["ports"]] == [int(SERVED_PORT)]
+    """The container ports are those the image's CMD serves (and EXPOSEs): HTTP, and gRPC where the pod's
+    MATMUL_GRPC_PORT leaves it on; Prometheus's annotations aim at HTTP."""
+    grpc_port = settings_of(pod).grpc_port
+    served = [int(SERVED_PORT), *([grpc_port] if grpc_port else [])]
+    assert [p["containerPort"] for p in pod.container["ports"]] == served
+    assert grpc_port in (0, int(GRPC_PORT)), "a gRPC port of its own: the chart's Service and the image expose 8001"
     if pod.annotations.get("prometheus.io/scrape") == "true":
         assert pod.annotations["prometheus.io/port"] == SERVED_PORT
         assert pod.annotations["prometheus.io/path"] in served_routes()

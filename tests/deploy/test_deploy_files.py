@@ -75,6 +75,8 @@ SERVICE, LOADTEST = stages()["service"], stages()["loadtest"]
 SERVICE_ENV = environment(SERVICE)
 SERVICE_ARGS = list(one(SERVICE, "CMD").value[1:])
 SERVED_PORT = str(cli.service_parser().parse_args(SERVICE_ARGS).port)
+GRPC_PORT = str(Settings.model_fields["grpc_port"].default)
+"""The port of the inference protocol over gRPC the image serves (MATMUL_GRPC_PORT's default)."""
 """The port the image's CMD listens on: matmul-service's default unless the CMD names one."""
 
 
@@ -142,7 +144,7 @@ def test_cmd_is_exec_form_matmul_service_with_settings_from_the_environment() ->
     assert cmd.json and list(cmd.value) == ["matmul-service"]
     assert PYPROJECT["project"]["scripts"]["matmul-service"] == "app.cli:service_main"
     assert cli.service_parser().parse_args(SERVICE_ARGS).host == "0.0.0.0"
-    assert one(SERVICE, "EXPOSE").value == (SERVED_PORT,)
+    assert one(SERVICE, "EXPOSE").value == (SERVED_PORT, GRPC_PORT)
     uvicorn_variables = {name for name in SERVICE_ENV if name.startswith("UVICORN_")}
     assert uvicorn_variables == {cli.GRACEFUL_SHUTDOWN_VARIABLE}, "matmul-service reads no other UVICORN_* variable"
     assert set(SERVICE_ENV) & SETTING_VARIABLES == {"MATMUL_BACKEND"} and SERVICE_ENV["MATMUL_BACKEND"] == "gpu"
@@ -334,7 +336,7 @@ def test_the_service_reserves_a_gpu_and_is_health_checked() -> None:
     assert devices == [{"driver": "nvidia", "count": 1, "capabilities": ["gpu"]}]
     assert service["healthcheck"]["start_period"] and "test" not in service["healthcheck"], "the image's probe"
     container_ports = {mapping.rsplit(":", 1)[1] for mapping in service["ports"]}
-    assert container_ports == {SERVED_PORT}
+    assert container_ports == {SERVED_PORT, GRPC_PORT}
 
 
 def compose_seconds(duration: str) -> float:

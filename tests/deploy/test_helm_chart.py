@@ -151,8 +151,9 @@ def check_wiring(release: Release) -> None:
     assert release.deployment["spec"]["selector"]["matchLabels"].items() <= pod_labels.items()
     service = release.one("Service")
     assert service["spec"]["selector"].items() <= pod_labels.items()
-    [port] = service["spec"]["ports"]
+    port, grpc_port = service["spec"]["ports"]
     assert port["name"] == "http" and release.pod.port(port["targetPort"]) == release.pod.port("http")
+    assert grpc_port["name"] == "grpc" and release.pod.port(grpc_port["targetPort"]) == release.pod.port("grpc")
     for budget in release.of_kind("PodDisruptionBudget"):
         assert budget["spec"]["selector"]["matchLabels"].items() <= pod_labels.items()
     for monitor in release.of_kind("ServiceMonitor"):

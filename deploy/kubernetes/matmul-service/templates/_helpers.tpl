@@ -48,6 +48,11 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 8000
 {{- end }}
 
+{{/* The port of the inference protocol over gRPC (Dockerfile: EXPOSE 8001; MATMUL_GRPC_PORT's default). */}}
+{{- define "matmul-service.grpcPort" -}}
+8001
+{{- end }}
+
 {{/* Where CuPy keeps compiled kernels: the image's CUPY_CACHE_DIR (and VOLUME). */}}
 {{- define "matmul-service.kernelCachePath" -}}
 /var/cache/cupy
