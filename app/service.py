@@ -129,6 +129,20 @@ class Product:
         copy), or when it will not be sent."""
         self.outcome.release()
 
+    def protocol_parameters(self) -> dict[str, str | int | float]:
+        """What the inference protocol's answer says of the product in its `parameters` (over HTTP and gRPC): the
+        kernel, backend, batch size, precision and its input error, and the roofline's fields that are not null as
+        `roofline_<field>` (the protocol's parameters are numbers or strings)."""
+        precision = self.outcome.plan.precision
+        return {
+            "kernel": self.outcome.plan.kernel,
+            "backend": self.backend,
+            "batch_size": self.outcome.batch_size,
+            "precision": precision.value,
+            "error_bound_input": float(input_error(precision)),
+            **{f"roofline_{name}": value for name, value in self.roofline.model_dump(exclude_none=True).items()},
+        }
+
     def describe(self) -> MatmulMetadata:
         """The product's metadata, its answer encoded now."""
         clock, device = self.clock, self.outcome.device

@@ -37,7 +37,6 @@ from app.config import Settings, SharedMemoryKind
 from app.dataplane.engine_client import EngineClient
 from app.errors import MalformedPayload, MatmulError, SharedMemoryError, Unauthorized
 from app.service import MatmulService, Product, Stopwatch
-from numerics.precision import input_error
 
 log = logging.getLogger(__name__)
 
@@ -366,15 +365,7 @@ def _parameter(value: Any) -> Any:
 def _infer_response(product: Product, model: str, decoded: inference_v2.InferRequest) -> Any:
     """C as raw output contents (or its place in the client's region), with the kernel, backend, batch size,
     precision, error bound and roofline as parameters, as the HTTP answer has them."""
-    precision = product.outcome.plan.precision
-    parameters = {
-        "kernel": product.outcome.plan.kernel,
-        "backend": product.backend,
-        "batch_size": product.outcome.batch_size,
-        "precision": precision.value,
-        "error_bound_input": float(input_error(precision)),
-        **{f"roofline_{name}": value for name, value in product.roofline.model_dump(exclude_none=True).items()},
-    }
+    parameters = product.protocol_parameters()
     output = pb.ModelInferResponse.InferOutputTensor(
         name=inference_v2.OUTPUT,
         datatype=inference_v2.DATATYPE_OF[product.dtype.name],

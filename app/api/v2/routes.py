@@ -25,7 +25,6 @@ from app.api.v2.statistics import StatisticsDep
 from app.config import SharedMemoryKind
 from app.errors import MatmulError
 from app.service import Stopwatch
-from numerics.precision import input_error
 
 router = APIRouter(prefix=PROTOCOL_PREFIX, tags=["inference protocol v2"])
 _ERROR = protocol_error("The protocol's error answer.")
@@ -206,15 +205,7 @@ async def infer(
                 request,
                 service.run(decoded.operands, options, requested_deadline_s(request), clock, decoded.output_region),
             )
-        precision = product.outcome.plan.precision
-        parameters = {
-            "kernel": product.outcome.plan.kernel,
-            "backend": product.backend,
-            "batch_size": product.outcome.batch_size,
-            "precision": precision.value,
-            "error_bound_input": input_error(precision),
-            **{f"roofline_{name}": value for name, value in product.roofline.model_dump(exclude_none=True).items()},
-        }
+        parameters = product.protocol_parameters()
         try:
             if decoded.output_region is not None:
                 header = codecs.inference_v2.encode_infer_in_region(
