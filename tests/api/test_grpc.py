@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 
 import grpc
 import numpy as np
@@ -19,9 +19,14 @@ from tritonclient.grpc import service_pb2 as pb
 from tritonclient.grpc import service_pb2_grpc as pb_grpc
 from tritonclient.utils import InferenceServerException
 
+from app.api import grpc as grpc_front
+from app.api.v2.statistics import InferenceStatistics
+from app.config import Settings
+from app.engine import DeviceWorker, EngineState
 from matmul_tools.service import free_port, running_server, uvicorn_command
 from numerics.precision import Precision
 from numerics.reference import assert_close_to_reference
+from tests.fakes import RecordingEngine, SteeredBackend, until
 
 pytestmark = pytest.mark.timeout(300)
 MIB = 1 << 20
@@ -232,3 +237,64 @@ def test_api_keys_travel_in_metadata_and_liveness_needs_none(keyed_url: str) -> 
             assert_close_to_reference(result.as_numpy("C"), a, b, np.dtype(np.float32))
     finally:
         triton.close()
+
+
+# ---------------------------------------------------------------------- the service in this process
+
+
+@pytest.fixture
+async def in_process() -> AsyncIterator[tuple[str, RecordingEngine, SteeredBackend]]:
+    """The gRPC service over an in-process engine whose launches wait at a gate the test opens, recording each
+    product's request and deadline."""
+    backend = SteeredBackend()
+    engine = RecordingEngine(DeviceWorker(backend, queue_size=4))
+    engine.start()
+    await until(lambda: engine.state is EngineState.READY)
+    settings = Settings(backend="cpu", grpc_port=free_port(), grpc_host="127.0.0.1", request_timeout_s=30.0)
+    server = await grpc_front.start_server(settings, engine, InferenceStatistics())  # type: ignore[arg-type]
+    try:
+        yield f"127.0.0.1:{settings.grpc_port}", engine, backend
+    finally:
+        backend.gate.set()
+        await server.stop(None)
+        await engine.stop()
+
+
+@pytest.mark.anyio
+async def test_a_calls_deadline_is_its_products_capped_at_the_request_timeout(
+    in_process: tuple[str, RecordingEngine, SteeredBackend],
+) -> None:
+    url, engine, _ = in_process
+    client = grpcaio.InferenceServerClient(url=url)
+    try:
+        a, b = _operands(11)
+        await client.infer("matmul", _inputs(a, b), client_timeout=5.0)
+        await client.infer("matmul", _inputs(a, b))
+        await client.infer("matmul", _inputs(a, b), client_timeout=3600.0)
+    finally:
+        await client.close()
+    deadlines = [deadline for _, deadline in engine.calls]
+    assert deadlines[0] is not None and 4.0 < deadlines[0] <= 5.0
+    assert deadlines[1:] == [30.0, 30.0]
+
+
+@pytest.mark.anyio
+async def test_a_cancelled_call_takes_its_product_out_of_the_queue(
+    in_process: tuple[str, RecordingEngine, SteeredBackend],
+) -> None:
+    url, engine, backend = in_process
+    client = grpcaio.InferenceServerClient(url=url)
+    try:
+        backend.gate.clear()
+        running = asyncio.create_task(client.infer("matmul", _inputs(*_operands(12))))
+        assert await asyncio.to_thread(backend.entered.acquire, True, GUARD_S)
+        queued = asyncio.create_task(client.infer("matmul", _inputs(*_operands(13))))
+        await until(lambda: engine.queue_depth == 1)
+        queued.cancel()
+        await until(lambda: engine.queue_depth == 0)  # it left the queue while the first still runs
+        backend.gate.set()
+        a, b = _operands(12)
+        assert_close_to_reference((await running).as_numpy("C"), a, b, np.dtype(np.float32))
+        assert backend.batches == [1]  # the cancelled product was never launched
+    finally:
+        await client.close()
