@@ -22,7 +22,7 @@ def _presented_key(scope: Scope) -> bytes | None:
     return None
 
 
-def _matches(presented: bytes, keys: list[bytes]) -> bool:
+def matches_a_key(presented: bytes, keys: list[bytes]) -> bool:
     """Compared with every key in constant time, so timing tells nothing about any of them."""
     found = False
     for key in keys:
@@ -38,7 +38,7 @@ class ApiKeyMiddleware(HttpMiddleware):
             return
         keys = [key.get_secret_value().encode() for key in settings.api_keys]
         presented = _presented_key(scope)
-        if presented is not None and _matches(presented, keys):
+        if presented is not None and matches_a_key(presented, keys):
             await self.app(scope, receive, send)
             return
         error = Unauthorized(

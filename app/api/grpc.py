@@ -17,7 +17,6 @@ streaming are not served (UNIMPLEMENTED), as for the HTTP protocol.
 from __future__ import annotations
 
 import base64
-import hmac
 import logging
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, TypeVar
@@ -28,6 +27,7 @@ from tritonclient.grpc import service_pb2 as pb
 from tritonclient.grpc import service_pb2_grpc as pb_grpc
 
 from app import __version__
+from app.api.auth import matches_a_key
 from app.api.errors import status_of
 from app.api.v2.models import VERSION, ModelCatalogue
 from app.api.v2.statistics import InferenceStatistics
@@ -100,10 +100,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):  # type: ignore[m
                 presented = value.encode()
             elif key == "authorization" and value[:7].lower() == "bearer ":
                 presented = value[7:].strip().encode()
-        found = False
-        for known in self._keys:
-            found |= presented is not None and hmac.compare_digest(presented, known)
-        if not found:
+        if presented is None or not matches_a_key(presented, self._keys):
             raise Unauthorized(
                 "this server needs an API key: send the metadata 'authorization: Bearer <key>' or 'x-api-key: <key>'"
                 if presented is None
@@ -111,8 +108,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):  # type: ignore[m
             )
 
     def _catalogue(self) -> ModelCatalogue:
-        kernels = [k.name for k in self.engine.kernels() if k.kind != "auto"]
-        return ModelCatalogue(kernels, self.engine.backend_name)
+        return ModelCatalogue.of(self.engine)
 
     async def ServerLive(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         async def live() -> Any:

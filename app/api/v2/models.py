@@ -13,6 +13,7 @@ from fastapi import Depends
 
 from app.api.deps import EngineDep
 from app.codecs import RequestOptions, inference_v2
+from app.engine.engine import EngineFront
 from app.errors import InvalidParameter, UnknownModel
 
 MODEL = "matmul"
@@ -25,6 +26,11 @@ class ModelCatalogue:
     def __init__(self, kernels: list[str], backend: str) -> None:
         self.kernels: dict[str, str | None] = {MODEL: None} | {f"{MODEL}_{name}": name for name in kernels}
         self.backend = backend
+
+    @classmethod
+    def of(cls, engine: EngineFront) -> ModelCatalogue:
+        """The models of the kernels `engine` offers (auto aside: it is the model `matmul`)."""
+        return cls([k.name for k in engine.kernels() if k.kind != "auto"], engine.backend_name)
 
     def kernel_of(self, model: str, version: str | None = None) -> str | None:
         """The kernel `model` runs; UnknownModel when this server has no such model or version."""
@@ -75,8 +81,7 @@ class ModelCatalogue:
 
 
 async def get_catalogue(engine: EngineDep) -> ModelCatalogue:
-    kernels = [k.name for k in engine.kernels() if k.kind != "auto"]
-    return ModelCatalogue(kernels, engine.backend_name)
+    return ModelCatalogue.of(engine)
 
 
 CatalogueDep = Annotated[ModelCatalogue, Depends(get_catalogue)]
