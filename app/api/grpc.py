@@ -30,12 +30,13 @@ from app import __version__
 from app.api.auth import matches_a_key
 from app.api.errors import status_of
 from app.api.v2.models import VERSION, ModelCatalogue
+from app.api.v2.shared_memory import check_enabled, shared_memory_enabled
 from app.api.v2.statistics import InferenceStatistics
 from app.codecs import inference_v2
 from app.codecs.npy import data_bytes
 from app.config import Settings, SharedMemoryKind
 from app.dataplane.engine_client import EngineClient
-from app.errors import MalformedPayload, MatmulError, SharedMemoryError, Unauthorized
+from app.errors import MalformedPayload, MatmulError, Unauthorized
 from app.service import MatmulService, Product, Stopwatch
 
 log = logging.getLogger(__name__)
@@ -140,7 +141,9 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):  # type: ignore[m
     async def ServerMetadata(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         async def metadata() -> Any:
             extensions = ["binary_tensor_data", "statistics", "model_configuration"]
-            extensions += [f"{kind}_shared_memory" for kind in SharedMemoryKind if kind in self.settings.shared_memory]
+            extensions += [
+                f"{kind}_shared_memory" for kind in SharedMemoryKind if shared_memory_enabled(self.settings, kind)
+            ]
             return pb.ServerMetadataResponse(name="matmul-service", version=__version__, extensions=extensions)
 
         return await self._answer("ServerMetadata", context, metadata)
@@ -207,13 +210,9 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):  # type: ignore[m
 
     # ------------------------------------------------------------------------- clients' shared memory
 
-    def _enabled(self, kind: SharedMemoryKind) -> None:
-        if kind not in self.settings.shared_memory:
-            raise SharedMemoryError(f"{kind} shared memory is off: MATMUL_SHARED_MEMORY does not enable it")
-
     async def SystemSharedMemoryStatus(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         async def status() -> Any:
-            self._enabled(SharedMemoryKind.SYSTEM)
+            check_enabled(self.settings, SharedMemoryKind.SYSTEM)
             regions = await self.engine.region_status(request.name or None, "system")
             return pb.SystemSharedMemoryStatusResponse(
                 regions={
@@ -226,7 +225,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):  # type: ignore[m
 
     async def SystemSharedMemoryRegister(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         async def register() -> Any:
-            self._enabled(SharedMemoryKind.SYSTEM)
+            check_enabled(self.settings, SharedMemoryKind.SYSTEM)
             await self.engine.register_region(request.name, request.key, request.offset, request.byte_size)
             return pb.SystemSharedMemoryRegisterResponse()
 
@@ -234,7 +233,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):  # type: ignore[m
 
     async def SystemSharedMemoryUnregister(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         async def unregister() -> Any:
-            self._enabled(SharedMemoryKind.SYSTEM)
+            check_enabled(self.settings, SharedMemoryKind.SYSTEM)
             await self.engine.unregister_region(request.name or None, "system")
             return pb.SystemSharedMemoryUnregisterResponse()
 
@@ -242,7 +241,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):  # type: ignore[m
 
     async def CudaSharedMemoryStatus(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         async def status() -> Any:
-            self._enabled(SharedMemoryKind.CUDA)
+            check_enabled(self.settings, SharedMemoryKind.CUDA)
             regions = await self.engine.region_status(request.name or None, "cuda")
             return pb.CudaSharedMemoryStatusResponse(
                 regions={
@@ -254,7 +253,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):  # type: ignore[m
 
     async def CudaSharedMemoryRegister(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         async def register() -> Any:
-            self._enabled(SharedMemoryKind.CUDA)
+            check_enabled(self.settings, SharedMemoryKind.CUDA)
             handle = base64.b64encode(request.raw_handle).decode()
             await self.engine.register_cuda_region(request.name, handle, request.device_id, request.byte_size)
             return pb.CudaSharedMemoryRegisterResponse()
@@ -263,7 +262,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):  # type: ignore[m
 
     async def CudaSharedMemoryUnregister(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         async def unregister() -> Any:
-            self._enabled(SharedMemoryKind.CUDA)
+            check_enabled(self.settings, SharedMemoryKind.CUDA)
             await self.engine.unregister_region(request.name or None, "cuda")
             return pb.CudaSharedMemoryUnregisterResponse()
 

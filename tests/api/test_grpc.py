@@ -154,8 +154,8 @@ def test_typed_contents_are_read_as_the_tensors_values(url: str) -> None:
         ),
         (
             lambda t: t.get_cuda_shared_memory_status(),
-            "StatusCode.INVALID_ARGUMENT",
-            "cuda shared memory is off",
+            "StatusCode.NOT_FOUND",
+            "cuda shared memory is off; MATMUL_SHARED_MEMORY=cuda enables it",
         ),
     ],
     ids=["unknown model", "unknown version", "a kernel of another backend", "shapes", "message too large", "off"],

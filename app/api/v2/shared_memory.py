@@ -80,10 +80,15 @@ def shared_memory_enabled(settings: Settings, kind: SharedMemoryKind) -> bool:
     return kind in settings.shared_memory
 
 
+def check_enabled(settings: Settings, kind: SharedMemoryKind) -> None:
+    """NotFound unless MATMUL_SHARED_MEMORY enables this kind (over HTTP and gRPC alike)."""
+    if not shared_memory_enabled(settings, kind):
+        raise NotFound(f"{kind} shared memory is off; MATMUL_SHARED_MEMORY={kind} enables it")
+
+
 def _regions(request: Request, kind: SharedMemoryKind) -> RegionRegistry:
     """The engine processes' regions, when MATMUL_SHARED_MEMORY enables this kind."""
-    if not shared_memory_enabled(request.app.state.settings, kind):
-        raise NotFound(f"{kind} shared memory is off; MATMUL_SHARED_MEMORY={kind} enables it")
+    check_enabled(request.app.state.settings, kind)
     regions: RegionRegistry = request.app.state.engine
     return regions
 
