@@ -11,6 +11,8 @@ Against each, every size (square float32 n x n) is sent by every client kind:
 
 - `client`: the project's MatmulClient, `.multiply(a, b)` (multipart `.npy` to /matmul, an `.npy` answer);
 - `triton`: tritonclient.http's InferenceServerClient, A and B as binary FP32 inputs, C asked for in binary;
+- `triton-grpc`: tritonclient.grpc's InferenceServerClient, A and B as raw contents, to the gRPC port every server
+  is given (MATMUL_GRPC_PORT);
 - `raw-npy`, `raw-v2`: raw keep-alive sockets sending the same two requests prebuilt as whole HTTP requests
   (matmul_tools.raw_load), the floor a client library is measured against.
 
@@ -21,13 +23,14 @@ seconds more, then `--seconds` measured: products/s, p50/p99 latency (ms) of the
 status. For `client`, also the client's own cost: the mean of (wall time of multiply - the server's timing
 "total") per product, beside that mean server total.
 
-Prints Markdown tables (each cell with its ratio to the raw sender of the same route: client / raw-npy and triton /
-raw-v2; the client's cost; products/s by server); writes every figure with the host's facts to `--out` and a
-chart to `--png` (when matplotlib imports; `--plot-only JSON` draws it later from the JSON). A wrong answer fails
-its cell loudly and the run exits 1 once every cell has run.
+Prints Markdown tables (each cell with its ratio to the raw sender of the same route: client / raw-npy, triton /
+raw-v2, and triton-grpc / raw-v2, the protocol over gRPC against its HTTP floor; the client's cost; products/s by
+server); writes every figure with the host's facts to `--out` and a chart to `--png` (when matplotlib imports;
+`--plot-only JSON` draws it later from the JSON). A wrong answer fails its cell loudly and the run exits 1 once every
+cell has run.
 
 A cell takes its first answers, `--warmup` and `--seconds` (about 7 s by default): the default grid, 2 servers x 4
-sizes x 4 clients, is 32 cells, under 4 minutes, plus each server's start (`--ready-timeout`). A sweep of six
+sizes x 5 clients, is 40 cells, about 5 minutes, plus each server's start (`--ready-timeout`). A sweep of six
 servers is 96 cells: narrow it with `--clients`, `--sizes` or `--seconds`. `--rounds R` measures each size's clients R
 times, in their order and then in reverse, turn about (on a shared host the cell that comes first after another load
 runs on a different machine state): each ratio is taken within its round, and the tables and the chart show the
@@ -83,9 +86,11 @@ from matmul_tools.service import ROOT, LocalService, NotReady, free_port, servic
 from matmul_tools.together import CLOSED, StartSignal, TogetherPool
 from numerics.reference import Reference
 
-ClientKind = Literal["client", "triton", "raw-npy", "raw-v2"]
-CLIENT_KINDS: tuple[ClientKind, ...] = ("client", "triton", "raw-npy", "raw-v2")
-RAW_OF: MappingProxyType[ClientKind, ClientKind] = MappingProxyType({"client": "raw-npy", "triton": "raw-v2"})
+ClientKind = Literal["client", "triton", "triton-grpc", "raw-npy", "raw-v2"]
+CLIENT_KINDS: tuple[ClientKind, ...] = ("client", "triton", "triton-grpc", "raw-npy", "raw-v2")
+RAW_OF: MappingProxyType[ClientKind, ClientKind] = MappingProxyType(
+    {"client": "raw-npy", "triton": "raw-v2", "triton-grpc": "raw-v2"}
+)
 """The raw sender of the same route and wire format as each client library."""
 TUNED = MappingProxyType({"MATMUL_HTTP_WORKERS": "8", "MATMUL_BATCHING": "true", "MATMUL_MAX_QUEUE_DELAY_US": "500"})
 """The settings an expert chose by hand before the defaults were derived from the host."""
@@ -147,7 +152,8 @@ def start_server(config: ServerConfig, args: argparse.Namespace) -> Started:
     port = free_port()
     log = args.logs / f"server-{config.name.replace('=', '-')}.log"
     began = time.monotonic()
-    service = LocalService(service_command(port), port, settings, log, config.workers or 1)
+    with_grpc = {"MATMUL_GRPC_PORT": str(free_port()), **settings}  # a port of its own, for the triton-grpc cells
+    service = LocalService(service_command(port), port, with_grpc, log, config.workers or 1)
     try:
         service.wait_ready(args.ready_timeout)
         info = httpx.get(f"{service.url}/v1/info", timeout=30).json()
@@ -263,6 +269,36 @@ class TritonClient:
 
     def _named(self) -> tuple[tuple[str, np.ndarray], tuple[str, np.ndarray]]:
         return ("A", self.operands.a), ("B", self.operands.b)
+
+    def close(self) -> None:
+        self.client.close()
+
+
+class TritonGrpcClient:
+    """tritonclient.grpc, raw contents in and out, the inputs made for each request as a user's code makes them; to
+    the port the server's /v1/info names."""
+
+    def __init__(self, url: str, operands: Operands) -> None:
+        import tritonclient.grpc as triton
+
+        self.triton = triton
+        port = httpx.get(f"{url}/v1/info", timeout=30).json()["grpc_port"]
+        self.client = triton.InferenceServerClient(f"{urlsplit(url).hostname}:{port}")
+        self.operands = operands
+
+    def exchange(self, keep: bool) -> Exchange:
+        from tritonclient.utils import InferenceServerException
+
+        named = (("A", self.operands.a), ("B", self.operands.b))
+        inputs = [self.triton.InferInput(name, [x.shape[0], x.shape[1]], "FP32") for name, x in named]
+        for tensor, (_, x) in zip(inputs, named, strict=True):
+            tensor.set_data_from_numpy(x)
+        try:
+            result = self.client.infer(MODEL, inputs)
+        except InferenceServerException as exc:
+            return Exchange(str(exc.status() or type(exc).__name__))
+        c: np.ndarray = result.as_numpy("C")
+        return Exchange("200", c)
 
     def close(self) -> None:
         self.client.close()
@@ -400,6 +436,8 @@ def _connect(share: Share, operands: Operands) -> Connection:
         return ProjectClient(share.url, operands)
     if share.kind == "triton":
         return TritonClient(share.url, operands, share.timeout_s)
+    if share.kind == "triton-grpc":
+        return TritonGrpcClient(share.url, operands)
     request = operands.npy_request if share.kind == "raw-npy" else operands.v2_request
     return RawSocket(share.url, request, share.kind, share.timeout_s)
 

@@ -34,7 +34,7 @@ def test_every_cell_of_the_smallest_grid_answers_right(tmp_path: Path) -> None:
     report = json.loads(out.read_text())
     cells = report["cells"]
     assert [(cell["size"], cell["client"]) for cell in cells] == [
-        (n, kind) for n in (16, 64) for kind in ("client", "triton", "raw-npy", "raw-v2")
+        (n, kind) for n in (16, 64) for kind in ("client", "triton", "triton-grpc", "raw-npy", "raw-v2")
     ]
     for cell in cells:
         assert cell["failure"] is None and cell["wrong"] == [] and cell["errors"] == {}, cell
@@ -46,8 +46,10 @@ def test_every_cell_of_the_smallest_grid_answers_right(tmp_path: Path) -> None:
     for n in (16, 64):
         client, raw = by_kind[n, "client"], by_kind[n, "raw-npy"]
         assert client["ratio_to_raw"] == client["products_per_s"] / raw["products_per_s"]
-        triton, raw_v2 = by_kind[n, "triton"], by_kind[n, "raw-v2"]
-        assert triton["ratio_to_raw"] == triton["products_per_s"] / raw_v2["products_per_s"]
+        raw_v2 = by_kind[n, "raw-v2"]
+        for over_v2 in ("triton", "triton-grpc"):
+            triton = by_kind[n, over_v2]
+            assert triton["ratio_to_raw"] == triton["products_per_s"] / raw_v2["products_per_s"]
         assert raw["ratio_to_raw"] is None and "client_cost" not in raw
         cost = client["client_cost"]
         assert cost["products"] == client["products"] and cost["server_total_ms"] > 0
@@ -56,7 +58,7 @@ def test_every_cell_of_the_smallest_grid_answers_right(tmp_path: Path) -> None:
     assert server["http_workers"] == 1 and server["backend"] == "cpu"
     assert server["settings"] == {"MATMUL_HTTP_WORKERS": "1", "MATMUL_BACKEND": "cpu"}
     assert report["host"]["cpu_count"] >= 1 and report["server_failures"] == {}
-    assert "| workers=1 |   64 |    3 | triton  |" in done.stdout
+    assert "| workers=1 |   64 |    3 | triton-grpc |" in done.stdout
     assert "MatmulClient: its own cost per product" in done.stdout
     assert out.with_suffix(".png").read_bytes().startswith(PNG_MAGIC)
 
