@@ -274,21 +274,17 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):  # type: ignore[m
 
 class _RawContents:
     """A request's raw input contents, one for each input that is neither in shared memory nor typed contents,
-    in the order of the inputs: taken as views, and all of them must be."""
+    in the order of the inputs, taken as views; every one must be taken."""
 
     def __init__(self, contents: list[bytes]) -> None:
         self.contents = contents
         self.taken = 0
 
     def take(self, name: str, nbytes: int) -> memoryview:
-        if self.taken >= len(self.contents):
-            raise MalformedPayload(f"input '{name}' has no raw contents", location=[name])
+        """The next raw contents: `_document` declared their own length as the input's binary_data_size, which the
+        decoder has checked against the input's shape."""
         view = memoryview(self.contents[self.taken])
         self.taken += 1
-        if len(view) != nbytes:
-            raise MalformedPayload(
-                f"input '{name}' needs {nbytes} bytes of raw contents, not {len(view)}", location=[name]
-            )
         return view
 
     def check_all_taken(self) -> None:
@@ -313,7 +309,7 @@ TYPED_CONTENTS = {"FP32": "fp32_contents", "FP64": "fp64_contents"}
 def _document(request: Any) -> tuple[dict[str, Any], _RawContents]:
     """A ModelInferRequest in the protocol's JSON form: typed contents as data, raw contents as binary inputs."""
     raw = list(request.raw_input_contents)
-    inputs = []
+    inputs, binary = [], 0
     for tensor in request.inputs:
         entry: dict[str, Any] = {
             "name": tensor.name,
@@ -328,9 +324,11 @@ def _document(request: Any) -> tuple[dict[str, Any], _RawContents]:
                     f"input '{tensor.name}' is {tensor.datatype}: send it as raw contents", location=[tensor.name]
                 )
             entry["data"] = list(getattr(tensor.contents, typed))
-        elif raw and "shared_memory_region" not in entry["parameters"]:
-            size = inference_v2.DATATYPES.get(tensor.datatype, inference_v2.DATATYPES["FP32"]).itemsize
-            entry["parameters"]["binary_data_size"] = size * _elements(entry["shape"])
+        elif "shared_memory_region" not in entry["parameters"]:
+            if len(raw) <= binary:
+                raise MalformedPayload(f"input '{tensor.name}' has no raw contents", location=[tensor.name])
+            entry["parameters"]["binary_data_size"] = len(raw[binary])  # checked against its shape by the decoder
+            binary += 1
         inputs.append(entry)
     document: dict[str, Any] = {"inputs": inputs, "parameters": _parameters(request.parameters)}
     if request.outputs:
@@ -338,13 +336,6 @@ def _document(request: Any) -> tuple[dict[str, Any], _RawContents]:
     if request.id:
         document["id"] = request.id
     return document, _RawContents(raw)
-
-
-def _elements(shape: list[Any]) -> int:
-    count = 1
-    for dimension in shape:
-        count *= dimension if isinstance(dimension, int) else 0
-    return count
 
 
 def _parameter(value: Any) -> Any:
