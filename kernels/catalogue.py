@@ -1,7 +1,8 @@
 """Every rung a request may name, in one catalogue: what it computes in, its tiles, the devices it runs on, and how it
 launches. The instances behind each rung are where they are built: the FMA ladder's launch configurations in
-registry.py, the tensor-core kernels' in tensorcore.py; cuBLAS is cuBLAS (cublas.py). The GPU backend lists and plans
-its kernels from here, and the CPU backend names the GPU kernels its emulations stand for from here.
+registry.py, the tensor-core kernels' in tensorcore.py; cuBLAS is cuBLAS (cublas.py). kernels/cuda.py's `Launcher`
+launches every rung by its name; the GPU backend lists and plans its kernels from here, and the CPU backend names the
+GPU kernels its emulations stand for from here.
 
     rung          launcher       dtypes             precisions                   devices
     naive ..      fma            float32, float64   fp32                         every CUDA GPU
@@ -36,9 +37,8 @@ class Rung:
     name: str
     summary: str
     launcher: Launcher
-    """How it launches: `KernelLibrary` (the FMA ladder, kernels/cuda.py, its instance chosen per shape or tile),
-    `TensorCoreLibrary` (kernels/cuda.py, its instance chosen per precision and shape), or cuBLAS
-    (kernels/cublas.py)."""
+    """Which part of kernels/cuda.py's `Launcher` runs it: the FMA ladder's library (its instance chosen per shape
+    or tile), the tensor-core library (its instance chosen per precision and shape), or cuBLAS (kernels/cublas.py)."""
     dtypes: tuple[str, ...] = DTYPES
     precisions: tuple[Precision, ...] = (Precision.FP32,)
     """How it rounds the operands (numerics/precision.py); fp32 alone for float64."""

@@ -1,8 +1,10 @@
-"""Compiling the registered kernels and launching them: the one launcher the engine and the benchmarks share.
+"""Compiling the catalogue's kernels and launching them: `Launcher`, the one launcher the engine, the benchmark and the
+GPU tests share, launches every rung of kernels/catalogue.py by name.
 
-`compile_ptx` needs only NVRTC (no driver, no GPU), so CI can check every source; `KernelLibrary` needs a
-device and CuPy's `RawModule`, and compiles everything once, when it is built. `device_attributes` reads what
-the roofline's peaks are computed from (numerics/roofline.py).
+`compile_ptx` needs only NVRTC (no driver, no GPU), so CI can check every source. `Launcher` needs a device and CuPy:
+when it is built it compiles, once, the FMA ladder (`KernelLibrary`, CuPy's `RawModule`) and, where the device runs
+them, the tensor-core kernels (`TensorCoreLibrary`, sm_90a cubins); cuBLAS is kernels/cublas.py. `device_attributes`
+reads what the roofline's peaks are computed from (numerics/roofline.py).
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ from typing import Any, Protocol, TypeVar
 import numpy as np
 
 from kernels import tensorcore, tma
+from kernels.catalogue import RUNGS, Rung, rungs_on
+from kernels.cublas import cublas_product
 from kernels.registry import KERNELS, STATIC_SMEM_LIMIT, KernelSpec, LaunchConfig, cdiv, read_kernel_source
 from numerics.precision import Precision
 
@@ -83,8 +87,63 @@ def device_attributes(cupy: Any, device: int) -> dict[str, int | None]:
     return {name: read(attribute) for name, attribute in DEVICE_ATTRIBUTES.items()}
 
 
+class Launcher:
+    """Every rung of the catalogue that the current CuPy device runs, compiled once when this is built, launched by
+    its name on the current stream."""
+
+    def __init__(self) -> None:
+        import cupy
+
+        major, minor = divmod(int(cupy.cuda.Device().compute_capability), 10)
+        self.rungs: list[Rung] = rungs_on((major, minor))
+        """What this device runs, in the catalogue's order."""
+        self._names = frozenset(rung.name for rung in self.rungs)
+        self._fma = KernelLibrary()
+        self.tensor_cores = TensorCoreLibrary() if self.runs(tensorcore.WGMMA) else None
+        """The tensor-core kernels' library, where the device runs them (its operand conversions are tested alone)."""
+
+    def runs(self, kernel: str) -> bool:
+        return kernel in self._names
+
+    def compiled_instances(self) -> int:
+        """How many kernel instances were compiled (cuBLAS's own are not counted)."""
+        tensor_core = 0 if self.tensor_cores is None else self.tensor_cores.instances
+        return self._fma.instances + tensor_core
+
+    def launch(
+        self,
+        kernel: str,
+        a: Any,
+        b: Any,
+        c: Any,
+        *,
+        precision: Precision = Precision.FP32,
+        config: LaunchConfig | None = None,
+    ) -> None:
+        """c = a @ b by the rung `kernel` in `precision` on the current stream: CuPy arrays of one dtype, 2-D and
+        C-contiguous (3-D stacks for the FMA kernels that batch). `config` is the FMA kernel's instance (by default the
+        one its spec picks for the shape); the other rungs choose their own."""
+        if not self.runs(kernel):
+            raise ValueError(f"kernel '{kernel}' does not run on this device; it runs {[r.name for r in self.rungs]}")
+        rung = RUNGS[kernel]
+        if a.dtype.name not in rung.dtypes:
+            raise ValueError(f"kernel '{kernel}' computes in {', '.join(rung.dtypes)}, not {a.dtype}")
+        if precision not in rung.precisions or (a.dtype.name == "float64" and precision is not Precision.FP32):
+            raise ValueError(f"kernel '{kernel}' does not compute {a.dtype} in precision {precision}")
+        if rung.launcher == "cublas":
+            cublas_product(a, b, c, precision)
+        elif rung.launcher == "fma":
+            spec = KERNELS[kernel]
+            (m, k), n = a.shape[-2:], b.shape[-1]
+            self._fma.launch(spec, config or spec.config_for(m, n, k, None), a, b, c)
+        else:
+            assert self.tensor_cores is not None  # runs() said so
+            self.tensor_cores.launch(kernel, a, b, c, precision)
+
+
 class KernelLibrary:
-    """Every registered kernel, compiled with NVRTC for the current CuPy device, ready to launch."""
+    """The FMA ladder's kernels (kernels/registry.py), every instance in both dtypes, compiled with NVRTC for the
+    current CuPy device."""
 
     def __init__(self, specs: Iterable[KernelSpec] = KERNELS.values()) -> None:
         import cupy
@@ -108,6 +167,7 @@ class KernelLibrary:
                     if smem > STATIC_SMEM_LIMIT:
                         function.max_dynamic_shared_size_bytes = smem
                     self._functions[(spec.name, dtype, config.label)] = function
+        self.instances = len(self._functions)
 
     def launch(self, spec: KernelSpec, config: LaunchConfig, a: Any, b: Any, c: Any) -> None:
         """c = a @ b on the current stream: 2-D C-contiguous CuPy arrays of one dtype, or 3-D stacks of a
@@ -160,6 +220,18 @@ class TensorCoreLibrary:
             for expression, function in conversions.items():
                 kernel, conversion = expression.removesuffix(">").split("<")
                 self._conversions[(kernel, int(conversion))] = function
+        self.instances = len(self._wgmma) + len(self._mma_sync) + len(self._dmma)
+
+    def launch(self, kernel: str, a: Any, b: Any, c: Any, precision: Precision) -> None:
+        """c = a @ b by the tensor-core rung `kernel` (wgmma, mma_sync, dmma) in `precision`."""
+        if kernel == tensorcore.WGMMA:
+            self.wgmma(a, b, c, precision)
+        elif kernel == tensorcore.MMA_SYNC:
+            self.mma_sync(a, b, c, precision)
+        elif kernel == tensorcore.DMMA:
+            self.dmma(a, b, c)
+        else:
+            raise ValueError(f"'{kernel}' is not a tensor-core kernel")
 
     def _load(self, folder: Path, source: str, expressions: list[str]) -> dict[str, Any]:
         """Each expression's kernel, from the source's cubin (CuPy loads a module from a file)."""

@@ -34,19 +34,17 @@ from typing import Any
 
 import numpy as np
 
-from kernels.cublas import cublas_product
-from kernels.cuda import KernelLibrary, TensorCoreLibrary, device_attributes
+from kernels.catalogue import CUBLAS, DTYPES, RUNGS
+from kernels.cuda import Launcher, device_attributes
 from kernels.registry import KERNELS, KernelSpec, LaunchConfig
-from kernels.tensorcore import DMMA, KERNEL_NAMES, MMA_SYNC, MMA_SYNC_CONFIGS, WGMMA
+from kernels.tensorcore import DMMA, KERNEL_NAMES, MMA_SYNC, WGMMA
 from numerics.precision import Precision
 from numerics.reference import BOUND_CONSTANT, Reference
 from numerics.roofline import DevicePeaks, gpu_peaks, minimum_global_elements, roofline
 
-CUBLAS = "cublas"
 SQUARE_SIZES = (256, 512, 1024, 2048, 4096, 8192)
 ODD_SHAPES = ((1, 1, 1), (17, 9, 33), (1000, 1000, 1), (4095, 31, 4097), (4093, 4099, 4097))
 """(m, n, k): C is m x n, the inner dimension k. Sides that are not multiples of any tile or vector width."""
-DTYPES = ("float32", "float64")
 HEADLINE_SHAPES = ((2048, 2048, 2048), (4096, 4096, 4096), (8192, 8192, 8192), (4093, 4099, 4097))
 """The shapes the issue sets bars at; the run ends with their rows."""
 SLOW_KERNELS = ("naive", "tiled", "coalesced")
@@ -91,8 +89,7 @@ class Bench:
         self.warmup = warmup
         l2 = int(cupy.cuda.Device().attributes["L2CacheSize"])
         self.flush = cupy.empty(2 * l2 // 4, dtype=cupy.float32)
-        self.library = KernelLibrary()
-        self.tensor_cores = TensorCoreLibrary() if cupy.cuda.Device().compute_capability == "90" else None
+        self.launcher = Launcher()
 
     def inputs(self, m: int, n: int, k: int, dtype: str) -> tuple[list[tuple[Any, Any]], Reference]:
         """Fresh random input sets (standard normal) and the reference of the first, computed on the device."""
@@ -133,23 +130,9 @@ class Bench:
         events[-1][1].synchronize()
         return float(statistics.median(cp.cuda.get_elapsed_time(start, end) for start, end in events))
 
-    @staticmethod
-    def cublas_in(precision: Precision) -> Any:
-        return lambda a, b, c: cublas_product(a, b, c, precision)
-
-    def tensor_core_kernel(self, name: str, precision: Precision) -> Any:
-        """kernels/tensorcore.py's kernel `name` (wgmma, mma_sync) in `precision`, or dmma (float64, fp32)."""
-        tensor_cores = self.tensor_cores
-        assert tensor_cores is not None
-        if name == DMMA:
-            return tensor_cores.dmma
-        launch = getattr(tensor_cores, name)
-        return lambda a, b, c: launch(a, b, c, precision)
-
-    def launcher(self, spec: KernelSpec | None, config: LaunchConfig | None) -> Any:
-        if spec is None or config is None:
-            return lambda a, b, c: self.cp.matmul(a, b, out=c)
-        return lambda a, b, c: self.library.launch(spec, config, a, b, c)
+    def run(self, kernel: str, precision: Precision = Precision.FP32, config: LaunchConfig | None = None) -> Any:
+        """c = a @ b by the rung `kernel` in `precision` (the FMA kernels in their instance `config`)."""
+        return lambda a, b, c: self.launcher.launch(kernel, a, b, c, precision=precision, config=config)
 
 
 def plan(kernels: list[str], all_configs: bool, m: int, n: int, k: int) -> list[tuple[KernelSpec, LaunchConfig]]:
@@ -172,26 +155,26 @@ def run_sweep(args: argparse.Namespace) -> tuple[list[Result], dict[str, Any]]:
             flop = 2 * m * n * k
             sets, reference = bench.inputs(m, n, k, dtype)
             cublas = Result(CUBLAS, "", dtype, m, n, k, None, None, None)
-            cublas.error_ratio, cublas.relative_error = bench.error(bench.launcher(None, None), sets, reference, dtype)
+            cublas.error_ratio, cublas.relative_error = bench.error(bench.run(CUBLAS), sets, reference, dtype)
             if not args.check_only:
-                cublas.ms = bench.time(bench.launcher(None, None), sets, dtype)
+                cublas.ms = bench.time(bench.run(CUBLAS), sets, dtype)
                 cublas.gflops, cublas.ratio = flop / cublas.ms / 1e6, 1.0
             rows = [cublas]
             for precision in args.precisions if dtype == "float32" else []:
                 in_mode = Reference.of(*sets[0], dtype, precision)
                 library = Result(CUBLAS, "", dtype, m, n, k, None, None, None, precision=precision)
                 rows.append(library)
-                measure(bench, args, library, bench.cublas_in(precision), sets, in_mode, None)
-                for name in (MMA_SYNC, WGMMA) if bench.tensor_cores is not None else ():
-                    if name in args.kernels and (name == WGMMA or precision in MMA_SYNC_CONFIGS):
+                measure(bench, args, library, bench.run(CUBLAS, precision), sets, in_mode, None)
+                for name in (MMA_SYNC, WGMMA):
+                    if name in args.kernels and bench.launcher.runs(name) and precision in RUNGS[name].precisions:
                         own = Result(name, "", dtype, m, n, k, None, None, None, precision=precision)
                         rows.append(own)
-                        measure(bench, args, own, bench.tensor_core_kernel(name, precision), sets, in_mode, library.ms)
+                        measure(bench, args, own, bench.run(name, precision), sets, in_mode, library.ms)
                 del in_mode
-            if dtype == "float64" and DMMA in args.kernels and bench.tensor_cores is not None:
+            if dtype == "float64" and DMMA in args.kernels and bench.launcher.runs(DMMA):
                 own = Result(DMMA, "", dtype, m, n, k, None, None, None)
                 rows.append(own)
-                measure(bench, args, own, bench.tensor_core_kernel(DMMA, Precision.FP32), sets, reference, cublas.ms)
+                measure(bench, args, own, bench.run(DMMA), sets, reference, cublas.ms)
             for row in rows:
                 if dtype == "float32" and row.ms is not None and cublas.ms is not None:
                     row.sgemm_ratio = cublas.ms / row.ms
@@ -203,7 +186,7 @@ def run_sweep(args: argparse.Namespace) -> tuple[list[Result], dict[str, Any]]:
                 if spec.name in SLOW_KERNELS and flop > SLOW_FLOP_LIMIT[dtype] and not args.include_slow:
                     row.note = "skipped (slow)"
                     continue
-                measure(bench, args, row, bench.launcher(spec, config), sets, reference, cublas.ms)
+                measure(bench, args, row, bench.run(spec.name, config=config), sets, reference, cublas.ms)
             print_rows(rows)
             results.extend(rows)
             del sets, reference

@@ -55,10 +55,8 @@ from app.errors import (
     SharedMemoryError,
     UnknownKernel,
 )
-from kernels import tensorcore
 from kernels.catalogue import CUBLAS, DTYPES, RUNGS, TENSOR_CORE_PRECISIONS, Rung, rungs_on
-from kernels.cublas import cublas_product
-from kernels.cuda import KernelLibrary, TensorCoreLibrary, device_attributes
+from kernels.cuda import Launcher, device_attributes
 from kernels.registry import KERNELS, LaunchConfig, cdiv
 from numerics.precision import Precision
 from numerics.reference import Reference
@@ -257,8 +255,8 @@ probe, 16 of 1024^2, 4 of 2048^2, one of 4096^2."""
 
 class GpuBackend:
     name: Final = "gpu"
-    _library: KernelLibrary
-    """Compiled by `prepare`, on the worker thread."""
+    _launcher: Launcher
+    """Every kernel this device runs, compiled by `prepare` on the worker thread."""
 
     def __init__(
         self,
@@ -301,11 +299,9 @@ class GpuBackend:
         )
         self._auto: list[AutoChoice] = []
         self._compute_capability: tuple[int, int] = (properties["major"], properties["minor"])
-        self._has_tensor_core_kernels = self._compute_capability == tensorcore.COMPUTE_CAPABILITY
+        self._has_tensor_core_kernels = bool(self._tensor_core_rungs())
         """Whether the tensor-core kernels (sm_90a machine code, kernels/tensorcore.py) run here; elsewhere cuBLAS
         runs the tensor-core precisions, and the FMA kernels and cuBLAS float64."""
-        self._tensor_cores: TensorCoreLibrary
-        """Compiled by `prepare` where the device runs it."""
         self._pinned_ranges: dict[int, int] = {}
         """Host memory given to `pin`: start address -> end address."""
         self._pinning = threading.Lock()
@@ -384,14 +380,8 @@ class GpuBackend:
             self._trap = cp.RawKernel(source, "fault_trap")
             self._trap.compile()
         self._copy_in, self._compute, self._copy_out = (cp.cuda.Stream(non_blocking=True) for _ in range(3))
-        self._library = KernelLibrary()
-        self._compiled_instances = len(DTYPES) * sum(len(spec.configs) for spec in KERNELS.values())
-        if self._has_tensor_core_kernels:
-            self._tensor_cores = TensorCoreLibrary()
-            self._compiled_instances += sum(
-                len(configs)
-                for configs in (tensorcore.WGMMA_CONFIGS, tensorcore.MMA_SYNC_CONFIGS, tensorcore.DMMA_CONFIGS)
-            )
+        self._launcher = Launcher()
+        self._compiled_instances = self._launcher.compiled_instances()
         self._self_test()
         self._tune_auto()
 
@@ -753,18 +743,8 @@ class GpuBackend:
     def _launch(self, plan: Plan, a: Any, b: Any, c: Any) -> None:
         if plan.kernel == FAULT_TRAP:
             self._trap((1,), (1,), ())
-        elif plan.kernel == tensorcore.WGMMA:
-            self._tensor_cores.wgmma(a, b, c, plan.precision)
-        elif plan.kernel == tensorcore.MMA_SYNC:
-            self._tensor_cores.mma_sync(a, b, c, plan.precision)
-        elif plan.kernel == tensorcore.DMMA:
-            self._tensor_cores.dmma(a, b, c)
-        elif plan.precision is not Precision.FP32:
-            cublas_product(a, b, c, plan.precision)
-        elif plan.config is None:
-            self._cp.matmul(a, b, out=c)
         else:
-            self._library.launch(KERNELS[plan.kernel], plan.config, a, b, c)
+            self._launcher.launch(plan.kernel, a, b, c, precision=plan.precision, config=plan.config)
 
     # ------------------------------------------------------------------------------------------- facts
 

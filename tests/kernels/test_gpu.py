@@ -35,10 +35,10 @@ DTYPES = [np.dtype(np.float32), np.dtype(np.float64)]
 
 
 @pytest.fixture(scope="module")
-def library() -> Any:
-    from kernels.cuda import KernelLibrary
+def launcher() -> Any:
+    from kernels.cuda import Launcher
 
-    return KernelLibrary()
+    return Launcher()
 
 
 def fitted(config: LaunchConfig, m: int, k: int, n: int) -> tuple[int, int, int]:
@@ -55,13 +55,13 @@ def operands(m: int, k: int, n: int, seed: int) -> tuple[np.ndarray, np.ndarray]
     return rng.standard_normal((m, k)), rng.standard_normal((k, n))
 
 
-def launch_and_check(library: Any, spec: KernelSpec, config: LaunchConfig, a: np.ndarray, b: np.ndarray) -> None:
+def launch_and_check(launcher: Any, spec: KernelSpec, config: LaunchConfig, a: np.ndarray, b: np.ndarray) -> None:
     """One launch of the instance on a and b (of the working dtype) into an output poisoned with NaN, so that an
     element the kernel skips stays NaN, checked against the float64 product."""
     import cupy as cp
 
     c_dev = cp.full((a.shape[0], b.shape[1]), cp.nan, dtype=a.dtype)
-    library.launch(spec, config, cp.asarray(a), cp.asarray(b), c_dev)
+    launcher.launch(spec.name, cp.asarray(a), cp.asarray(b), c_dev, config=config)
     cp.cuda.get_current_stream().synchronize()
     assert_close_to_reference(cp.asnumpy(c_dev), a, b, a.dtype)
 
@@ -70,11 +70,11 @@ def launch_and_check(library: Any, spec: KernelSpec, config: LaunchConfig, a: np
 @pytest.mark.parametrize(("m", "k", "n"), SHAPES, ids=lambda v: str(v))
 @pytest.mark.parametrize(("spec", "config"), INSTANCES, ids=[f"{s.name}-{c.label}" for s, c in INSTANCES])
 def test_kernel_writes_every_element_correctly(
-    library: Any, spec: KernelSpec, config: LaunchConfig, m: int, k: int, n: int, dtype: np.dtype
+    launcher: Any, spec: KernelSpec, config: LaunchConfig, m: int, k: int, n: int, dtype: np.dtype
 ) -> None:
     m, k, n = fitted(config, m, k, n)
     a, b = operands(m, k, n, seed=m * 31 + n)
-    launch_and_check(library, spec, config, a.astype(dtype), b.astype(dtype))
+    launch_and_check(launcher, spec, config, a.astype(dtype), b.astype(dtype))
 
 
 EMULATED = [(spec, config) for spec, config in INSTANCES if spec.name in EMULATIONS]
@@ -83,7 +83,7 @@ EMULATED = [(spec, config) for spec, config in INSTANCES if spec.name in EMULATI
 @pytest.mark.parametrize(("m", "k", "n"), [(67, 45, 39), (1, 300, 1), (130, 1000, 70)], ids=str)
 @pytest.mark.parametrize(("spec", "config"), EMULATED, ids=[f"{s.name}-{c.label}" for s, c in EMULATED])
 def test_the_cpu_emulation_gives_the_kernels_float32_bits(
-    library: Any, spec: KernelSpec, config: LaunchConfig, m: int, k: int, n: int
+    launcher: Any, spec: KernelSpec, config: LaunchConfig, m: int, k: int, n: int
 ) -> None:
     """float32: the emulation's single rounding per step is the kernel's FFMA, so the bits agree; float64 rounds
     once more per step than DFMA (kernels/emulation.py), so only the bound of the dtype is asserted."""
@@ -93,7 +93,7 @@ def test_the_cpu_emulation_gives_the_kernels_float32_bits(
     for dtype in DTYPES:
         a_typed, b_typed = a.astype(dtype), b.astype(dtype)
         c_dev = cp.full((m, n), cp.nan, dtype=dtype)
-        library.launch(spec, config, cp.asarray(a_typed), cp.asarray(b_typed), c_dev)
+        launcher.launch(spec.name, cp.asarray(a_typed), cp.asarray(b_typed), c_dev, config=config)
         on_gpu, emulated = cp.asnumpy(c_dev), EMULATIONS[spec.name](a_typed, b_typed, config)
         if dtype == np.float32:
             np.testing.assert_array_equal(emulated, on_gpu)
@@ -106,7 +106,7 @@ BATCHED = [(spec, config) for spec, config in INSTANCES if spec.batched]
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize(("spec", "config"), BATCHED, ids=[f"{s.name}-{c.label}" for s, c in BATCHED])
 def test_a_batched_launch_computes_every_product_of_the_batch(
-    library: Any, spec: KernelSpec, config: LaunchConfig, dtype: np.dtype
+    launcher: Any, spec: KernelSpec, config: LaunchConfig, dtype: np.dtype
 ) -> None:
     import cupy as cp
 
@@ -114,20 +114,32 @@ def test_a_batched_launch_computes_every_product_of_the_batch(
     rng = np.random.default_rng(11)
     a, b = rng.standard_normal((5, m, k)), rng.standard_normal((5, k, n))
     c_dev = cp.full((5, m, n), cp.nan, dtype=dtype)
-    library.launch(spec, config, cp.asarray(a, dtype=dtype), cp.asarray(b, dtype=dtype), c_dev)
+    launcher.launch(spec.name, cp.asarray(a, dtype=dtype), cp.asarray(b, dtype=dtype), c_dev, config=config)
     c = cp.asnumpy(c_dev)
     for i in range(5):
         assert_close_to_reference(c[i], a[i].astype(dtype), b[i].astype(dtype), dtype)
 
 
-def test_a_kernel_that_does_not_batch_refuses_a_batch(library: Any) -> None:
+def test_a_kernel_that_does_not_batch_refuses_a_batch(launcher: Any) -> None:
     import cupy as cp
 
-    spec = KERNELS["fast"]
-    config = spec.config_for(64, 64, 64, None)
     x = cp.ones((2, 64, 64), dtype=cp.float32)
     with pytest.raises(ValueError, match="not a batch of 2"):
-        library.launch(spec, config, x, x, x)
+        launcher.launch("fast", x, x, x)
+
+
+def test_the_launcher_refuses_what_a_rung_does_not_compute(launcher: Any) -> None:
+    """A precision an FMA kernel does not compute in, float64 in a tensor-core precision, a name not in the
+    catalogue: each a ValueError before anything launches, never a product in another mode."""
+    import cupy as cp
+
+    x32, x64 = cp.ones((64, 64), dtype=cp.float32), cp.ones((64, 64), dtype=cp.float64)
+    with pytest.raises(ValueError, match="'fast' does not compute float32 in precision tf32"):
+        launcher.launch("fast", x32, x32, x32, precision=Precision.TF32)
+    with pytest.raises(ValueError, match="'cublas' does not compute float64 in precision bf16"):
+        launcher.launch(CUBLAS, x64, x64, x64, precision=Precision.BF16)
+    with pytest.raises(ValueError, match="'strassen' does not run on this device"):
+        launcher.launch("strassen", x32, x32, x32)
 
 
 @pytest.mark.parametrize(("seed", "kernel"), [(12, CUBLAS), (13, "tiled")])

@@ -28,40 +28,39 @@ SHAPES = [*EDGE_SHAPES, (67, 0, 39), (256, 256, 256), (129, 4099, 257), (1000, 1
 
 
 @pytest.fixture(scope="module")
-def tensor_cores() -> Any:
-    import cupy as cp
+def launcher() -> Any:
+    from kernels.cuda import Launcher
 
-    if cp.cuda.Device().compute_capability != "90":
+    launcher = Launcher()
+    if launcher.tensor_cores is None:
         pytest.skip("the tensor-core kernels are sm_90a machine code: they run on compute capability 9.0 only")
-    from kernels.cuda import TensorCoreLibrary
-
-    return TensorCoreLibrary()
+    return launcher
 
 
 @pytest.mark.parametrize(("kernel", "precision"), KERNEL_PRECISIONS, ids=str)
 @pytest.mark.parametrize(("m", "k", "n"), SHAPES, ids=str)
 def test_every_element_is_within_the_precisions_bound(
-    tensor_cores: Any, kernel: str, precision: Precision, m: int, k: int, n: int
+    launcher: Any, kernel: str, precision: Precision, m: int, k: int, n: int
 ) -> None:
     import cupy as cp
 
     rng = cp.random.default_rng(m * 7 + k * 3 + n)
     a, b = rng.standard_normal((m, k), dtype=cp.float32), rng.standard_normal((k, n), dtype=cp.float32)
     c = cp.full((m, n), cp.nan, dtype=cp.float32)  # an element never written stays NaN and fails
-    getattr(tensor_cores, kernel)(a, b, c, precision)
+    launcher.launch(kernel, a, b, c, precision=precision)
     problem = Reference.of(a, b, np.float32, precision).mismatch(c)
     assert problem is None, problem
 
 
 @pytest.mark.parametrize(("kernel", "precision"), KERNEL_PRECISIONS, ids=str)
-def test_a_product_missing_one_term_fails_the_bound(tensor_cores: Any, kernel: str, precision: Precision) -> None:
+def test_a_product_missing_one_term_fails_the_bound(launcher: Any, kernel: str, precision: Precision) -> None:
     """The bound is tight enough to catch a kernel that skips one k step: the check above can fail."""
     import cupy as cp
 
     rng = cp.random.default_rng(3)
     a, b = rng.standard_normal((256, 512), dtype=cp.float32), rng.standard_normal((512, 256), dtype=cp.float32)
     short = cp.empty((256, 256), cp.float32)
-    getattr(tensor_cores, kernel)(a[:, 1:].copy(), b[1:].copy(), short, precision)
+    launcher.launch(kernel, a[:, 1:].copy(), b[1:].copy(), short, precision=precision)
     assert Reference.of(a, b, np.float32, precision).mismatch(short) is not None
 
 
@@ -70,39 +69,40 @@ FLOAT64_SHAPES = [*EDGE_SHAPES, (67, 0, 39), (130, 17, 258), (300, 2, 301), (257
 
 
 @pytest.mark.parametrize(("m", "k", "n"), FLOAT64_SHAPES, ids=str)
-def test_dmma_float64_products_are_within_float64s_bound(tensor_cores: Any, m: int, k: int, n: int) -> None:
+def test_dmma_float64_products_are_within_float64s_bound(launcher: Any, m: int, k: int, n: int) -> None:
     import cupy as cp
 
     rng = cp.random.default_rng(m * 5 + k * 3 + n)
     a, b = rng.standard_normal((m, k)), rng.standard_normal((k, n))
     c = cp.full((m, n), cp.nan)
-    tensor_cores.dmma(a, b, c)
+    launcher.launch(tensorcore.DMMA, a, b, c)
     problem = Reference.of(a, b, np.float64).mismatch(c)
     assert problem is None, problem
 
 
 @pytest.mark.parametrize("k", [512, 511])
-def test_a_dmma_product_missing_one_term_fails_float64s_bound(tensor_cores: Any, k: int) -> None:
+def test_a_dmma_product_missing_one_term_fails_float64s_bound(launcher: Any, k: int) -> None:
     import cupy as cp
 
     rng = cp.random.default_rng(k)
     a, b = rng.standard_normal((256, k)), rng.standard_normal((k, 256))
     short = cp.empty((256, 256))
-    tensor_cores.dmma(a[:, 1:].copy(), b[1:].copy(), short)
+    launcher.launch(tensorcore.DMMA, a[:, 1:].copy(), b[1:].copy(), short)
     assert Reference.of(a, b, np.float64).mismatch(short) is not None
 
 
 @pytest.mark.parametrize("precision", TENSOR_CORE_PRECISIONS)
 @pytest.mark.parametrize("transposed", [False, True], ids=["rows", "transposed"])
 def test_the_operand_conversions_round_as_kernels_precision_does(
-    tensor_cores: Any, precision: Precision, transposed: bool
+    launcher: Any, precision: Precision, transposed: bool
 ) -> None:
     import cupy as cp
 
     rng = np.random.default_rng(11)
     x = (rng.standard_normal((67, 45)) * 10.0 ** rng.integers(-20, 20, (67, 45))).astype(np.float32)
     x.flat[:3] = [np.inf, -np.inf, np.nan]
-    parts = [cp.asnumpy(part) for part in tensor_cores.converted(precision, cp.asarray(x), transposed=transposed)]
+    converted = launcher.tensor_cores.converted(precision, cp.asarray(x), transposed=transposed)
+    parts = [cp.asnumpy(part) for part in converted]
     source = x.T if transposed else x
     k = source.shape[1]
     got = [part[:, :k] for part in parts]
@@ -125,7 +125,7 @@ def test_the_operand_conversions_round_as_kernels_precision_does(
         np.testing.assert_array_equal(actual, wanted)
 
 
-def test_own_3xtf32_is_as_accurate_as_sgemm(tensor_cores: Any) -> None:
+def test_own_3xtf32_is_as_accurate_as_sgemm(launcher: Any) -> None:
     """The issue's bar: own 3xTF32 within 2x SGEMM's relative error (2048^3, standard normal operands). The tensor
     cores' sums round toward zero, so a kernel that let them sum all of K would err about 9x SGEMM's."""
     import cupy as cp
@@ -134,7 +134,7 @@ def test_own_3xtf32_is_as_accurate_as_sgemm(tensor_cores: Any) -> None:
     a, b = rng.standard_normal((2048, 2048), dtype=cp.float32), rng.standard_normal((2048, 2048), dtype=cp.float32)
     reference = Reference.of(a, b, np.float32)
     own = cp.empty((2048, 2048), cp.float32)
-    tensor_cores.wgmma(a, b, own, Precision.TF32X3)
+    launcher.launch(tensorcore.WGMMA, a, b, own, precision=Precision.TF32X3)
     sgemm_error = reference.relative_error(cp.matmul(a, b))
     assert reference.relative_error(own) <= 2 * sgemm_error
 
