@@ -61,7 +61,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             app.state.engine = engine
             app.state.metrics = ServiceMetrics()
             app.state.body_buffers = BodyBuffers()
-            app.state.inference_stats = InferenceStatistics()
+            app.state.inference_stats = InferenceStatistics(app.state.metrics)
             if resolved.grpc_port:
                 server = await grpc.start_server(resolved, engine, app.state.inference_stats)
                 stack.push_async_callback(server.stop, grpc.STOP_GRACE_S)

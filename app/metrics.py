@@ -8,6 +8,7 @@ them, so any worker's /metrics answers for all of them.
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable
 
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
@@ -16,8 +17,10 @@ from prometheus_client import (
     Gauge,
     Histogram,
     ProcessCollector,
+    Summary,
     generate_latest,
 )
+from prometheus_client.metrics_core import Metric
 from prometheus_client.multiprocess import MultiProcessCollector
 
 from app.product import Timing
@@ -25,6 +28,8 @@ from app.product import Timing
 # Seconds; from 50 us (a tiny product's kernel) to 60 s (a huge JSON body).
 BUCKETS = (5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 60.0)
 STAGES = ("queue", "h2d", "kernel", "d2h")
+INFERENCE_PARTS = "matmul_inference_part_seconds"
+INFERENCE_LAST = "matmul_inference_last_timestamp_seconds"
 
 
 class ServiceMetrics:
@@ -72,14 +77,33 @@ class ServiceMetrics:
             registry=r, multiprocess_mode="livemostrecent",
         )  # fmt: skip
 
+        # the inference protocol's statistics extension (app.api.v2.statistics), kept here so that workers share them
+        self.inference_parts = Summary(
+            INFERENCE_PARTS, "Inference-protocol products by model: count and seconds of each part the statistics "
+            "extension reports (success, fail, queue, compute_input, compute_infer, compute_output).",
+            ["model", "part"], registry=r,
+        )  # fmt: skip
+        self.inference_last = Gauge(
+            INFERENCE_LAST, "When each model last answered an inference-protocol request (Unix time).",
+            ["model"], registry=r, multiprocess_mode="max",
+        )  # fmt: skip
+
     def observe_product(self, kernel: str, timing: Timing) -> None:
         for stage in STAGES:
             self.stage.labels(stage=stage, kernel=kernel).observe(getattr(timing, f"{stage}_ms") / 1e3)
 
+    def _merged(self) -> CollectorRegistry:
+        """This registry, or in multiprocess mode one that reads every process's values."""
+        if not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+            return self.registry
+        merged = CollectorRegistry()
+        MultiProcessCollector(merged)  # type: ignore[no-untyped-call]
+        return merged
+
+    def families(self) -> Iterable[Metric]:
+        """Every metric's samples, merged across processes in multiprocess mode."""
+        return self._merged().collect()
+
     def render(self) -> tuple[bytes, str]:
         """The exposition text of every metric, merged across processes in multiprocess mode."""
-        if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
-            merged = CollectorRegistry()
-            MultiProcessCollector(merged)  # type: ignore[no-untyped-call]
-            return generate_latest(merged), CONTENT_TYPE_LATEST
-        return generate_latest(self.registry), CONTENT_TYPE_LATEST
+        return generate_latest(self._merged()), CONTENT_TYPE_LATEST

@@ -171,7 +171,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):  # type: ignore[m
             if request.name:
                 catalogue.kernel_of(request.name, request.version or None)
             names = [request.name] if request.name else list(catalogue.kernels)
-            stats = [self.statistics.of(name).as_json(name) for name in names]
+            stats = self.statistics.model_stats(names)
             return json_format.ParseDict({"model_stats": stats}, pb.ModelStatisticsResponse())
 
         return await self._answer("ModelStatistics", context, statistics)
@@ -201,9 +201,9 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):  # type: ignore[m
                 finally:
                     product.release()
             except MatmulError:
-                self.statistics.of(model).record_failure(clock.elapsed_ms())
+                self.statistics.record_failure(model, clock.elapsed_ms())
                 raise
-            self.statistics.of(model).record_success(timing)
+            self.statistics.record_success(model, timing)
             return response
 
         return await self._answer("ModelInfer", context, infer)

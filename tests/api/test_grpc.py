@@ -23,6 +23,7 @@ from app.api import grpc as grpc_front
 from app.api.v2.statistics import InferenceStatistics
 from app.config import Settings
 from app.engine import DeviceWorker, EngineState
+from app.metrics import ServiceMetrics
 from matmul_tools.service import free_port, running_server, uvicorn_command
 from numerics.precision import Precision
 from numerics.reference import assert_close_to_reference
@@ -251,7 +252,7 @@ async def in_process() -> AsyncIterator[tuple[str, RecordingEngine, SteeredBacke
     engine.start()
     await until(lambda: engine.state is EngineState.READY)
     settings = Settings(backend="cpu", grpc_port=free_port(), grpc_host="127.0.0.1", request_timeout_s=30.0)
-    server = await grpc_front.start_server(settings, engine, InferenceStatistics())  # type: ignore[arg-type]
+    server = await grpc_front.start_server(settings, engine, InferenceStatistics(ServiceMetrics()))  # type: ignore[arg-type]
     try:
         yield f"127.0.0.1:{settings.grpc_port}", engine, backend
     finally:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import httpx
 import numpy as np
 import orjson
@@ -213,6 +215,7 @@ async def test_statistics_count_successes_failures_and_stages(client: httpx.Asyn
     (stats,) = (await client.get("/v2/models/matmul_numpy/stats")).json()["model_stats"]
     assert stats["name"] == "matmul_numpy" and stats["version"] == "1"
     assert stats["inference_count"] == 3 and stats["execution_count"] == 3
+    assert abs(stats["last_inference"] - time.time() * 1e3) < 60e3  # milliseconds since the epoch
     parts = stats["inference_stats"]
     assert parts["success"]["count"] == 3 and parts["fail"]["count"] == 1
     for stage in ("queue", "compute_input", "compute_infer", "compute_output"):

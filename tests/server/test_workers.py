@@ -1,12 +1,13 @@
 """`matmul-service --workers 2` as a real process tree on the CPU backend: a killed HTTP worker is replaced while the
-engine process stays, and SIGTERM ends every process of the tree, leaving nothing in /dev/shm or the engines'
-socket folder."""
+engine process stays, every worker answers the whole server's inference statistics, and SIGTERM ends every process
+of the tree, leaving nothing in /dev/shm or the engines' socket folder."""
 
 from __future__ import annotations
 
 import os
 import signal
 import time
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -91,6 +92,35 @@ def test_a_killed_http_worker_is_replaced_and_the_engine_stays(service: LocalSer
     assert engine_of(found)["engine_pid"] == engine["engine_pid"]  # the engine process was not restarted
     assert victim not in worker_pids(service, 2)
     product_is_right(service)
+
+
+def test_every_worker_answers_the_whole_servers_inference_statistics(service: LocalService) -> None:
+    """perf_analyzer reads a model's statistics before and after its run, each time on a connection of its own: the
+    worker that answers must count the products every worker answered."""
+    body = {
+        "inputs": [
+            {"name": "A", "shape": [2, 2], "datatype": "FP32", "data": [1, 2, 3, 4]},
+            {"name": "B", "shape": [2, 2], "datatype": "FP32", "data": [5, 6, 7, 8]},
+        ]
+    }
+    served: Counter[int] = Counter()
+    deadline = time.monotonic() + GUARD_S
+    while len(served) < 2:  # until both workers have answered products, each on a connection of its own
+        assert time.monotonic() < deadline, f"only workers {set(served)} answered"
+        with httpx.Client(base_url=service.url, timeout=30) as connection:
+            pid = connection.get("/v1/info").json()["http_worker_pid"]
+            answer = connection.post("/v2/models/matmul/infer", json=body)
+            assert answer.status_code == 200, answer.text
+            assert answer.json()["outputs"][0]["data"] == [19, 22, 43, 50]
+            served[pid] += 1
+    statistics: dict[int, dict[str, object]] = {}
+    while len(statistics) < 2:  # the statistics as each worker answers them
+        assert time.monotonic() < deadline, f"only workers {set(statistics)} answered the statistics"
+        with httpx.Client(base_url=service.url, timeout=30) as connection:
+            pid = connection.get("/v1/info").json()["http_worker_pid"]
+            (statistics[pid],) = connection.get("/v2/models/matmul/stats").json()["model_stats"]
+    for pid, stats in statistics.items():
+        assert stats["inference_count"] == served.total(), f"worker {pid} counts {stats}; served {dict(served)}"
 
 
 def exists(pid: int) -> bool:

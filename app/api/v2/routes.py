@@ -118,7 +118,7 @@ async def ready(engine: EngineDep) -> dict[str, bool]:
 @router.get("/models/stats", summary="Statistics of every model", responses=_GUARDED)
 async def all_statistics(catalogue: CatalogueDep, statistics: StatisticsDep) -> dict[str, Any]:
     """The statistics extension for every model."""
-    return {"model_stats": [statistics.of(name).as_json(name) for name in catalogue.kernels]}
+    return {"model_stats": statistics.model_stats(catalogue.kernels)}
 
 
 @_model_route("GET", "", "Model metadata", "Model version metadata", _MODEL_ERRORS)
@@ -148,7 +148,7 @@ async def model_config(model: ModelName, catalogue: CatalogueDep) -> dict[str, A
 async def model_statistics(model: ModelName, catalogue: CatalogueDep, statistics: StatisticsDep) -> dict[str, Any]:
     """The statistics extension: counts and cumulative nanoseconds of success, fail, queue and compute stages."""
     catalogue.kernel_of(model)
-    return {"model_stats": [statistics.of(model).as_json(model)]}
+    return {"model_stats": statistics.model_stats([model])}
 
 
 _INFER_BODY: dict[str, Any] = {
@@ -230,9 +230,9 @@ async def infer(
             product.release()
             raise
     except MatmulError:
-        statistics.of(model).record_failure(clock.elapsed_ms())
+        statistics.record_failure(model, clock.elapsed_ms())
         raise
-    statistics.of(model).record_success(meta.timing)
+    statistics.record_success(model, meta.timing)
     headers = {"Server-Timing": server_timing(meta.timing)}
     if data is None:
         product.release()  # the JSON text is a copy
