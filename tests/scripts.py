@@ -4,6 +4,7 @@ argument parsing and the little logic they keep; what they share lives in matmul
 from __future__ import annotations
 
 import importlib.util
+import subprocess
 import sys
 from pathlib import Path
 from types import ModuleType
@@ -21,3 +22,12 @@ def import_script(name: str) -> ModuleType:
     sys.modules[name] = module  # dataclasses look their module up there
     spec.loader.exec_module(module)
     return module
+
+
+def run_script(name: str, *arguments: str, timeout_s: float) -> subprocess.CompletedProcess[str]:
+    """scripts/<name>.py run to its end with `arguments` by this Python; it must exit 0 (else its stderr fails the
+    test)."""
+    command = [sys.executable, str(ROOT / "scripts" / f"{name}.py"), *arguments]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s)
+    assert done.returncode == 0, done.stdout + done.stderr
+    return done

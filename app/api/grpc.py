@@ -17,9 +17,10 @@ streaming are not served (UNIMPLEMENTED), as for the HTTP protocol.
 from __future__ import annotations
 
 import base64
+import functools
 import logging
 from collections.abc import Awaitable, Callable, Mapping
-from typing import Any, TypeVar
+from typing import Any
 
 import grpc
 from google.protobuf import json_format
@@ -36,6 +37,7 @@ from app.codecs import inference_v2
 from app.codecs.npy import data_bytes
 from app.config import Settings, SharedMemoryKind
 from app.dataplane.engine_client import EngineClient
+from app.dataplane.wire import RegionKind
 from app.errors import MalformedPayload, MatmulError, Unauthorized
 from app.service import MatmulService, Product, Stopwatch
 
@@ -62,7 +64,28 @@ MESSAGE_OVERHEAD_BYTES = 1 << 20
 STOP_GRACE_S = 10.0
 """How long calls in flight may take to finish when the worker stops, before they are cancelled."""
 
-Reply = TypeVar("Reply")
+Handler = Callable[["InferenceServicer", Any, grpc.aio.ServicerContext], Awaitable[Any]]
+
+
+def _rpc(handler: Handler) -> Handler:
+    """An RPC of the servicer: the API key checked first (OPEN_METHODS need none); a MatmulError ends the call with
+    the matching status and the error's message, anything else with INTERNAL."""
+    method = handler.__name__
+
+    @functools.wraps(handler)
+    async def answer(self: InferenceServicer, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        try:
+            self._check_key(method, context)
+            return await handler(self, request, context)
+        except MatmulError as exc:
+            await context.abort(STATUS_CODES.get(status_of(exc), grpc.StatusCode.INTERNAL), exc.message)
+            raise  # abort raises; this line is never reached
+        except Exception:
+            log.exception("the gRPC call %s failed", method)
+            await context.abort(grpc.StatusCode.INTERNAL, "internal error")
+            raise
+
+    return answer
 
 
 class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):  # type: ignore[misc]
@@ -75,21 +98,6 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):  # type: ignore[m
         self._keys = [key.get_secret_value().encode() for key in settings.api_keys]
 
     # ------------------------------------------------------------------------------------- the calls
-
-    async def _answer(
-        self, method: str, context: grpc.aio.ServicerContext, call: Callable[[], Awaitable[Reply]]
-    ) -> Reply:
-        """The call's reply; a MatmulError ends it with the matching status and the error's message."""
-        try:
-            self._check_key(method, context)
-            return await call()
-        except MatmulError as exc:
-            await context.abort(STATUS_CODES.get(status_of(exc), grpc.StatusCode.INTERNAL), exc.message)
-            raise  # abort raises; this line is never reached
-        except Exception:
-            log.exception("the gRPC call %s failed", method)
-            await context.abort(grpc.StatusCode.INTERNAL, "internal error")
-            raise
 
     def _check_key(self, method: str, context: grpc.aio.ServicerContext) -> None:
         """With MATMUL_API_KEYS set, the call's metadata must carry one (authorization: Bearer, or x-api-key)."""
@@ -111,162 +119,126 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):  # type: ignore[m
     def _catalogue(self) -> ModelCatalogue:
         return ModelCatalogue.of(self.engine)
 
+    @_rpc
     async def ServerLive(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        async def live() -> Any:
-            return pb.ServerLiveResponse(live=True)
+        return pb.ServerLiveResponse(live=True)
 
-        return await self._answer("ServerLive", context, live)
+    def _ready(self) -> bool:
+        """Whether the engines are ready (the kernels compiled and self-tested): a readiness probe's answer."""
+        try:
+            self.engine.check_ready()
+        except MatmulError:
+            return False
+        return True
 
+    @_rpc
     async def ServerReady(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        async def ready() -> Any:
-            try:
-                self.engine.check_ready()
-            except MatmulError:
-                return pb.ServerReadyResponse(ready=False)
-            return pb.ServerReadyResponse(ready=True)
+        return pb.ServerReadyResponse(ready=self._ready())
 
-        return await self._answer("ServerReady", context, ready)
-
+    @_rpc
     async def ModelReady(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        async def ready() -> Any:
-            self._catalogue().kernel_of(request.name, request.version or None)
-            try:
-                self.engine.check_ready()
-            except MatmulError:
-                return pb.ModelReadyResponse(ready=False)
-            return pb.ModelReadyResponse(ready=True)
+        self._catalogue().kernel_of(request.name, request.version or None)
+        return pb.ModelReadyResponse(ready=self._ready())
 
-        return await self._answer("ModelReady", context, ready)
-
+    @_rpc
     async def ServerMetadata(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        async def metadata() -> Any:
-            extensions = ["binary_tensor_data", "statistics", "model_configuration"]
-            extensions += [
-                f"{kind}_shared_memory" for kind in SharedMemoryKind if shared_memory_enabled(self.settings, kind)
-            ]
-            return pb.ServerMetadataResponse(name="matmul-service", version=__version__, extensions=extensions)
+        extensions = ["binary_tensor_data", "statistics", "model_configuration"]
+        extensions += [
+            f"{kind}_shared_memory" for kind in SharedMemoryKind if shared_memory_enabled(self.settings, kind)
+        ]
+        return pb.ServerMetadataResponse(name="matmul-service", version=__version__, extensions=extensions)
 
-        return await self._answer("ServerMetadata", context, metadata)
-
+    @_rpc
     async def ModelMetadata(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        async def metadata() -> Any:
-            catalogue = self._catalogue()
-            catalogue.kernel_of(request.name, request.version or None)
-            described = {key: value for key, value in catalogue.metadata(request.name).items() if key != "parameters"}
-            return json_format.ParseDict(described, pb.ModelMetadataResponse())
+        catalogue = self._catalogue()
+        catalogue.kernel_of(request.name, request.version or None)
+        described = {key: value for key, value in catalogue.metadata(request.name).items() if key != "parameters"}
+        return json_format.ParseDict(described, pb.ModelMetadataResponse())
 
-        return await self._answer("ModelMetadata", context, metadata)
-
+    @_rpc
     async def ModelConfig(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        async def config() -> Any:
-            catalogue = self._catalogue()
-            catalogue.kernel_of(request.name, request.version or None)
-            return json_format.ParseDict({"config": catalogue.config(request.name)}, pb.ModelConfigResponse())
+        catalogue = self._catalogue()
+        catalogue.kernel_of(request.name, request.version or None)
+        return json_format.ParseDict({"config": catalogue.config(request.name)}, pb.ModelConfigResponse())
 
-        return await self._answer("ModelConfig", context, config)
-
+    @_rpc
     async def ModelStatistics(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        async def statistics() -> Any:
-            catalogue = self._catalogue()
-            if request.name:
-                catalogue.kernel_of(request.name, request.version or None)
-            names = [request.name] if request.name else list(catalogue.kernels)
-            stats = self.statistics.model_stats(names)
-            return json_format.ParseDict({"model_stats": stats}, pb.ModelStatisticsResponse())
+        catalogue = self._catalogue()
+        if request.name:
+            catalogue.kernel_of(request.name, request.version or None)
+        names = [request.name] if request.name else list(catalogue.kernels)
+        stats = self.statistics.model_stats(names)
+        return json_format.ParseDict({"model_stats": stats}, pb.ModelStatisticsResponse())
 
-        return await self._answer("ModelStatistics", context, statistics)
-
+    @_rpc
     async def ModelInfer(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         clock = Stopwatch()
         model = request.model_name
-
-        async def infer() -> Any:
-            catalogue = self._catalogue()
-            catalogue.kernel_of(model, request.model_version or None)
-            service = MatmulService(self.engine, self.settings)
+        catalogue = self._catalogue()
+        catalogue.kernel_of(model, request.model_version or None)
+        service = MatmulService(self.engine, self.settings)
+        try:
+            service.admit()
+            clock.mark_read()
+            document, raw = _document(request)
+            decoded = inference_v2.decode_infer_document(document, raw.take, service.limits)
+            raw.check_all_taken()
+            clock.mark_decoded()
+            options = catalogue.options_for(model, decoded.operands.options)
+            product = await service.run(
+                decoded.operands, options, context.time_remaining(), clock, decoded.output_region
+            )
             try:
-                service.admit()
-                clock.mark_read()
-                document, raw = _document(request)
-                decoded = inference_v2.decode_infer_document(document, raw.take, service.limits)
-                raw.check_all_taken()
-                clock.mark_decoded()
-                options = catalogue.options_for(model, decoded.operands.options)
-                product = await service.run(
-                    decoded.operands, options, context.time_remaining(), clock, decoded.output_region
-                )
-                try:
-                    response = _infer_response(product, model, decoded)
-                    timing = product.describe().timing
-                finally:
-                    product.release()
-            except MatmulError:
-                self.statistics.record_failure(model, clock.elapsed_ms())
-                raise
-            self.statistics.record_success(model, timing)
-            return response
-
-        return await self._answer("ModelInfer", context, infer)
+                response = _infer_response(product, model, decoded)
+                timing = product.describe().timing
+            finally:
+                product.release()
+        except MatmulError:
+            self.statistics.record_failure(model, clock.elapsed_ms())
+            raise
+        self.statistics.record_success(model, timing)
+        return response
 
     # ------------------------------------------------------------------------- clients' shared memory
 
+    async def _region_status(self, request: Any, kind: RegionKind, reply: Any) -> Any:
+        check_enabled(self.settings, SharedMemoryKind(kind))
+        regions = await self.engine.region_status(request.name or None, kind)
+        return reply(regions={str(region["name"]): reply.RegionStatus(**region) for region in regions})
+
+    async def _unregister(self, request: Any, kind: RegionKind, reply: Any) -> Any:
+        check_enabled(self.settings, SharedMemoryKind(kind))
+        await self.engine.unregister_region(request.name or None, kind)
+        return reply()
+
+    @_rpc
     async def SystemSharedMemoryStatus(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        async def status() -> Any:
-            check_enabled(self.settings, SharedMemoryKind.SYSTEM)
-            regions = await self.engine.region_status(request.name or None, "system")
-            return pb.SystemSharedMemoryStatusResponse(
-                regions={
-                    str(region["name"]): pb.SystemSharedMemoryStatusResponse.RegionStatus(**region)
-                    for region in regions
-                }
-            )
+        return await self._region_status(request, "system", pb.SystemSharedMemoryStatusResponse)
 
-        return await self._answer("SystemSharedMemoryStatus", context, status)
-
+    @_rpc
     async def SystemSharedMemoryRegister(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        async def register() -> Any:
-            check_enabled(self.settings, SharedMemoryKind.SYSTEM)
-            await self.engine.register_region(request.name, request.key, request.offset, request.byte_size)
-            return pb.SystemSharedMemoryRegisterResponse()
+        check_enabled(self.settings, SharedMemoryKind.SYSTEM)
+        await self.engine.register_region(request.name, request.key, request.offset, request.byte_size)
+        return pb.SystemSharedMemoryRegisterResponse()
 
-        return await self._answer("SystemSharedMemoryRegister", context, register)
-
+    @_rpc
     async def SystemSharedMemoryUnregister(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        async def unregister() -> Any:
-            check_enabled(self.settings, SharedMemoryKind.SYSTEM)
-            await self.engine.unregister_region(request.name or None, "system")
-            return pb.SystemSharedMemoryUnregisterResponse()
+        return await self._unregister(request, "system", pb.SystemSharedMemoryUnregisterResponse)
 
-        return await self._answer("SystemSharedMemoryUnregister", context, unregister)
-
+    @_rpc
     async def CudaSharedMemoryStatus(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        async def status() -> Any:
-            check_enabled(self.settings, SharedMemoryKind.CUDA)
-            regions = await self.engine.region_status(request.name or None, "cuda")
-            return pb.CudaSharedMemoryStatusResponse(
-                regions={
-                    str(region["name"]): pb.CudaSharedMemoryStatusResponse.RegionStatus(**region) for region in regions
-                }
-            )
+        return await self._region_status(request, "cuda", pb.CudaSharedMemoryStatusResponse)
 
-        return await self._answer("CudaSharedMemoryStatus", context, status)
-
+    @_rpc
     async def CudaSharedMemoryRegister(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        async def register() -> Any:
-            check_enabled(self.settings, SharedMemoryKind.CUDA)
-            handle = base64.b64encode(request.raw_handle).decode()
-            await self.engine.register_cuda_region(request.name, handle, request.device_id, request.byte_size)
-            return pb.CudaSharedMemoryRegisterResponse()
+        check_enabled(self.settings, SharedMemoryKind.CUDA)
+        handle = base64.b64encode(request.raw_handle).decode()
+        await self.engine.register_cuda_region(request.name, handle, request.device_id, request.byte_size)
+        return pb.CudaSharedMemoryRegisterResponse()
 
-        return await self._answer("CudaSharedMemoryRegister", context, register)
-
+    @_rpc
     async def CudaSharedMemoryUnregister(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        async def unregister() -> Any:
-            check_enabled(self.settings, SharedMemoryKind.CUDA)
-            await self.engine.unregister_region(request.name or None, "cuda")
-            return pb.CudaSharedMemoryUnregisterResponse()
-
-        return await self._answer("CudaSharedMemoryUnregister", context, unregister)
+        return await self._unregister(request, "cuda", pb.CudaSharedMemoryUnregisterResponse)
 
 
 # ------------------------------------------------------------------------------------- infer's messages

@@ -4,27 +4,25 @@ not a dependency): its JSON report read back and checked against its own figures
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from tests.scripts import ROOT
+from tests.scripts import ROOT, run_script
 
 # three servers and a script in subprocesses
 pytestmark = pytest.mark.timeout(300)
 
 
 def test_every_cell_measured_and_the_ratios_are_of_its_figures(tmp_path: Path) -> None:
-    command = [
-        *(sys.executable, str(ROOT / "scripts" / "bench_dataplane.py"), "--backend", "cpu", "--workers", "2"),
+    done = run_script(
+        "bench_dataplane",
+        *("--backend", "cpu", "--workers", "2"),
         *("--big", "64", "--small", "8", "--big-concurrency", "2", "--v2-concurrency", "4", "--json-concurrency", "4"),
         *("--baseline", str(ROOT), "--baseline-workers", "1", "--ready-workers", "1"),
         *("--client-processes", "2", "--duration", "0.5", "--warmup", "0.2", "--out", str(tmp_path)),
-    ]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=240)
-    assert done.returncode == 0, done.stderr
+        timeout_s=240,
+    )
     report = json.loads((tmp_path / "bench-dataplane.json").read_text())
     this = report["this"]
     assert set(this) == {"auto", "big", "echo", "big-v2", "v2", "json"}

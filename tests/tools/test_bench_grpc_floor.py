@@ -4,27 +4,23 @@ rates in its JSON."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from matmul_tools.service import free_port
-from tests.scripts import ROOT
-
-SCRIPT = str(ROOT / "scripts" / "bench_grpc_floor.py")
+from tests.scripts import run_script
 
 
 @pytest.mark.timeout(120)
 def test_each_run_reports_the_exchanges_its_clients_had_answered(tmp_path: Path) -> None:
     out = tmp_path / "floor.json"
-    command = [
-        *(sys.executable, SCRIPT, "--size", "64", "--servers", "2,1", "--clients", "2", "--seconds", "0.5"),
+    done = run_script(
+        "bench_grpc_floor",
+        *("--size", "64", "--servers", "2,1", "--clients", "2", "--seconds", "0.5"),
         *("--port", str(free_port()), "--out", str(out)),
-    ]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=100)
-    assert done.returncode == 0, done.stderr
+        timeout_s=100,
+    )
     report = json.loads(out.read_text())
     assert report["size"] == 64 and report["exchange_bytes"] == 3 * 64 * 64 * 4
     assert [(run["servers"], run["clients"]) for run in report["runs"]] == [(2, 2), (1, 2)]

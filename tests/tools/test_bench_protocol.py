@@ -3,26 +3,24 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from tests.scripts import ROOT
+from tests.scripts import ROOT, run_script
 
 # a server and a script in subprocesses, each with its own 120 s limit: the per-test limit allows for both
 pytestmark = pytest.mark.timeout(300)
 
 
 def test_two_checkouts_measured_in_alternation(tmp_path: Path) -> None:
-    command = [
-        *(sys.executable, str(ROOT / "scripts" / "bench_protocol.py"), "--baseline", str(ROOT), "--backend", "cpu"),
+    done = run_script(
+        "bench_protocol",
+        *("--baseline", str(ROOT), "--backend", "cpu"),
         *("--echo-bytes", "65536", "--echo-concurrency", "1", "--small-concurrency", "2", "--client-processes", "2"),
         *("--rounds", "2", "--duration", "0.2", "--out", str(tmp_path)),
-    ]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr
+        timeout_s=120,
+    )
     report = json.loads((tmp_path / "bench-protocol.json").read_text())
     assert report["checkouts"] == {"baseline": str(ROOT), "candidate": str(ROOT)}
     rows = {row["workload"]: row for row in report["results"]}

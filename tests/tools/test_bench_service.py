@@ -3,13 +3,11 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from tests.scripts import ROOT, import_script
+from tests.scripts import import_script, run_script
 
 # a server and a script in subprocesses, each with its own 120 s limit: the per-test limit allows for both
 pytestmark = pytest.mark.timeout(300)
@@ -20,13 +18,13 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
 def test_a_tiny_matrix_on_two_servers(tmp_path: Path) -> None:
-    command = [
-        *(sys.executable, str(ROOT / "scripts" / "bench_service.py"), "--backend", "cpu", "--out", str(tmp_path)),
+    done = run_script(
+        "bench_service",
+        *("--backend", "cpu", "--out", str(tmp_path)),
         *("--sizes", "16,32x8x4", "--formats", "npy,json", "--concurrency", "1,3", "--duration", "0.25"),
         *("--configs", "off-1,on-2", "--workers", "2", "--client-processes", "2", "--warmup", "1"),
-    ]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr
+        timeout_s=120,
+    )
     report = json.loads((tmp_path / "bench-service.json").read_text())
     assert (tmp_path / "bench-service.png").read_bytes().startswith(PNG_MAGIC)
     assert 0 < report["elapsed_s"] < 120
@@ -63,13 +61,13 @@ def test_a_tiny_matrix_on_two_servers(tmp_path: Path) -> None:
 
 
 def test_the_device_comparison_runs_one_cell_per_device_list(tmp_path: Path) -> None:
-    command = [
-        *(sys.executable, str(ROOT / "scripts" / "bench_service.py"), "--backend", "cpu", "--out", str(tmp_path)),
+    done = run_script(
+        "bench_service",
+        *("--backend", "cpu", "--out", str(tmp_path)),
         *("--compare-devices", "0", "0", "--compare-size", "16", "--compare-kernel", "numpy"),
         *("--compare-concurrency", "2", "--duration", "0.25", "--workers", "1", "--client-processes", "2"),
-    ]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr
+        timeout_s=120,
+    )
     compared = json.loads((tmp_path / "bench-devices.json").read_text())["compare_devices"]
     one, many = compared["cells"]
     assert [one["devices"], many["devices"]] == ["0", "0"] and one["size"] == "16x16x16"

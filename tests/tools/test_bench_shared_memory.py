@@ -4,25 +4,23 @@ the CUDA cell need a GPU): its JSON report read back."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from tests.scripts import ROOT, import_script
+from tests.scripts import import_script, run_script
 
 pytest.importorskip("tritonclient.http", reason="tritonclient[http] is in the test extra")
 pytestmark = pytest.mark.timeout(300)
 
 
 def test_the_system_cell_is_measured_and_checked(tmp_path: Path) -> None:
-    command = [
-        *(sys.executable, str(ROOT / "scripts" / "bench_shared_memory.py"), "--backend", "cpu"),
+    done = run_script(
+        "bench_shared_memory",
+        *("--backend", "cpu"),
         *("--size", "128", "--clients", "2", "--workers", "2", "--duration", "1", "--out", str(tmp_path)),
-    ]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=240)
-    assert done.returncode == 0, done.stderr
+        timeout_s=240,
+    )
     report = json.loads((tmp_path / "bench-shared-memory.json").read_text())
     assert report["ceilings"] == {}
     (cell,) = report["cells"]

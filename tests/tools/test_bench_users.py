@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import json
 import socket
-import subprocess
-import sys
 import threading
 from pathlib import Path
 
@@ -14,23 +12,22 @@ import numpy as np
 import pytest
 
 from matmul_tools.raw_load import read_whole_answer
-from tests.scripts import ROOT, import_script
+from tests.scripts import import_script, run_script
 
 bench = import_script("bench_users")
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
-SCRIPT = str(ROOT / "scripts" / "bench_users.py")
 
 
 @pytest.mark.timeout(180)  # a server and client processes in subprocesses
 def test_every_cell_of_the_smallest_grid_answers_right(tmp_path: Path) -> None:
     out = tmp_path / "bench-users.json"
-    command = [
-        *(sys.executable, SCRIPT, "--backend", "cpu", "--servers", "workers=1", "--sizes", "16,64"),
+    done = run_script(
+        "bench_users",
+        *("--backend", "cpu", "--servers", "workers=1", "--sizes", "16,64"),
         *("--concurrency", "16:2,64:3", "--processes", "2", "--seconds", "0.5", "--warmup", "0.2"),
         *("--out", str(out), "--logs", str(tmp_path / "logs")),
-    ]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=150)
-    assert done.returncode == 0, done.stderr
+        timeout_s=150,
+    )
     report = json.loads(out.read_text())
     cells = report["cells"]
     assert [(cell["size"], cell["client"]) for cell in cells] == [
@@ -63,10 +60,7 @@ def test_every_cell_of_the_smallest_grid_answers_right(tmp_path: Path) -> None:
     assert out.with_suffix(".png").read_bytes().startswith(PNG_MAGIC)
 
     again = tmp_path / "again.png"
-    drawn = subprocess.run(
-        [sys.executable, SCRIPT, "--plot-only", str(out), "--png", str(again)], capture_output=True, text=True
-    )
-    assert drawn.returncode == 0, drawn.stderr
+    run_script("bench_users", "--plot-only", str(out), "--png", str(again), timeout_s=60)
     assert again.read_bytes().startswith(PNG_MAGIC)
 
 
