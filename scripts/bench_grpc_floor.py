@@ -43,7 +43,7 @@ def _serve(port: int, n: int, ready: Any) -> None:
             _a, _b = (memoryview(raw) for raw in request.raw_input_contents)
             response = pb.ModelInferResponse(model_name=request.model_name, model_version="1")
             response.outputs.append(pb.ModelInferResponse.InferOutputTensor(name="C", datatype="FP32", shape=[n, n]))
-            response.raw_output_contents.append(bytes(memoryview(answer).cast("B")))
+            response.raw_output_contents.append(answer.tobytes())
             return response
 
     async def run() -> None:
