@@ -52,6 +52,18 @@ class Rung:
         return self.compute_capability in (None, compute_capability)
 
 
+def _tensor_core(name: str, summary: str, dtype: str, precisions: tuple[Precision, ...]) -> Rung:
+    """A rung of kernels/tensorcore.py: sm_90a machine code, which only compute capability 9.0 runs."""
+    return Rung(
+        name,
+        summary,
+        "tensor_core",
+        dtypes=(dtype,),
+        precisions=precisions,
+        compute_capability=tensorcore.COMPUTE_CAPABILITY,
+    )
+
+
 RUNGS: MappingProxyType[str, Rung] = MappingProxyType(
     {
         rung.name: rung
@@ -60,29 +72,11 @@ RUNGS: MappingProxyType[str, Rung] = MappingProxyType(
                 Rung(spec.name, spec.summary, "fma", tiles=spec.tiles, default_tile=spec.default_tile)
                 for spec in KERNELS.values()
             ),
-            Rung(
-                tensorcore.MMA_SYNC,
-                tensorcore.MMA_SYNC_SUMMARY,
-                "tensor_core",
-                dtypes=("float32",),
-                precisions=tuple(tensorcore.MMA_SYNC_CONFIGS),
-                compute_capability=tensorcore.COMPUTE_CAPABILITY,
+            _tensor_core(
+                tensorcore.MMA_SYNC, tensorcore.MMA_SYNC_SUMMARY, "float32", tuple(tensorcore.MMA_SYNC_CONFIGS)
             ),
-            Rung(
-                tensorcore.WGMMA,
-                tensorcore.WGMMA_SUMMARY,
-                "tensor_core",
-                dtypes=("float32",),
-                precisions=TENSOR_CORE_PRECISIONS,
-                compute_capability=tensorcore.COMPUTE_CAPABILITY,
-            ),
-            Rung(
-                tensorcore.DMMA,
-                tensorcore.DMMA_SUMMARY,
-                "tensor_core",
-                dtypes=("float64",),
-                compute_capability=tensorcore.COMPUTE_CAPABILITY,
-            ),
+            _tensor_core(tensorcore.WGMMA, tensorcore.WGMMA_SUMMARY, "float32", TENSOR_CORE_PRECISIONS),
+            _tensor_core(tensorcore.DMMA, tensorcore.DMMA_SUMMARY, "float64", (Precision.FP32,)),
             Rung(
                 CUBLAS,
                 "cuBLAS: cupy.matmul in fp32 (TF32 off), GemmEx in the precision's types: the reference.",

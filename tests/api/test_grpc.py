@@ -244,36 +244,34 @@ def test_api_keys_travel_in_metadata_and_liveness_needs_none(keyed_url: str) -> 
 
 
 @pytest.fixture
-async def in_process() -> AsyncIterator[tuple[str, RecordingEngine, SteeredBackend]]:
+async def in_process() -> AsyncIterator[tuple[grpcaio.InferenceServerClient, RecordingEngine, SteeredBackend]]:
     """The gRPC service over an in-process engine whose launches wait at a gate the test opens, recording each
-    product's request and deadline."""
+    product's request and deadline; and Triton's asyncio client of it."""
     backend = SteeredBackend()
     engine = RecordingEngine(DeviceWorker(backend, queue_size=4))
     engine.start()
     await until(lambda: engine.state is EngineState.READY)
     settings = Settings(backend="cpu", grpc_port=free_port(), grpc_host="127.0.0.1", request_timeout_s=30.0)
     server = await grpc_front.start_server(settings, engine, InferenceStatistics(ServiceMetrics()))  # type: ignore[arg-type]
+    client = grpcaio.InferenceServerClient(url=f"127.0.0.1:{settings.grpc_port}")
     try:
-        yield f"127.0.0.1:{settings.grpc_port}", engine, backend
+        yield client, engine, backend
     finally:
         backend.gate.set()
+        await client.close()
         await server.stop(None)
         await engine.stop()
 
 
 @pytest.mark.anyio
 async def test_a_calls_deadline_is_its_products_capped_at_the_request_timeout(
-    in_process: tuple[str, RecordingEngine, SteeredBackend],
+    in_process: tuple[grpcaio.InferenceServerClient, RecordingEngine, SteeredBackend],
 ) -> None:
-    url, engine, _ = in_process
-    client = grpcaio.InferenceServerClient(url=url)
-    try:
-        a, b = _operands(11)
-        await client.infer("matmul", _inputs(a, b), client_timeout=5.0)
-        await client.infer("matmul", _inputs(a, b))
-        await client.infer("matmul", _inputs(a, b), client_timeout=3600.0)
-    finally:
-        await client.close()
+    client, engine, _ = in_process
+    a, b = _operands(11)
+    await client.infer("matmul", _inputs(a, b), client_timeout=5.0)
+    await client.infer("matmul", _inputs(a, b))
+    await client.infer("matmul", _inputs(a, b), client_timeout=3600.0)
     deadlines = [deadline for _, deadline in engine.calls]
     # what is left of the call's 5 s when the server reads it (the grpc-timeout header rounds up its last unit)
     assert deadlines[0] is not None and 1.0 < deadlines[0] <= 5.1
@@ -282,21 +280,17 @@ async def test_a_calls_deadline_is_its_products_capped_at_the_request_timeout(
 
 @pytest.mark.anyio
 async def test_a_cancelled_call_takes_its_product_out_of_the_queue(
-    in_process: tuple[str, RecordingEngine, SteeredBackend],
+    in_process: tuple[grpcaio.InferenceServerClient, RecordingEngine, SteeredBackend],
 ) -> None:
-    url, engine, backend = in_process
-    client = grpcaio.InferenceServerClient(url=url)
-    try:
-        backend.gate.clear()
-        running = asyncio.create_task(client.infer("matmul", _inputs(*_operands(12))))
-        assert await asyncio.to_thread(backend.entered.acquire, True, GUARD_S)
-        queued = asyncio.create_task(client.infer("matmul", _inputs(*_operands(13))))
-        await until(lambda: engine.queue_depth == 1)
-        queued.cancel()
-        await until(lambda: engine.queue_depth == 0)  # it left the queue while the first still runs
-        backend.gate.set()
-        a, b = _operands(12)
-        assert_close_to_reference((await running).as_numpy("C"), a, b, np.dtype(np.float32))
-        assert backend.batches == [1]  # the cancelled product was never launched
-    finally:
-        await client.close()
+    client, engine, backend = in_process
+    backend.gate.clear()
+    running = asyncio.create_task(client.infer("matmul", _inputs(*_operands(12))))
+    assert await asyncio.to_thread(backend.entered.acquire, True, GUARD_S)
+    queued = asyncio.create_task(client.infer("matmul", _inputs(*_operands(13))))
+    await until(lambda: engine.queue_depth == 1)
+    queued.cancel()
+    await until(lambda: engine.queue_depth == 0)  # it left the queue while the first still runs
+    backend.gate.set()
+    a, b = _operands(12)
+    assert_close_to_reference((await running).as_numpy("C"), a, b, np.dtype(np.float32))
+    assert backend.batches == [1]  # the cancelled product was never launched

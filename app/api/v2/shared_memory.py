@@ -115,14 +115,20 @@ def _routes(kind: SharedMemoryKind, registration: type[BaseModel], status: type[
         "requestBody": {"required": True, "content": {"application/json": {"schema": registration.model_json_schema()}}}
     }
 
+    title = f"{kind} shared-memory region"
+    statuses: Any = list[status]  # type: ignore[valid-type]
+
+    @router.get("/status", summary=f"Status of every {title}", responses=errors, response_model=statuses)
     async def all_status(request: Request) -> list[BaseModel]:
         """Every registered region of this kind."""
         return [status(**found) for found in await _regions(request, kind).region_status(None, kind)]
 
+    @router.get("/region/{region}/status", summary=f"Status of one {title}", responses=errors, response_model=statuses)
     async def region_status(region: RegionName, request: Request) -> list[BaseModel]:
         """The region named, as a list of one; 400 when no region of this kind has that name."""
         return [status(**found) for found in await _regions(request, kind).region_status(region, kind)]
 
+    @router.post("/region/{region}/register", summary=f"Register a {title}", responses=errors, openapi_extra=body)
     async def register(region: RegionName, request: Request) -> Response:
         """Register the region under the name in the path."""
         regions = _regions(request, kind)
@@ -133,51 +139,18 @@ def _routes(kind: SharedMemoryKind, registration: type[BaseModel], status: type[
             await regions.register_region(region, given.key, given.offset, given.byte_size)
         return Response()
 
+    @router.post("/unregister", summary=f"Unregister every {title}", responses=errors)
     async def unregister_all(request: Request) -> Response:
         """Every region of this kind is forgotten, and closed once no product in flight uses it."""
         await _regions(request, kind).unregister_region(None, kind)
         return Response()
 
+    @router.post("/region/{region}/unregister", summary=f"Unregister one {title}", responses=errors)
     async def unregister(region: RegionName, request: Request) -> Response:
         """The region is forgotten (a name not registered is no error), and closed once no product uses it."""
         await _regions(request, kind).unregister_region(region, kind)
         return Response()
 
-    title = f"{kind} shared-memory region"
-    router.add_api_route(
-        "/status",
-        all_status,
-        methods=["GET"],
-        summary=f"Status of every {title}",
-        responses=errors,
-        response_model=list[status],  # type: ignore[valid-type]
-    )
-    router.add_api_route(
-        "/region/{region}/status",
-        region_status,
-        methods=["GET"],
-        summary=f"Status of one {title}",
-        responses=errors,
-        response_model=list[status],  # type: ignore[valid-type]
-    )
-    router.add_api_route(
-        "/region/{region}/register",
-        register,
-        methods=["POST"],
-        summary=f"Register a {title}",
-        responses=errors,
-        openapi_extra=body,
-    )
-    router.add_api_route(
-        "/unregister", unregister_all, methods=["POST"], summary=f"Unregister every {title}", responses=errors
-    )
-    router.add_api_route(
-        "/region/{region}/unregister",
-        unregister,
-        methods=["POST"],
-        summary=f"Unregister one {title}",
-        responses=errors,
-    )
     return router
 
 
