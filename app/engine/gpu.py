@@ -299,9 +299,6 @@ class GpuBackend:
         )
         self._auto: list[AutoChoice] = []
         self._compute_capability: tuple[int, int] = (properties["major"], properties["minor"])
-        self._has_tensor_core_kernels = bool(self._tensor_core_rungs())
-        """Whether the tensor-core kernels (sm_90a machine code, kernels/tensorcore.py) run here; elsewhere cuBLAS
-        runs the tensor-core precisions, and the FMA kernels and cuBLAS float64."""
         self._pinned_ranges: dict[int, int] = {}
         """Host memory given to `pin`: start address -> end address."""
         self._pinning = threading.Lock()
@@ -434,12 +431,15 @@ class GpuBackend:
         conversion passes and launches cost more than cuBLAS's at small sizes, and less at large ones. So has float64
         where kernels/dmma.cu runs (elsewhere it takes float32's choices, as the FMA kernels rank alike in both)."""
         candidates: dict[tuple[Precision, str], list[str]] = {(Precision.FP32, "float32"): [CUBLAS, *KERNELS]}
-        if self._has_tensor_core_kernels:
+        # the tensor-core kernels (sm_90a machine code) where they run; elsewhere cuBLAS runs the tensor-core
+        # precisions, and float64 takes float32's choices
+        tensor_core = self._tensor_core_rungs()
+        if tensor_core:
             candidates.update(
                 {
                     (precision, "float32"): [
                         CUBLAS,
-                        *(rung.name for rung in self._tensor_core_rungs() if precision in rung.precisions),
+                        *(rung.name for rung in tensor_core if precision in rung.precisions),
                     ]
                     for precision in TENSOR_CORE_PRECISIONS
                 }
@@ -448,7 +448,7 @@ class GpuBackend:
             candidates[(Precision.FP32, "float64")] = [
                 CUBLAS,
                 *KERNELS,
-                *(rung.name for rung in self._tensor_core_rungs() if "float64" in rung.dtypes),
+                *(rung.name for rung in tensor_core if "float64" in rung.dtypes),
             ]
         choices = []
         for (precision, dtype), names in candidates.items():

@@ -16,6 +16,7 @@ from typing import Annotated, Any
 
 from fastapi import Depends, Request
 
+from app.api.v2.models import VERSION
 from app.metrics import INFERENCE_LAST, INFERENCE_PARTS, ServiceMetrics
 from app.product import Timing
 
@@ -61,7 +62,7 @@ class InferenceStatistics:
         return [
             {
                 "name": model,
-                "version": "1",
+                "version": VERSION,
                 "last_inference": round(last[model] * 1e3),
                 "inference_count": counts[model, "success"],
                 "execution_count": counts[model, "success"],
