@@ -146,6 +146,16 @@ class Options(TypedDict, total=False):
     precision: str
 
 
+class ClientSettings(TypedDict, total=False):
+    """What `AsyncMatmulClient` passes on to the `MatmulClient` it runs: its keyword arguments."""
+
+    format: RequestFormat
+    timeout: float
+    connections: int
+    api_key: str | None
+    headers: Mapping[str, str] | None
+
+
 Buffer = bytes | memoryview
 
 
@@ -657,21 +667,11 @@ class MatmulClient:
 class AsyncMatmulClient:
     """The same client for asyncio: each call runs on one of the client's threads (one per connection), so up
     to `connections` products are in flight at once and the event loop never blocks on a socket. A cancelled
-    call's product still completes on its thread, which then frees its connection."""
+    call's product still completes on its thread, which then frees its connection. It takes `MatmulClient`'s
+    arguments."""
 
-    def __init__(
-        self,
-        url: str = DEFAULT_URL,
-        *,
-        format: RequestFormat = "npy",
-        timeout: float = DEFAULT_TIMEOUT_S,
-        connections: int = DEFAULT_CONNECTIONS,
-        api_key: str | None = None,
-        headers: Mapping[str, str] | None = None,
-    ) -> None:
-        self._client = MatmulClient(
-            url, format=format, timeout=timeout, connections=connections, api_key=api_key, headers=headers
-        )
+    def __init__(self, url: str = DEFAULT_URL, **settings: Unpack[ClientSettings]) -> None:
+        self._client = MatmulClient(url, **settings)
 
     @property
     def format(self) -> RequestFormat:
