@@ -88,6 +88,35 @@ def _rpc(handler: Handler) -> Handler:
     return answer
 
 
+def _named_rpc(handler: Handler, reply: Any) -> Handler:
+    """`handler` as the RPC that answers with `reply`: the RPC is named after it (SystemSharedMemoryStatusResponse
+    answers SystemSharedMemoryStatus), for the key check and the log."""
+    handler.__name__ = handler.__qualname__ = reply.__name__.removesuffix("Response")
+    return _rpc(handler)
+
+
+def _region_status_rpc(kind: RegionKind, reply: Any) -> Handler:
+    """The status RPC of clients' shared memory of one kind: every registered region, or the one named."""
+
+    async def status(self: InferenceServicer, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        check_enabled(self.settings, SharedMemoryKind(kind))
+        regions = await self.engine.region_status(request.name or None, kind)
+        return reply(regions={str(region["name"]): reply.RegionStatus(**region) for region in regions})
+
+    return _named_rpc(status, reply)
+
+
+def _unregister_rpc(kind: RegionKind, reply: Any) -> Handler:
+    """The unregister RPC of clients' shared memory of one kind: the region named, or every one."""
+
+    async def unregister(self: InferenceServicer, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        check_enabled(self.settings, SharedMemoryKind(kind))
+        await self.engine.unregister_region(request.name or None, kind)
+        return reply()
+
+    return _named_rpc(unregister, reply)
+
+
 class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):  # type: ignore[misc]
     """Every RPC of the protocol this service serves, over one HTTP worker's engine link."""
 
@@ -201,19 +230,10 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):  # type: ignore[m
 
     # ------------------------------------------------------------------------- clients' shared memory
 
-    async def _region_status(self, request: Any, kind: RegionKind, reply: Any) -> Any:
-        check_enabled(self.settings, SharedMemoryKind(kind))
-        regions = await self.engine.region_status(request.name or None, kind)
-        return reply(regions={str(region["name"]): reply.RegionStatus(**region) for region in regions})
-
-    async def _unregister(self, request: Any, kind: RegionKind, reply: Any) -> Any:
-        check_enabled(self.settings, SharedMemoryKind(kind))
-        await self.engine.unregister_region(request.name or None, kind)
-        return reply()
-
-    @_rpc
-    async def SystemSharedMemoryStatus(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        return await self._region_status(request, "system", pb.SystemSharedMemoryStatusResponse)
+    SystemSharedMemoryStatus = _region_status_rpc("system", pb.SystemSharedMemoryStatusResponse)
+    SystemSharedMemoryUnregister = _unregister_rpc("system", pb.SystemSharedMemoryUnregisterResponse)
+    CudaSharedMemoryStatus = _region_status_rpc("cuda", pb.CudaSharedMemoryStatusResponse)
+    CudaSharedMemoryUnregister = _unregister_rpc("cuda", pb.CudaSharedMemoryUnregisterResponse)
 
     @_rpc
     async def SystemSharedMemoryRegister(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
@@ -222,23 +242,11 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):  # type: ignore[m
         return pb.SystemSharedMemoryRegisterResponse()
 
     @_rpc
-    async def SystemSharedMemoryUnregister(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        return await self._unregister(request, "system", pb.SystemSharedMemoryUnregisterResponse)
-
-    @_rpc
-    async def CudaSharedMemoryStatus(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        return await self._region_status(request, "cuda", pb.CudaSharedMemoryStatusResponse)
-
-    @_rpc
     async def CudaSharedMemoryRegister(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         check_enabled(self.settings, SharedMemoryKind.CUDA)
         handle = base64.b64encode(request.raw_handle).decode()
         await self.engine.register_cuda_region(request.name, handle, request.device_id, request.byte_size)
         return pb.CudaSharedMemoryRegisterResponse()
-
-    @_rpc
-    async def CudaSharedMemoryUnregister(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        return await self._unregister(request, "cuda", pb.CudaSharedMemoryUnregisterResponse)
 
 
 # ------------------------------------------------------------------------------------- infer's messages
