@@ -19,7 +19,7 @@ from app.dataplane import engine_client
 from app.engine import DeviceTiming, DeviceWorker, EngineFront, KernelInfo, LocalEngine, Outcome, Plan, ProductRequest
 from app.engine.base import AUTO, Finished, Outputs, Pairs
 from app.engine.cpu import CpuBackend
-from app.shared_memory import Matrix, SharedOutput
+from app.shared_memory import Matrix
 from numerics.precision import Precision
 from numerics.roofline import DevicePeaks
 
@@ -164,13 +164,8 @@ class RecordingEngine(LocalEngine):
         self.calls: list[tuple[ProductRequest, float | None]] = []
 
     async def matmul(
-        self,
-        a: Matrix,
-        b: Matrix,
-        request: ProductRequest,
-        timeout_s: float | None,
-        into: SharedOutput | None = None,
-        out: np.ndarray | None = None,
+        self, a: Matrix, b: Matrix, request: ProductRequest, timeout_s: float | None, **where: Any
     ) -> Outcome:
+        """LocalEngine.matmul, `where` being its `into` and `out`."""
         self.calls.append((request, timeout_s))
-        return await super().matmul(a, b, request, timeout_s, into=into, out=out)
+        return await super().matmul(a, b, request, timeout_s, **where)

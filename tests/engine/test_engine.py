@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import threading
 import weakref
@@ -348,11 +349,17 @@ class HeldLaunch:
         return self.products, DeviceTiming(h2d_ms=1.0, kernel_ms=1.0, d2h_ms=1.0)
 
 
-async def _pipelined(backend: PipelinedBackend, batching: BatchPolicy | None = None) -> LocalEngine:
+@contextlib.asynccontextmanager
+async def _pipelined(batching: BatchPolicy | None = None) -> AsyncIterator[tuple[LocalEngine, PipelinedBackend]]:
+    """A ready engine over a PipelinedBackend, and the backend; the engine is stopped on the way out."""
+    backend = PipelinedBackend()
     engine = LocalEngine(DeviceWorker(backend, queue_size=8, batching=batching))
     engine.start()
-    await _wait(lambda: engine.state is EngineState.READY)
-    return engine
+    try:
+        await _wait(lambda: engine.state is EngineState.READY)
+        yield engine, backend
+    finally:
+        await engine.stop()
 
 
 def _product(engine: LocalEngine, value: float) -> asyncio.Task[Outcome]:
@@ -369,123 +376,108 @@ async def _submitted(engine: LocalEngine, backend: PipelinedBackend, value: floa
 
 
 async def test_the_next_launch_is_submitted_while_the_previous_one_runs() -> None:
-    backend = PipelinedBackend()
-    engine = await _pipelined(backend)
-    first = await _submitted(engine, backend, 1)
-    rest = [_product(engine, 2), _product(engine, 3)]
-    await _wait(lambda: len(backend.launches) == 2)
-    # two in flight and the worker waiting on the first: the third waits for the first to be answered
-    assert await asyncio.to_thread(backend.launches[0].collecting.wait, 10)
-    assert backend.log == ["submit 1", "submit 2"] and engine.queue_depth == 1 and engine.worker.load == 3
-    assert not first.done()
-    backend.launches[0].finish()
-    assert (await first).c[0, 0] == 1.0
-    await _wait(lambda: len(backend.launches) == 3)
-    for launch in backend.launches[1:]:
-        launch.finish()
-    assert [(await task).c[0, 0] for task in rest] == [2.0, 3.0]
-    assert backend.log == ["submit 1", "submit 2", "collect 1", "submit 3", "collect 2", "collect 3"]
-    await engine.stop()
+    async with _pipelined() as (engine, backend):
+        first = await _submitted(engine, backend, 1)
+        rest = [_product(engine, 2), _product(engine, 3)]
+        await _wait(lambda: len(backend.launches) == 2)
+        # two in flight and the worker waiting on the first: the third waits for the first to be answered
+        assert await asyncio.to_thread(backend.launches[0].collecting.wait, 10)
+        assert backend.log == ["submit 1", "submit 2"] and engine.queue_depth == 1 and engine.worker.load == 3
+        assert not first.done()
+        backend.launches[0].finish()
+        assert (await first).c[0, 0] == 1.0
+        await _wait(lambda: len(backend.launches) == 3)
+        for launch in backend.launches[1:]:
+            launch.finish()
+        assert [(await task).c[0, 0] for task in rest] == [2.0, 3.0]
+        assert backend.log == ["submit 1", "submit 2", "collect 1", "submit 3", "collect 2", "collect 3"]
 
 
 async def test_a_finished_launch_is_collected_before_the_next_is_submitted() -> None:
-    backend = PipelinedBackend()
-    engine = await _pipelined(backend)
-    first = await _submitted(engine, backend, 1)
-    backend.launches[0].finish()
-    await first
-    second = await _submitted(engine, backend, 2)
-    backend.launches[1].finish()
-    await second
-    assert backend.log == ["submit 1", "collect 1", "submit 2", "collect 2"]
-    await engine.stop()
+    async with _pipelined() as (engine, backend):
+        first = await _submitted(engine, backend, 1)
+        backend.launches[0].finish()
+        await first
+        second = await _submitted(engine, backend, 2)
+        backend.launches[1].finish()
+        await second
+        assert backend.log == ["submit 1", "collect 1", "submit 2", "collect 2"]
 
 
 async def test_a_launch_that_fails_on_the_device_fails_only_its_own_requests() -> None:
-    backend = PipelinedBackend()
-    engine = await _pipelined(backend)
-    first = await _submitted(engine, backend, 1)
-    second = await _submitted(engine, backend, 2)
-    backend.launches[0].finish(DeviceOutOfMemory("the product does not fit in device memory now"))
-    backend.launches[1].finish()
-    with pytest.raises(DeviceOutOfMemory):
-        await first
-    assert (await second).c[0, 0] == 2.0
-    assert engine.state is EngineState.READY
-    await engine.stop()
+    async with _pipelined() as (engine, backend):
+        first = await _submitted(engine, backend, 1)
+        second = await _submitted(engine, backend, 2)
+        backend.launches[0].finish(DeviceOutOfMemory("the product does not fit in device memory now"))
+        backend.launches[1].finish()
+        with pytest.raises(DeviceOutOfMemory):
+            await first
+        assert (await second).c[0, 0] == 2.0
+        assert engine.state is EngineState.READY
 
 
 async def test_a_launch_that_ends_without_calling_back_is_still_collected() -> None:
-    backend = PipelinedBackend()
-    engine = await _pipelined(backend)
-    product = await _submitted(engine, backend, 1)
-    backend.launches[0].finish(call_back=False)
-    assert (await asyncio.wait_for(product, 10)).c[0, 0] == 1.0
-    await engine.stop()
+    async with _pipelined() as (engine, backend):
+        product = await _submitted(engine, backend, 1)
+        backend.launches[0].finish(call_back=False)
+        assert (await asyncio.wait_for(product, 10)).c[0, 0] == 1.0
 
 
 async def test_stopping_answers_the_launch_in_flight_first() -> None:
-    backend = PipelinedBackend()
-    engine = await _pipelined(backend)
-    product = await _submitted(engine, backend, 1)
-    stopping = asyncio.create_task(engine.stop())
-    # one launch in flight of the two allowed: the worker waits for its result only once it has been told to stop
-    assert await asyncio.to_thread(backend.launches[0].collecting.wait, 10)
-    backend.launches[0].finish()
-    assert (await asyncio.wait_for(product, 10)).c[0, 0] == 1.0
-    await asyncio.wait_for(stopping, 10)
-    assert engine.state is EngineState.STOPPED
+    async with _pipelined() as (engine, backend):
+        product = await _submitted(engine, backend, 1)
+        stopping = asyncio.create_task(engine.stop())
+        # one launch in flight of the two allowed: the worker waits for its result only once it has been told to stop
+        assert await asyncio.to_thread(backend.launches[0].collecting.wait, 10)
+        backend.launches[0].finish()
+        assert (await asyncio.wait_for(product, 10)).c[0, 0] == 1.0
+        await asyncio.wait_for(stopping, 10)
+        assert engine.state is EngineState.STOPPED
 
 
 async def test_a_product_held_back_from_a_batch_is_submitted_while_the_launch_before_it_runs() -> None:
-    backend = PipelinedBackend()
-    engine = await _pipelined(backend, BatchPolicy(max_size=2, max_delay_s=0.01))
-    first = await _submitted(engine, backend, 1)
-    second = await _submitted(engine, backend, 2)
-    # two launches in flight: the worker waits on the first while a 1 x 1 and a 2 x 1 product queue
-    assert await asyncio.to_thread(backend.launches[0].collecting.wait, 10)
-    f64 = np.dtype(np.float64)
-    alike = _product(engine, 3)
-    other = asyncio.create_task(multiply(engine, np.full((2, 1), 4.0), np.ones((1, 1)), f64, "numpy"))
-    await _wait(lambda: engine.queue_depth == 2)
-    backend.launches[0].finish()
-    # the 1 x 1 one is launched, the 2 x 1 one it pulled is held back for the next launch
-    await _wait(lambda: len(backend.launches) == 3)
-    backend.launches[1].finish()
-    await _wait(lambda: len(backend.launches) == 4)
-    assert backend.log == ["submit 1", "submit 2", "collect 1", "submit 3", "collect 2", "submit 4"]
-    for launch in backend.launches[2:]:
-        launch.finish()
-    assert [(await p).c[0, 0] for p in (first, second, alike, other)] == [1.0, 2.0, 3.0, 4.0]
-    await engine.stop()
+    async with _pipelined(BatchPolicy(max_size=2, max_delay_s=0.01)) as (engine, backend):
+        first = await _submitted(engine, backend, 1)
+        second = await _submitted(engine, backend, 2)
+        # two launches in flight: the worker waits on the first while a 1 x 1 and a 2 x 1 product queue
+        assert await asyncio.to_thread(backend.launches[0].collecting.wait, 10)
+        f64 = np.dtype(np.float64)
+        alike = _product(engine, 3)
+        other = asyncio.create_task(multiply(engine, np.full((2, 1), 4.0), np.ones((1, 1)), f64, "numpy"))
+        await _wait(lambda: engine.queue_depth == 2)
+        backend.launches[0].finish()
+        # the 1 x 1 one is launched, the 2 x 1 one it pulled is held back for the next launch
+        await _wait(lambda: len(backend.launches) == 3)
+        backend.launches[1].finish()
+        await _wait(lambda: len(backend.launches) == 4)
+        assert backend.log == ["submit 1", "submit 2", "collect 1", "submit 3", "collect 2", "submit 4"]
+        for launch in backend.launches[2:]:
+            launch.finish()
+        assert [(await p).c[0, 0] for p in (first, second, alike, other)] == [1.0, 2.0, 3.0, 4.0]
 
 
 async def test_a_batched_launch_that_fails_on_the_device_fails_each_of_its_products_naming_the_kernel() -> None:
-    backend = PipelinedBackend()
-    engine = await _pipelined(backend, BatchPolicy(max_size=2, max_delay_s=3600))
-    products = [_product(engine, 1), _product(engine, 2)]
-    await _wait(lambda: len(backend.launches) == 1)
-    backend.launches[0].finish(RuntimeError("cudaErrorLaunchFailure"))
-    for product in products:
-        with pytest.raises(DeviceFailure) as caught:
-            await asyncio.wait_for(product, 10)
-        assert caught.value.message == "the cpu backend failed running 'numpy': cudaErrorLaunchFailure"
-    assert [len(launch.products) for launch in backend.launches] == [2] and engine.state is EngineState.READY
-    await engine.stop()
+    async with _pipelined(BatchPolicy(max_size=2, max_delay_s=3600)) as (engine, backend):
+        products = [_product(engine, 1), _product(engine, 2)]
+        await _wait(lambda: len(backend.launches) == 1)
+        backend.launches[0].finish(RuntimeError("cudaErrorLaunchFailure"))
+        for product in products:
+            with pytest.raises(DeviceFailure) as caught:
+                await asyncio.wait_for(product, 10)
+            assert caught.value.message == "the cpu backend failed running 'numpy': cudaErrorLaunchFailure"
+        assert [len(launch.products) for launch in backend.launches] == [2] and engine.state is EngineState.READY
 
 
 async def test_while_the_device_is_busy_a_product_is_submitted_without_waiting_for_the_batching_window() -> None:
-    backend = PipelinedBackend()
     # a window far longer than the test: a product that waited for it would never be submitted
-    engine = await _pipelined(backend, BatchPolicy(max_size=2, max_delay_s=3600))
-    batch = [_product(engine, 1), _product(engine, 1)]
-    await _wait(lambda: len(backend.launches) == 1)
-    alone = await _submitted(engine, backend, 3)
-    assert [len(launch.products) for launch in backend.launches] == [2, 1]
-    for launch in backend.launches:
-        launch.finish()
-    assert [(await product).batch_size for product in [*batch, alone]] == [2, 2, 1]
-    await engine.stop()
+    async with _pipelined(BatchPolicy(max_size=2, max_delay_s=3600)) as (engine, backend):
+        batch = [_product(engine, 1), _product(engine, 1)]
+        await _wait(lambda: len(backend.launches) == 1)
+        alone = await _submitted(engine, backend, 3)
+        assert [len(launch.products) for launch in backend.launches] == [2, 1]
+        for launch in backend.launches:
+            launch.finish()
+        assert [(await product).batch_size for product in [*batch, alone]] == [2, 2, 1]
 
 
 async def test_a_bad_operand_in_a_batch_fails_only_its_own_request() -> None:

@@ -4,7 +4,9 @@ taken from its worker, and its refusals by their whole message."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+from collections.abc import AsyncIterator
 
 import numpy as np
 import pytest
@@ -69,38 +71,34 @@ async def test_what_the_engine_takes_from_its_worker_and_its_room() -> None:
     assert engine.state is EngineState.STOPPED
 
 
-async def test_a_failed_worker_makes_the_engine_failed_with_its_reason(caplog: pytest.LogCaptureFixture) -> None:
-    class CannotPrepare(SteeredBackend):
-        def prepare(self) -> None:
-            raise RuntimeError("no kernels today")
-
-    engine = LocalEngine(DeviceWorker(CannotPrepare(), queue_size=1))
+@contextlib.asynccontextmanager
+async def _failed_engine(reason: str) -> AsyncIterator[LocalEngine]:
+    """An engine whose worker failed preparing its kernels, for `reason`."""
+    backend = SteeredBackend()
+    backend.prepare_error = RuntimeError(reason)
+    engine = LocalEngine(DeviceWorker(backend, queue_size=1))
     engine.start()
     try:
         await until(lambda: engine.state is EngineState.FAILED)
+        yield engine
+    finally:
+        await engine.stop()
+
+
+async def test_a_failed_worker_makes_the_engine_failed_with_its_reason(caplog: pytest.LogCaptureFixture) -> None:
+    async with _failed_engine("no kernels today") as engine:
         assert engine.failure == "preparing the kernels failed: no kernels today"
         await until(lambda: any(r.levelno == logging.ERROR for r in caplog.records))  # logged after it failed
         [logged] = [r for r in caplog.records if r.levelno == logging.ERROR]
         assert logged.getMessage() == "the cpu backend failed to start" and logged.exc_info is not None
         with pytest.raises(NotReady, match=r"^the cpu backend is failed: preparing the kernels failed: no kernels"):
             engine.check_ready()
-    finally:
-        await engine.stop()
 
 
 async def test_with_no_ready_worker_a_product_is_refused_as_not_ready() -> None:
-    class CannotPrepare(SteeredBackend):
-        def prepare(self) -> None:
-            raise RuntimeError("broken")
-
-    engine = LocalEngine(DeviceWorker(CannotPrepare(), queue_size=1))
-    engine.start()
-    try:
-        await until(lambda: engine.state is EngineState.FAILED)
+    async with _failed_engine("broken") as engine:
         with pytest.raises(NotReady, match=r"^the cpu backend is failed: preparing the kernels failed: broken$"):
             await multiply(engine, np.ones((1, 1)), np.ones((1, 1)), F32, "numpy")
-    finally:
-        await engine.stop()
 
 
 async def test_an_engine_in_this_process_refuses_clients_shared_memory() -> None:

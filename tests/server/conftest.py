@@ -13,6 +13,17 @@ from matmul_tools.service import LocalService, free_port
 
 CLIENTS = 6
 """Client processes of a checked load: more than the two cores of CI's machine, so that requests overlap."""
+GPU_SHAPES = (
+    (4096, 4096, 4096),
+    (2048, 8, 2048),
+    (1024, 16, 1024),
+    (512, 1024, 512),
+    (256, 256, 256),
+    (128, 128, 128),
+    (64, 64, 64),
+)
+"""(m, k, n) of the GPU loads, 64^2 to 4096^2: a 4096^2 product (192 MiB moved) among small ones, and thin products
+whose answers are far larger than their operands."""
 Serve = Callable[[Mapping[str, str], int], LocalService]
 
 

@@ -17,7 +17,7 @@ import pytest
 
 from matmul_tools.integrity import HURRIED_WAYS, LEAVING_WAYS, LEFT, SYSTEM_SHM_WAYS, WAYS, Tally, checked_load
 from matmul_tools.service import LocalService
-from tests.server.conftest import CLIENTS, Serve
+from tests.server.conftest import CLIENTS, GPU_SHAPES, Serve
 
 pytestmark = pytest.mark.timeout(600)
 MIB = 1 << 20
@@ -135,17 +135,6 @@ def _gpus() -> int:
     return len([line for line in listed.stdout.splitlines() if line.startswith("GPU ")])
 
 
-TWO_GPU_SHAPES = (
-    (4096, 4096, 4096),
-    (2048, 8, 2048),
-    (1024, 16, 1024),
-    (512, 1024, 512),
-    (128, 128, 128),
-    (64, 64, 64),
-)
-"""Mixed sizes, 64^2 to 4096^2, on two engines at once."""
-
-
 @pytest.mark.gpu
 @pytest.mark.timeout(900)
 def test_on_two_gpus_a_killed_engine_leaves_the_other_serving_and_comes_back(
@@ -183,7 +172,7 @@ def test_on_two_gpus_a_killed_engine_leaves_the_other_serving_and_comes_back(
         CLIENTS,
         REQUESTS,
         ways=list(WAYS),
-        shapes=TWO_GPU_SHAPES,
+        shapes=GPU_SHAPES,
         pause_s=PAUSE_S,
         during=kill_then_multiply_until_it_is_back,
     )

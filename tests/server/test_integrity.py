@@ -28,7 +28,7 @@ from app.client import encode_payload
 from matmul_tools.bodies import inference_v2_body, load_npy
 from matmul_tools.integrity import WAYS, checked_load
 from matmul_tools.raw_http import read_until_closed
-from tests.server.conftest import CLIENTS, Serve
+from tests.server.conftest import CLIENTS, GPU_SHAPES, Serve
 
 pytestmark = pytest.mark.timeout(600)
 MIB = 1 << 20
@@ -89,14 +89,6 @@ def test_every_answer_is_its_own_requests_product(
     assert set(tally.checked) == set(WAYS)
 
 
-GPU_SHAPES = (
-    (4096, 4096, 4096),
-    (2048, 8, 2048),
-    (1024, 16, 1024),
-    (512, 1024, 512),
-    (256, 256, 256),
-    (128, 128, 128),
-)
 GPU_CONFIGURATIONS = [
     {},  # matmul-service as it starts with no setting
     {"MATMUL_BATCHING": "true", "MATMUL_SLAB_BYTES": str(200 * MIB), "MATMUL_PIPELINE_DEPTH": "1"},
