@@ -9,9 +9,9 @@ from typing import Any, Literal, Protocol
 import numpy as np
 
 from app.engine.autotune import AutoChoice
-from app.errors import InvalidParameter
+from app.errors import InvalidParameter, ShapeMismatch
 from kernels.catalogue import DTYPES, Rung
-from kernels.registry import LaunchConfig
+from kernels.registry import KERNELS, LaunchConfig
 from numerics.precision import Precision
 from numerics.roofline import DevicePeaks, minimum_global_elements
 
@@ -105,14 +105,26 @@ class Plan:
         return minimum_global_elements(m, n, k) if self.config is None else self.config.global_elements(m, n, k)
 
 
-def check_fp32_kernel(kernel: str, precision: Precision, library: str) -> None:
-    """InvalidParameter unless `precision` is fp32: the kernels of the ladder compute with the FMA units (the
-    tensor-core rungs are docs/tensor-cores.md's plan); `library` runs the other precisions."""
-    if precision is not Precision.FP32:
+def ladder_plan(kernel: str, request: ProductRequest, library: str) -> Plan:
+    """The plan of `kernel`, a rung of the FMA ladder (kernels/registry.py), for `request`: its tile as named or as
+    the registry picks for the shape (InvalidParameter for a tile it lacks), its grid within CUDA's limits
+    (ShapeMismatch; an emulation refuses what its kernel would), and fp32 only: the ladder computes with the FMA
+    units, and `library` runs the other precisions (InvalidParameter otherwise)."""
+    if request.precision is not Precision.FP32:
         raise InvalidParameter(
-            f"kernel '{kernel}' computes in fp32 only; precision {precision} runs on '{library}' (or auto)",
+            f"kernel '{kernel}' computes in fp32 only; precision {request.precision} runs on '{library}' (or auto)",
             location=["precision"],
         )
+    spec = KERNELS[kernel]
+    try:
+        config = spec.config_for(request.m, request.n, request.k, request.tile)
+    except ValueError as exc:
+        raise InvalidParameter(str(exc), location=["tile"]) from exc
+    try:
+        config.grid(request.m, request.n)
+    except ValueError as exc:
+        raise ShapeMismatch(f"kernel '{kernel}' cannot cover this shape: {exc}", location=["a"]) from exc
+    return Plan(kernel=kernel, tile=int(config.label) if spec.tiles else None, config=config)
 
 
 @dataclass(frozen=True)

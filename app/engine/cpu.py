@@ -23,14 +23,13 @@ from app.engine.base import (
     Pairs,
     Plan,
     ProductRequest,
-    check_fp32_kernel,
     kernel_info,
+    ladder_plan,
 )
 from app.engine.staging import cast_into, check_in_format
 from app.errors import InvalidParameter, SharedMemoryError, UnknownKernel
 from kernels.catalogue import RUNGS
 from kernels.emulation import EMULATIONS
-from kernels.registry import KERNELS
 from numerics.precision import Precision, float32_emulation
 from numerics.roofline import DevicePeaks
 
@@ -63,13 +62,7 @@ class CpuBackend:
     def plan(self, request: ProductRequest) -> Plan:
         kernel, tile, precision = request.kernel, request.tile, request.precision
         if kernel in EMULATIONS:
-            check_fp32_kernel(kernel, precision, NUMPY)
-            spec = KERNELS[kernel]
-            try:
-                config = spec.config_for(request.m, request.n, request.k, tile)
-            except ValueError as exc:
-                raise InvalidParameter(str(exc), location=["tile"]) from exc
-            return Plan(kernel=kernel, tile=int(config.label) if spec.tiles else None, config=config)
+            return ladder_plan(kernel, request, NUMPY)
         if kernel not in (AUTO, NUMPY):
             offered = [info.name for info in self.kernels()]
             needs_gpu = kernel in RUNGS

@@ -43,15 +43,14 @@ from app.engine.base import (
     Pairs,
     Plan,
     ProductRequest,
-    check_fp32_kernel,
     kernel_info,
+    ladder_plan,
 )
 from app.engine.staging import cast_into_parallel, check_in_format
 from app.errors import (
     DeviceLost,
     DeviceOutOfMemory,
     InvalidParameter,
-    ShapeMismatch,
     SharedMemoryError,
     UnknownKernel,
 )
@@ -336,17 +335,7 @@ class GpuBackend:
             if tile is not None:
                 raise InvalidParameter(f"tile does not apply to kernel '{kernel}'", location=["tile"])
             return Plan(kernel=kernel, precision=precision)
-        spec = KERNELS[kernel]
-        check_fp32_kernel(kernel, precision, CUBLAS)
-        try:
-            config = spec.config_for(m, n, k, tile)
-        except ValueError as exc:
-            raise InvalidParameter(str(exc), location=["tile"]) from exc
-        try:
-            config.grid(m, n)
-        except ValueError as exc:
-            raise ShapeMismatch(f"kernel '{kernel}' cannot cover this shape: {exc}", location=["a"]) from exc
-        return Plan(kernel=kernel, tile=int(config.label) if spec.tiles else None, config=config)
+        return ladder_plan(kernel, request, CUBLAS)
 
     @staticmethod
     def _tensor_core_plan(rung: Rung, tile: int | None, precision: Precision, dtype: str) -> Plan:

@@ -5,8 +5,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from app.engine.base import ProductRequest
+from app.engine.cpu import CpuBackend
+from app.errors import ShapeMismatch
 from kernels.emulation import EMULATIONS
-from kernels.registry import KERNELS, LaunchConfig
+from kernels.registry import KERNELS, MAX_GRID_Y, LaunchConfig
 from numerics.reference import assert_close_to_reference
 from tests.conftest import EDGE_SHAPES
 
@@ -59,3 +62,11 @@ def test_a_float32_step_rounds_once_as_the_gpus_fma(name: str, config: LaunchCon
     a = np.array([[-(1 + 2**-11), 1 + 2**-12]], np.float32)
     b = np.array([[1.0], [1 + 2**-12]], np.float32)
     assert EMULATIONS[name](a, b, config)[0, 0] == np.float32(2**-24)
+
+
+@pytest.mark.parametrize("name", sorted(EMULATIONS))
+def test_the_cpu_backend_refuses_a_shape_its_kernels_grid_cannot_cover(name: str) -> None:
+    """As the GPU backend refuses it: more rows than CUDA's 65535 blocks along y take, whatever the tile."""
+    rows = MAX_GRID_Y * max(config.tile_m for config in KERNELS[name].configs) + 1
+    with pytest.raises(ShapeMismatch, match=rf"^kernel '{name}' cannot cover this shape: config \S+: {rows} rows"):
+        CpuBackend("tests").plan(ProductRequest(m=rows, n=1, k=1, kernel=name))
