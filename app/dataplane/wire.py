@@ -26,6 +26,7 @@ engine it reached), and the worker refuses such a Welcome.
 from __future__ import annotations
 
 import asyncio
+import re
 import socket
 import struct
 from typing import Any, Literal
@@ -48,8 +49,26 @@ UNNUMBERED = -1
 RegionKind = Literal["system", "cuda"]
 
 
-class _Message(msgspec.Struct, frozen=True, tag_field="op"):
-    """A message of the channel; each subclass is one "op"."""
+def _op(class_name: str) -> str:
+    """A message's "op": its class's name in snake_case (RegisterCudaRegion is "register_cuda_region")."""
+    return re.sub(r"(?<!^)(?=[A-Z])", "_", class_name).lower()
+
+
+class _Message(msgspec.Struct, frozen=True, tag_field="op", tag=_op):
+    """A message of the channel; each subclass is one "op", tagged by its name."""
+
+
+class _Request(_Message, kw_only=True, frozen=True):
+    """What an HTTP worker asks of an engine, answered once by a reply of the same `id`."""
+
+    id: int = UNNUMBERED
+
+
+class _Reply(_Message, frozen=True):
+    """The answer to the request of `id`, with the engine's load (products queued or running) after it."""
+
+    id: int
+    load: int
 
 
 # ------------------------------------------------------------------------------------- where a matrix lies
@@ -79,7 +98,7 @@ Place = InArena | InRegion
 # ------------------------------------------------------------------------------- HTTP worker -> engine
 
 
-class Hello(_Message, tag="hello", frozen=True):
+class Hello(_Message, frozen=True):
     """The handshake's first message; the socket carries the arena's file descriptor beside it."""
 
     pid: int
@@ -87,7 +106,7 @@ class Hello(_Message, tag="hello", frozen=True):
     version: int = PROTOCOL_VERSION
 
 
-class Matmul(_Message, tag="matmul", frozen=True):
+class Matmul(_Request, frozen=True):
     """C = A @ B where the places say, as `request` asks; dropped, never run, if still queued after `timeout_s`."""
 
     a: Place
@@ -95,47 +114,42 @@ class Matmul(_Message, tag="matmul", frozen=True):
     c: Place
     request: ProductRequest
     timeout_s: float
-    id: int = UNNUMBERED
 
 
-class Cancel(_Message, tag="cancel", frozen=True):
+class Cancel(_Message, frozen=True):
     id: int
 
 
-class RegisterRegion(_Message, tag="register_region", frozen=True):
+class RegisterRegion(_Request, frozen=True):
     """A window of a system shared-memory object (`key`) for products to name, mapped and pinned by the engine."""
 
     name: str
     key: str
     offset: int
     byte_size: int
-    id: int = UNNUMBERED
 
 
-class RegisterCudaRegion(_Message, tag="register_cuda_region", frozen=True):
+class RegisterCudaRegion(_Request, frozen=True):
     """Device memory of another process, opened from its CUDA IPC handle (base64)."""
 
     name: str
     raw_handle: str
     device_id: int
     byte_size: int
-    id: int = UNNUMBERED
 
 
-class UnregisterRegion(_Message, tag="unregister_region", frozen=True):
+class UnregisterRegion(_Request, frozen=True):
     """Forget the region of this kind named (every one of the kind when `name` is None)."""
 
     kind: RegionKind
     name: str | None
-    id: int = UNNUMBERED
 
 
-class RegionStatus(_Message, tag="region_status", frozen=True):
+class RegionStatus(_Request, frozen=True):
     """The registered regions of this kind (the one named)."""
 
     kind: RegionKind
     name: str | None
-    id: int = UNNUMBERED
 
 
 Request = Matmul | RegisterRegion | RegisterCudaRegion | UnregisterRegion | RegionStatus
@@ -146,7 +160,7 @@ ToEngine = Request | Cancel
 # ------------------------------------------------------------------------------- engine -> HTTP worker
 
 
-class Welcome(_Message, tag="welcome", frozen=True):
+class Welcome(_Message, frozen=True):
     """The engine's answer to Hello: what it is and what it computes."""
 
     engine_pid: int
@@ -169,7 +183,7 @@ class AutoPick(msgspec.Struct, frozen=True):
     probe_ms: dict[str, float]
 
 
-class Status(_Message, tag="status", frozen=True):
+class Status(_Message, frozen=True):
     """The engine's state and figures, sent to every HTTP worker."""
 
     state: Literal["starting", "ready", "failed", "stopped"]
@@ -188,11 +202,9 @@ class Status(_Message, tag="status", frozen=True):
     auto: list[AutoPick]
 
 
-class Computed(_Message, tag="computed", frozen=True):
+class Computed(_Reply, frozen=True):
     """A Matmul's product is in its C: how it was made, with what the answer's roofline needs."""
 
-    id: int
-    load: int
     kernel: str
     """The kernel that ran (`auto` resolved)."""
     tile: int | None
@@ -205,19 +217,15 @@ class Computed(_Message, tag="computed", frozen=True):
     batch_size: int
 
 
-class RegionsDone(_Message, tag="regions_done", frozen=True):
+class RegionsDone(_Reply, frozen=True):
     """A region request succeeded; RegionStatus's answer lists the regions (the protocol's status objects)."""
 
-    id: int
-    load: int
     regions: list[dict[str, str | int]] = []
 
 
-class Failed(_Message, tag="failed", frozen=True):
+class Failed(_Reply, frozen=True):
     """A request failed: the error the HTTP worker raises (`app.errors.error_of`)."""
 
-    id: int
-    load: int
     code: str
     message: str
     location: list[str | int] | None = None
