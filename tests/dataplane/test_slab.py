@@ -9,7 +9,7 @@ import os
 import numpy as np
 import pytest
 
-from app.dataplane.slab import ALIGNMENT, Arena, aligned
+from app.dataplane.slab import ALIGNMENT, Arena, Slab, aligned
 from app.errors import Overloaded, PayloadTooLarge
 from tests.fakes import until
 
@@ -20,6 +20,14 @@ MIB = 1 << 20
 @pytest.fixture
 def arena() -> Arena:
     return Arena(4 * MIB)
+
+
+async def _queued(arena: Arena, nbytes: int, timeout_s: float = 30, holding: int = 0) -> asyncio.Task[Slab]:
+    """`arena.reserve` as a task, once it waits in the arena's queue."""
+    ahead = arena.waiting
+    reserving = asyncio.create_task(arena.reserve(nbytes, timeout_s=timeout_s, holding=holding))
+    await until(lambda: arena.waiting == ahead + 1)
+    return reserving
 
 
 async def _all_given_back(arena: Arena) -> None:
@@ -63,8 +71,7 @@ async def test_released_neighbours_merge_so_a_large_slab_fits_again(arena: Arena
 
 async def test_a_request_that_finds_no_room_waits_for_a_release(arena: Arena) -> None:
     held = await arena.reserve(3 * MIB, timeout_s=1)
-    waiting = asyncio.create_task(arena.reserve(2 * MIB, timeout_s=30))
-    await until(lambda: arena.waiting == 1)
+    waiting = await _queued(arena, 2 * MIB)
     assert not waiting.done()
     held.release()
     slab = await waiting
@@ -82,10 +89,8 @@ async def test_no_room_within_the_deadline_is_503_and_the_waiter_leaves(arena: A
 
 async def test_waiters_are_served_in_the_order_they_asked(arena: Arena) -> None:
     held = await arena.reserve(4 * MIB, timeout_s=1)
-    big = asyncio.create_task(arena.reserve(3 * MIB, timeout_s=30))
-    await until(lambda: arena.waiting == 1)
-    small = asyncio.create_task(arena.reserve(MIB, timeout_s=30))
-    await until(lambda: arena.waiting == 2)
+    big = await _queued(arena, 3 * MIB)
+    small = await _queued(arena, MIB)
     held.release()
     first, second = await big, await small
     assert (first.offset, second.offset) == (0, 3 * MIB)
@@ -93,18 +98,15 @@ async def test_waiters_are_served_in_the_order_they_asked(arena: Arena) -> None:
 
 async def test_a_new_request_queues_behind_a_waiter_even_where_it_would_fit(arena: Arena) -> None:
     held = await arena.reserve(3 * MIB, timeout_s=1)
-    big = asyncio.create_task(arena.reserve(2 * MIB, timeout_s=30))
-    await until(lambda: arena.waiting == 1)
-    small = asyncio.create_task(arena.reserve(MIB // 2, timeout_s=30))  # would fit now, but waits its turn
-    await until(lambda: arena.waiting == 2)
+    big = await _queued(arena, 2 * MIB)
+    small = await _queued(arena, MIB // 2)  # would fit now, but waits its turn
     held.release()
     assert ((await big).offset, (await small).offset) == (0, 2 * MIB)
 
 
 async def test_a_cancelled_waiter_leaves_the_queue(arena: Arena) -> None:
     held = await arena.reserve(4 * MIB, timeout_s=1)
-    waiting = asyncio.create_task(arena.reserve(MIB, timeout_s=30))
-    await until(lambda: arena.waiting == 1)
+    waiting = await _queued(arena, MIB)
     waiting.cancel()
     with pytest.raises(asyncio.CancelledError):
         await waiting
@@ -174,8 +176,7 @@ async def test_a_body_is_lent_memory_only_when_there_is_room_now_and_no_one_wait
     body.release()
     await _all_given_back_but(arena, 2 * MIB)
     assert arena.lent_bytes == 0
-    waiting = asyncio.create_task(arena.reserve(3 * MIB, timeout_s=30))
-    await until(lambda: arena.waiting == 1)
+    waiting = await _queued(arena, 3 * MIB)
     assert arena.lend(ALIGNMENT) is None  # room for it, but its bytes may be what the waiter needs
     held.release()
     (await waiting).release()
@@ -192,11 +193,9 @@ async def test_while_a_body_is_lent_requests_that_fit_beside_it_are_served_first
     body = arena.lend(2 * MIB)
     assert body is not None
     fillers = [await arena.reserve(MIB // 2, timeout_s=1), await arena.reserve(3 * MIB // 2, timeout_s=1)]
-    plain = asyncio.create_task(arena.reserve(3 * MIB, timeout_s=30))  # needs the body's bytes back
-    await until(lambda: arena.waiting == 1)
-    holder = asyncio.create_task(arena.reserve(MIB, timeout_s=30, holding=2 * MIB))
-    small = asyncio.create_task(arena.reserve(MIB // 2, timeout_s=30))
-    await until(lambda: arena.waiting == 3)
+    plain = await _queued(arena, 3 * MIB)  # needs the body's bytes back
+    holder = await _queued(arena, MIB, holding=2 * MIB)
+    small = await _queued(arena, MIB // 2)
     fillers.pop(0).release()
     served = await small  # fits first, ahead of the holder and of the request that asked before both
     assert not holder.done() and not plain.done()
@@ -226,8 +225,7 @@ async def test_a_request_holding_a_body_that_cannot_fit_beside_the_bodies_is_ref
 
 async def test_a_waiter_that_gives_up_lets_those_behind_it_be_served(arena: Arena) -> None:
     held = await arena.reserve(2 * MIB, timeout_s=1)
-    first = asyncio.create_task(arena.reserve(3 * MIB, timeout_s=0.05))
-    await until(lambda: arena.waiting == 1)
+    first = await _queued(arena, 3 * MIB, timeout_s=0.05)
     behind = asyncio.create_task(arena.reserve(MIB, timeout_s=30))
     with pytest.raises(Overloaded):
         await first
