@@ -8,6 +8,7 @@ workers, several times in a row over new connections, since each goes to whichev
 
 from __future__ import annotations
 
+import argparse
 import importlib.util
 import os
 import signal
@@ -34,6 +35,18 @@ whichever worker accepts it first, so one not ready yet is all but sure to be hi
 
 class NotReady(RuntimeError):
     """A server that exited, or did not answer /readyz with 200 in time."""
+
+
+def add_server_options(parser: argparse.ArgumentParser, backend: str | None = "auto") -> None:
+    """The options of every tool that starts servers of this checkout: --backend, their MATMUL_BACKEND (None: left
+    unset), and --ready-timeout."""
+    parser.add_argument(
+        "--backend",
+        choices=["auto", "cpu", "gpu"],
+        default=backend,
+        help=f"MATMUL_BACKEND of every server (default: {backend or 'unset'})",
+    )
+    parser.add_argument("--ready-timeout", type=float, default=300.0, help="seconds a server may take to be ready")
 
 
 def free_port() -> int:

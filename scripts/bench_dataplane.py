@@ -43,7 +43,7 @@ import numpy as np
 import orjson
 
 from matmul_tools.raw_load import Answer, LoadPool, Tally, npy_matmul_body, post_request, v2_infer_request
-from matmul_tools.service import ROOT, LocalService, free_port, start_checkout
+from matmul_tools.service import ROOT, LocalService, add_server_options, free_port, start_checkout
 
 BIG, SMALL = 4096, 64
 V2_BATCH_SIZE = re.compile(rb'"batch_size":(\d+)')
@@ -190,7 +190,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     def numbers(text: str) -> list[int]:
         return [int(part) for part in text.split(",") if part]
 
-    parser.add_argument("--backend", choices=["auto", "cpu", "gpu"], default="auto", help="MATMUL_BACKEND")
+    add_server_options(parser)
     parser.add_argument("--workers", type=int, default=8, help="this checkout's HTTP workers (default: 8)")
     parser.add_argument("--big", type=int, default=BIG, help=f"the big products' size (default: {BIG})")
     parser.add_argument("--small", type=int, default=SMALL, help=f"the small products' size (default: {SMALL})")
@@ -208,7 +208,6 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--client-processes", type=int, default=8, help="load-generating processes (default: 8)")
     parser.add_argument("--duration", type=float, default=8.0, help="seconds per cell (default: 8)")
     parser.add_argument("--warmup", type=float, default=2.0, help="seconds of each cell first, left out (default: 2)")
-    parser.add_argument("--ready-timeout", type=float, default=300.0, help="seconds a server may take to be ready")
     parser.add_argument("--out", type=Path, default=Path("out/bench-dataplane"), help="folder for JSON and logs")
     return parser.parse_args(argv)
 

@@ -34,7 +34,7 @@ import numpy as np
 
 from matmul_tools.bodies import MULTIPART_CONTENT_TYPE, multipart_body, npy_bytes
 from matmul_tools.raw_load import LoadPool
-from matmul_tools.service import start_checkout
+from matmul_tools.service import add_server_options, start_checkout
 
 ROOT = Path(__file__).resolve().parents[1]
 SERVERS = ("baseline", "candidate")
@@ -81,7 +81,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
     parser.add_argument("--baseline", type=Path, required=True, help="the checkout to compare against (its root)")
     parser.add_argument("--candidate", type=Path, default=ROOT, help="the checkout measured (default: this one)")
-    parser.add_argument("--backend", choices=["auto", "cpu", "gpu"], default="auto", help="MATMUL_BACKEND")
+    add_server_options(parser)
     parser.add_argument("--workers", type=int, default=1, help="uvicorn workers of each server (default: 1)")
     parser.add_argument("--echo-bytes", type=int, default=128 << 20, help="the echo body (default: 128 MiB)")
     parser.add_argument(
@@ -91,7 +91,6 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--client-processes", type=int, default=8, help="load-generating processes (default: 8)")
     parser.add_argument("--rounds", type=int, default=5, help="rounds of every workload on both servers (default: 5)")
     parser.add_argument("--duration", type=float, default=5.0, help="seconds per workload and server (default: 5)")
-    parser.add_argument("--ready-timeout", type=float, default=300.0, help="seconds a server may take to be ready")
     parser.add_argument("--out", type=Path, default=Path("out/bench-protocol"), help="folder for the JSON and logs")
     return parser.parse_args(argv)
 

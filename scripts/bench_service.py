@@ -45,7 +45,7 @@ from rich.table import Table
 from app.client import AsyncMatmulClient, RequestFormat
 from app.config import Settings
 from matmul_tools import loadtest
-from matmul_tools.service import LocalService, free_port
+from matmul_tools.service import LocalService, add_server_options, free_port
 from matmul_tools.together import StartSignal, TogetherPool
 
 Route = Literal["matmul", "echo"]
@@ -454,14 +454,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--max-batch-size", type=int, help="MATMUL_MAX_BATCH_SIZE (default: the server's)")
     parser.add_argument("--max-queue-delay-us", type=int, help="MATMUL_MAX_QUEUE_DELAY_US (default: the server's)")
-    parser.add_argument("--backend", choices=["auto", "cpu", "gpu"], default="auto", help="MATMUL_BACKEND")
+    add_server_options(parser)
     parser.add_argument("--devices", help="MATMUL_DEVICES, e.g. 0 or 0,1 (default: every visible device)")
     parser.add_argument("--kernel", default="auto", help="the kernel every product asks for (default: auto)")
     parser.add_argument("--duration", type=float, default=2.0, help="seconds each cell sends for (default: 2)")
     parser.add_argument("--max-requests", type=int, default=20_000, help="requests per cell at most (default: 20000)")
     parser.add_argument("--warmup", type=int, default=2, help="requests per client process first (default: 2)")
     parser.add_argument("--timeout", type=float, default=60.0, help="seconds one request may take (default: 60)")
-    parser.add_argument("--ready-timeout", type=float, default=300.0, help="seconds a server may take to be ready")
     parser.add_argument(
         "--client-processes",
         type=int,

@@ -82,7 +82,7 @@ from matmul_tools.raw_load import (
     read_whole_answer,
     v2_infer_request,
 )
-from matmul_tools.service import ROOT, LocalService, NotReady, free_port, service_command
+from matmul_tools.service import ROOT, LocalService, NotReady, add_server_options, free_port, service_command
 from matmul_tools.together import CLOSED, StartSignal, TogetherPool
 from numerics.reference import Reference
 
@@ -801,12 +801,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--rounds", type=int, default=1, help="times each size's clients are measured, every other in reverse (1)"
     )
-    parser.add_argument(
-        "--backend", choices=["auto", "cpu", "gpu"], help="MATMUL_BACKEND for every server (default: unset)"
-    )
-    parser.add_argument(
-        "--ready-timeout", type=float, default=300.0, help="seconds a server may take to be ready (300)"
-    )
+    add_server_options(parser, backend=None)
     parser.add_argument(
         "--timeout",
         type=float,

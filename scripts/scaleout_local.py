@@ -29,7 +29,7 @@ from rich.table import Table
 
 from matmul_tools import loadtest
 from matmul_tools.prometheus import sample_sums
-from matmul_tools.service import LocalService, free_port, stop_group, wait_ready
+from matmul_tools.service import LocalService, add_server_options, free_port, stop_group, wait_ready
 
 ROOT = Path(__file__).resolve().parents[1]
 TEMPLATE = ROOT / "deploy" / "nginx.conf"
@@ -106,14 +106,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
     parser.add_argument("--replicas", type=int, default=2, help="service processes behind nginx (default: 2)")
     parser.add_argument("--workers", type=int, default=1, help="HTTP workers of each replica (default: 1)")
-    parser.add_argument("--backend", choices=["auto", "cpu", "gpu"], default="cpu", help="MATMUL_BACKEND (cpu)")
+    add_server_options(parser, backend="cpu")
     parser.add_argument("--concurrency", type=int, default=8, help="load-test connections (default: 8)")
     parser.add_argument("--duration", type=float, default=5.0, help="seconds of load (default: 5)")
     parser.add_argument("--requests", type=int, default=10_000, help="requests at most (default: 10000)")
     parser.add_argument("--warmup", type=int, default=10, help="requests sent first and left out (default: 10)")
     parser.add_argument("--sizes", default="64:3,256", help="shape mix, as the load test's (default: %(default)s)")
     parser.add_argument("--formats", default="npy", help="format mix, as the load test's (default: %(default)s)")
-    parser.add_argument("--ready-timeout", type=float, default=300.0, help="seconds a replica may take to be ready")
     parser.add_argument("--out", default="out/scaleout", help="writes OUT.json and OUT.png (default: %(default)s)")
     args = parser.parse_args(argv)
     if min(args.replicas, args.workers, args.concurrency, args.requests) < 1 or args.duration <= 0:
