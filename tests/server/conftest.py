@@ -13,17 +13,21 @@ from matmul_tools.service import LocalService, free_port
 
 CLIENTS = 6
 """Client processes of a checked load: more than the two cores of CI's machine, so that requests overlap."""
-GPU_SHAPES = (
-    (4096, 4096, 4096),
+SHAPES = (
     (2048, 8, 2048),
     (1024, 16, 1024),
-    (512, 1024, 512),
+    (512, 32, 512),
+    (384, 512, 384),
     (256, 256, 256),
+    (200, 96, 160),
     (128, 128, 128),
-    (64, 64, 64),
 )
-"""(m, k, n) of the GPU loads, 64^2 to 4096^2: a 4096^2 product (192 MiB moved) among small ones, and thin products
-whose answers are far larger than their operands."""
+"""(m, k, n): products of 16, 4 and 1 MiB, answers far larger than their operands (so that answers are what fills the
+shared memory, and a 16 MiB one is more than the kernel's socket buffers take from the server at once); binary
+bodies of 1.5 MiB, read into the shared memory itself where it has room (operands the engine reads in place); and
+shapes small enough for the JSON ways."""
+GPU_SHAPES = ((4096, 4096, 4096), (512, 1024, 512), *SHAPES, (64, 64, 64))
+"""(m, k, n) of the GPU loads: a 4096^2 product (192 MiB moved) among the CPU loads' shapes, 64^2 to 2048^2."""
 Serve = Callable[[Mapping[str, str], int], LocalService]
 
 

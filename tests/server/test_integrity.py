@@ -28,23 +28,10 @@ from app.client import encode_payload
 from matmul_tools.bodies import inference_v2_body, load_npy
 from matmul_tools.integrity import WAYS, checked_load
 from matmul_tools.raw_http import read_until_closed
-from tests.server.conftest import CLIENTS, GPU_SHAPES, Serve
+from tests.server.conftest import CLIENTS, GPU_SHAPES, SHAPES, Serve
 
 pytestmark = pytest.mark.timeout(600)
 MIB = 1 << 20
-SHAPES = (
-    (2048, 8, 2048),
-    (1024, 16, 1024),
-    (512, 32, 512),
-    (384, 512, 384),
-    (256, 256, 256),
-    (200, 96, 160),
-    (128, 128, 128),
-)
-"""(m, k, n): products of 16, 4 and 1 MiB, answers far larger than their operands (so that answers are what fills the
-shared memory, and a 16 MiB one is more than the kernel's socket buffers take from the server at once); binary
-bodies of 1.5 MiB, read into the shared memory itself where it has room (operands the engine reads in place); and
-shapes small enough for the JSON ways."""
 SCARCE_SLAB_BYTES = 20 * MIB
 """Room for one 2048x8 @ 8x2048 request (16.1 MiB) at a time: the others wait for its slab."""
 
