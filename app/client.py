@@ -146,16 +146,6 @@ class Options(TypedDict, total=False):
     precision: str
 
 
-class ClientSettings(TypedDict, total=False):
-    """What `AsyncMatmulClient` passes on to the `MatmulClient` it runs: its keyword arguments."""
-
-    format: RequestFormat
-    timeout: float
-    connections: int
-    api_key: str | None
-    headers: Mapping[str, str] | None
-
-
 Buffer = bytes | memoryview
 
 
@@ -662,6 +652,16 @@ class MatmulClient:
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
+
+
+class ClientSettings(TypedDict, total=False):
+    """What `AsyncMatmulClient` passes on to the `MatmulClient` it runs: its keyword arguments."""
+
+    format: RequestFormat
+    timeout: float
+    connections: int
+    api_key: str | None
+    headers: Mapping[str, str] | None
 
 
 class AsyncMatmulClient:
