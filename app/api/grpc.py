@@ -28,7 +28,7 @@ from tritonclient.grpc import service_pb2 as pb
 from tritonclient.grpc import service_pb2_grpc as pb_grpc
 
 from app import __version__
-from app.api.auth import matches_a_key
+from app.api.auth import check_key, presented_key
 from app.api.errors import status_of
 from app.api.v2.models import VERSION, ModelCatalogue
 from app.api.v2.shared_memory import check_enabled, shared_memory_enabled
@@ -38,7 +38,7 @@ from app.codecs.npy import data_bytes
 from app.config import Settings, SharedMemoryKind
 from app.dataplane.engine_client import EngineClient
 from app.dataplane.wire import RegionKind
-from app.errors import MalformedPayload, MatmulError, Unauthorized
+from app.errors import MalformedPayload, MatmulError
 from app.service import MatmulService, Product, Stopwatch
 
 log = logging.getLogger(__name__)
@@ -132,18 +132,13 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):  # type: ignore[m
         """With MATMUL_API_KEYS set, the call's metadata must carry one (authorization: Bearer, or x-api-key)."""
         if not self._keys or method in OPEN_METHODS:
             return
-        presented = None
-        for key, value in context.invocation_metadata() or ():
-            if key == "x-api-key":
-                presented = value.encode()
-            elif key == "authorization" and value[:7].lower() == "bearer ":
-                presented = value[7:].strip().encode()
-        if presented is None or not matches_a_key(presented, self._keys):
-            raise Unauthorized(
-                "this server needs an API key: send the metadata 'authorization: Bearer <key>' or 'x-api-key: <key>'"
-                if presented is None
-                else "the API key is not valid"
-            )
+        metadata = (
+            (key.encode(), value if isinstance(value, bytes) else value.encode())  # "-bin" keys' values are bytes
+            for key, value in context.invocation_metadata() or ()
+        )
+        check_key(
+            presented_key(metadata), self._keys, "the metadata 'authorization: Bearer <key>' or 'x-api-key: <key>'"
+        )
 
     def _catalogue(self) -> ModelCatalogue:
         return ModelCatalogue.of(self.engine)
