@@ -35,6 +35,7 @@ import orjson
 
 from app.client import MatmulClient, RequestFormat, encode_payload
 from matmul_tools.bodies import inference_v2_body, load_npy, npz_bytes
+from matmul_tools.triton_grpc import fp32_inputs, grpc_address
 from numerics.reference import Reference
 
 Shape = tuple[int, int, int]
@@ -201,10 +202,8 @@ class Connections:
         if self.triton_grpc is None:
             import tritonclient.grpc as triton
 
-            port = self.httpx().get("/v1/info").json()["grpc_port"]
-            if port is None:
-                raise RuntimeError("the server serves no gRPC: start it with MATMUL_GRPC_PORT")
-            self.triton_grpc = triton.InferenceServerClient(f"{urlsplit(self.url).hostname}:{port}")
+            address = grpc_address(self.url, self.httpx().get("/v1/info").json())
+            self.triton_grpc = triton.InferenceServerClient(address)
             self.stack.callback(self.triton_grpc.close)
         return self.triton_grpc
 
@@ -351,13 +350,8 @@ def tritonclient_binary(conn: Connections, a: np.ndarray, b: np.ndarray) -> np.n
 
 def tritonclient_grpc(conn: Connections, a: np.ndarray, b: np.ndarray) -> np.ndarray:
     """Triton's gRPC client: raw contents in and out."""
-    import tritonclient.grpc as triton
-
-    inputs = [triton.InferInput(name, list(x.shape), "FP32") for name, x in (("A", a), ("B", b))]
-    for tensor, x in zip(inputs, (a, b), strict=True):
-        tensor.set_data_from_numpy(x)
     with _triton_errors():
-        result = conn.triton_grpc_client().infer(MODEL, inputs)
+        result = conn.triton_grpc_client().infer(MODEL, fp32_inputs(a, b))
     c: np.ndarray = result.as_numpy("C")
     return c
 

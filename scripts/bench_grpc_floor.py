@@ -26,6 +26,8 @@ from typing import Any
 
 import numpy as np
 
+from matmul_tools.triton_grpc import fp32_inputs
+
 MESSAGE_LIMIT = 1 << 30
 START_S = 3.0
 """How long the clients get to start and send before the window opens."""
@@ -73,10 +75,7 @@ def _send(port: int, n: int, window: tuple[float, float], results: Any) -> None:
         start, end = window
         answered = 0
         while time.time() < end:
-            inputs = [triton.InferInput("A", [n, n], "FP32"), triton.InferInput("B", [n, n], "FP32")]
-            inputs[0].set_data_from_numpy(a)
-            inputs[1].set_data_from_numpy(b)
-            c = client.infer("matmul", inputs).as_numpy("C")
+            c = client.infer("matmul", fp32_inputs(a, b)).as_numpy("C")
             if c is None or c.shape != (n, n):
                 raise ValueError(f"the answer is {None if c is None else c.shape}, not ({n}, {n})")
             if start <= time.time() <= end:

@@ -84,6 +84,7 @@ from matmul_tools.raw_load import (
 )
 from matmul_tools.service import ROOT, LocalService, NotReady, add_server_options, free_port, service_command
 from matmul_tools.together import CLOSED, StartSignal, TogetherPool
+from matmul_tools.triton_grpc import fp32_inputs, grpc_address
 from numerics.reference import Reference
 
 ClientKind = Literal["client", "triton", "triton-grpc", "raw-npy", "raw-v2"]
@@ -281,20 +282,15 @@ class TritonGrpcClient:
     def __init__(self, url: str, operands: Operands) -> None:
         import tritonclient.grpc as triton
 
-        self.triton = triton
-        port = httpx.get(f"{url}/v1/info", timeout=30).json()["grpc_port"]
-        self.client = triton.InferenceServerClient(f"{urlsplit(url).hostname}:{port}")
+        address = grpc_address(url, httpx.get(f"{url}/v1/info", timeout=30).json())
+        self.client = triton.InferenceServerClient(address)
         self.operands = operands
 
     def exchange(self, keep: bool) -> Exchange:
         from tritonclient.utils import InferenceServerException
 
-        named = (("A", self.operands.a), ("B", self.operands.b))
-        inputs = [self.triton.InferInput(name, [x.shape[0], x.shape[1]], "FP32") for name, x in named]
-        for tensor, (_, x) in zip(inputs, named, strict=True):
-            tensor.set_data_from_numpy(x)
         try:
-            result = self.client.infer(MODEL, inputs)
+            result = self.client.infer(MODEL, fp32_inputs(self.operands.a, self.operands.b))
         except InferenceServerException as exc:
             return Exchange(str(exc.status() or type(exc).__name__))
         c: np.ndarray = result.as_numpy("C")
