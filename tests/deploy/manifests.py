@@ -124,6 +124,12 @@ def schema_errors(document: dict[str, Any], version: str) -> list[str]:
     return []
 
 
+def check_schemas(objects: list[dict[str, Any]]) -> None:
+    """A cluster of each of KUBERNETES_VERSIONS, with the vendored CRDs installed, takes every object."""
+    errors = [error for version in KUBERNETES_VERSIONS for d in objects for error in schema_errors(d, version)]
+    assert errors == [], "\n".join(errors)
+
+
 # ----------------------------------------------------------------------------------------------- pods
 
 

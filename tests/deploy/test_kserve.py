@@ -11,13 +11,12 @@ from typing import Any
 import pytest
 
 from tests.deploy.manifests import (
-    KUBERNETES_VERSIONS,
     POD_CHECKS,
     Pod,
     check_queue_depth_query,
     check_queue_depth_target,
+    check_schemas,
     load_documents,
-    schema_errors,
 )
 from tests.deploy.test_helm_chart import render
 from tests.scripts import ROOT
@@ -45,11 +44,6 @@ def predictor_pod(objects: list[dict[str, Any]]) -> Pod:
     environment = [v for v in container["env"] if v["name"] != KSERVE_PROTOCOL_VARIABLE]
     predictor["containers"] = [{**container, "env": environment}]
     return Pod(predictor, predictor.get("annotations", {}), objects)
-
-
-def check_schemas(objects: list[dict[str, Any]]) -> None:
-    errors = [error for version in KUBERNETES_VERSIONS for d in objects for error in schema_errors(d, version)]
-    assert errors == [], "\n".join(errors)
 
 
 def check_kserve(objects: list[dict[str, Any]]) -> None:
