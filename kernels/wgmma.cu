@@ -133,24 +133,23 @@ template <int COUNT> __device__ __forceinline__ void fence_registers(float (&d)[
                  : OPERANDS                                                                                      \
                  : "l"(a), "l"(b), "r"(accumulate))
 
+// The instruction of KIND for a 64 x N warpgroup tile: its REGS = N / 2 accumulators (WGMMA_D and WGMMA_F of REGS,
+// named by pasting so that they reach WGMMA_ISSUE unexpanded), then the asm operands A, B and P (a, b, accumulate).
+#define WGMMA_OF_KIND(N, REGS, A, B, P)                                                              \
+    if constexpr (KIND == BF16) {                                                                    \
+        WGMMA_ISSUE("m64n" #N "k16", "bf16.bf16", WGMMA_D##REGS, WGMMA_F##REGS, A, B, P, ", 0, 0");  \
+    } else if constexpr (KIND == FP16) {                                                             \
+        WGMMA_ISSUE("m64n" #N "k16", "f16.f16", WGMMA_D##REGS, WGMMA_F##REGS, A, B, P, ", 0, 0");    \
+    } else {                                                                                         \
+        WGMMA_ISSUE("m64n" #N "k8", "tf32.tf32", WGMMA_D##REGS, WGMMA_F##REGS, A, B, P, "");         \
+    }
+
 template <int KIND, int N> __device__ __forceinline__ void wgmma(float (&d)[N / 2], u64 a, u64 b, int accumulate) {
     static_assert(N == 128 || N == 256, "a warpgroup tile is 64 x 128 or 64 x 256");
     if constexpr (N == 128) {
-        if constexpr (KIND == BF16) {
-            WGMMA_ISSUE("m64n128k16", "bf16.bf16", WGMMA_D64, WGMMA_F64, "%64", "%65", "%66", ", 0, 0");
-        } else if constexpr (KIND == FP16) {
-            WGMMA_ISSUE("m64n128k16", "f16.f16", WGMMA_D64, WGMMA_F64, "%64", "%65", "%66", ", 0, 0");
-        } else {
-            WGMMA_ISSUE("m64n128k8", "tf32.tf32", WGMMA_D64, WGMMA_F64, "%64", "%65", "%66", "");
-        }
+        WGMMA_OF_KIND(128, 64, "%64", "%65", "%66")
     } else {
-        if constexpr (KIND == BF16) {
-            WGMMA_ISSUE("m64n256k16", "bf16.bf16", WGMMA_D128, WGMMA_F128, "%128", "%129", "%130", ", 0, 0");
-        } else if constexpr (KIND == FP16) {
-            WGMMA_ISSUE("m64n256k16", "f16.f16", WGMMA_D128, WGMMA_F128, "%128", "%129", "%130", ", 0, 0");
-        } else {
-            WGMMA_ISSUE("m64n256k8", "tf32.tf32", WGMMA_D128, WGMMA_F128, "%128", "%129", "%130", "");
-        }
+        WGMMA_OF_KIND(256, 128, "%128", "%129", "%130")
     }
 }
 
