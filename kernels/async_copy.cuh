@@ -40,4 +40,31 @@ __device__ __forceinline__ void copy_async_wait() {
     asm volatile("cp.async.wait_group %0;\n" ::"n"(PENDING) : "memory");
 }
 
+// The loop over K of a kernel whose tiles pass through STAGES stages of shared memory: `issue(stage, step)` starts
+// this thread's copies of step's tiles into `stage`, `compute(stage)` multiplies the tiles that stage holds. The
+// prologue fills STAGES - 1 stages. At each step the wait leaves this thread's copies of the step's tiles landed,
+// and the barrier makes every thread's copies visible to all; it also says that every thread has finished the
+// step before, whose stage is the one refilled, STAGES - 1 steps ahead. A group is committed even when empty, so
+// that the group of step t is always the (t + 1)-th and the wait counts right on the last steps.
+template <int STAGES, typename Issue, typename Compute>
+__device__ __forceinline__ void pipelined_k_loop(int steps, Issue&& issue, Compute&& compute) {
+    static_assert(STAGES >= 2, "a pipeline has a stage to read and one to fill");
+#pragma unroll
+    for (int s = 0; s < STAGES - 1; ++s) {
+        if (s < steps) issue(s, s);
+        copy_async_commit();
+    }
+    int read_stage = 0;
+    int write_stage = STAGES - 1;
+    for (int step = 0; step < steps; ++step) {
+        copy_async_wait<STAGES - 2>();
+        __syncthreads();
+        if (step + STAGES - 1 < steps) issue(write_stage, step + STAGES - 1);
+        copy_async_commit();
+        compute(read_stage);
+        read_stage = read_stage == STAGES - 1 ? 0 : read_stage + 1;
+        write_stage = write_stage == STAGES - 1 ? 0 : write_stage + 1;
+    }
+}
+
 #endif  // MATMUL_ASYNC_COPY_CUH

@@ -153,7 +153,8 @@ __global__ void __launch_bounds__((BM / WM) * (BN / DMMA_WN) * 32, dmma_blocks_p
         }
     };
     const bool edge_block = m0 + BM > M || n0 + BN > N;
-    auto issue_tile = [&](int stage, int k0) {
+    auto issue_tile = [&](int stage, int step) {
+        const int k0 = step * BK;
         if (edge_block || k0 + BK > K) {
             copy_tile(true, stage, k0);
         } else {
@@ -180,24 +181,12 @@ __global__ void __launch_bounds__((BM / WM) * (BN / DMMA_WN) * 32, dmma_blocks_p
 
     double acc[NJ][MI][4] = {};  // acc[j][i]: the instruction's 16 x 8 tile of C^T at columns wn + 16 j, rows wm + 8 i
 
-    const int steps = (K + BK - 1) / BK;
-    // As in fast.cu: a group is committed even when empty, so that the wait below counts right on the last steps.
-#pragma unroll
-    for (int s = 0; s < STAGES - 1; ++s) {
-        if (s < steps) issue_tile(s, s * BK);
-        copy_async_commit();
-    }
-    for (int step = 0; step < steps; ++step) {
-        copy_async_wait<STAGES - 2>();
-        __syncthreads();
-        if (step + STAGES - 1 < steps) issue_tile((step + STAGES - 1) % STAGES, (step + STAGES - 1) * BK);
-        copy_async_commit();
-
+    pipelined_k_loop<STAGES>((K + BK - 1) / BK, issue_tile, [&](int stage) {
         // the stage in slices of MMA_K of K; the swizzles repeat within a slice's rows of B and units of A
 #pragma unroll
         for (int slice = 0; slice < SLICES; ++slice) {
-            const double* as = As + (step % STAGES) * A_STAGE;
-            const double* bs = Bs + (step % STAGES) * B_STAGE + MMA_K * slice * BN + b_lane;
+            const double* as = As + stage * A_STAGE;
+            const double* bs = Bs + stage * B_STAGE + MMA_K * slice * BN + b_lane;
             double a_op[NJ][2 * Q];  // from B: a_op[j][2 q + h] = B[Q t + q][wn + 16 j + 2 g + h]
 #pragma unroll
             for (int j = 0; j < NJ; ++j) {
@@ -220,7 +209,7 @@ __global__ void __launch_bounds__((BM / WM) * (BN / DMMA_WN) * 32, dmma_blocks_p
                 for (int j = 0; j < NJ; ++j) dmma<MMA_K>(acc[j][i], a_op[j], b_op);
             }
         }
-    }
+    });
 
     // Epilogue: acc[j][i] holds C[r][c] for rows r = wm + 8 i + 2t + e and columns c = wn + 16 j + 2g + h at index
     // e + 2 h: the two columns of a row are neighbours, one aligned 16-byte store when N is even (VEC).

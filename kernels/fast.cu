@@ -6,7 +6,7 @@
 //    writes shared memory without passing through registers and without stalling the issuing thread.
 //    STAGES tiles are in flight: while the block multiplies tile t it is already fetching tiles t+1 ..
 //    t+STAGES-1, so the latency of device memory (~600 ns) hides behind STAGES-1 steps of arithmetic
-//    instead of being paid at every step. One barrier per step suffices (see the main loop).
+//    instead of being paid at every step. One barrier per step suffices (pipelined_k_loop in async_copy.cuh).
 //
 // 2. Warp tiling. The block is split into warps of WM x WN outputs, and inside a warp the 32 lanes form a
 //    WTM x WTN grid; a lane owns TM x TN outputs, but as (TM/R) x (TN/R) sub-blocks of R x R (R = one
@@ -111,7 +111,8 @@ __global__ void __launch_bounds__((BM / WM) * (BN / WN) * 32, fast_min_blocks<T>
         }
     };
     const bool edge_block = m0 + BM > M || n0 + BN > N;
-    auto issue_tile = [&](int stage, int k0) {
+    auto issue_tile = [&](int stage, int step) {
+        const int k0 = step * BK;
         if (edge_block || k0 + BK > K) {
             load_tile(true, stage, k0);
         } else {
@@ -128,26 +129,9 @@ __global__ void __launch_bounds__((BM / WM) * (BN / WN) * 32, fast_min_blocks<T>
     T a[TM];
     T b[TN];
 
-    const int steps = (K + BK - 1) / BK;
-    // Prologue: fill STAGES-1 stages. A group is committed even when empty, so that "the group of step t"
-    // is always the (t+1)-th group and the wait below counts right on the last steps.
-#pragma unroll
-    for (int s = 0; s < STAGES - 1; ++s) {
-        if (s < steps) issue_tile(s, s * BK);
-        copy_async_commit();
-    }
-    int read_stage = 0;
-    int write_stage = STAGES - 1;
-    for (int t = 0; t < steps; ++t) {
-        // Tile t has landed for this thread; the barrier makes every thread's copies visible to all, and
-        // also tells that everyone has finished step t-1, whose stage is the one refilled just below.
-        copy_async_wait<STAGES - 2>();
-        __syncthreads();
-        if (t + STAGES - 1 < steps) issue_tile(write_stage, (t + STAGES - 1) * BK);
-        copy_async_commit();
-
-        const T* as = As + read_stage * A_STAGE + wm;
-        const T* bs = Bs + read_stage * B_STAGE + wn;
+    pipelined_k_loop<STAGES>((K + BK - 1) / BK, issue_tile, [&](int stage) {
+        const T* as = As + stage * A_STAGE + wm;
+        const T* bs = Bs + stage * B_STAGE + wn;
 #pragma unroll
         for (int k = 0; k < BK; ++k) {
 #pragma unroll
@@ -162,9 +146,7 @@ __global__ void __launch_bounds__((BM / WM) * (BN / WN) * 32, fast_min_blocks<T>
                 for (int j = 0; j < TN; ++j) acc[i][j] += a[i] * b[j];
             }
         }
-        read_stage = read_stage == STAGES - 1 ? 0 : read_stage + 1;
-        write_stage = write_stage == STAGES - 1 ? 0 : write_stage + 1;
-    }
+    });
 
     // Epilogue: sub-block (i / R, j / R) of this lane starts at row wm + (i / R) * WTM * R, column
     // wn + (j / R) * WTN * R. With VEC, N and every column here are multiples of R, so each vector is wholly

@@ -101,7 +101,8 @@ __global__ void __launch_bounds__(MMA_THREADS, 1)
     const int k_bytes = K * ELEMENT_BYTES;
 
     // Copy i of a thread is unit (tid + i * THREADS) of the tile, row-major: eight threads read one 128-byte row.
-    auto issue_tile = [&](int stage, int byte0) {
+    auto issue_tile = [&](int stage, int step) {
+        const int byte0 = step * MMA_ROW_BYTES;
         unsigned char* const tile = shared + stage * STAGE_BYTES;
 #pragma unroll
         for (int i = 0; i < A_COPIES + B_COPIES; ++i) {
@@ -126,19 +127,8 @@ __global__ void __launch_bounds__(MMA_THREADS, 1)
 
     float acc[FM][FN][4] = {};
 
-    const int steps = (k_bytes + MMA_ROW_BYTES - 1) / MMA_ROW_BYTES;
-#pragma unroll
-    for (int s = 0; s < STAGES - 1; ++s) {
-        if (s < steps) issue_tile(s, s * MMA_ROW_BYTES);
-        copy_async_commit();
-    }
-    for (int step = 0; step < steps; ++step) {
-        copy_async_wait<STAGES - 2>();
-        __syncthreads();
-        if (step + STAGES - 1 < steps) issue_tile((step + STAGES - 1) % STAGES, (step + STAGES - 1) * MMA_ROW_BYTES);
-        copy_async_commit();
-
-        const u32 a_tile = shared_base + (step % STAGES) * STAGE_BYTES;
+    pipelined_k_loop<STAGES>((k_bytes + MMA_ROW_BYTES - 1) / MMA_ROW_BYTES, issue_tile, [&](int stage) {
+        const u32 a_tile = shared_base + stage * STAGE_BYTES;
         const u32 b_tile = a_tile + A_BYTES;
 #pragma unroll
         for (int ks = 0; ks < UNITS / 2; ++ks) {  // 32 bytes of K a step
@@ -157,7 +147,7 @@ __global__ void __launch_bounds__(MMA_THREADS, 1)
                 for (int j = 0; j < FN; ++j) mma<KIND>(acc[i][j], a[i], b[j][0], b[j][1]);
             }
         }
-    }
+    });
 
     // Epilogue: block (i, j) holds C[wm + 16 i + g + 8 h][wn + 8 j + 2 t + e] in acc[i][j][2 h + e].
     const int g = lane / 4, t = lane % 4;
