@@ -67,4 +67,18 @@ __device__ __forceinline__ void pipelined_k_loop(int steps, Issue&& issue, Compu
     }
 }
 
+// The copies of the tile of K from k0 = step * BK into `stage`, by copy(guarded, stage, k0): guarded only in blocks on
+// C's bottom or right edge (`edge_block`) and on the last step when BK does not divide K, the other steps' copies
+// being one address and one cp.async each. `guarded` is a constant in each call of `copy` (it is inlined), so that
+// each is compiled for it.
+template <int BK, typename Copy>
+__device__ __forceinline__ void copy_guarded_at_edges(bool edge_block, int K, int stage, int step, Copy&& copy) {
+    const int k0 = step * BK;
+    if (edge_block || k0 + BK > K) {
+        copy(true, stage, k0);
+    } else {
+        copy(false, stage, k0);
+    }
+}
+
 #endif  // MATMUL_ASYNC_COPY_CUH

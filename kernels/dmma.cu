@@ -134,8 +134,7 @@ __global__ void __launch_bounds__((BM / WM) * (BN / DMMA_WN) * 32, dmma_blocks_p
     const double* const b_src = B + static_cast<size_t>(b_row) * N + (b_col_in ? n0 + b_col : 0);
     const size_t a_stride = static_cast<size_t>(A_ROW_STEP) * K, b_stride = static_cast<size_t>(B_ROW_STEP) * N;
     const int a_dst = a_offset<BK, Q>(a_row, a_col);
-    // Only blocks on the bottom or right edge of C, and the last step when BK does not divide K, hold elements to
-    // skip; every other step copies without a guard: one address and one cp.async a copy (as in fast.cu).
+    // Guarded only in the blocks and steps that hold elements to skip (copy_guarded_at_edges, as in fast.cu).
     auto copy_tile = [&](bool guarded, int stage, int k0) {
 #pragma unroll
         for (int i = 0; i < A_COPIES; ++i) {
@@ -153,14 +152,7 @@ __global__ void __launch_bounds__((BM / WM) * (BN / DMMA_WN) * 32, dmma_blocks_p
         }
     };
     const bool edge_block = m0 + BM > M || n0 + BN > N;
-    auto issue_tile = [&](int stage, int step) {
-        const int k0 = step * BK;
-        if (edge_block || k0 + BK > K) {
-            copy_tile(true, stage, k0);
-        } else {
-            copy_tile(false, stage, k0);
-        }
-    };
+    auto issue_tile = [&](int stage, int step) { copy_guarded_at_edges<BK>(edge_block, K, stage, step, copy_tile); };
 
     const int warp = tid / 32, lane = tid % 32;
     const int g = lane / 4, t = lane % 4;

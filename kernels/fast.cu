@@ -90,10 +90,9 @@ __global__ void __launch_bounds__((BM / WM) * (BN / WN) * 32, fast_min_blocks<T>
     T* const b_dst = Bs + b_k * BN + b_n;
 
     // Issue the copies of the tile that starts at k0 into `stage`. A guarded copy of an element outside A
-    // (or B) reads nothing, and is given the matrix's first element as its address. Only blocks on the bottom
-    // or right edge of C, and the last step when BK does not divide K, hold elements to skip; every other
-    // step takes the unguarded path, whose copies are one address computation and one cp.async each. (With
-    // the guards everywhere, predicate and address selects took a good part of a step's instructions.)
+    // (or B) reads nothing, and is given the matrix's first element as its address. copy_guarded_at_edges
+    // guards only the blocks and steps that hold elements to skip. (With the guards everywhere, predicate and
+    // address selects took a good part of a step's instructions.)
     auto load_tile = [&](bool guarded, int stage, int k0) {
         const bool a_k_in = k0 + a_k < K;
 #pragma unroll
@@ -111,14 +110,7 @@ __global__ void __launch_bounds__((BM / WM) * (BN / WN) * 32, fast_min_blocks<T>
         }
     };
     const bool edge_block = m0 + BM > M || n0 + BN > N;
-    auto issue_tile = [&](int stage, int step) {
-        const int k0 = step * BK;
-        if (edge_block || k0 + BK > K) {
-            load_tile(true, stage, k0);
-        } else {
-            load_tile(false, stage, k0);
-        }
-    };
+    auto issue_tile = [&](int stage, int step) { copy_guarded_at_edges<BK>(edge_block, K, stage, step, load_tile); };
 
     const int warp = tid / 32;
     const int lane = tid % 32;
