@@ -6,13 +6,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import pytest
-
 from matmul_tools.service import free_port
 from tests.scripts import run_script
 
 
-@pytest.mark.timeout(120)
 def test_each_run_reports_the_exchanges_its_clients_had_answered(tmp_path: Path) -> None:
     out = tmp_path / "floor.json"
     done = run_script(

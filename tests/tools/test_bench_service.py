@@ -9,14 +9,11 @@ import pytest
 
 from tests.scripts import import_script, run_script
 
-# a server and a script in subprocesses, each with its own 120 s limit: the per-test limit allows for both
-pytestmark = pytest.mark.timeout(300)
-
-
 bench = import_script("bench_service")
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.timeout(300)  # a server and a script in subprocesses, each with its own 120 s limit
 def test_a_tiny_matrix_on_two_servers(tmp_path: Path) -> None:
     done = run_script(
         "bench_service",
@@ -60,6 +57,7 @@ def test_a_tiny_matrix_on_two_servers(tmp_path: Path) -> None:
     assert "Where the time goes" in done.stdout and "batching, 16x16x16 npy at concurrency 3" in done.stdout
 
 
+@pytest.mark.timeout(300)  # a server and a script in subprocesses, each with its own 120 s limit
 def test_the_device_comparison_runs_one_cell_per_device_list(tmp_path: Path) -> None:
     done = run_script(
         "bench_service",

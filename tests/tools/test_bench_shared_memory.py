@@ -11,9 +11,9 @@ import pytest
 from tests.scripts import import_script, run_script
 
 pytest.importorskip("tritonclient.http", reason="tritonclient[http] is in the test extra")
-pytestmark = pytest.mark.timeout(300)
 
 
+@pytest.mark.timeout(300)  # a server and a script in subprocesses, each with its own 120 s limit
 def test_the_system_cell_is_measured_and_checked(tmp_path: Path) -> None:
     done = run_script(
         "bench_shared_memory",

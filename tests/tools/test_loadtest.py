@@ -15,9 +15,6 @@ import pytest
 from matmul_tools import loadtest
 from tests.scripts import ROOT
 
-# a server and a script in subprocesses, each with its own 120 s limit: the per-test limit allows for both
-pytestmark = pytest.mark.timeout(300)
-
 SCRIPT = ROOT / "scripts" / "loadtest.py"
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -36,6 +33,7 @@ def assert_ordered(summary: dict[str, float]) -> None:
     assert 0 <= summary["p50"] <= summary["p90"] <= summary["p99"] <= summary["max"]
 
 
+@pytest.mark.timeout(300)  # a server and a script in subprocesses, each with its own 120 s limit
 def test_closed_loop_over_every_format(served_url: str, tmp_path: Path) -> None:
     report, printed = run_loadtest(
         served_url,
@@ -62,6 +60,7 @@ def test_closed_loop_over_every_format(served_url: str, tmp_path: Path) -> None:
     assert f"(cpu backend, {platform.machine()})" in printed, "the devices /v1/info lists"
 
 
+@pytest.mark.timeout(300)  # a server and a script in subprocesses, each with its own 120 s limit
 def test_open_loop_starts_requests_at_the_rate(served_url: str, tmp_path: Path) -> None:
     report, _ = run_loadtest(served_url, tmp_path, "--mode", "open", "--rate", "40", "--duration", "1", "--warmup", "0")
     assert report["requests"] == report["ok"] == 40 and report["errors"] == {}
@@ -69,6 +68,7 @@ def test_open_loop_starts_requests_at_the_rate(served_url: str, tmp_path: Path) 
     assert_ordered(report["latency_ms"])
 
 
+@pytest.mark.timeout(300)  # a server and a script in subprocesses, each with its own 120 s limit
 def test_errors_are_counted_by_status(served_url: str, tmp_path: Path) -> None:
     report, printed = run_loadtest(served_url, tmp_path, "--requests", "12", "--kernels", "numpy:1,no-such-kernel:1")
     assert report["requests"] == 12

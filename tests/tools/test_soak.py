@@ -16,14 +16,12 @@ from matmul_tools.bodies import npy_bytes
 from matmul_tools.service import free_port, running_server, uvicorn_command
 from tests.scripts import ROOT, import_script
 
-# a server and a script in subprocesses, each with its own 120 s limit: the per-test limit allows for both
-pytestmark = pytest.mark.timeout(300)
-
 soak = import_script("soak")
 MAX_BODY_BYTES = 1 << 20
 LIMITS = codecs.Limits(max_dim=1024, max_elements=1 << 20, max_result_elements=1 << 20)
 
 
+@pytest.mark.timeout(300)  # a server and a script in subprocesses, each with its own 120 s limit
 def test_five_seconds_of_mixed_requests_over_capacity(tmp_path: Path) -> None:
     port = free_port()
     env = {"MATMUL_BACKEND": "cpu", "MATMUL_QUEUE_SIZE": "2", "MATMUL_MAX_BODY_BYTES": str(MAX_BODY_BYTES)}
