@@ -1,5 +1,5 @@
-// Asynchronous copies from global to shared memory (cp.async, sm_80+), shared by the kernels that pipeline their
-// tiles: `fast`, and the tensor-core rungs mma_sync.cu and dmma.cu.
+// Asynchronous copies from global to shared memory (cp.async, sm_80+) and the loop over K that pipelines tiles
+// through them, shared by `fast` and the tensor-core rungs mma_sync.cu and dmma.cu.
 #ifndef MATMUL_ASYNC_COPY_CUH
 #define MATMUL_ASYNC_COPY_CUH
 
