@@ -19,6 +19,12 @@ MIN_DEFAULT_SLAB_BYTES = 256 << 20
 matrices) and a few small ones at once, whatever the host's memory."""
 MAX_DEFAULT_SLAB_BYTES = 1 << 30
 """Most shared memory per HTTP worker MATMUL_SLAB_BYTES defaults to: an 8192^2 float32 product (768 MiB) fits."""
+DEFAULT_KEEP_ALIVE_TIMEOUT_S = 620
+"""MATMUL_KEEP_ALIVE_TIMEOUT_S' default: longer than the pools commonly in front of the service keep an idle
+connection (nginx's upstream keepalive_timeout and AWS's Application Load Balancer 60 s, Azure's load balancers 240
+s, Google Cloud's load balancers 600 s, fixed, and Google asks backends for more), with 20 s to spare over the
+longest, so that the pool always closes first. What an idle connection costs an HTTP worker meanwhile:
+docs/deployment.md, "Keep-alive and the proxies in front"."""
 
 
 def default_http_workers(cpus: int, memory_bytes: int) -> int:
@@ -120,6 +126,16 @@ class Settings(BaseSettings):
         le=3600,
         description="Longest a connection may take to deliver a request's headers, from connecting (or from the "
         "request's first byte on a kept-alive connection); then it is closed, with 408 if part of a request came.",
+    )
+    keep_alive_timeout_s: int = Field(
+        DEFAULT_KEEP_ALIVE_TIMEOUT_S,
+        ge=1,
+        le=86_400,
+        description="Longest a connection may idle between requests before the server closes it. Whatever keeps "
+        "connections to the service in a pool (a proxy, a load balancer, a client) must close them sooner, or it "
+        "may send a request into a connection the server is closing: the default outlasts nginx's upstream "
+        "keepalive_timeout and AWS's load balancers (60 s), Azure's (240 s) and Google Cloud's (600 s). Once a "
+        "request begins, its headers have MATMUL_HEADER_TIMEOUT_S.",
     )
     body_timeout_s: float = Field(
         30.0, gt=0, le=3600, description="Longest wait for the next piece of a body that has not all arrived; 408."

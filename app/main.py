@@ -20,7 +20,7 @@ from app import __version__
 from app.allocator import cap_malloc_arenas
 from app.api import grpc
 from app.api.auth import ApiKeyMiddleware
-from app.api.connection import HEADER_LIMITS, HeaderLimits
+from app.api.connection import CONNECTION_LIMITS, ConnectionLimits
 from app.api.errors import UnexpectedErrors, install_error_handlers
 from app.api.exchange import BodyBuffers
 from app.api.framing import RequestHeadMiddleware
@@ -66,7 +66,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                 server = await grpc.start_server(resolved, engine, app.state.inference_stats)
                 stack.push_async_callback(server.stop, grpc.STOP_GRACE_S)
             configure_access_log(resolved.access_log)
-            yield {HEADER_LIMITS: HeaderLimits.of(resolved)}  # for the server's connections (app.api.connection)
+            yield {CONNECTION_LIMITS: ConnectionLimits.of(resolved)}  # for the connections (app.api.connection)
 
     app = FastAPI(
         title="matmul-service",

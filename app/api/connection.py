@@ -1,5 +1,5 @@
-"""uvicorn's httptools connection with two bounds its parser lacks: the size of a request's head and the time it
-may take to arrive.
+"""uvicorn's httptools connection with the bounds its parser lacks: the size of a request's head, the time it may take
+to arrive, and how long the connection may idle between requests.
 
 httptools buffers a header of any size (a 48 MiB header was answered 200, the event loop busy for seconds
 buffering it), and uvicorn times out a connection only while it idles between requests: one that sends half its
@@ -7,6 +7,10 @@ headers, or nothing, was held open forever. `GuardedHttpProtocol` counts the byt
 headers as they arrive and answers 431 once they pass `MATMUL_MAX_HEADER_BYTES`, before any body is read; and it
 closes a connection whose request has not delivered all its headers `MATMUL_HEADER_TIMEOUT_S` after the
 connection was made, or after that request began on a kept-alive connection (408 when part of a request came).
+
+Between requests a connection idles for up to `MATMUL_KEEP_ALIVE_TIMEOUT_S` (uvicorn's own default is 5 s): longer
+than the pools in front of the service keep it, so that a proxy or a client never sends a request into a connection
+the server is closing (app.config.DEFAULT_KEEP_ALIVE_TIMEOUT_S). On shutdown uvicorn closes the idle ones at once.
 
 It also hands a body to the app in pieces of up to BODY_PIECE_BYTES instead of uvicorn's 64 KiB: each piece is a
 round trip through the event loop and the middleware, and a 128 MiB body read in 64 KiB pieces made 2,000 of them.
@@ -30,32 +34,38 @@ from app.api.errors import error_body_for, status_of
 from app.config import Settings
 from app.errors import HeadersTooLarge, HeaderTimeout, MatmulError
 
-HEADER_LIMITS = "matmul.header_limits"
-"""The key of the lifespan state under which the app hands its HeaderLimits to the connections."""
+CONNECTION_LIMITS = "matmul.connection_limits"
+"""The key of the lifespan state under which the app hands its ConnectionLimits to the connections."""
 
 
 @dataclass(frozen=True)
-class HeaderLimits:
-    max_bytes: int
-    timeout_s: float
+class ConnectionLimits:
+    max_header_bytes: int
+    header_timeout_s: float
+    keep_alive_timeout_s: int
 
     @classmethod
-    def of(cls, settings: Settings) -> HeaderLimits:
-        return cls(max_bytes=settings.max_header_bytes, timeout_s=settings.header_timeout_s)
+    def of(cls, settings: Settings) -> ConnectionLimits:
+        return cls(
+            max_header_bytes=settings.max_header_bytes,
+            header_timeout_s=settings.header_timeout_s,
+            keep_alive_timeout_s=settings.keep_alive_timeout_s,
+        )
 
 
 BODY_PIECE_BYTES = 1 << 20
 """Reading pauses once this much of a body waits for the app, which then receives it as one piece."""
 
-DEFAULT_LIMITS = HeaderLimits(
-    max_bytes=Settings.model_fields["max_header_bytes"].default,
-    timeout_s=Settings.model_fields["header_timeout_s"].default,
+DEFAULT_LIMITS = ConnectionLimits(
+    max_header_bytes=Settings.model_fields["max_header_bytes"].default,
+    header_timeout_s=Settings.model_fields["header_timeout_s"].default,
+    keep_alive_timeout_s=Settings.model_fields["keep_alive_timeout_s"].default,
 )
 """Where no lifespan handed limits over (uvicorn --lifespan off): the settings' defaults."""
 
 
 class GuardedHttpProtocol(HttpToolsProtocol):
-    """HttpToolsProtocol with a bounded request head (431) and a header timeout."""
+    """HttpToolsProtocol with a bounded request head (431), a header timeout and the service's keep-alive."""
 
     def __init__(
         self,
@@ -65,9 +75,10 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         _loop: asyncio.AbstractEventLoop | None = None,
     ) -> None:
         super().__init__(config, server_state, app_state, _loop)
-        limits: HeaderLimits = app_state.get(HEADER_LIMITS, DEFAULT_LIMITS)
-        self.max_header_bytes = limits.max_bytes
-        self.header_timeout_s = limits.timeout_s
+        limits: ConnectionLimits = app_state.get(CONNECTION_LIMITS, DEFAULT_LIMITS)
+        self.max_header_bytes = limits.max_header_bytes
+        self.header_timeout_s = limits.header_timeout_s
+        self.timeout_keep_alive = limits.keep_alive_timeout_s  # uvicorn's, armed after each answer
         self.in_head = True
         """Between the end of one request's body and the end of the next one's headers: bytes are the head's."""
         self.head_bytes = 0

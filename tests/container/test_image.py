@@ -10,9 +10,11 @@ driver, and the GPU backend's start fails at once with a clear message.
 
 from __future__ import annotations
 
+import http.client
 import json
 import os
 import re
+import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -26,6 +28,7 @@ import pytest
 import yaml
 
 from matmul_tools.bodies import inference_v2_body, load_npy, npy_bytes, npz_bytes
+from matmul_tools.raw_http import read_until_closed
 from tests.container.conftest import ROOT, Engine, Images, container_env, unique
 
 pytestmark = pytest.mark.timeout(1500)
@@ -215,9 +218,12 @@ def test_the_load_test_runs_against_the_service_as_compose_starts_it(
     assert report["ok"] > 0 and report["errors"] == {}, (report["ok"], report["errors"])
 
 
-def test_a_graceful_stop_finishes_the_product_in_flight_and_exits_0(engine: Engine, images: Images) -> None:
-    """`stop` (SIGTERM, then 40 s as compose's stop_grace_period) while a 4096^2 product runs: it is answered, right,
-    and the container exits 0."""
+def test_a_graceful_stop_finishes_the_product_in_flight_closes_idle_connections_and_exits_0(
+    engine: Engine, images: Images
+) -> None:
+    """`stop` (SIGTERM, then 40 s as compose's stop_grace_period) while a 4096^2 product runs and four kept-alive
+    connections idle: the idle ones are closed at once (their end of stream within 5 s of the stop, though the
+    service keeps idle connections for 620 s), the product is answered, right, and the container exits 0."""
     with started_service(engine, images.service) as running:
         rng = np.random.default_rng(8)
         a, b = rng.standard_normal((4096, 4096), dtype=np.float32), rng.standard_normal((4096, 64), dtype=np.float32)
@@ -230,11 +236,20 @@ def test_a_graceful_stop_finishes_the_product_in_flight_and_exits_0(engine: Engi
                 f"{running.url}/matmul", files=files, headers={"accept": "application/x-npy"}, timeout=120
             )
 
+        idle = [_idle_connection(running.url) for _ in range(4)]
         asking = threading.Thread(target=ask)
         asking.start()
         _until_in_flight(running.url)
         stopped = time.monotonic()
-        engine.run("stop", "--time", "40", running.name, timeout_s=120)
+        stop = ("stop", "--time", "40", running.name)
+        stopping = threading.Thread(target=engine.run, args=stop, kwargs={"timeout_s": 120})
+        stopping.start()
+        closed_s = []
+        for sock in idle:
+            with sock:
+                assert read_until_closed(sock) == b""
+            closed_s.append(time.monotonic() - stopped)
+        stopping.join(120)
         stop_s = time.monotonic() - stopped
         asking.join(timeout=120)
         exit_code = engine.run("inspect", "--format", "{{.State.ExitCode}}", running.name).stdout.strip()
@@ -242,7 +257,21 @@ def test_a_graceful_stop_finishes_the_product_in_flight_and_exits_0(engine: Engi
     c = load_npy(answer["it"].content)
     np.testing.assert_allclose(c[:, :64], _product(a, b[:, :64]), rtol=1e-3, atol=1e-2)
     assert all(np.array_equal(c[:, :64], c[:, 64 * i : 64 * (i + 1)]) for i in range(64))
+    assert max(closed_s) < 5, closed_s
     assert exit_code == "0" and stop_s < 40, (exit_code, stop_s)
+
+
+def _idle_connection(url: str) -> socket.socket:
+    """A connection that has had one answer (GET /healthz, read whole) and idles, kept alive."""
+    host, port = url.removeprefix("http://").split(":")
+    sock = socket.create_connection((host, int(port)), timeout=30)
+    sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: t\r\n\r\n")
+    reply = http.client.HTTPResponse(sock)
+    reply.begin()
+    assert reply.status == 200 and not reply.will_close
+    reply.read()
+    reply.close()  # its file, not the socket
+    return sock
 
 
 def _until_in_flight(url: str) -> None:

@@ -465,6 +465,15 @@ def test_nginx_balances_by_least_connections_and_streams_bodies_up_to_the_servic
     assert "max_fails=" in NGINX["server"][0] and "fail_timeout=" in NGINX["server"][0]
 
 
+def test_nginx_closes_its_idle_connections_to_the_replicas_before_they_would() -> None:
+    """The upstream pool's keepalive_timeout is below the service's idle timeout, so nginx never sends a request into
+    a connection the replica is closing (a 502 for a POST, which nginx does not retry)."""
+    upstream = re.search(r"^upstream matmul \{$(.*?)^\}$", NGINX_TEMPLATE, re.MULTILINE | re.DOTALL)
+    assert upstream is not None
+    [keepalive_timeout] = nginx_directives(upstream[1])["keepalive_timeout"]
+    assert int(keepalive_timeout.removesuffix("s")) < Settings.model_fields["keep_alive_timeout_s"].default
+
+
 @pytest.mark.skipif(scaleout.find_nginx() is None, reason="nginx is not installed (apt-get install nginx)")
 def test_nginx_accepts_the_template_as_the_local_script_renders_it(tmp_path: Path) -> None:
     scaleout.write_prefix(tmp_path, 8080, ["127.0.0.1:8001", "127.0.0.1:8002"])

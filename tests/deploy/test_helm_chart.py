@@ -47,6 +47,11 @@ VALUES = {
         "metrics.serviceMonitor.enabled=true",
         "settings.MATMUL_BATCHING=true",
     ],
+    "an ingress on a host, a longer keep-alive": [
+        "ingress.enabled=true",
+        "ingress.host=gpu.example",
+        "keepAliveTimeoutSeconds=900",
+    ],
     "existing Secret, fixed replicas, a kernel-cache claim": [
         "apiKeys.existingSecret=matmul-keys",
         "autoscaling.mode=none",
@@ -157,6 +162,34 @@ def check_wiring(release: Release) -> None:
         assert endpoint["port"] == port["name"] and endpoint["path"] in served_routes()
 
 
+INGRESS_NGINX_UPSTREAM_KEEPALIVE_S = 60
+"""ingress-nginx's upstream-keepalive-timeout (its controller's ConfigMap): how long it keeps an idle connection to a
+pod."""
+
+
+def check_ingress(release: Release) -> None:
+    """The pods hold idle connections longer than ingress-nginx's pool keeps them; an Ingress, where there is one,
+    sends every path to the Service's HTTP port with deploy/nginx.conf's proxy settings: bodies streamed both ways up
+    to the service's body limit, an answer waited for longer than a product may queue, no second pod for a POST."""
+    assert settings_of(release.pod).keep_alive_timeout_s > INGRESS_NGINX_UPSTREAM_KEEPALIVE_S
+    service = release.one("Service")
+    for ingress in release.of_kind("Ingress"):
+        [rule] = ingress["spec"]["rules"]
+        [path] = rule["http"]["paths"]
+        assert path["path"] == "/" and path["pathType"] == "Prefix"
+        backend = path["backend"]["service"]
+        assert backend == {"name": service["metadata"]["name"], "port": {"name": "http"}}
+        annotations = {
+            name.removeprefix("nginx.ingress.kubernetes.io/"): value
+            for name, value in ingress["metadata"]["annotations"].items()
+        }
+        settings = settings_of(release.pod)
+        assert annotations["proxy-body-size"] == "1g" and settings.max_body_bytes == 1 << 30
+        assert annotations["proxy-request-buffering"] == annotations["proxy-buffering"] == "off"
+        assert int(annotations["proxy-read-timeout"]) > settings.request_timeout_s
+        assert "non_idempotent" not in annotations["proxy-next-upstream"]
+
+
 def pod_check(check: Callable[[Pod], None]) -> Callable[[Release], None]:
     return lambda release: check(release.pod)
 
@@ -166,6 +199,7 @@ CHECKS: dict[str, Callable[[Release], None]] = {
     "secret": check_secret,
     "autoscaler": check_autoscaler,
     "wiring": check_wiring,
+    "ingress": check_ingress,
     **{check.__name__.removeprefix("check_"): pod_check(check) for check in POD_CHECKS},
 }
 
@@ -225,6 +259,8 @@ def test_the_image_is_the_service_at_the_charts_app_version() -> None:
         "gpus=0",
         "autoscaling.mode=vpa",
         "autoscaling.targetQueueDepthPerGPU=8",  # a misspelt value
+        "keepAliveTimeoutSeconds=60",  # no longer than the pools in front keep a connection
+        "settings.MATMUL_KEEP_ALIVE_TIMEOUT_S=900",  # the chart derives it from keepAliveTimeoutSeconds
     ],
 )
 def test_the_values_schema_refuses_what_cannot_work(value: str) -> None:

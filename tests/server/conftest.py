@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import threading
+import time
 from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
+import httpx
 import pytest
 
 from matmul_tools.integrity import client_pool
+from matmul_tools.prometheus import sample_sums
 from matmul_tools.service import LocalService, free_port
 
 CLIENTS = 6
@@ -53,3 +57,49 @@ def serve(tmp_path: Path) -> Iterator[Serve]:
     yield start
     for service in started:
         service.stop()
+
+
+def requests_in_flight(url: str) -> float:
+    """The server's matmul_requests_in_flight gauge (of every HTTP worker), which counts the scrape that reads it."""
+    gauge = "matmul_requests_in_flight"
+    return sample_sums(httpx.get(f"{url}/metrics").text, [gauge])[gauge]
+
+
+class HeldProduct:
+    """A JSON product, [[1, 2]] @ [[3], [4]], sent on a thread with its body stopped halfway until `finish`: a request
+    in flight for as long as a test needs one. Its answer lands in `answers`."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.rest_of_body = threading.Event()
+        self.answers: list[httpx.Response] = []
+        self.sender = threading.Thread(target=self._send)
+
+    def _body(self) -> Iterator[bytes]:
+        yield b'{"a": [[1.0, 2.0]], '
+        self.rest_of_body.wait(30)
+        yield b'"b": [[3.0], [4.0]]}'
+
+    def _send(self) -> None:
+        headers = {"content-type": "application/json"}
+        self.answers.append(httpx.post(f"{self.url}/matmul", content=self._body(), timeout=30, headers=headers))
+
+    def start(self, guard_s: float = 10) -> None:
+        """Send it, and return once the server holds it."""
+        self.sender.start()
+        deadline = time.monotonic() + guard_s
+        while requests_in_flight(self.url) < 2:  # our request and this scrape
+            assert time.monotonic() < deadline and self.sender.is_alive(), "the request never reached the app"
+
+    @property
+    def answered(self) -> bool:
+        return bool(self.answers) or not self.sender.is_alive()
+
+    def finish(self) -> None:
+        """Send the rest of the body and wait for the answer."""
+        self.rest_of_body.set()
+        self.sender.join(30)
+
+    def assert_answered_right(self) -> None:
+        assert self.answers and self.answers[0].status_code == 200, self.answers
+        assert self.answers[0].json()["result"] == [[11.0]]

@@ -8,22 +8,15 @@ import socket
 import subprocess
 import threading
 import time
-from collections.abc import Iterator
 
 import httpx
 import numpy as np
 
 from matmul_tools.bodies import load_npy, npy_bytes
-from matmul_tools.prometheus import sample_sums
 from matmul_tools.service import free_port, serving, uvicorn_command, wait_ready
 from numerics.reference import assert_close_to_reference
 from tests.scripts import ROOT
-
-
-def requests_in_flight(url: str) -> float:
-    """The server's matmul_requests_in_flight gauge, which counts the scrape that reads it."""
-    gauge = "matmul_requests_in_flight"
-    return sample_sums(httpx.get(f"{url}/metrics").text, [gauge])[gauge]
+from tests.server.conftest import HeldProduct, requests_in_flight
 
 
 def accepts_connections(port: int) -> bool:
@@ -75,35 +68,19 @@ def test_after_sigterm_new_connections_are_refused_while_the_in_flight_request_i
     request is open, and the rest of its body, sent after uvicorn's own 0.1 s pause, is still answered 200."""
     port = free_port()
     command = [*uvicorn_command(port), "--timeout-graceful-shutdown", "30"]
-    rest_of_body = threading.Event()
-
-    def body() -> Iterator[bytes]:
-        yield b'{"a": [[1.0, 2.0]], '
-        rest_of_body.wait(30)
-        yield b'"b": [[3.0], [4.0]]}'
-
-    answers: list[httpx.Response] = []
     with serving(command, port, env={"MATMUL_BACKEND": "cpu", "MATMUL_ACCESS_LOG": "false"}) as server:
-        url = str(server.client.base_url)
-        sender = threading.Thread(
-            target=lambda: answers.append(httpx.post(f"{url}/matmul", content=body(), timeout=30,
-                                                     headers={"content-type": "application/json"}))
-        )  # fmt: skip
-        sender.start()
+        held = HeldProduct(str(server.client.base_url))
+        held.start()
         try:
             deadline = time.monotonic() + 10
-            while requests_in_flight(url) < 2:  # our request and this scrape
-                assert time.monotonic() < deadline, "the request never reached the app"
             assert accepts_connections(port)
             server.process.send_signal(signal.SIGTERM)
             while accepts_connections(port):  # until uvicorn's main loop, which ticks every 0.1 s, sees the signal
                 assert time.monotonic() < deadline, "still accepting connections after SIGTERM"
                 time.sleep(0.01)
-            assert sender.is_alive() and not answers, "refused while the request was in flight"
+            assert not held.answered, "refused while the request was in flight"
             time.sleep(0.5)  # past the 0.1 s uvicorn gives every connection: from here only the grace period waits
         finally:
-            rest_of_body.set()
-            sender.join(30)
+            held.finish()
         assert server.process.wait(30) in (0, -signal.SIGTERM)
-    assert answers and answers[0].status_code == 200, answers
-    assert answers[0].json()["result"] == [[11.0]]
+    held.assert_answered_right()
