@@ -50,13 +50,19 @@ def anyio_backend() -> str:
 
 SERVED_MAX_BODY_BYTES = 1 << 20
 """The body limit of `served_url`'s server: small, so that a test can pass it cheaply."""
+SERVED_MAX_JSON_BYTES = 256 << 10
+"""Its JSON limit, below the body limit, likewise."""
 
 
 @pytest.fixture(scope="session")
 def served_url() -> Iterator[str]:
     """The URL of the service running as a real process on the CPU backend, shared by the tests that need the wire."""
     port = free_port()
-    env = {"MATMUL_BACKEND": "cpu", "MATMUL_MAX_BODY_BYTES": str(SERVED_MAX_BODY_BYTES)}
+    env = {
+        "MATMUL_BACKEND": "cpu",
+        "MATMUL_MAX_BODY_BYTES": str(SERVED_MAX_BODY_BYTES),
+        "MATMUL_MAX_JSON_BYTES": str(SERVED_MAX_JSON_BYTES),
+    }
     with running_server(uvicorn_command(port), port, env=env):
         yield f"http://127.0.0.1:{port}"
 

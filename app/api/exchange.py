@@ -18,11 +18,12 @@ from fastapi import Request
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import ClientDisconnect
 
+from app.api.limits import BodyLimit
 from app.awaiting import settled
 from app.codecs import Body
 from app.config import Settings
 from app.engine import LentMemory
-from app.errors import ClientGone, InvalidParameter, MalformedPayload, PayloadTooLarge
+from app.errors import ClientGone, InvalidParameter, MalformedPayload
 
 TIMEOUT_HEADER = "X-Request-Timeout"
 T = TypeVar("T")
@@ -76,17 +77,17 @@ class BodyBuffers:
             del self._free[0]
 
 
-async def read_body(request: Request, limit: int, what: str, buffers: BodyBuffers) -> bytes | bytearray:
-    """The whole body, refused with 413 as soon as it passes `limit` bytes (declared or received). One that
-    declares at least `buffers.min_bytes` comes in a bytearray taken from `buffers`: give it back when done
-    (`reading_body` does)."""
+async def read_body(request: Request, limit: BodyLimit, buffers: BodyBuffers) -> bytes | bytearray:
+    """The whole body, refused with 413 as soon as it passes `limit` (declared or received). One that declares at
+    least `buffers.min_bytes` comes in a bytearray taken from `buffers`: give it back when done (`reading_body`
+    does)."""
     declared = request.headers.get("content-length", "")
-    if declared.isdigit() and int(declared) > limit:
-        raise PayloadTooLarge(f"the {what} is {int(declared)} bytes, over the limit of {limit}")
+    if declared.isdigit() and not limit.admits(declared):
+        raise limit.declared_over(int(declared))
     if declared.isdigit() and int(declared) >= buffers.min_bytes:
         buffer = buffers.take(int(declared))
         try:
-            await _read_into(request, memoryview(buffer), what)
+            await _read_into(request, memoryview(buffer), limit.what)
         except BaseException:
             buffers.give(buffer)
             raise
@@ -96,11 +97,11 @@ async def read_body(request: Request, limit: int, what: str, buffers: BodyBuffer
     try:
         async for chunk in request.stream():
             received += len(chunk)
-            if received > limit:
-                raise PayloadTooLarge(f"the {what} passed the limit of {limit} bytes")
+            if received > limit.max_bytes:
+                raise limit.passed()
             chunks.append(chunk)
     except ClientDisconnect:
-        raise ClientGone(f"the client disconnected after sending {received} bytes of the {what}") from None
+        raise ClientGone(f"the client disconnected after sending {received} bytes of the {limit.what}") from None
     return b"".join(chunks)
 
 
@@ -122,7 +123,7 @@ async def _read_into(request: Request, target: memoryview, what: str) -> None:
 
 @asynccontextmanager
 async def reading_body(
-    request: Request, limit: int, what: str, lend: Callable[[int], LentMemory | None] | None = None
+    request: Request, limit: BodyLimit, lend: Callable[[int], LentMemory | None] | None = None
 ) -> AsyncIterator[Body]:
     """read_body, into memory that `lend` lends for the body's declared size when it does (the engine's shared
     memory, where operands are read without a copy), else with the app's BodyBuffers; the memory is given back
@@ -131,17 +132,17 @@ async def reading_body(
     buffers: BodyBuffers = request.app.state.body_buffers
     declared = request.headers.get("content-length", "")
     lent = None
-    if lend is not None and declared.isdigit() and buffers.min_bytes <= int(declared) <= limit:
+    if lend is not None and declared.isdigit() and limit.admits(declared) and buffers.min_bytes <= int(declared):
         lent = lend(int(declared))
     if lent is not None:
         try:
             body = lent.memory.data
-            await _read_into(request, body, what)
+            await _read_into(request, body, limit.what)
             yield body
         finally:
             lent.release()
         return
-    kept = await read_body(request, limit, what, buffers)
+    kept = await read_body(request, limit, buffers)
     try:
         yield kept
     finally:

@@ -13,14 +13,16 @@ from starlette.types import Message, Receive, Scope, Send
 
 from app.api.limits import BodyLimitMiddleware
 from app.config import Settings
-from app.errors import BodyTimeout
+from app.errors import BodyTimeout, PayloadTooLarge
 
 pytestmark = pytest.mark.anyio
 
 BODY_TIMEOUT_S = 0.05
 LATER_S = 0.25
 """How long after its body the client below leaves: well past the body timeout."""
-SETTINGS = Settings(backend="cpu", max_body_bytes=1024, body_timeout_s=BODY_TIMEOUT_S, access_log=False)
+SETTINGS = Settings(
+    backend="cpu", max_body_bytes=2048, max_json_bytes=1024, body_timeout_s=BODY_TIMEOUT_S, access_log=False
+)
 
 
 @pytest.fixture
@@ -42,15 +44,21 @@ class ReadsThenWaits:
                 return
 
 
-def scope(content_length: bytes | None) -> Scope:
-    headers = [] if content_length is None else [(b"content-length", content_length)]
+def scope(content_length: bytes | None, content_type: bytes, path: str) -> Scope:
+    headers = [(b"content-type", content_type)]
+    headers += [] if content_length is None else [(b"content-length", content_length)]
     return {
-        "type": "http", "method": "POST", "path": "/matmul", "headers": headers,
+        "type": "http", "method": "POST", "path": path, "headers": headers,
         "app": SimpleNamespace(state=SimpleNamespace(settings=SETTINGS)),
     }  # fmt: skip
 
 
-async def answer(content_length: bytes | None, messages: list[Message]) -> tuple[list[Message], ReadsThenWaits]:
+async def answer(
+    content_length: bytes | None,
+    messages: list[Message],
+    content_type: bytes = b"application/json",
+    path: str = "/matmul",
+) -> tuple[list[Message], ReadsThenWaits]:
     inner = ReadsThenWaits()
     sent: list[Message] = []
     pending = list(messages)
@@ -64,7 +72,7 @@ async def answer(content_length: bytes | None, messages: list[Message]) -> tuple
     async def send(message: Message) -> None:
         sent.append(message)
 
-    await asyncio.wait_for(BodyLimitMiddleware(inner)(scope(content_length), receive, send), 10)
+    await asyncio.wait_for(BodyLimitMiddleware(inner)(scope(content_length, content_type, path), receive, send), 10)
     return sent, inner
 
 
@@ -83,21 +91,48 @@ async def test_a_body_that_stops_names_the_timeout_and_the_bytes_received() -> N
     assert caught.value.message == "the body stopped arriving: nothing for 0.05 s after 2 bytes"
 
 
+JSON_LIMIT = "over the limit of 1024 (MATMUL_MAX_JSON_BYTES)"
+BODY_LIMIT = "over the limit of 2048 (MATMUL_MAX_BODY_BYTES)"
+
+
 @pytest.mark.parametrize(
-    ("declared", "status", "message"),
+    ("declared", "content_type", "status", "message"),
     [
-        (b"x" * 50, 422, f"Content-Length {'x' * 40!r} is not a byte count"),
-        (b"9" * 50, 413, f"the body is {'9' * 40} bytes, over the limit of 1024"),
-        (b"1025", 413, "the body is 1025 bytes, over the limit of 1024"),
-        (b"01025", 413, "the body is 01025 bytes, over the limit of 1024"),
+        (b"x" * 50, b"application/json", 422, f"Content-Length {'x' * 40!r} is not a byte count"),
+        (b"9" * 50, b"application/json", 413, f"the JSON body is {'9' * 40} bytes, {JSON_LIMIT}"),
+        (b"1025", b"application/json", 413, f"the JSON body is 1025 bytes, {JSON_LIMIT}"),
+        (b"01025", b"Application/JSON; charset=utf-8", 413, f"the JSON body is 01025 bytes, {JSON_LIMIT}"),
+        (b"2049", b"application/x-npz", 413, f"the body is 2049 bytes, {BODY_LIMIT}"),
+        (b"2049", b"", 413, f"the body is 2049 bytes, {BODY_LIMIT}"),
     ],
 )
-async def test_a_declared_size_is_refused_before_reading(declared: bytes, status: int, message: str) -> None:
-    sent, inner = await answer(declared, [{"type": "http.request", "body": b"", "more_body": False}])
+async def test_a_declared_size_is_refused_before_reading(
+    declared: bytes, content_type: bytes, status: int, message: str
+) -> None:
+    sent, inner = await answer(declared, [{"type": "http.request", "body": b"", "more_body": False}], content_type)
     assert sent[0]["status"] == status and inner.seen == []
     assert orjson.loads(sent[1]["body"])["message"] == message
 
 
-async def test_a_declared_size_of_exactly_the_limit_is_read() -> None:
-    sent, inner = await answer(b"1024", [{"type": "http.request", "body": b"x" * 1024, "more_body": False}])
-    assert sent == [] and inner.seen[0]["body"] == b"x" * 1024
+@pytest.mark.parametrize(
+    ("content_type", "limit"), [(b"application/json", 1024), (b"application/octet-stream", 2048), (b"", 2048)]
+)
+async def test_a_declared_size_of_exactly_the_limit_is_read(content_type: bytes, limit: int) -> None:
+    body = [{"type": "http.request", "body": b"x" * limit, "more_body": False}]
+    sent, inner = await answer(str(limit).encode(), body, content_type)
+    assert sent == [] and inner.seen[0]["body"] == b"x" * limit
+
+
+@pytest.mark.parametrize("path", ["/v2/systemsharedmemory/region/r/register", "/v2/models/matmul/infer", "/v1/echo"])
+async def test_every_route_holds_a_json_body_to_the_json_limit(path: str) -> None:
+    """Whichever route a JSON body goes to, more than MATMUL_MAX_JSON_BYTES is refused, declared or as it came."""
+    sent, inner = await answer(b"1025", [{"type": "http.request", "body": b"", "more_body": False}], path=path)
+    assert sent[0]["status"] == 413 and inner.seen == []
+    assert orjson.loads(sent[1]["body"])["error" if path.startswith("/v2") else "message"] == (
+        f"the JSON body is 1025 bytes, {JSON_LIMIT}"
+    )
+    pieces: list[Message] = [{"type": "http.request", "body": b"x" * 1024, "more_body": True}]
+    pieces.append({"type": "http.request", "body": b"x", "more_body": False})
+    with pytest.raises(PayloadTooLarge) as caught:
+        await answer(None, pieces, path=path)
+    assert caught.value.message == "the JSON body passed the limit of 1024 bytes (MATMUL_MAX_JSON_BYTES)"

@@ -12,6 +12,7 @@ import pytest
 from starlette.requests import Request
 
 from app.api import exchange
+from app.api.limits import BodyLimit
 from app.config import Settings
 from app.engine import LentMemory
 from app.errors import ClientGone, InvalidParameter, MalformedPayload, PayloadTooLarge
@@ -24,6 +25,11 @@ GUARD_S = 10
 Message = dict[str, object]
 POOL = exchange.BodyBuffers()
 """For bodies under its min_bytes (1 MiB), which are joined from their pieces."""
+JSON_5 = BodyLimit(5, "JSON body", "MATMUL_MAX_JSON_BYTES")
+
+
+def limit(max_bytes: int, what: str = "body") -> BodyLimit:
+    return BodyLimit(max_bytes, what, "MATMUL_MAX_BODY_BYTES")
 
 
 @pytest.fixture
@@ -68,27 +74,28 @@ def chunk(body: bytes, more: bool = True) -> Message:
 
 
 async def test_a_body_of_exactly_the_limit_is_read_whole() -> None:
-    got = await exchange.read_body(request(receiving(chunk(b"abc"), chunk(b"de", more=False))), 5, "JSON body", POOL)
+    got = await exchange.read_body(request(receiving(chunk(b"abc"), chunk(b"de", more=False))), JSON_5, POOL)
     assert got == b"abcde"
 
 
 async def test_a_declared_size_over_the_limit_is_refused_before_reading() -> None:
     with pytest.raises(PayloadTooLarge) as caught:
-        await exchange.read_body(request(receiving(chunk(b"ab", False)), {"content-length": "6"}), 5, "JSON body", POOL)
-    assert caught.value.message == "the JSON body is 6 bytes, over the limit of 5"
+        await exchange.read_body(request(receiving(chunk(b"ab", False)), {"content-length": "6"}), JSON_5, POOL)
+    assert caught.value.message == "the JSON body is 6 bytes, over the limit of 5 (MATMUL_MAX_JSON_BYTES)"
     small = request(receiving(chunk(b"ab", False)), {"content-length": "5"})
-    assert await exchange.read_body(small, 5, "x", POOL) == b"ab"
+    assert await exchange.read_body(small, limit(5, "x"), POOL) == b"ab"
 
 
 async def test_a_streamed_body_is_refused_once_it_passes_the_limit() -> None:
     with pytest.raises(PayloadTooLarge) as caught:
-        await exchange.read_body(request(receiving(chunk(b"abc"), chunk(b"def", more=False))), 5, "body", POOL)
-    assert caught.value.message == "the body passed the limit of 5 bytes"
+        await exchange.read_body(request(receiving(chunk(b"abc"), chunk(b"def", more=False))), limit(5), POOL)
+    assert caught.value.message == "the body passed the limit of 5 bytes (MATMUL_MAX_BODY_BYTES)"
 
 
 async def test_a_client_that_leaves_during_the_body_is_gone() -> None:
+    leaving = request(receiving(chunk(b"abc"), {"type": "http.disconnect"}))
     with pytest.raises(ClientGone) as caught:
-        await exchange.read_body(request(receiving(chunk(b"abc"), {"type": "http.disconnect"})), 5, "npz body", POOL)
+        await exchange.read_body(leaving, limit(5, "npz body"), POOL)
     assert caught.value.message == "the client disconnected after sending 3 bytes of the npz body"
 
 
@@ -103,16 +110,16 @@ def declaring(*pieces: bytes) -> Request:
 
 async def test_a_large_body_is_read_into_a_lent_buffer_that_the_next_body_of_its_size_reuses() -> None:
     buffers = exchange.BodyBuffers(kept=2, min_bytes=4)
-    first = await exchange.read_body(declaring(b"abc", b"de"), 100, "body", buffers)
+    first = await exchange.read_body(declaring(b"abc", b"de"), limit(100), buffers)
     assert isinstance(first, bytearray) and first == b"abcde"
     buffers.give(first)
-    second = await exchange.read_body(declaring(b"vwxyz"), 100, "body", buffers)
+    second = await exchange.read_body(declaring(b"vwxyz"), limit(100), buffers)
     assert second is first and second == b"vwxyz"  # the same memory, overwritten
-    other = await exchange.read_body(declaring(b"123456"), 100, "body", buffers)
+    other = await exchange.read_body(declaring(b"123456"), limit(100), buffers)
     assert other is not first and other == b"123456"  # another size: a buffer of its own
-    assert isinstance(await exchange.read_body(declaring(b"abcd"), 100, "body", buffers), bytearray)  # at min_bytes
-    assert await exchange.read_body(declaring(b"abc"), 100, "body", buffers) == b"abc"  # under min_bytes: joined
-    assert isinstance(await exchange.read_body(request(receiving(chunk(b"abcde", False))), 9, "b", buffers), bytes)
+    assert isinstance(await exchange.read_body(declaring(b"abcd"), limit(100), buffers), bytearray)  # at min_bytes
+    assert await exchange.read_body(declaring(b"abc"), limit(100), buffers) == b"abc"  # under min_bytes: joined
+    assert isinstance(await exchange.read_body(request(receiving(chunk(b"abcde", False))), limit(9), buffers), bytes)
 
 
 async def test_buffers_keep_the_most_recently_given_back() -> None:
@@ -164,13 +171,13 @@ async def test_a_body_that_breaks_its_content_length_is_refused_and_its_buffer_g
 
     buffers = Counting(kept=2, min_bytes=4)
     with pytest.raises(error, match=message):
-        await exchange.read_body(request(receiving(*messages), {"content-length": "6"}), 100, "body", buffers)
+        await exchange.read_body(request(receiving(*messages), {"content-length": "6"}), limit(100), buffers)
     assert len(given) == 1 and len(given[0]) == 6 and buffers.take(6) is given[0]  # the one lent came back, once
 
 
 async def test_reading_body_gives_a_lent_buffer_back_when_the_block_ends() -> None:
     buffers = exchange.BodyBuffers(kept=2, min_bytes=4)
-    async with exchange.reading_body(with_buffers(declaring(b"abcdef"), buffers), 100, "body") as body:
+    async with exchange.reading_body(with_buffers(declaring(b"abcdef"), buffers), limit(100)) as body:
         assert body == b"abcdef"
     assert buffers.take(6) is body
 
@@ -198,16 +205,16 @@ def with_buffers(lent: Request, buffers: exchange.BodyBuffers) -> Request:
 
 async def test_a_large_body_is_read_into_memory_the_engine_lends_and_given_back_when_the_block_ends() -> None:
     buffers, lender = exchange.BodyBuffers(kept=2, min_bytes=4), Lender(lends=1)
-    async with exchange.reading_body(with_buffers(declaring(b"abcdef"), buffers), 100, "body", lender) as body:
+    async with exchange.reading_body(with_buffers(declaring(b"abcdef"), buffers), limit(100), lender) as body:
         assert isinstance(body, memoryview) and body == b"abcdef" and lender.released == []
     assert lender.asked == [6] and len(lender.released) == 1 and bytes(lender.released[0]) == b"abcdef"
 
 
 async def test_a_body_the_engine_lends_no_memory_for_is_read_as_before() -> None:
     buffers, lender = exchange.BodyBuffers(kept=2, min_bytes=4), Lender(lends=0)
-    async with exchange.reading_body(with_buffers(declaring(b"abcdef"), buffers), 100, "body", lender) as body:
+    async with exchange.reading_body(with_buffers(declaring(b"abcdef"), buffers), limit(100), lender) as body:
         assert isinstance(body, bytearray) and body == b"abcdef"
-    async with exchange.reading_body(with_buffers(declaring(b"abc"), buffers), 100, "body", lender) as small:
+    async with exchange.reading_body(with_buffers(declaring(b"abc"), buffers), limit(100), lender) as small:
         assert small == b"abc"
     assert lender.asked == [6]  # a small body is joined from its pieces, never lent memory
 
@@ -216,7 +223,7 @@ async def test_lent_memory_is_given_back_when_the_body_breaks_its_content_length
     buffers, lender = exchange.BodyBuffers(kept=2, min_bytes=4), Lender(lends=1)
     short = with_buffers(request(receiving(chunk(b"abc", more=False)), {"content-length": "6"}), buffers)
     with pytest.raises(MalformedPayload, match="is 3 bytes, not its Content-Length of 6"):
-        async with exchange.reading_body(short, 100, "body", lender):
+        async with exchange.reading_body(short, limit(100), lender):
             raise AssertionError("a body shorter than declared was read")
     assert len(lender.released) == 1
 

@@ -51,6 +51,7 @@ SHAPE_BOUNDS = [
     pytest.param((20, 1), (1, 20), "matrix 'result' has 400 elements, over the limit of 399", id="past the result's"),
 ]
 DECODERS = ["json", "multipart", "npz", "v2 json", "v2 binary"]
+INFER = "/v2/models/matmul/infer"
 
 
 @pytest.fixture(scope="module")
@@ -65,7 +66,8 @@ async def shaped() -> AsyncIterator[httpx.AsyncClient]:
 
 
 def _v2_tensor(name: str, array: np.ndarray, binary: bool) -> dict[str, object]:
-    tensor: dict[str, object] = {"name": name, "shape": list(array.shape), "datatype": "FP32"}
+    datatype = {"float32": "FP32", "float64": "FP64"}[array.dtype.name]
+    tensor: dict[str, object] = {"name": name, "shape": list(array.shape), "datatype": datatype}
     if binary:
         tensor["parameters"] = {"binary_data_size": array.nbytes}
     else:
@@ -114,26 +116,38 @@ async def test_each_shape_limit_admits_its_bound_and_refuses_one_past_it(
             assert refused in r.json()["message"] and r.json()["code"] == "shape_mismatch"
 
 
-def _body_of_size(kind: str, size: int) -> tuple[bytes, str]:
+def _body_of_size(kind: str, size: int) -> tuple[str, bytes, dict[str, str], float]:
     """A valid product request of exactly `size` bytes (JSON whitespace, a multipart epilogue or a zip comment as
-    padding), and its Content-Type."""
+    padding): its path, body and headers, and the value of every element of its product. A "v2 binary" body is
+    mostly tensor bytes, after a JSON header of 400 bytes or so."""
     a, b = np.full((2, 3), 2.0, np.float32), np.full((3, 1), 3.0, np.float32)
-    if kind in ("json", "v2"):
-        inputs = [_v2_tensor("A", a, False), _v2_tensor("B", b, False)]
-        doc = {"a": a.tolist(), "b": b.tolist()} if kind == "json" else {"inputs": inputs}
-        body, content_type = orjson.dumps(doc), "application/json"
+    path, headers = "/matmul", {"content-type": "application/json"}
+    if kind == "json" or kind.startswith("v2 json"):
+        doc: dict[str, object] = {"a": a.tolist(), "b": b.tolist()}
+        if kind != "json":
+            path, doc = INFER, {"inputs": [_v2_tensor("A", a, False), _v2_tensor("B", b, False)]}
+        if kind == "v2 json, no Content-Type":
+            headers = {}
+        body = orjson.dumps(doc)
         body += b" " * (size - len(body))
+    elif kind == "v2 binary":
+        k = (size - 1000) // 88  # A is 10 x k, B k x 1: 88 k bytes of FP64
+        a, b = np.full((10, k), 2.0), np.full((k, 1), 3.0)
+        header = orjson.dumps({"inputs": [_v2_tensor("A", a, True), _v2_tensor("B", b, True)]})
+        header += b" " * (size - a.nbytes - b.nbytes - len(header))
+        path, body = INFER, header + a.tobytes() + b.tobytes()
+        headers = {"content-type": "application/octet-stream", "inference-header-content-length": str(len(header))}
     elif kind == "multipart":
         parts = [("a", npy_bytes(a)), ("b", npy_bytes(b))]
         body = multipart_body(parts, epilogue=b" " * (size - len(multipart_body(parts))))
-        content_type = f"multipart/form-data; boundary={MULTIPART_BOUNDARY}"
+        headers = {"content-type": f"multipart/form-data; boundary={MULTIPART_BOUNDARY}"}
     else:
         archive = io.BytesIO(npz_bytes(a=a, b=b))
         with zipfile.ZipFile(archive, "a") as padded:
             padded.comment = b" " * (size - len(archive.getvalue()))
-        body, content_type = archive.getvalue(), "application/x-npz"
+        body, headers = archive.getvalue(), {"content-type": "application/x-npz"}
     assert len(body) == size
-    return body, content_type
+    return path, body, headers, a @ b
 
 
 async def _pieces(body: bytes) -> AsyncIterator[bytes]:
@@ -142,37 +156,62 @@ async def _pieces(body: bytes) -> AsyncIterator[bytes]:
     yield body[len(body) // 2 :]
 
 
+JSON_WORDS = (
+    "the JSON body is 2049 bytes, over the limit of 2048 (MATMUL_MAX_JSON_BYTES)",
+    "the JSON body passed the limit of 2048 bytes (MATMUL_MAX_JSON_BYTES)",
+)
+BODY_WORDS = ("the body is 8193 bytes, over the limit of 8192 (MATMUL_MAX_BODY_BYTES)",
+              "the body passed the limit of 8192 bytes (MATMUL_MAX_BODY_BYTES)")  # fmt: skip
+
+
 @pytest.mark.parametrize("streamed", [False, True], ids=["declared", "streamed"])
 @pytest.mark.parametrize(
-    ("kind", "limit", "declared_words", "streamed_words"),
-    [("json", 2048, "the JSON body is 2049 bytes, over the limit of 2048", "the JSON body passed the limit of 2048"),
-     ("multipart", 8192, "the body is 8193 bytes, over the limit of 8192", "the body passed the limit of 8192"),
-     ("npz", 8192, "the body is 8193 bytes, over the limit of 8192", "the body passed the limit of 8192"),
-     ("v2", 8192, "the body is 8193 bytes, over the limit of 8192", "the body passed the limit of 8192")],
+    ("kind", "limit", "words"),
+    [("json", 2048, JSON_WORDS), ("multipart", 8192, BODY_WORDS), ("npz", 8192, BODY_WORDS),
+     ("v2 json", 2048, JSON_WORDS), ("v2 json, no Content-Type", 2048, JSON_WORDS), ("v2 binary", 8192, BODY_WORDS)],
 )  # fmt: skip
 async def test_each_body_limit_admits_its_bound_and_refuses_one_byte_more(
-    small: tuple[FastAPI, httpx.AsyncClient],
-    kind: str,
-    limit: int,
-    declared_words: str,
-    streamed_words: str,
-    streamed: bool,
+    small: tuple[FastAPI, httpx.AsyncClient], kind: str, limit: int, words: tuple[str, str], streamed: bool
 ) -> None:
-    """MATMUL_MAX_JSON_BYTES for JSON bodies, MATMUL_MAX_BODY_BYTES for the others: exactly `limit` bytes are
-    multiplied, `limit` + 1 are 413, whether the size was declared up front or only counted as the body came."""
+    """MATMUL_MAX_JSON_BYTES for JSON bodies, on /matmul and the inference protocol alike (whose JSON needs no
+    Content-Type), MATMUL_MAX_BODY_BYTES for the others: exactly `limit` bytes are multiplied, `limit` + 1 are 413
+    with the same words on every route, whether the size was declared up front or only counted as the body came."""
     _, client = small
-    path = "/v2/models/matmul/infer" if kind == "v2" else "/matmul"
     for size in (limit, limit + 1):
-        body, content_type = _body_of_size(kind, size)
-        r = await client.post(path, content=_pieces(body) if streamed else body, headers={"content-type": content_type})
+        path, body, headers, product = _body_of_size(kind, size)
+        r = await client.post(path, content=_pieces(body) if streamed else body, headers=headers)
+        v2 = path == INFER
         if size == limit:
             assert r.status_code == 200, r.text
-            product = r.json()["outputs"][0]["data"] if kind == "v2" else r.json()["result"]
-            assert product in ([18.0, 18.0], [[18.0], [18.0]])
+            answer = r.json()["outputs"][0]["data"] if v2 else r.json()["result"]
+            assert answer == (product.ravel() if v2 else product).tolist()
         else:
             assert r.status_code == 413, r.text
-            said = r.json()["error" if kind == "v2" else "message"]
-            assert (streamed_words if streamed else declared_words) in said
+            said = r.json()["error"] if v2 else r.json()["message"]
+            assert said == words[streamed], said
+            if not v2:
+                assert r.json()["code"] == "payload_too_large"
+
+
+@pytest.mark.parametrize("streamed", [False, True], ids=["declared", "streamed"])
+async def test_the_json_header_before_binary_tensors_has_the_json_limit(
+    small: tuple[FastAPI, httpx.AsyncClient], streamed: bool
+) -> None:
+    """An inference request's JSON header may be MATMUL_MAX_JSON_BYTES long, whatever the binary data after it; one
+    declaring a byte more is refused before its body is read."""
+    _, client = small
+    a, b = np.full((2, 3), 2.0, np.float32), np.full((3, 1), 3.0, np.float32)
+    for size in (2048, 2049):
+        header = orjson.dumps({"inputs": [_v2_tensor("A", a, True), _v2_tensor("B", b, True)]})
+        header += b" " * (size - len(header))
+        body = header + a.tobytes() + b.tobytes()
+        headers = {"content-type": "application/octet-stream", "inference-header-content-length": str(size)}
+        r = await client.post(INFER, content=_pieces(body) if streamed else body, headers=headers)
+        if size == 2048:
+            assert r.status_code == 200 and r.json()["outputs"][0]["data"] == [18.0, 18.0], r.text
+        else:
+            assert r.status_code == 413, r.text
+            assert r.json()["error"] == "the JSON header is 2049 bytes, over the limit of 2048 (MATMUL_MAX_JSON_BYTES)"
 
 
 @pytest.mark.parametrize(("sent", "accepted"), [("86400", True), ("86400.001", False), ("1e-300", True), ("0", False)])

@@ -17,6 +17,7 @@ from app.config import Settings
 from matmul_tools.raw_http import status_of_a_large_header
 from matmul_tools.service import free_port, running_server, uvicorn_command
 from numerics.reference import assert_close_to_reference
+from tests.conftest import SERVED_MAX_JSON_BYTES
 
 SCRIPTS = Path(sys.executable).parent
 
@@ -48,6 +49,18 @@ def test_client_reports_the_servers_error(served_url: str, tmp_path: Path, capsy
     said = capsys.readouterr().err
     assert "422 shape_mismatch: inner dimensions differ: 'a' is 2x3 and 'b' is 2x3" in said
     assert "(at ['b', 0])" in said
+    assert not (tmp_path / "c.npy").exists()
+
+
+def test_client_reports_a_json_body_over_the_servers_json_limit(
+    served_url: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    a = np.full((100, 100), 1 / 3)
+    argv = [*save_operands(tmp_path, a, a), "-o", str(tmp_path / "c.npy"), "--format", "json"]
+    assert client_main([*argv, "--url", served_url]) == 1
+    said = capsys.readouterr().err
+    assert "413 payload_too_large: the JSON body is " in said
+    assert f"bytes, over the limit of {SERVED_MAX_JSON_BYTES} (MATMUL_MAX_JSON_BYTES)" in said
     assert not (tmp_path / "c.npy").exists()
 
 

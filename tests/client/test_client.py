@@ -29,7 +29,7 @@ from app.client import (
     parse_server_timing,
 )
 from numerics.reference import assert_close_to_reference
-from tests.conftest import SERVED_MAX_BODY_BYTES
+from tests.conftest import SERVED_MAX_BODY_BYTES, SERVED_MAX_JSON_BYTES
 
 PHASES = ["read", "decode", "stage", "handoff", "queue", "h2d", "kernel", "d2h", "encode", "total"]
 
@@ -126,6 +126,21 @@ def test_a_body_over_the_limit(client: MatmulClient) -> None:
     with pytest.raises(RequestRejected) as caught:
         client.matmul(big, np.ones((1, 1)))
     assert (caught.value.status, caught.value.code) == (413, "payload_too_large")
+
+
+def test_a_json_body_over_the_json_limit_is_refused_as_the_server_words_it(client: MatmulClient) -> None:
+    """Operands whose JSON passes MATMUL_MAX_JSON_BYTES, though their .npy would not pass the body limit: the client
+    sends the JSON it built and raises the server's 413, its code and message, before the server parsed a byte."""
+    a = np.full((100, 100), 1 / 3)
+    payload = encode_payload(a, a, "json")
+    assert SERVED_MAX_JSON_BYTES < payload.size < SERVED_MAX_BODY_BYTES
+    with pytest.raises(RequestRejected) as caught:
+        client.send(payload)
+    assert (caught.value.status, caught.value.code) == (413, "payload_too_large")
+    assert caught.value.message == (
+        f"the JSON body is {payload.size} bytes, over the limit of {SERVED_MAX_JSON_BYTES} (MATMUL_MAX_JSON_BYTES)"
+    )
+    np.testing.assert_allclose(client.matmul(a, a, format="npy"), a @ a)
 
 
 class Stub:

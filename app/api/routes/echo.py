@@ -7,6 +7,7 @@ from starlette.background import BackgroundTask
 
 from app.api.deps import SettingsDep
 from app.api.exchange import BodyBuffers, read_body
+from app.api.limits import limit_of
 from app.api.schemas import ErrorBody
 from app.errors import NotFound
 
@@ -27,7 +28,7 @@ async def echo(request: Request, settings: SettingsDep) -> Response:
     if not settings.echo_route:
         raise NotFound("POST /v1/echo is off; set MATMUL_ECHO_ROUTE=true to measure the transport")
     buffers: BodyBuffers = request.app.state.body_buffers
-    body = await read_body(request, settings.max_body_bytes, "body", buffers)
+    body = await read_body(request, limit_of(settings, request.headers), buffers)
     if isinstance(body, bytearray):  # lent by the buffers, as for /matmul: given back once sent
         sent = BackgroundTask(buffers.give, body)
         return Response(memoryview(body), media_type="application/octet-stream", background=sent)

@@ -9,6 +9,7 @@ from fastapi import APIRouter, Query, Request, Response
 from app import codecs
 from app.api.deps import ServiceDep, SettingsDep
 from app.api.exchange import off_loop_if_large, reading_body, requested_deadline_s, unless_disconnected
+from app.api.limits import limit_of
 from app.api.negotiation import choose_encoding
 from app.api.responses import BuffersResponse, product_headers
 from app.api.schemas import ErrorBody, MatmulResponse
@@ -51,7 +52,7 @@ _ERRORS: dict[int | str, dict[str, Any]] = {
     for status, text in {
         400: "The request has two different Content-Type headers.",
         406: "The Accept header names neither application/json nor application/x-npy.",
-        413: "The body is larger than MATMUL_MAX_BODY_BYTES.",
+        413: "The body is larger than MATMUL_MAX_BODY_BYTES, or a JSON body than MATMUL_MAX_JSON_BYTES.",
         415: "The Content-Type is not JSON, multipart/form-data or application/x-npz, or a Content-Encoding "
         "other than identity is sent.",
         422: "Malformed body, not a 2-D numeric matrix, shapes that do not multiply, unknown kernel, bad tile "
@@ -122,13 +123,9 @@ async def matmul(
     service.admit()
     content_type = request.headers.get("content-type", "")
     media_type = codecs.decodable_media_type(content_type)
-    if media_type == codecs.JSON_MEDIA_TYPE:
-        limit, what = settings.max_json_bytes, "JSON body"
-    else:
-        limit, what = settings.max_body_bytes, "body"
     # .npy parts are decoded as views of the body: in the engine's memory, they are not copied again
     lend = service.engine.lend if media_type == codecs.MULTIPART_MEDIA_TYPE else None
-    async with reading_body(request, limit, what, lend) as body:
+    async with reading_body(request, limit_of(settings, request.headers), lend) as body:
         clock.mark_read()
         operands = await off_loop_if_large(
             len(body), settings, codecs.decode, content_type, body, service.limits, settings.max_body_bytes

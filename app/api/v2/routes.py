@@ -17,6 +17,7 @@ from app import __version__, codecs
 from app.api.deps import EngineDep, ServiceDep, SettingsDep
 from app.api.errors import PROTOCOL_PREFIX
 from app.api.exchange import off_loop_if_large, reading_body, requested_deadline_s, unless_disconnected
+from app.api.limits import infer_body_limit
 from app.api.responses import BuffersResponse, server_timing
 from app.api.v2.models import CatalogueDep
 from app.api.v2.responses import protocol_error
@@ -44,7 +45,10 @@ _INFER_ERRORS: dict[int | str, dict[str, Any]] = {
     422: _ERROR,
     **_GUARDED,
     408: protocol_error("The body stopped arriving for MATMUL_BODY_TIMEOUT_S."),
-    413: protocol_error("The body is larger than MATMUL_MAX_BODY_BYTES."),
+    413: protocol_error(
+        "The body is larger than MATMUL_MAX_BODY_BYTES, or its JSON (the whole body without binary tensors, else the "
+        "header before them) than MATMUL_MAX_JSON_BYTES."
+    ),
     415: protocol_error("A Content-Encoding other than identity."),
     500: protocol_error("The device or the service failed unexpectedly; the message names no internals."),
     503: protocol_error("The queue is full, the kernels are not ready, the device is out of memory or was lost."),
@@ -194,7 +198,7 @@ async def infer(
         lend = None
         if header_length is not None and header_length.isascii() and header_length.isdigit():
             lend = partial(service.engine.lend, data_at=int(header_length))
-        async with reading_body(request, settings.max_body_bytes, "body", lend) as body:
+        async with reading_body(request, infer_body_limit(settings, request.headers), lend) as body:
             clock.mark_read()
             decoded = await off_loop_if_large(
                 len(body), settings, codecs.decode_infer, body, header_length, service.limits
