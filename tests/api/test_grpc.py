@@ -8,6 +8,8 @@ from __future__ import annotations
 import asyncio
 import uuid
 from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager
+from typing import Any
 
 import grpc
 import numpy as np
@@ -169,6 +171,22 @@ def test_errors_are_the_status_codes_of_the_http_statuses(
     assert raised.value.status() == code and message in raised.value.message()
 
 
+def _infer_request(a: np.ndarray, b: np.ndarray) -> Any:
+    """A ModelInfer request of a @ b in FP32, its operands as raw contents."""
+    request = pb.ModelInferRequest(model_name="matmul", raw_input_contents=[a.tobytes(), b.tobytes()])
+    for name, x in (("A", a), ("B", b)):
+        request.inputs.add(name=name, datatype="FP32", shape=list(x.shape))
+    return request
+
+
+def _of_size(request: Any, size: int) -> Any:
+    """`request` with its last raw contents grown or shrunk so that the whole message is `size` bytes."""
+    while (missing := size - request.ByteSize()) != 0:
+        contents = request.raw_input_contents[-1]
+        request.raw_input_contents[-1] = contents + bytes(missing) if missing > 0 else contents[:missing]
+    return request
+
+
 def test_a_model_of_one_kernel_refuses_another(triton: grpcclient.InferenceServerClient) -> None:
     with pytest.raises(InferenceServerException, match="runs kernel 'numpy'") as raised:
         triton.infer("matmul_numpy", _inputs(*_operands(1)), parameters={"kernel": "tiled"})
@@ -243,24 +261,36 @@ def test_api_keys_travel_in_metadata_and_liveness_needs_none(keyed_url: str) -> 
 # ---------------------------------------------------------------------- the service in this process
 
 
-@pytest.fixture
-async def in_process() -> AsyncIterator[tuple[grpcaio.InferenceServerClient, RecordingEngine, SteeredBackend]]:
-    """The gRPC service over an in-process engine whose launches wait at a gate the test opens, recording each
-    product's request and deadline; and Triton's asyncio client of it."""
+@asynccontextmanager
+async def serving_in_process(settings: Settings) -> AsyncIterator[tuple[str, RecordingEngine, SteeredBackend]]:
+    """The gRPC service of `settings` in this process, over an in-process engine whose launches wait at a gate the
+    test opens, recording each product's request and deadline: its address, the engine and the backend."""
     backend = SteeredBackend()
     engine = RecordingEngine(DeviceWorker(backend, queue_size=4))
     engine.start()
     await until(lambda: engine.state is EngineState.READY)
-    settings = Settings(backend="cpu", grpc_port=free_port(), grpc_host="127.0.0.1", request_timeout_s=30.0)
     server = await grpc_front.start_server(settings, engine, InferenceStatistics(ServiceMetrics()))  # type: ignore[arg-type]
-    client = grpcaio.InferenceServerClient(url=f"127.0.0.1:{settings.grpc_port}")
     try:
-        yield client, engine, backend
+        yield f"{settings.grpc_host}:{settings.grpc_port}", engine, backend
     finally:
         backend.gate.set()
-        await client.close()
         await server.stop(None)
         await engine.stop()
+
+
+def _in_process_settings(**settings: Any) -> Settings:
+    return Settings(backend="cpu", grpc_port=free_port(), grpc_host="127.0.0.1", request_timeout_s=30.0, **settings)
+
+
+@pytest.fixture
+async def in_process() -> AsyncIterator[tuple[grpcaio.InferenceServerClient, RecordingEngine, SteeredBackend]]:
+    """The service in this process (`serving_in_process`), and Triton's asyncio client of it."""
+    async with serving_in_process(_in_process_settings()) as (address, engine, backend):
+        client = grpcaio.InferenceServerClient(url=address)
+        try:
+            yield client, engine, backend
+        finally:
+            await client.close()
 
 
 @pytest.mark.anyio
@@ -294,3 +324,124 @@ async def test_a_cancelled_call_takes_its_product_out_of_the_queue(
     a, b = _operands(12)
     assert_close_to_reference((await running).as_numpy("C"), a, b, np.dtype(np.float32))
     assert backend.batches == [1]  # the cancelled product was never launched
+
+
+def _of_size(request: Any, size: int) -> Any:
+    """`request` with its last raw contents grown or shrunk so that the whole message is `size` bytes."""
+    while (missing := size - request.ByteSize()) != 0:
+        contents = request.raw_input_contents[-1]
+        request.raw_input_contents[-1] = contents + bytes(missing) if missing > 0 else contents[:missing]
+    return request
+
+
+@pytest.mark.anyio
+async def test_tensors_of_the_body_limit_are_served_and_a_message_past_the_grpc_limit_is_refused() -> None:
+    """A ModelInfer whose tensors are exactly MATMUL_MAX_BODY_BYTES (4 MiB) is served, though the message is larger
+    by its other fields; a message one byte past the gRPC limit is RESOURCE_EXHAUSTED, and one of exactly the limit
+    is read (and refused only for what it holds)."""
+    settings = _in_process_settings(max_body_bytes=MAX_BODY_BYTES)
+    limit = grpc_front.message_limit(settings)
+    a, b = np.full((1024, 512), 0.5, np.float32), np.full((512, 1024), 0.25, np.float32)
+    assert a.nbytes + b.nbytes == MAX_BODY_BYTES
+    unlimited = [("grpc.max_send_message_length", -1), ("grpc.max_receive_message_length", -1)]
+    async with (
+        serving_in_process(settings) as (address, _, _),
+        grpc.aio.insecure_channel(address, unlimited) as channel,
+    ):
+        infer = pb_grpc.GRPCInferenceServiceStub(channel).ModelInfer
+        request = _infer_request(a, b)
+        assert request.ByteSize() > MAX_BODY_BYTES
+        response = await infer(request)
+        c = np.frombuffer(response.raw_output_contents[0], np.float32).reshape(list(response.outputs[0].shape))
+        np.testing.assert_array_equal(c, np.full((1024, 1024), 64.0, np.float32))
+        for size, code, words in (
+            (limit, grpc.StatusCode.INVALID_ARGUMENT, "but its binary_data_size is"),
+            (limit + 1, grpc.StatusCode.RESOURCE_EXHAUSTED, "larger than max"),
+        ):
+            with pytest.raises(grpc.aio.AioRpcError) as raised:
+                await infer(_of_size(_infer_request(a, b), size))
+            assert raised.value.code() == code and words in str(raised.value.details()), raised.value.details()
+
+
+# ---------------------------------------------------------------------------------- API keys, every RPC
+
+KEYED_RPCS: dict[str, Any] = {
+    "ServerMetadata": pb.ServerMetadataRequest(),
+    "ModelReady": pb.ModelReadyRequest(name="matmul"),
+    "ModelMetadata": pb.ModelMetadataRequest(name="matmul"),
+    "ModelConfig": pb.ModelConfigRequest(name="matmul"),
+    "ModelStatistics": pb.ModelStatisticsRequest(name="matmul"),
+    "ModelInfer": _infer_request(np.ones((2, 3), np.float32), np.ones((3, 2), np.float32)),
+    "SystemSharedMemoryStatus": pb.SystemSharedMemoryStatusRequest(),
+    "SystemSharedMemoryRegister": pb.SystemSharedMemoryRegisterRequest(name="r", key="/no-such-object", byte_size=64),
+    "SystemSharedMemoryUnregister": pb.SystemSharedMemoryUnregisterRequest(name="r"),
+    "CudaSharedMemoryStatus": pb.CudaSharedMemoryStatusRequest(),
+    "CudaSharedMemoryRegister": pb.CudaSharedMemoryRegisterRequest(name="r", raw_handle=b"x" * 64, byte_size=64),
+    "CudaSharedMemoryUnregister": pb.CudaSharedMemoryUnregisterRequest(name="r"),
+}
+"""A request of every RPC the service serves that needs an API key: all but the liveness and readiness probes."""
+OPEN_RPCS = {"ServerLive": pb.ServerLiveRequest(), "ServerReady": pb.ServerReadyRequest()}
+NO_KEY = "this server needs an API key: send the metadata 'authorization: Bearer <key>' or 'x-api-key: <key>'"
+WRONG_KEY = "the API key is not valid"
+REFUSED_METADATA = {
+    "no key": ([], NO_KEY),
+    "a key without its scheme": ([("authorization", "first")], NO_KEY),
+    "another key": ([("authorization", "Bearer third")], WRONG_KEY),
+    "a prefix of a key": ([("x-api-key", "firs")], WRONG_KEY),
+    "a key and more": ([("x-api-key", "first-")], WRONG_KEY),
+    "both keys listed": ([("authorization", "Bearer first,second")], WRONG_KEY),
+}
+PAST_THE_KEY = {
+    "first as a bearer token": [("authorization", "Bearer first")],
+    "second as x-api-key": [("x-api-key", "second")],
+}
+
+
+@pytest.fixture
+async def keyed_in_process() -> AsyncIterator[pb_grpc.GRPCInferenceServiceStub]:
+    """A stub of the service in this process with MATMUL_API_KEYS=first,second (shared memory off)."""
+    settings = _in_process_settings(api_keys="first,second")
+    async with serving_in_process(settings) as (address, _, _), grpc.aio.insecure_channel(address) as channel:
+        yield pb_grpc.GRPCInferenceServiceStub(channel)
+
+
+def test_the_tables_hold_every_rpc_the_service_serves() -> None:
+    served = {method.name for method in pb.DESCRIPTOR.services_by_name["GRPCInferenceService"].methods}
+    served &= set(vars(grpc_front.InferenceServicer))
+    assert served == set(KEYED_RPCS) | set(OPEN_RPCS)
+    assert set(OPEN_RPCS) == grpc_front.OPEN_METHODS
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize(("metadata", "message"), REFUSED_METADATA.values(), ids=REFUSED_METADATA.keys())
+@pytest.mark.parametrize("rpc", KEYED_RPCS)
+async def test_every_rpc_but_the_probes_is_refused_without_a_valid_key(
+    keyed_in_process: pb_grpc.GRPCInferenceServiceStub, rpc: str, metadata: list[tuple[str, str]], message: str
+) -> None:
+    with pytest.raises(grpc.aio.AioRpcError) as raised:
+        await getattr(keyed_in_process, rpc)(KEYED_RPCS[rpc], metadata=metadata)
+    assert (raised.value.code(), raised.value.details()) == (grpc.StatusCode.UNAUTHENTICATED, message)
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("metadata", PAST_THE_KEY.values(), ids=PAST_THE_KEY.keys())
+@pytest.mark.parametrize("rpc", [*KEYED_RPCS, *OPEN_RPCS])
+async def test_with_a_valid_key_every_rpc_gets_past_the_key(
+    keyed_in_process: pb_grpc.GRPCInferenceServiceStub, rpc: str, metadata: list[tuple[str, str]]
+) -> None:
+    """Answered, or refused for what it asks (shared memory off), never for its key."""
+    call = getattr(keyed_in_process, rpc)({**KEYED_RPCS, **OPEN_RPCS}[rpc], metadata=metadata)
+    if "SharedMemory" in rpc:
+        with pytest.raises(grpc.aio.AioRpcError) as raised:
+            await call
+        assert raised.value.code() == grpc.StatusCode.NOT_FOUND and "shared memory is off" in str(
+            raised.value.details()
+        )
+    else:
+        assert (await call).ByteSize() >= 0
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("rpc", OPEN_RPCS)
+async def test_the_probes_need_no_key(keyed_in_process: pb_grpc.GRPCInferenceServiceStub, rpc: str) -> None:
+    assert (await getattr(keyed_in_process, rpc)(OPEN_RPCS[rpc])).ListFields()
