@@ -1,4 +1,5 @@
-"""settled: a caller cancelled while a thread or a launch works for it waits for that work before it goes."""
+"""settled and in_thread: a caller cancelled while a thread or a launch works for it waits for that work before it
+goes."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import threading
 
 import pytest
 
-from app.awaiting import settled
+from app.awaiting import in_thread, settled
 
 pytestmark = pytest.mark.anyio
 GUARD_S = 10
@@ -40,3 +41,36 @@ async def test_an_uncancelled_caller_returns_and_leaves_the_outcome_in_the_futur
     await settled(failing)
     with pytest.raises(ValueError, match="own failure"):
         failing.result()
+
+
+async def test_in_thread_cancelled_mid_call_returns_only_once_the_thread_is_done() -> None:
+    """A caller of `in_thread` cancelled while its function runs raises the cancellation only after the function
+    returned: the order of the two ends is the function's, then the caller's."""
+    release = threading.Event()
+    ends: list[str] = []
+
+    def work() -> int:
+        release.wait(GUARD_S)
+        ends.append("thread")
+        return 7
+
+    caller = asyncio.ensure_future(in_thread(work))
+    caller.add_done_callback(lambda _: ends.append("caller"))
+    await asyncio.sleep(0.01)
+    caller.cancel()
+    for _ in range(10):  # every turn of the loop a caller leaving at once would take
+        await asyncio.sleep(0)
+    release.set()
+    with pytest.raises(asyncio.CancelledError):
+        await asyncio.wait_for(caller, GUARD_S)
+    assert ends == ["thread", "caller"]
+
+
+async def test_in_thread_returns_the_functions_result_and_raises_its_exception() -> None:
+    assert await in_thread(lambda x, y=1: x + y, 2, y=3) == 5
+
+    def failing() -> None:
+        raise ValueError("the function's own failure")
+
+    with pytest.raises(ValueError, match="own failure"):
+        await in_thread(failing)

@@ -8,26 +8,32 @@ import asyncio
 import mmap
 import os
 import signal
+import threading
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 
-from app.config import Settings
+from app.config import Settings, SharedMemoryKind
 from app.dataplane import wire
 from app.dataplane.engine_client import EngineClient
+from app.dataplane.engine_process import EngineServer
 from app.dataplane.regions import SHARED_MEMORY_FOLDER, object_path, open_window
 from app.dataplane.supervisor import EngineSupervisor
-from app.engine import EngineState
+from app.engine import DeviceWorker, EngineState
 from app.errors import SharedMemoryError
 from app.shared_memory import SharedOutput, SharedTensor
+from numerics.precision import Precision
 from numerics.reference import assert_close_to_reference
-from tests.fakes import multiply, until
+from tests.fakes import SteeredBackend, multiply, until
 
 pytestmark = pytest.mark.timeout(120)
 F64 = np.dtype(np.float64)
+F32 = np.dtype(np.float32)
+GUARD_S = 30
 
 
 @pytest.fixture
@@ -219,3 +225,67 @@ async def test_when_one_of_two_engines_restarts_every_engine_forgets_the_regions
         engine.arena.close()
         for supervisor in supervisors:
             supervisor.stop()
+
+
+class SlowChecks(SteeredBackend):
+    """A backend whose check of an operand in a client's region waits, once it has begun (`checking`), until the
+    test lets it go on (`go_on`), then records whether the region's memory was still mapped as it went on to read it
+    (reading unmapped memory would crash the process, so it reads only what is mapped)."""
+
+    def __init__(self, path: Path) -> None:
+        super().__init__()
+        self.path = path
+        self.checking = threading.Event()
+        self.go_on = threading.Event()
+        self.mapped_when_read: list[bool] = []
+
+    def check_operand(self, operand: Any, name: str, precision: Precision) -> None:
+        self.checking.set()
+        self.go_on.wait(GUARD_S)
+        self.mapped_when_read.append(_mapped(os.getpid(), self.path))
+        if self.mapped_when_read[-1]:
+            super().check_operand(operand, name, precision)
+
+
+@pytest.mark.anyio
+async def test_a_product_cancelled_during_its_region_check_keeps_the_region_mapped_until_the_check_returns(
+    shared_object: tuple[str, Path], tmp_path: Path
+) -> None:
+    """An engine (here in this process, its backend's check steered) checking an operand in a client's region for
+    fp16, when the product is cancelled and the region unregistered: the unregistration waits for the check, which
+    reads the region still mapped; then the region is unmapped."""
+    key, path = shared_object
+    backend = SlowChecks(path)
+    worker = DeviceWorker(backend, queue_size=4)
+    server = EngineServer(worker, None, drain_s=5, shared_memory=frozenset({SharedMemoryKind.SYSTEM}))
+    worker.start()
+    socket_path = str(tmp_path / "engine.sock")
+    serving = asyncio.create_task(server.serve(socket_path))
+    settings = Settings(backend="cpu", slab_bytes=1 << 20, shared_memory=["system"])
+    engine = EngineClient([socket_path], settings)
+    try:
+        await until(lambda: Path(socket_path).exists())
+        await engine.start()
+        await until(lambda: engine.state is EngineState.READY)
+        await engine.register_region("r", key, 0, 3 * mmap.PAGESIZE)
+        a = SharedTensor("r", 0, (4, 4), np.dtype(np.float32))
+        product = asyncio.create_task(multiply(engine, a, np.ones((4, 4), np.float32), F32, precision=Precision.FP16))
+        assert await asyncio.to_thread(backend.checking.wait, GUARD_S)
+        product.cancel()
+        unregistering = asyncio.create_task(engine.unregister_region("r"))
+        await until(lambda: "r" not in server.regions.names())  # unregistered: no new product may name it
+        await asyncio.wait({unregistering}, timeout=0.5)
+        assert not unregistering.done() and _mapped(os.getpid(), path), "unmapped while its check runs"
+        backend.go_on.set()
+        await asyncio.wait_for(unregistering, GUARD_S)
+        assert backend.mapped_when_read == [True]
+        assert not _mapped(os.getpid(), path)
+        with pytest.raises(asyncio.CancelledError):
+            await product
+    finally:
+        backend.go_on.set()
+        await engine.stop()
+        engine.arena.close()
+        server.stop()
+        await asyncio.wait_for(serving, GUARD_S)
+        await worker.stop()
