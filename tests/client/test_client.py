@@ -235,6 +235,19 @@ def npy_answer(c: np.ndarray, declared_bytes: int | None = None) -> bytes:
     return answer
 
 
+def test_after_an_answer_that_says_connection_close_the_next_product_goes_on_a_new_connection(
+    stub: Callable[..., Stub],
+) -> None:
+    """A server that answers `connection: close` will close the connection, though its socket may still be open
+    when the answer has been read: the client does not send another request on it."""
+    c = np.arange(4.0).reshape(2, 2)
+    server = stub(npy_answer(c).replace(b"\r\n\r\n", b"\r\nconnection: close\r\n\r\n", 1))
+    with MatmulClient(server.url) as client:
+        for _ in range(2):
+            np.testing.assert_array_equal(client.matmul(np.ones((2, 2)), np.ones((2, 2))), c)
+    assert server.connections == 2 and len(server.requests) == 2
+
+
 def test_503_is_unavailable_with_retry_after(stub: Callable[..., Stub]) -> None:
     body = {"code": "overloaded", "message": "the worker's queue is full (64 waiting)", "location": None}
     server = stub(http_answer(503, orjson.dumps(body), "retry-after: 2", "content-type: application/json"))
