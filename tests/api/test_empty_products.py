@@ -1,6 +1,10 @@
 """Products with nothing to sum (k = 0) or nothing to write (m or n = 0) answer the zero matrix of their shape in
 every kernel, precision and dtype a backend lists, and on the inference protocol: no launch and no library call
-(cuBLAS refuses k = 0 in its tensor-core modes, which was a 500 on the GPU backend)."""
+(cuBLAS refuses k = 0 in its tensor-core modes, which was a 500 on the GPU backend).
+
+Each empty sum comes right after a product of the same shape of C whose every element is 6, asked the same way: an
+answer left unwritten would show the memory that product's answer used (the slab's, the device pool's), not zeros
+that happened to be there."""
 
 from __future__ import annotations
 
@@ -28,22 +32,26 @@ async def _every_way_asked(client: httpx.AsyncClient) -> list[tuple[str, str, st
     ]
 
 
+async def _product(client: httpx.AsyncClient, a: np.ndarray, b: np.ndarray, kernel: str, precision: str) -> np.ndarray:
+    """a @ b asked of `kernel` in `precision` and a's dtype, as multipart .npy; the .npy answer."""
+    answer = await client.post(
+        "/matmul",
+        params={"kernel": kernel, "precision": precision, "dtype": a.dtype.name},
+        files={"a": ("a.npy", npy_bytes(a)), "b": ("b.npy", npy_bytes(b))},
+        headers={"accept": "application/x-npy"},
+    )
+    assert answer.status_code == 200, f"{kernel} {precision} {a.dtype} {a.shape} @ {b.shape}: {answer.text}"
+    return load_npy(answer.content)
+
+
 async def _every_empty_product_is_zero(client: httpx.AsyncClient) -> int:
     asked = 0
     for kernel, precision, dtype in await _every_way_asked(client):
         for m, k, n in SHAPES:
-            files = {
-                "a": ("a.npy", npy_bytes(np.ones((m, k), dtype))),
-                "b": ("b.npy", npy_bytes(np.ones((k, n), dtype))),
-            }
-            answer = await client.post(
-                "/matmul",
-                params={"kernel": kernel, "precision": precision, "dtype": dtype},
-                files=files,
-                headers={"accept": "application/x-npy"},
-            )
-            assert answer.status_code == 200, f"{kernel} {precision} {dtype} {m}x{k} @ {k}x{n}: {answer.text}"
-            c = load_npy(answer.content)
+            if m and n:  # a C of the same shape, all 6 (exact in every precision), just before
+                sixes = await _product(client, np.full((m, 1), 2, dtype), np.full((1, n), 3, dtype), kernel, precision)
+                assert sixes.tolist() == [[6.0] * n] * m, (kernel, precision, dtype, (m, 1, n))
+            c = await _product(client, np.ones((m, k), dtype), np.ones((k, n), dtype), kernel, precision)
             assert (c.shape, c.dtype.name) == ((m, n), dtype) and not c.any(), (kernel, precision, dtype, (m, k, n))
             asked += 1
     return asked
@@ -59,14 +67,16 @@ async def test_the_inference_protocol_answers_zeros_for_an_empty_sum(client: htt
 
 
 async def _v2_empty_sum(client: httpx.AsyncClient, precision: str) -> None:
-    a, b = np.ones((5, 0), np.float32), np.ones((0, 7), np.float32)
-    body, header_length = inference_v2_body(a, b, {"precision": precision})
-    answer = await client.post(
-        "/v2/models/matmul/infer", content=body, headers={"inference-header-content-length": str(header_length)}
-    )
-    assert answer.status_code == 200, answer.text
-    split = int(answer.headers["inference-header-content-length"])
-    assert np.frombuffer(answer.content[split:], "<f4").tolist() == [0.0] * 35
+    """5x0 @ 0x7 over the inference protocol, just after 5x1 @ 1x7 whose C is all 6."""
+    for k, expected in ((1, 6.0), (0, 0.0)):
+        a, b = np.full((5, k), 2, np.float32), np.full((k, 7), 3, np.float32)
+        body, header_length = inference_v2_body(a, b, {"precision": precision})
+        answer = await client.post(
+            "/v2/models/matmul/infer", content=body, headers={"inference-header-content-length": str(header_length)}
+        )
+        assert answer.status_code == 200, answer.text
+        split = int(answer.headers["inference-header-content-length"])
+        assert np.frombuffer(answer.content[split:], "<f4").tolist() == [expected] * 35, (precision, k)
 
 
 @pytest.mark.gpu
