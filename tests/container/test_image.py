@@ -254,9 +254,9 @@ def test_a_graceful_stop_finishes_the_product_in_flight_closes_idle_connections_
         asking.join(timeout=120)
         exit_code = engine.run("inspect", "--format", "{{.State.ExitCode}}", running.name).stdout.strip()
     assert answer["it"].status_code == 200, answer["it"].text
-    c = load_npy(answer["it"].content)
-    np.testing.assert_allclose(c[:, :64], _product(a, b[:, :64]), rtol=1e-3, atol=1e-2)
-    assert all(np.array_equal(c[:, :64], c[:, 64 * i : 64 * (i + 1)]) for i in range(64))
+    c, block = load_npy(answer["it"].content), _product(a, b[:, :64])
+    for i in range(64):  # every block, each computed apart (BLAS need not round them alike, bit for bit)
+        np.testing.assert_allclose(c[:, 64 * i : 64 * (i + 1)], block, rtol=1e-3, atol=1e-2, err_msg=f"block {i}")
     assert max(closed_s) < 5, closed_s
     assert exit_code == "0" and stop_s < 40, (exit_code, stop_s)
 
