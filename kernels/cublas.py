@@ -11,9 +11,9 @@ import numpy as np
 
 from numerics.precision import Precision
 
-CUBLAS_OP_N = 0
-CUDA_R_32F, CUDA_R_16F, CUDA_R_16BF = 0, 2, 14
-CUBLAS_COMPUTE_32F, CUBLAS_COMPUTE_32F_FAST_TF32 = 68, 77
+CUBLAS_OP_N, CUBLAS_OP_T = 0, 1
+CUDA_R_32F, CUDA_R_16F, CUDA_R_16BF, CUDA_R_8I, CUDA_R_32I = 0, 2, 14, 3, 10
+CUBLAS_COMPUTE_32F, CUBLAS_COMPUTE_32F_FAST_TF32, CUBLAS_COMPUTE_32I = 68, 77, 72
 CUBLAS_GEMM_DEFAULT = -1
 
 
@@ -84,3 +84,23 @@ def cublas_product(a: Any, b: Any, c: Any, precision: Precision) -> None:
         gemm(convert(a), convert(b), CUDA_R_16BF, CUBLAS_COMPUTE_32F, zero)
     else:
         gemm(a.astype(cp.float16), b.astype(cp.float16), CUDA_R_16F, CUBLAS_COMPUTE_32F, zero)
+
+
+def cublas_int8_product(a: Any, b: Any, c: Any, *, b_transposed: bool = False) -> None:
+    """c = a @ b by cuBLAS on the integer tensor cores (IMMA), exactly: CuPy int8 arrays a and b (2-D,
+    C-contiguous; b given as B^T, N x K, when `b_transposed`), int32 c, on the current stream. IMMA takes the
+    operands "TN" (both K-major, as kernels/wgmma.cu's int8 instance does): B is transposed first where it is not,
+    then GemmEx runs with int8 operands, int32 sums and C (CUBLAS_COMPUTE_32I)."""
+    import cupy as cp
+    from cupy_backends.cuda.libs import cublas
+
+    m, k = a.shape
+    b_t = b if b_transposed else cp.ascontiguousarray(b.T)
+    n = b_t.shape[0]
+    one, zero = np.ones(1, np.int32), np.zeros(1, np.int32)
+    # row-major C = A @ B is column-major C^T = (B^T)^T-as-stored @ A: B^T's rows and A's rows are both K long
+    cublas.gemmEx(
+        cp.cuda.device.get_cublas_handle(), CUBLAS_OP_T, CUBLAS_OP_N, n, m, k,
+        one.ctypes.data, b_t.data.ptr, CUDA_R_8I, k, a.data.ptr, CUDA_R_8I, k,
+        zero.ctypes.data, c.data.ptr, CUDA_R_32I, n, CUBLAS_COMPUTE_32I, CUBLAS_GEMM_DEFAULT,
+    )  # fmt: skip

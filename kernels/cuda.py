@@ -208,19 +208,26 @@ class TensorCoreLibrary:
 
         self._cp = cupy
         self._wgmma: dict[Precision, Any] = {}
+        self._wgmma_int8: Any = None
         self._mma_sync: dict[Precision, Any] = {}
         self._dmma: dict[bool, Any] = {}
         self._conversions: dict[tuple[str, int], Any] = {}
         with tempfile.TemporaryDirectory(prefix="matmul-tensorcore-") as folder:
             place = Path(folder)
-            self._wgmma = self._load_instances(place, tensorcore.WGMMA_SOURCE, tensorcore.WGMMA_CONFIGS)
+            # one compilation for every instance; int8 has no precision (its products are exact): key None
+            configs: dict[Precision | None, tensorcore.WgmmaConfig] = {None: tensorcore.WGMMA_INT8}
+            for precision, config in tensorcore.WGMMA_CONFIGS.items():
+                configs[precision] = config
+            wgmma = self._load_instances(place, tensorcore.WGMMA_SOURCE, configs)
+            self._wgmma_int8 = wgmma.pop(None)
+            self._wgmma = {precision: function for precision, function in wgmma.items() if precision is not None}
             self._mma_sync = self._load_instances(place, tensorcore.MMA_SYNC_SOURCE, tensorcore.MMA_SYNC_CONFIGS)
             self._dmma = self._load_instances(place, tensorcore.DMMA_SOURCE, tensorcore.DMMA_CONFIGS)
             conversions = self._load(place, tensorcore.OPERANDS_SOURCE, tensorcore.conversion_expressions())
             for expression, function in conversions.items():
                 kernel, conversion = expression.removesuffix(">").split("<")
                 self._conversions[(kernel, int(conversion))] = function
-        self.instances = len(self._wgmma) + len(self._mma_sync) + len(self._dmma)
+        self.instances = len(self._wgmma) + 1 + len(self._mma_sync) + len(self._dmma)
 
     def launch(self, kernel: str, a: Any, b: Any, c: Any, precision: Precision) -> None:
         """c = a @ b by the tensor-core rung `kernel` (wgmma, mma_sync, dmma) in `precision`."""
@@ -251,14 +258,13 @@ class TensorCoreLibrary:
             loaded[key] = function
         return loaded
 
-    def converted(self, precision: Precision, x: Any, *, transposed: bool) -> list[Any]:
-        """x (float32, 2-D, C-contiguous) as the tensor-core kernels read it in `precision`: K-major rows (x's rows,
-        or its columns when `transposed`) in the kernel's input type (uint16 bits for bf16 and fp16), padded to the
-        stride alignment; the big and the small part for 3xtf32."""
-        config = tensorcore.WGMMA_CONFIGS[precision]
+    def converted(self, config: tensorcore.WgmmaConfig, x: Any, *, transposed: bool) -> list[Any]:
+        """x (2-D, C-contiguous: float32, or int8 for int8 products) as the tensor-core kernels of `config` read it:
+        K-major rows (x's rows, or its columns when `transposed`) in the kernel's input type (uint16 bits for bf16
+        and fp16), padded to the stride alignment; the big and the small part for 3xtf32."""
         height, width = x.shape
         rows, k = (width, height) if transposed else (height, width)
-        dtype = np.uint16 if config.element_bytes == 2 else np.float32
+        dtype = {1: np.int8, 2: np.uint16, 4: np.float32}[config.element_bytes]
         parts = [self._cp.empty((rows, config.padded_k(k)), dtype) for _ in range(config.parts)]
         kernel = "convert_transposed" if transposed else "convert_rows"
         if transposed:
@@ -273,16 +279,43 @@ class TensorCoreLibrary:
         """c = a @ b in `precision` on the current stream through kernels/wgmma.cu: 2-D C-contiguous CuPy float32
         arrays."""
         config = tensorcore.WGMMA_CONFIGS[precision]
-        (m, k), n = a.shape, b.shape[1]
-        if _nothing_to_multiply(c, k):
+        if _nothing_to_multiply(c, a.shape[1]):
             return
-        if precision is Precision.TF32 and k % 4 == 0 and a.data.ptr % tensorcore.STRIDE_ALIGNMENT == 0:
+        if precision is Precision.TF32 and a.shape[1] % 4 == 0 and a.data.ptr % tensorcore.STRIDE_ALIGNMENT == 0:
             # read as it is: the tensor cores take a float32's top 19 bits, TF32 truncated (numerics/precision.py's
             # tf32 bound is the truncation's)
             a_parts = [a]
         else:
-            a_parts = self.converted(precision, a, transposed=False)
-        b_parts = self.converted(precision, b, transposed=True)
+            a_parts = self.converted(config, a, transposed=False)
+        b_parts = self.converted(config, b, transposed=True)
+        self._launch_wgmma(self._wgmma[precision], config, a_parts, b_parts, c, a.shape[1])
+
+    def wgmma_int8(self, a: Any, b: Any, c: Any, *, b_transposed: bool = False) -> None:
+        """c = a @ b, exactly, on the current stream through kernels/wgmma.cu's int8 instance: a and b 2-D
+        C-contiguous CuPy int8 arrays (b given as B^T, N x K, when `b_transposed`), c int32. ValueError where k is so
+        long that a sum could pass int32's range."""
+        k = a.shape[1]
+        if not tensorcore.int8_fits(k):
+            raise ValueError(f"k = {k}: sums of int8 products pass int32 beyond k = {tensorcore.INT32_MAX // 16384}")
+        if _nothing_to_multiply(c, k):
+            return
+        config = tensorcore.WGMMA_INT8
+
+        def k_major(x: Any) -> list[Any]:
+            """x's rows as the kernel reads them: in place where they start on 16 bytes, else copied, padded."""
+            if k % tensorcore.STRIDE_ALIGNMENT == 0 and x.data.ptr % tensorcore.STRIDE_ALIGNMENT == 0:
+                return [x]
+            return self.converted(config, x, transposed=False)
+
+        b_parts = k_major(b) if b_transposed else self.converted(config, b, transposed=True)
+        self._launch_wgmma(self._wgmma_int8, config, k_major(a), b_parts, c, k)
+
+    def _launch_wgmma(
+        self, function: Any, config: tensorcore.WgmmaConfig, a_parts: list[Any], b_parts: list[Any], c: Any, k: int
+    ) -> None:
+        """Launch a wgmma instance on operands as it reads them: A's parts M x K and B^T's N x K, K-major (their
+        rows padded past k), into c, M x N."""
+        m, n = c.shape
 
         def matrix(part: Any, rows: int, box_rows: int) -> tma.Matrix2d:
             return tma.Matrix2d(
@@ -298,7 +331,7 @@ class TensorCoreLibrary:
         maps = [tma.encode(matrix(part, m, tensorcore.BLOCK_M)) for part in a_parts]
         maps += [tma.encode(matrix(part, n, config.block_n)) for part in b_parts]
         device_maps = self._cp.asarray(np.frombuffer(b"".join(maps), np.uint8))
-        self._wgmma[precision](
+        function(
             (config.blocks(m, n), 1, 1),
             (tensorcore.THREADS, 1, 1),
             (device_maps, c, np.int32(m), np.int32(n), np.int32(k)),
@@ -312,8 +345,9 @@ class TensorCoreLibrary:
         (m, k), n = a.shape, b.shape[1]
         if _nothing_to_multiply(c, k):
             return
-        (a_part,) = self.converted(precision, a, transposed=False)
-        (b_part,) = self.converted(precision, b, transposed=True)
+        config_of_operands = tensorcore.WGMMA_CONFIGS[precision]
+        (a_part,) = self.converted(config_of_operands, a, transposed=False)
+        (b_part,) = self.converted(config_of_operands, b, transposed=True)
         self._mma_sync[precision](
             (config.blocks(m, n), 1, 1),
             (tensorcore.MMA_THREADS, 1, 1),

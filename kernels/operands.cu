@@ -1,16 +1,20 @@
-// The operands as the tensor-core kernels read them, made from the float32 operands in one pass each.
+// The operands as the tensor-core kernels read them, made from the operands as sent in one pass each.
 //
 // kernels/wgmma.cu reads A (M x K) and B^T (N x K) "K-major", in the kernel's input type, with rows padded to 16
 // bytes (the bulk tensor copy's stride rule; the padding is never read). These kernels write them: A row by row,
 // B transposed through 32 x 32 tiles of shared memory so that both the reads and the writes stay coalesced. The
-// conversions are the ones kernels/precision.py defines, bit for bit: round to nearest even into bfloat16, into
-// float16 (cvt.rn), or into TF32 (kept in 32 bits), or the TF32 split x = big + small with the small part rounded
-// to TF32 as well. NaN and infinities pass through unchanged.
+// conversions from float32 are the ones kernels/precision.py defines, bit for bit: round to nearest even into
+// bfloat16, into float16 (cvt.rn), or into TF32 (kept in 32 bits), or the TF32 split x = big + small with the small
+// part rounded to TF32 as well. NaN and infinities pass through unchanged. int8 operands are copied as they are.
 
 typedef unsigned int u32;
 typedef unsigned short u16;
 
-enum Conversion { TO_BF16 = 0, TO_FP16 = 1, TO_TF32 = 2, SPLIT_TF32 = 3 };
+enum Conversion { TO_BF16 = 0, TO_FP16 = 1, TO_TF32 = 2, SPLIT_TF32 = 3, COPY_S8 = 4 };
+
+// What a conversion reads: float32, or int8 for the copy.
+template <int CONVERSION> struct Source { typedef float type; };
+template <> struct Source<COPY_S8> { typedef signed char type; };
 
 __device__ __forceinline__ bool finite_bits(u32 u) { return (u & 0x7f800000u) != 0x7f800000u; }
 
@@ -23,9 +27,12 @@ template <int DROPPED> __device__ __forceinline__ u32 round_bits(u32 u) {
 
 __device__ __forceinline__ float round_tf32(float x) { return __uint_as_float(round_bits<13>(__float_as_uint(x))); }
 
-// Element `i` of the converted operand (and of its small part, for the split) from the float32 value x.
-template <int CONVERSION> __device__ __forceinline__ void put(void* big, void* small, size_t i, float x) {
-    if constexpr (CONVERSION == TO_BF16) {
+// Element `i` of the converted operand (and of its small part, for the split) from the value x.
+template <int CONVERSION>
+__device__ __forceinline__ void put(void* big, void* small, size_t i, typename Source<CONVERSION>::type x) {
+    if constexpr (CONVERSION == COPY_S8) {
+        static_cast<signed char*>(big)[i] = x;
+    } else if constexpr (CONVERSION == TO_BF16) {
         static_cast<u16*>(big)[i] = static_cast<u16>(round_bits<16>(__float_as_uint(x)) >> 16);
     } else if constexpr (CONVERSION == TO_FP16) {
         u16 h;
@@ -40,9 +47,10 @@ template <int CONVERSION> __device__ __forceinline__ void put(void* big, void* s
     }
 }
 
-// x: rows x cols float32, row-major -> out[r * ld + c]. Block (256, 1), grid (ceil(cols / 256), any).
+// x: rows x cols, row-major -> out[r * ld + c]. Block (256, 1), grid (ceil(cols / 256), any).
 template <int CONVERSION>
-__global__ void convert_rows(const float* __restrict__ x, void* big, void* small, int rows, int cols, int ld) {
+__global__ void convert_rows(
+    const typename Source<CONVERSION>::type* __restrict__ x, void* big, void* small, int rows, int cols, int ld) {
     const int c = blockIdx.x * blockDim.x + threadIdx.x;
     if (c >= cols) return;
     for (int r = blockIdx.y; r < rows; r += gridDim.y) {
@@ -53,10 +61,12 @@ __global__ void convert_rows(const float* __restrict__ x, void* big, void* small
 constexpr int TILE = 32;
 constexpr int TILE_ROWS = 8;
 
-// x: rows x cols float32, row-major -> out[c * ld + r] (the transpose). Block (32, 8), grid (ceil(cols / 32), any).
+// x: rows x cols, row-major -> out[c * ld + r] (the transpose). Block (32, 8), grid (ceil(cols / 32), any).
 template <int CONVERSION>
-__global__ void convert_transposed(const float* __restrict__ x, void* big, void* small, int rows, int cols, int ld) {
-    __shared__ float tile[TILE][TILE + 1];  // the extra column keeps the column reads off one bank
+__global__ void convert_transposed(
+    const typename Source<CONVERSION>::type* __restrict__ x, void* big, void* small, int rows, int cols, int ld) {
+    __shared__ typename Source<CONVERSION>::type tile[TILE][TILE + 1];  // the extra column: reads of a column
+                                                                        // fall in different banks
     const int c0 = blockIdx.x * TILE;
     for (int r0 = blockIdx.y * TILE; r0 < rows; r0 += gridDim.y * TILE) {
         for (int i = threadIdx.y; i < TILE; i += TILE_ROWS) {

@@ -46,15 +46,21 @@ class OperandKind(IntEnum):
     BF16 = 0
     FP16 = 1
     TF32 = 2
+    S8 = 3
+
+
+ELEMENT_BYTES = MappingProxyType({OperandKind.BF16: 2, OperandKind.FP16: 2, OperandKind.TF32: 4, OperandKind.S8: 1})
 
 
 class Conversion(IntEnum):
-    """kernels/operands.cu's Conversion: what the pass from float32 writes."""
+    """kernels/operands.cu's Conversion: what the pass from the operand as sent (float32, or int8 for the copy)
+    writes."""
 
     TO_BF16 = 0
     TO_FP16 = 1
     TO_TF32 = 2
     SPLIT_TF32 = 3
+    COPY_S8 = 4
 
 
 @dataclass(frozen=True)
@@ -69,7 +75,7 @@ class WgmmaConfig:
 
     @property
     def element_bytes(self) -> int:
-        return 4 if self.kind is OperandKind.TF32 else 2
+        return ELEMENT_BYTES[self.kind]
 
     @property
     def parts(self) -> int:
@@ -107,6 +113,18 @@ WGMMA_CONFIGS: MappingProxyType[Precision, WgmmaConfig] = MappingProxyType(
         Precision.TF32X3: WgmmaConfig(OperandKind.TF32, 128, 3, True, Conversion.SPLIT_TF32),
     }
 )
+
+WGMMA_INT8 = WgmmaConfig(OperandKind.S8, 256, 4, False, Conversion.COPY_S8)
+"""int8 operands, int32 sums and C: 128-element rows of K, four stages of 128 x 256 tiles (the BF16 instance's
+bytes)."""
+INT8_LARGEST_PRODUCT = 128 * 128
+"""The largest magnitude of a product of two int8 values, (-128) * (-128): k of them must fit an int32."""
+INT32_MAX = 2**31 - 1
+
+
+def int8_fits(k: int) -> bool:
+    """Whether every int32 sum of k int8 products is exact: k * 128 * 128 <= 2^31 - 1."""
+    return k * INT8_LARGEST_PRODUCT <= INT32_MAX
 
 
 MMA_SYNC = "mma_sync"

@@ -12,8 +12,8 @@ from dataclasses import dataclass
 MAP_BYTES = 128
 MAP_ALIGNMENT = 64
 """CUtensorMap is declared alignas(64)."""
-DATA_TYPE_BY_BYTES = {2: 1, 4: 2}
-"""CU_TENSOR_MAP_DATA_TYPE_UINT16 and _UINT32: the copies move bits, whatever the kernel reads them as."""
+DATA_TYPE_BY_BYTES = {1: 0, 2: 1, 4: 2}
+"""CU_TENSOR_MAP_DATA_TYPE_UINT8, _UINT16 and _UINT32: the copies move bits, whatever the kernel reads them as."""
 INTERLEAVE_NONE = 0
 SWIZZLE_128B = 3
 L2_PROMOTION_128B = 2

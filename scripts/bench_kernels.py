@@ -17,11 +17,19 @@ compute and memory roofs; see docs/roofline.md) under --out.
     python scripts/bench_kernels.py --kernels fast --configs all --sizes 2048,4096   # every instance
     python scripts/bench_kernels.py --kernels fast,mma_sync,wgmma,dmma --sizes 4096,8192 \
         --precisions tf32,3xtf32,bf16,fp16                # the tensor-core ladder against cuBLAS in each mode
+    python scripts/bench_kernels.py --kernels wgmma --sizes 4096,8192 --dtypes int8   # exact int8 products
+
+int8 (--dtypes int8) products are exact: each is compared with the int64 product element for element (WRONG at one
+difference, on an output poisoned with a value no element of it has), then timed from the same row-major int8 A and
+B as the others, cuBLAS transposing B for its integer tensor cores (GemmEx, TN, CUBLAS_COMPUTE_32I) and `wgmma`'s
+int8 instance transposing it with kernels/operands.cu; and again from A and B^T as both read them (config "B^T
+given"), each ratio to cuBLAS timed the same way.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 import sys
@@ -35,6 +43,7 @@ from typing import Any
 import numpy as np
 
 from kernels.catalogue import CUBLAS, DTYPES, RUNGS
+from kernels.cublas import cublas_int8_product
 from kernels.cuda import Launcher, device_attributes
 from kernels.registry import KERNELS, KernelSpec, LaunchConfig
 from kernels.tensorcore import DMMA, KERNEL_NAMES, MMA_SYNC, WGMMA
@@ -52,6 +61,9 @@ SLOW_FLOP_LIMIT = {"float32": 2 * 4096**3, "float64": 2 * 2048**3}
 """The teaching kernels are skipped above these sizes: they would take most of the run's time."""
 INPUT_BYTES_BUDGET = 6 << 30
 """Rotate among up to 4 input sets, fewer when that would take more device memory than this."""
+INT8 = "int8"
+"""The dtype (and precision) of exact int8 products, into int32."""
+BENCH_DTYPES = (*DTYPES, INT8)
 
 
 @dataclass
@@ -113,10 +125,11 @@ class Bench:
         run(a, b, c)
         return reference.error_ratio(c), reference.relative_error(c)
 
-    def time(self, run: Any, sets: list[tuple[Any, Any]], dtype: str) -> float:
-        """Median milliseconds of one launch, L2 flushed before each and the inputs rotated."""
+    def time(self, run: Any, sets: list[tuple[Any, Any]], dtype: str, n: int | None = None) -> float:
+        """Median milliseconds of one launch, L2 flushed before each and the inputs rotated (C has n columns, by
+        default b's)."""
         cp = self.cp
-        outputs = [cp.empty((a.shape[0], b.shape[1]), dtype=dtype) for a, b in sets]
+        outputs = [cp.empty((a.shape[0], b.shape[1] if n is None else n), dtype=dtype) for a, b in sets]
         for i in range(self.warmup):
             a, b = sets[i % len(sets)]
             run(a, b, outputs[i % len(sets)])
@@ -133,6 +146,26 @@ class Bench:
     def run(self, kernel: str, precision: Precision = Precision.FP32, config: LaunchConfig | None = None) -> Any:
         """c = a @ b by the rung `kernel` in `precision` (the FMA kernels in their instance `config`)."""
         return lambda a, b, c: self.launcher.launch(kernel, a, b, c, precision=precision, config=config)
+
+    def int8_inputs(self, m: int, n: int, k: int) -> list[tuple[Any, Any]]:
+        """Fresh int8 input sets, uniform over int8's range."""
+        cp = self.cp
+        count = max(1, min(4, INPUT_BYTES_BUDGET // max(m * k + k * n + 4 * m * n, 1)))
+        return [
+            (cp.random.randint(-128, 128, (m, k)).astype(cp.int8), cp.random.randint(-128, 128, (k, n)).astype(cp.int8))
+            for _ in range(count)
+        ]
+
+    def int8_mismatches(self, run: Any, sets: list[tuple[Any, Any]], transposed: bool) -> int:
+        """Elements of the first set's product (b given as B^T when `transposed`) that differ from its int64 product
+        (computed on the device in float64, exact while the sums stay under 2^53), written into an output poisoned
+        with INT32_MIN."""
+        cp = self.cp
+        a, b = sets[0]
+        c = cp.full((a.shape[0], b.shape[0] if transposed else b.shape[1]), np.iinfo(np.int32).min, dtype=cp.int32)
+        run(a, b, c)
+        exact = cp.matmul(a.astype(cp.float64), (b.T if transposed else b).astype(cp.float64))
+        return int(cp.count_nonzero(c.astype(cp.float64) != exact))
 
 
 def plan(kernels: list[str], all_configs: bool, m: int, n: int, k: int) -> list[tuple[KernelSpec, LaunchConfig]]:
@@ -151,6 +184,9 @@ def run_sweep(args: argparse.Namespace) -> tuple[list[Result], dict[str, Any]]:
     shapes = [(s, s, s) for s in args.sizes] + ([] if args.no_odd else list(ODD_SHAPES))
     results: list[Result] = []
     for dtype in args.dtypes:
+        if dtype == INT8:
+            results += [row for m, n, k in shapes for row in int8_rows(bench, args, m, n, k)]
+            continue
         for m, n, k in shapes:
             flop = 2 * m * n * k
             sets, reference = bench.inputs(m, n, k, dtype)
@@ -208,6 +244,42 @@ def run_sweep(args: argparse.Namespace) -> tuple[list[Result], dict[str, Any]]:
         "timing": "CUDA events around each launch, L2 flushed before each, inputs rotated; median",
     }
     return results, meta
+
+
+def int8_rows(bench: Bench, args: argparse.Namespace, m: int, n: int, k: int) -> list[Result]:
+    """cuBLAS's and wgmma's exact int8 product of one shape, checked, then timed two ways: from row-major A and B
+    (each transposing B itself: config "") and from A and B^T as the tensor cores read them (config "B^T given")."""
+    from cupy_backends.cuda.libs.cublas import CUBLASError
+
+    sets = bench.int8_inputs(m, n, k)
+    given = [(a, bench.cp.ascontiguousarray(b.T)) for a, b in sets]
+    products = {CUBLAS: cublas_int8_product}
+    if WGMMA in args.kernels and bench.launcher.tensor_cores is not None:
+        products[WGMMA] = bench.launcher.tensor_cores.wgmma_int8
+    rows = []
+    for config, inputs, transposed in (("", sets, False), ("B^T given", given, True)):
+        library_ms = None
+        for name, product in products.items():
+            row = Result(name, config, INT8, m, n, k, None, None, None, precision=INT8)
+            rows.append(row)
+            run = functools.partial(product, b_transposed=transposed)
+            try:
+                mismatches = bench.int8_mismatches(run, inputs, transposed)
+            except CUBLASError as exc:  # IMMA has layout rules of its own (K a multiple of 4, ...)
+                row.note = f"cuBLAS refused: {exc}"
+                continue
+            row.error_ratio, row.relative_error = float(mismatches), mismatches / max(m * n, 1)  # 0: exact
+            if mismatches:
+                row.note = "WRONG"
+            elif not args.check_only:
+                row.ms = bench.time(run, inputs, "int32", n)
+                row.gflops = 2 * m * n * k / row.ms / 1e6
+                library_ms = row.ms if name == CUBLAS else library_ms
+                row.ratio = None if library_ms is None else library_ms / row.ms
+    print_rows(rows)
+    del sets, given
+    bench.cp.get_default_memory_pool().free_all_blocks()
+    return rows
 
 
 def measure(
@@ -282,7 +354,9 @@ def write_plot(results: list[Result], meta: dict[str, Any], path: Path) -> bool:
     when every instance was timed), cuBLAS dashed; False when matplotlib is absent."""
 
     def line(r: Result) -> str:
-        return label(f"{r.kernel}/{r.config}" if meta["configs"] == "all" and r.config else r.kernel, r)
+        # an int8 row's config is how its operands came (B or B^T), a line of its own; an instance otherwise
+        separate = r.config and (meta["configs"] == "all" or r.dtype == INT8)
+        return label(f"{r.kernel}/{r.config}" if separate else r.kernel, r)
 
     def panel(axis: Any, dtype: str) -> None:
         square = [
@@ -300,7 +374,7 @@ def write_plot(results: list[Result], meta: dict[str, Any], path: Path) -> bool:
         axis.set_xlabel("m = n = k")
         axis.grid(True, alpha=0.3)
 
-    dtypes = sorted({r.dtype for r in results}, key=DTYPES.index)
+    dtypes = sorted({r.dtype for r in results}, key=BENCH_DTYPES.index)
     title = f"matmul kernels vs cuBLAS: {meta['device']}, {meta['date']}"
     return draw_panels(path, title, dtypes, 5, panel)
 
@@ -322,8 +396,8 @@ def intensity(r: Result) -> float:
 def write_roofline_plot(results: list[Result], meta: dict[str, Any], path: Path) -> bool:
     """Achieved GFLOP/s against arithmetic intensity on log-log axes, one panel per dtype, one point per kernel and
     shape, under the compute roof (the FMA lanes' peak) and the memory roof (DRAM bandwidth x intensity) where the
-    JSON has them; False when matplotlib is absent."""
-    timed = [r for r in results if r.gflops is not None]
+    JSON has them; False when matplotlib is absent or no float row was timed (int8 has no roof here)."""
+    timed = [r for r in results if r.gflops is not None and r.dtype in DTYPES]  # the FMA lanes' roofs: floats'
 
     def panel(axis: Any, dtype: str) -> None:
         points = [(label(r.kernel, r), intensity(r), r.gflops) for r in timed if r.dtype == dtype]
@@ -345,7 +419,7 @@ def write_roofline_plot(results: list[Result], meta: dict[str, Any], path: Path)
         axis.grid(True, which="both", alpha=0.3)
 
     dtypes = sorted({r.dtype for r in timed}, key=DTYPES.index)
-    return draw_panels(path, f"roofline: {meta['device']}, {meta['date']}", dtypes, 5.5, panel)
+    return bool(dtypes) and draw_panels(path, f"roofline: {meta['device']}, {meta['date']}", dtypes, 5.5, panel)
 
 
 def roofline_path(path: Path) -> Path:
@@ -361,11 +435,10 @@ def replot(path: Path) -> int:
         Result(**{key: value for key, value in row.items() if key != "rel_error"}) for row in document["results"]
     ]
     meta = document["meta"]
-    if not (
-        write_plot(results, meta, path.with_suffix(".png")) and write_roofline_plot(results, meta, roofline_path(path))
-    ):
+    if not write_plot(results, meta, path.with_suffix(".png")):
         print("matplotlib is not installed", file=sys.stderr)
         return 1
+    write_roofline_plot(results, meta, roofline_path(path))
     return 0
 
 
@@ -378,7 +451,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         f"{MMA_SYNC} and {WGMMA} in the --precisions, {DMMA} in float64",
     )
     parser.add_argument("--sizes", default=",".join(map(str, SQUARE_SIZES)), help="square sides, comma-separated")
-    parser.add_argument("--dtypes", default=",".join(DTYPES), help="float32, float64 or both")
+    parser.add_argument(
+        "--dtypes", default=",".join(DTYPES), help=f"float32, float64, {INT8} (exact, into int32): comma-separated"
+    )
     parser.add_argument("--no-odd", action="store_true", help="leave out the odd shapes")
     parser.add_argument(
         "--configs",
@@ -409,8 +484,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.error(f"--precisions: {exc}")
     args.sizes = [int(s) for s in args.sizes.split(",") if s]
     args.dtypes = [d for d in args.dtypes.split(",") if d]
-    if any(d not in DTYPES for d in args.dtypes):
-        parser.error(f"dtypes must be among {DTYPES}")
+    if any(d not in BENCH_DTYPES for d in args.dtypes):
+        parser.error(f"dtypes must be among {list(BENCH_DTYPES)}")
     if args.repeats < 10:
         parser.error("--repeats must be at least 10: the median of fewer is noise")
     return args
@@ -430,15 +505,13 @@ def main(argv: list[str] | None = None) -> int:
     json_path.write_text(
         json.dumps({"meta": meta, "results": [asdict(r) for r in results]}, indent=1) + "\n", encoding="utf-8"
     )
-    plotted = (
-        not args.check_only
-        and write_plot(results, meta, json_path.with_suffix(".png"))
-        and write_roofline_plot(results, meta, roofline_path(json_path))
-    )
+    drawn = []
+    if not args.check_only and write_plot(results, meta, json_path.with_suffix(".png")):
+        drawn.append(json_path.with_suffix(".png").name)
+    if not args.check_only and write_roofline_plot(results, meta, roofline_path(json_path)):
+        drawn.append(roofline_path(json_path).name)
     summary = f"\n{meta['device']}, {meta['date']}, {meta['wall_s']} s; wrote {json_path}" + (
-        f", {json_path.with_suffix('.png').name} and {roofline_path(json_path).name}"
-        if plotted
-        else " (no PNG: nothing was timed, or matplotlib is not installed)"
+        f", {' and '.join(drawn)}" if drawn else " (no PNG: nothing was timed, or matplotlib is not installed)"
     )
     print(summary)
     print(HEADER)

@@ -64,6 +64,54 @@ def test_a_product_missing_one_term_fails_the_bound(launcher: Any, kernel: str, 
     assert Reference.of(a, b, np.float32, precision).mismatch(short) is not None
 
 
+# the edge shapes; k = 0; k a multiple of 16 (A read as it is) and not; k far past a tile of 128; ragged edges
+INT8_SHAPES = [*EDGE_SHAPES, (67, 0, 39), (3, 17, 5), (129, 100, 257), (255, 129, 511), (64, 5000, 96),
+               (33, 12345, 65), (1000, 1024, 999), (2048, 2048, 2048)]  # fmt: skip
+
+
+@pytest.mark.parametrize("transposed", [False, True], ids=["rows", "transposed"])
+def test_int8_operands_are_copied_as_they_are_into_rows_of_16_elements(launcher: Any, transposed: bool) -> None:
+    import cupy as cp
+
+    x = np.random.default_rng(12).integers(-128, 128, (67, 45), np.int8)
+    (part,) = launcher.tensor_cores.converted(tensorcore.WGMMA_INT8, cp.asarray(x), transposed=transposed)
+    source = x.T if transposed else x
+    rows, k = source.shape
+    assert part.dtype == np.int8 and part.shape == (rows, 48 if k == 45 else 80)  # k padded to 16 elements
+    np.testing.assert_array_equal(cp.asnumpy(part)[:, :k], source)
+
+
+@pytest.mark.parametrize("values", ["uniform", "extremes"])
+@pytest.mark.parametrize(("m", "k", "n"), INT8_SHAPES, ids=str)
+def test_wgmma_int8_products_are_exact(launcher: Any, m: int, k: int, n: int, values: str) -> None:
+    """int8 @ int8 into int32 equals the int64 product bit for bit, for values across int8's range and for
+    -128 and 127 alone (the largest products)."""
+    import cupy as cp
+
+    rng = np.random.default_rng(m * 7 + k * 3 + n)
+    if values == "uniform":
+        a, b = rng.integers(-128, 128, (m, k), np.int8), rng.integers(-128, 128, (k, n), np.int8)
+    else:
+        extremes = np.array([-128, 127], np.int8)
+        a, b = rng.choice(extremes, (m, k)), rng.choice(extremes, (k, n))
+    c = cp.full((m, n), -7, cp.int32)  # an element never written stays -7, which no product here is everywhere
+    launcher.tensor_cores.wgmma_int8(cp.asarray(a), cp.asarray(b), c)
+    np.testing.assert_array_equal(cp.asnumpy(c), a.astype(np.int64) @ b.astype(np.int64))
+
+
+def test_wgmma_int8_sums_up_to_the_longest_k_that_fits_and_refuses_one_more(launcher: Any) -> None:
+    import cupy as cp
+
+    longest = 131_071  # (-128) * (-128) * k <= 2^31 - 1
+    a, b = cp.full((3, longest), -128, cp.int8), cp.full((longest, 5), -128, cp.int8)
+    c = cp.zeros((3, 5), cp.int32)
+    launcher.tensor_cores.wgmma_int8(a, b, c)
+    assert (cp.asnumpy(c) == longest * 16_384).all()
+    longer = cp.ones((1, longest + 1), cp.int8)
+    with pytest.raises(ValueError, match="k = 131072: sums of int8 products pass int32 beyond k = 131071"):
+        launcher.tensor_cores.wgmma_int8(longer, longer.T.copy(), cp.zeros((1, 1), cp.int32))
+
+
 # odd k or n take the 8-byte copies, even both the 16-byte ones; several tiles of either instance
 FLOAT64_SHAPES = [*EDGE_SHAPES, (67, 0, 39), (130, 17, 258), (300, 2, 301), (257, 64, 129), (1000, 1001, 999)]
 
@@ -101,7 +149,8 @@ def test_the_operand_conversions_round_as_kernels_precision_does(
     rng = np.random.default_rng(11)
     x = (rng.standard_normal((67, 45)) * 10.0 ** rng.integers(-20, 20, (67, 45))).astype(np.float32)
     x.flat[:3] = [np.inf, -np.inf, np.nan]
-    converted = launcher.tensor_cores.converted(precision, cp.asarray(x), transposed=transposed)
+    config = tensorcore.WGMMA_CONFIGS[precision]
+    converted = launcher.tensor_cores.converted(config, cp.asarray(x), transposed=transposed)
     parts = [cp.asnumpy(part) for part in converted]
     source = x.T if transposed else x
     k = source.shape[1]

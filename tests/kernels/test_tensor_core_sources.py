@@ -15,7 +15,10 @@ from tests.kernels.test_kernel_sources import _nvrtc_missing
 
 SPILLS = re.compile(r"(?P<stores>\d+) bytes spill stores, (?P<loads>\d+) bytes spill loads")
 SOURCES = {
-    tensorcore.WGMMA_SOURCE: [config.expression() for config in tensorcore.WGMMA_CONFIGS.values()],
+    tensorcore.WGMMA_SOURCE: [
+        *(config.expression() for config in tensorcore.WGMMA_CONFIGS.values()),
+        tensorcore.WGMMA_INT8.expression(),
+    ],
     tensorcore.MMA_SYNC_SOURCE: [config.expression() for config in tensorcore.MMA_SYNC_CONFIGS.values()],
     tensorcore.DMMA_SOURCE: [config.expression() for config in tensorcore.DMMA_CONFIGS.values()],
     tensorcore.OPERANDS_SOURCE: tensorcore.conversion_expressions(),
@@ -36,7 +39,7 @@ def test_compiles_for_sm90a_without_spilling(source: str) -> None:
 
 def test_every_tensor_core_precision_has_an_instance_that_fits_in_shared_memory() -> None:
     assert set(tensorcore.WGMMA_CONFIGS) == {precision for precision in Precision if precision is not Precision.FP32}
-    for config in tensorcore.WGMMA_CONFIGS.values():
+    for config in (*tensorcore.WGMMA_CONFIGS.values(), tensorcore.WGMMA_INT8):
         assert config.smem_bytes() <= MAX_DYNAMIC_SMEM
         # a tile row is one 128-byte swizzle span, and a TMA box has at most 256 rows
         assert config.tile_k * config.element_bytes == tensorcore.ROW_BYTES
@@ -52,6 +55,19 @@ def test_rows_are_padded_to_the_copy_engines_16_bytes(precision: Precision, k: i
     config = tensorcore.WGMMA_CONFIGS[precision]
     assert config.padded_k(k) == padded
     assert (config.padded_k(k) * config.element_bytes) % tensorcore.STRIDE_ALIGNMENT == 0
+
+
+@pytest.mark.parametrize(("k", "padded"), [(1, 16), (16, 16), (17, 32), (4099, 4112)])
+def test_int8_rows_are_padded_to_16_elements(k: int, padded: int) -> None:
+    assert tensorcore.WGMMA_INT8.padded_k(k) == padded
+    assert tensorcore.WGMMA_INT8.tile_k == 128
+    assert tensorcore.WGMMA_INT8.expression() == "matmul_wgmma<3, 256, 4, false>"
+
+
+def test_int8_sums_fit_int32_up_to_k_131071() -> None:
+    """k products of (-128) * (-128) = 16384 each: 131071 of them are 2^31 - 16384, one more passes 2^31 - 1."""
+    assert tensorcore.int8_fits(131_071) and not tensorcore.int8_fits(131_072)
+    assert 131_071 * 16_384 <= 2**31 - 1 < 131_072 * 16_384
 
 
 def test_one_block_per_tile_of_c() -> None:

@@ -64,3 +64,26 @@ def test_a_run_that_recorded_no_peaks_gets_its_points_without_roofs(tmp_path: Pa
     path = tmp_path / "roofline.png"
     assert bench.write_roofline_plot(fabricated_results(), meta, path)
     assert path.read_bytes().startswith(PNG_MAGIC)
+
+
+def test_int8_rows_get_their_gflops_panel_and_no_roofline(tmp_path: Path) -> None:
+    """int8 products have no FMA roof: a JSON of int8 rows alone draws its GFLOP/s plot and no roofline."""
+    rows = [
+        bench.Result(kernel, config, "int8", n, n, n, ms, 2 * n**3 / ms / 1e6, 1.0, 0.0, precision="int8")
+        for n in (2048, 4096)
+        for kernel, config, ms in (("cublas", "", 0.1), ("wgmma", "", 0.08), ("wgmma", "B^T given", 0.07))
+    ]
+    path = tmp_path / "bench_kernels.json"
+    path.write_text(json.dumps({"meta": META, "results": [asdict(r) for r in rows]}))
+    assert bench.main(["--replot", str(path)]) == 0
+    assert (tmp_path / "bench_kernels.png").read_bytes().startswith(PNG_MAGIC)
+    assert not (tmp_path / "bench_kernels_roofline.png").exists()
+
+
+@pytest.mark.parametrize(("dtypes", "accepted"), [("int8", True), ("float32,int8", True), ("int16", False)])
+def test_int8_is_a_dtype_the_sweep_takes(dtypes: str, accepted: bool) -> None:
+    if accepted:
+        assert bench.parse_args(["--dtypes", dtypes]).dtypes == dtypes.split(",")
+    else:
+        with pytest.raises(SystemExit):
+            bench.parse_args(["--dtypes", dtypes])
