@@ -25,6 +25,7 @@ from app.api import grpc as grpc_front
 from app.api.v2.statistics import InferenceStatistics
 from app.config import Settings
 from app.engine import DeviceWorker, EngineState
+from app.errors import NotReady
 from app.metrics import ServiceMetrics
 from matmul_tools.service import free_port, running_server, uvicorn_command
 from numerics.precision import Precision
@@ -214,7 +215,12 @@ def test_system_shared_memory_holds_the_operands_and_the_product(triton: grpccli
         assert placed.parameters["shared_memory_offset"].int64_param == c_at
         c = shm.get_contents_as_numpy(handle, np.float32, [a.shape[0], b.shape[1]], offset=c_at)
         assert_close_to_reference(c, a, b, np.dtype(np.float32))
+        other = f"{name}-other"  # a second region over the same object: status and unregister of one by name
+        triton.register_system_shared_memory(other, f"/{name}", size)
+        assert list(triton.get_system_shared_memory_status(name).regions) == [name]
         triton.unregister_system_shared_memory(name)
+        assert list(triton.get_system_shared_memory_status().regions) == [other]
+        triton.unregister_system_shared_memory(other)
         assert name not in triton.get_system_shared_memory_status().regions
         with pytest.raises(InferenceServerException, match=f"no shared-memory region named '{name}'"):
             triton.infer("matmul", inputs, outputs=[output])
@@ -445,3 +451,56 @@ async def test_with_a_valid_key_every_rpc_gets_past_the_key(
 @pytest.mark.parametrize("rpc", OPEN_RPCS)
 async def test_the_probes_need_no_key(keyed_in_process: pb_grpc.GRPCInferenceServiceStub, rpc: str) -> None:
     assert (await getattr(keyed_in_process, rpc)(OPEN_RPCS[rpc])).ListFields()
+
+
+@pytest.mark.anyio
+async def test_readiness_is_false_while_the_engine_is_not_ready(monkeypatch: pytest.MonkeyPatch) -> None:
+    """ServerReady and ModelReady answer (no error) ready=False while the engine refuses work, True once it serves."""
+    async with (
+        serving_in_process(_in_process_settings()) as (address, engine, _),
+        grpc.aio.insecure_channel(address) as channel,
+    ):
+        stub = pb_grpc.GRPCInferenceServiceStub(channel)
+        model = pb.ModelReadyRequest(name="matmul")
+        assert (await stub.ServerReady(pb.ServerReadyRequest())).ready and (await stub.ModelReady(model)).ready
+
+        def compiling() -> None:
+            raise NotReady("the kernels are still compiling")
+
+        monkeypatch.setattr(engine, "check_ready", compiling)
+        assert not (await stub.ServerReady(pb.ServerReadyRequest())).ready
+        assert not (await stub.ModelReady(model)).ready
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize(
+    ("contents", "message"),
+    [("one raw contents too many", "1 raw input contents belong to no input"),
+     ("FP16 as typed contents", "input 'A' is FP16: send it as raw contents")],
+)  # fmt: skip
+async def test_raw_and_typed_contents_that_do_not_fit_the_inputs_are_refused_saying_why(
+    contents: str, message: str
+) -> None:
+    request = _infer_request(np.ones((2, 3), np.float32), np.ones((3, 2), np.float32))
+    if contents == "one raw contents too many":
+        request.raw_input_contents.append(bytes(4))
+    else:
+        del request.raw_input_contents[0]
+        request.inputs[0].datatype = "FP16"
+        request.inputs[0].contents.fp32_contents.extend([1.0] * 6)
+    async with (
+        serving_in_process(_in_process_settings()) as (address, _, _),
+        grpc.aio.insecure_channel(address) as channel,
+    ):
+        with pytest.raises(grpc.aio.AioRpcError) as raised:
+            await pb_grpc.GRPCInferenceServiceStub(channel).ModelInfer(request)
+    assert (raised.value.code(), raised.value.details()) == (grpc.StatusCode.INVALID_ARGUMENT, message)
+
+
+@pytest.mark.anyio
+async def test_binary_metadata_beside_the_key_is_read_as_bytes(
+    keyed_in_process: pb_grpc.GRPCInferenceServiceStub,
+) -> None:
+    """gRPC hands "-bin" metadata values over as bytes: a call carrying some beside its key is served."""
+    metadata = [("trace-context-bin", b"\x00\x01"), ("x-api-key", "first")]
+    assert (await keyed_in_process.ServerMetadata(pb.ServerMetadataRequest(), metadata=metadata)).name

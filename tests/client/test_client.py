@@ -249,12 +249,35 @@ def test_after_an_answer_that_says_connection_close_the_next_product_goes_on_a_n
 
 
 def test_503_is_unavailable_with_retry_after(stub: Callable[..., Stub]) -> None:
-    body = {"code": "overloaded", "message": "the worker's queue is full (64 waiting)", "location": None}
+    body = {"code": "overloaded", "message": "the worker's queue is full (64 waiting)", "location": ["queue"]}
     server = stub(http_answer(503, orjson.dumps(body), "retry-after: 2", "content-type: application/json"))
     with MatmulClient(server.url) as client, pytest.raises(Unavailable) as caught:
         client.matmul(np.ones((1, 1)), np.ones((1, 1)))
     assert isinstance(caught.value, ServerError)
-    assert (caught.value.code, caught.value.message, caught.value.retry_after_s) == ("overloaded", body["message"], 2)
+    assert (caught.value.status, caught.value.code, caught.value.message) == (503, "overloaded", body["message"])
+    assert (caught.value.location, caught.value.retry_after_s) == (["queue"], 2)
+
+
+def test_the_servers_error_to_an_info_request_is_raised_with_its_status(stub: Callable[..., Stub]) -> None:
+    body = {"code": "unauthorized", "message": "this server needs an API key", "location": None}
+    server = stub(http_answer(401, orjson.dumps(body), "content-type: application/json"))
+    with MatmulClient(server.url) as client, pytest.raises(RequestRejected) as caught:
+        client.info()
+    assert (caught.value.status, caught.value.code, caught.value.message) == (401, "unauthorized", body["message"])
+
+
+@pytest.mark.parametrize(
+    ("body", "words"),
+    [(b"[" + b"1," * 100 + b"1]", "a 200 answer that is not a JSON object: " + repr((b"[" + b"1," * 100)[:100])),
+     (b"{not json", "a 200 answer that is not JSON: ")],
+)  # fmt: skip
+def test_an_info_answer_that_is_not_a_json_object_is_a_protocol_error(
+    stub: Callable[..., Stub], body: bytes, words: str
+) -> None:
+    server = stub(http_answer(200, body, "content-type: application/json"))
+    with MatmulClient(server.url) as client, pytest.raises(httpx.RemoteProtocolError) as caught:
+        client.info()
+    assert words in str(caught.value)
 
 
 def test_an_answer_not_from_the_service_is_still_a_typed_error(stub: Callable[..., Stub]) -> None:
@@ -470,6 +493,28 @@ async def test_async_client_every_format(served_url: str, format: RequestFormat)
         with pytest.raises(RequestRejected, match="inner dimensions differ"):
             await client.matmul(a, a)
         assert (await client.info())["backend"] == "cpu"
+
+
+@pytest.mark.anyio
+async def test_async_calls_run_on_the_clients_own_threads_with_the_format_asked(stub: Callable[..., Stub]) -> None:
+    """Each call of the asyncio client runs on one of its own threads (as many as its connections), and a format
+    named for one call is the one its body is sent in."""
+    c = np.arange(4.0).reshape(2, 2)
+    server = stub(npy_answer(c))
+    async with AsyncMatmulClient(server.url, connections=2) as client:
+        threads = set()
+        real = client._client.multiply
+
+        def recording(*args: Any, **kwargs: Any) -> Any:
+            threads.add(threading.current_thread().name)
+            return real(*args, **kwargs)
+
+        client._client.multiply = recording  # type: ignore[method-assign]
+        np.testing.assert_array_equal(await client.matmul(np.ones((2, 2)), np.ones((2, 2)), format="json"), c)
+        await client.multiply_many([(np.ones((2, 2)), np.ones((2, 2)))] * 4, format="npz")
+    assert threads and all(name.startswith("matmul-client") for name in threads), threads
+    content_types = [re.search(rb"Content-Type: ([^;\r]+)", head)[1] for head, _ in server.requests]  # type: ignore[index]
+    assert content_types == [b"application/json"] + [b"application/x-npz"] * 4
 
 
 def test_parse_server_timing() -> None:
