@@ -70,11 +70,15 @@ def client_main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--kernel", help="a kernel the server has (GET /v1/kernels); default: the server's auto")
     parser.add_argument("--tile", type=int, help="tile width, for the tiled kernel")
-    parser.add_argument("--dtype", choices=["float32", "float64"], help="working dtype (default: from the operands)")
+    parser.add_argument(
+        "--dtype",
+        choices=["float32", "float64", "int32"],
+        help="working dtype (default: from the operands; two int8 operands: int32, their exact product)",
+    )
     parser.add_argument(
         "--precision",
-        choices=["fp32", "tf32", "3xtf32", "bf16", "fp16"],
-        help="how the multiplier rounds float32 operands (default: fp32, as they are)",
+        choices=["fp32", "tf32", "3xtf32", "bf16", "fp16", "int8"],
+        help="how the multiplier rounds float32 operands (default: fp32, as they are); int8: int8 operands, exactly",
     )
     parser.add_argument(
         "--format", choices=FORMATS, default="npy", help="request body: npy (multipart, the default), json or npz"

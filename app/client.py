@@ -559,6 +559,15 @@ class _Connections:
             connection.close()
 
 
+def _typed(a: np.ndarray, b: np.ndarray, format: RequestFormat, options: Options) -> Options:
+    """`options`, with dtype int32 added for two int8 operands sent as JSON numbers (which carry no dtype) when
+    neither a dtype nor a precision is named: the exact product the server gives them as `.npy` or `.npz`."""
+    named = options.get("dtype") is not None or options.get("precision") is not None
+    if format == "json" and not named and a.dtype == b.dtype == np.dtype(np.int8):
+        return {**options, "dtype": "int32"}
+    return options
+
+
 def _product_path(options: Options) -> str:
     params = {key: str(value) for key, value in options.items() if value is not None}
     return "/matmul" + (f"?{urlencode(params)}" if params else "")
@@ -602,7 +611,8 @@ class MatmulClient:
         self, a: np.ndarray, b: np.ndarray, *, format: RequestFormat | None = None, **options: Unpack[Options]
     ) -> Product:
         """C = A @ B with the kernel, tile, device and timing the server reported."""
-        return self.send(encode_payload(a, b, format or self.format), **options)
+        chosen = format or self.format
+        return self.send(encode_payload(a, b, chosen), **_typed(a, b, chosen, options))
 
     def multiply_many(
         self,

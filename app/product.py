@@ -10,8 +10,8 @@ from typing import Literal
 
 from pydantic import BaseModel, Field
 
-DtypeName = Literal["float32", "float64"]
-PrecisionName = Literal["fp32", "tf32", "3xtf32", "bf16", "fp16"]
+DtypeName = Literal["float32", "float64", "int32"]
+PrecisionName = Literal["fp32", "tf32", "3xtf32", "bf16", "fp16", "int8"]
 BackendName = Literal["cpu", "gpu"]
 
 
@@ -75,7 +75,9 @@ class ErrorBound(BaseModel):
     constant: float = Field(description="c, the headroom of the statistical bound (4).")
     input_error: float = Field(description="What the precision's rounding of A and B adds per term (0 for fp32).")
     sums: float = Field(description="How many sums of k terms make an element (1; 1.25 for 3xtf32).")
-    unit_roundoff: float = Field(description="u of the sums: 2^-24 in float32, 2^-53 in float64.")
+    unit_roundoff: float = Field(
+        description="u of the sums: 2^-24 in float32, 2^-53 in float64, 0 in int32 (exact: the bound is 0)."
+    )
 
 
 class MatmulMetadata(BaseModel):
@@ -85,7 +87,8 @@ class MatmulMetadata(BaseModel):
     dtype: DtypeName
     precision: PrecisionName = Field(
         description="How the multiplier saw the operands: fp32 (as they are, also for float64), or rounded for the "
-        "tensor cores (tf32, bf16, fp16; 3xtf32: split into two TF32 parts)."
+        "tensor cores (tf32, bf16, fp16; 3xtf32: split into two TF32 parts); int8 for an int32 product, the exact "
+        "sums of int8 operands."
     )
     error_bound: ErrorBound
     kernel: str = Field(description="The kernel that ran (what `auto` resolved to).")

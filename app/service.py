@@ -22,19 +22,35 @@ from app.engine.base import AUTO
 from app.errors import InvalidParameter, ShapeMismatch
 from app.product import BackendName, DtypeName, ErrorBound, MatmulMetadata, RooflineModel, Timing
 from app.shared_memory import Matrix, SharedOutput
-from numerics.precision import Precision, float32_sums, input_error
+from numerics.precision import (
+    INT8_MAX_K,
+    INT8_PRODUCT,
+    PRECISIONS_OF,
+    Precision,
+    float32_sums,
+    input_error,
+    int8_fits,
+)
 from numerics.reference import BOUND_CONSTANT, unit_roundoff
 from numerics.roofline import roofline
 
-WORKING_DTYPES: dict[str, np.dtype] = {"float32": np.dtype(np.float32), "float64": np.dtype(np.float64)}
+WORKING_DTYPES: dict[str, np.dtype] = {
+    "float32": np.dtype(np.float32),
+    "float64": np.dtype(np.float64),
+    INT8_PRODUCT: np.dtype(np.int32),
+}
 DEFAULT_DTYPE = "float32"
+INT8 = np.dtype(np.int8)
 
 
 def requested_precision(requested: str | None, working: np.dtype, operands: Operands) -> Precision:
-    """The precision asked for, which must be one of numerics/precision.py's; the tensor-core ones take float32
-    operands. When none is asked for: fp16 for two float16 operands multiplied in float32 (their natural precision,
-    in which rounding them changes nothing), else fp32."""
+    """The precision asked for, which must be one the working dtype is computed in (numerics/precision.py's
+    `PRECISIONS_OF`): the tensor-core ones take float32 operands, int8 is int32's own. When none is asked for: fp16
+    for two float16 operands multiplied in float32 (their natural precision, in which rounding them changes nothing),
+    int8 for an int32 product, else fp32."""
     if requested is None:
+        if working.name == INT8_PRODUCT:
+            return Precision.INT8
         float16 = np.dtype(np.float16)
         natural = working == np.dtype(np.float32) and all(
             m.dtype.newbyteorder("=") == float16 for m in (operands.a, operands.b)
@@ -47,7 +63,13 @@ def requested_precision(requested: str | None, working: np.dtype, operands: Oper
             f"precision '{requested}' is not supported; choose one of {[str(p) for p in Precision]}",
             location=["precision"],
         ) from None
-    if precision is not Precision.FP32 and working != np.dtype(np.float32):
+    if precision is Precision.INT8 and working.name != INT8_PRODUCT:
+        raise InvalidParameter(
+            f"precision int8 multiplies int8 operands into an exact {INT8_PRODUCT} product, and this product's dtype "
+            f"is {working}: ask for dtype {INT8_PRODUCT}, or leave dtype out",
+            location=["precision"],
+        )
+    if precision not in PRECISIONS_OF[working.name]:
         raise InvalidParameter(
             f"precision {precision} computes from float32 operands, and this product's dtype is {working}: send "
             "float32 operands or ask for dtype float32",
@@ -68,8 +90,20 @@ def check_product(a: Matrix, b: Matrix, limits: Limits) -> None:
     check_shape((m, n), "result", limits, max_elements=limits.max_result_elements)
 
 
-def working_dtype(requested: str | None, operands: Operands) -> np.dtype:
-    """The dtype the product is computed in: the one requested, else float64 if a typed operand is, else float32."""
+def check_sums_fit(k: int, working: np.dtype) -> None:
+    """An int32 product's sums of k int8 products cannot pass int32's range (numerics/precision.py), before launch."""
+    if working.name == INT8_PRODUCT and not int8_fits(k):
+        raise ShapeMismatch(
+            f"k = {k}: an {INT8_PRODUCT} product of int8 operands sums k products of up to 128 * 128, which int32 "
+            f"holds for k up to {INT8_MAX_K}; split the product along k",
+            location=["a", 1],
+        )
+
+
+def working_dtype(requested: str | None, precision: str | None, operands: Operands) -> np.dtype:
+    """The dtype the product is computed in: the one requested; else int32 when precision int8 is asked for or both
+    operands were sent as int8 (their exact product: an int8 pair never silently becomes float); else float64 if a
+    typed operand is; else float32."""
     if requested is not None:
         try:
             return WORKING_DTYPES[requested]
@@ -79,6 +113,8 @@ def working_dtype(requested: str | None, operands: Operands) -> np.dtype:
                 location=["dtype"],
             ) from None
     native = (operands.a.dtype.newbyteorder("="), operands.b.dtype.newbyteorder("="))
+    if precision == Precision.INT8.value or (operands.typed and native == (INT8, INT8)):
+        return WORKING_DTYPES[INT8_PRODUCT]
     if operands.typed and np.dtype(np.float64) in native:
         return WORKING_DTYPES["float64"]
     return WORKING_DTYPES[DEFAULT_DTYPE]
@@ -215,7 +251,8 @@ class MatmulService:
         settings' request timeout, which is also the default)."""
         a, b = operands.a, operands.b
         check_product(a, b, self.limits)
-        working = working_dtype(options.dtype, operands)
+        working = working_dtype(options.dtype, options.precision, operands)
+        check_sums_fit(a.shape[1], working)
         precision = requested_precision(options.precision, working, operands)
         (m, k), n = a.shape, b.shape[1]
         queue_s = self.max_queue_s if deadline_s is None else min(deadline_s, self.max_queue_s)

@@ -4,13 +4,16 @@ registry.py, the tensor-core kernels' in tensorcore.py; cuBLAS is cuBLAS (cublas
 launches every rung by its name; the GPU backend lists and plans its kernels from here, and the CPU backend names the
 GPU kernels its emulations stand for from here.
 
-    rung          launcher       dtypes             precisions                   devices
-    naive ..      fma            float32, float64   fp32                         every CUDA GPU
+    rung          launcher       dtypes                    precisions                         devices
+    naive ..      fma            float32, float64          fp32                               every CUDA GPU
     fast
-    mma_sync      tensor_core    float32            tf32, bf16, fp16             compute capability 9.0
-    wgmma         tensor_core    float32            tf32, 3xtf32, bf16, fp16     compute capability 9.0
-    dmma          tensor_core    float64            fp32 (float64's own)         compute capability 9.0
-    cublas        cublas         float32, float64   every one                    every CUDA GPU
+    mma_sync      tensor_core    float32                   tf32, bf16, fp16                   compute capability 9.0
+    wgmma         tensor_core    float32, int32            tf32, 3xtf32, bf16, fp16, int8     compute capability 9.0
+    dmma          tensor_core    float64                   fp32 (float64's own)               compute capability 9.0
+    cublas        cublas         float32, float64, int32   every one                          every CUDA GPU
+
+A rung computes a product of one of its dtypes in those of its precisions that the dtype takes
+(numerics/precision.py's `PRECISIONS_OF`): int32 from int8 operands, float64 in its own, float32 in the others.
 """
 
 from __future__ import annotations
@@ -21,11 +24,13 @@ from typing import Literal
 
 from kernels import tensorcore
 from kernels.registry import KERNELS
-from numerics.precision import Precision
+from numerics.precision import FLOAT_PRECISIONS, INT8_PRODUCT, PRECISIONS_OF, Precision
 
 CUBLAS = "cublas"
 DTYPES = ("float32", "float64")
-TENSOR_CORE_PRECISIONS = tuple(precision for precision in Precision if precision is not Precision.FP32)
+"""The float dtypes, which every FMA kernel computes in."""
+TENSOR_CORE_PRECISIONS = tuple(precision for precision in FLOAT_PRECISIONS if precision is not Precision.FP32)
+"""The tensor cores' roundings of float32 operands."""
 
 Launcher = Literal["fma", "tensor_core", "cublas"]
 
@@ -51,14 +56,27 @@ class Rung:
     def runs_on(self, compute_capability: tuple[int, int]) -> bool:
         return self.compute_capability in (None, compute_capability)
 
+    def computes(self, dtype: str, precision: Precision) -> bool:
+        """Whether it computes a product of `dtype` in `precision`."""
+        return dtype in self.dtypes and precision in self.precisions and precision in PRECISIONS_OF[dtype]
 
-def _tensor_core(name: str, summary: str, dtype: str, precisions: tuple[Precision, ...]) -> Rung:
+    def modes(self) -> list[tuple[str, Precision]]:
+        """Every (dtype, precision) it computes in."""
+        return [
+            (dtype, precision)
+            for dtype in self.dtypes
+            for precision in self.precisions
+            if self.computes(dtype, precision)
+        ]
+
+
+def _tensor_core(name: str, summary: str, dtypes: tuple[str, ...], precisions: tuple[Precision, ...]) -> Rung:
     """A rung of kernels/tensorcore.py: sm_90a machine code, which only compute capability 9.0 runs."""
     return Rung(
         name,
         summary,
         "tensor_core",
-        dtypes=(dtype,),
+        dtypes=dtypes,
         precisions=precisions,
         compute_capability=tensorcore.COMPUTE_CAPABILITY,
     )
@@ -73,14 +91,21 @@ RUNGS: MappingProxyType[str, Rung] = MappingProxyType(
                 for spec in KERNELS.values()
             ),
             _tensor_core(
-                tensorcore.MMA_SYNC, tensorcore.MMA_SYNC_SUMMARY, "float32", tuple(tensorcore.MMA_SYNC_CONFIGS)
+                tensorcore.MMA_SYNC, tensorcore.MMA_SYNC_SUMMARY, ("float32",), tuple(tensorcore.MMA_SYNC_CONFIGS)
             ),
-            _tensor_core(tensorcore.WGMMA, tensorcore.WGMMA_SUMMARY, "float32", TENSOR_CORE_PRECISIONS),
-            _tensor_core(tensorcore.DMMA, tensorcore.DMMA_SUMMARY, "float64", (Precision.FP32,)),
+            _tensor_core(
+                tensorcore.WGMMA,
+                tensorcore.WGMMA_SUMMARY,
+                ("float32", INT8_PRODUCT),
+                (*TENSOR_CORE_PRECISIONS, Precision.INT8),
+            ),
+            _tensor_core(tensorcore.DMMA, tensorcore.DMMA_SUMMARY, ("float64",), (Precision.FP32,)),
             Rung(
                 CUBLAS,
-                "cuBLAS: cupy.matmul in fp32 (TF32 off), GemmEx in the precision's types: the reference.",
+                "cuBLAS: cupy.matmul in fp32 (TF32 off), GemmEx in the precision's types (int8: IMMA, k a multiple "
+                "of 4): the reference.",
                 "cublas",
+                dtypes=(*DTYPES, INT8_PRODUCT),
                 precisions=tuple(Precision),
             ),
         )

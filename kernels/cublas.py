@@ -52,9 +52,13 @@ def _device_conversion(name: str) -> Any:
 def cublas_product(a: Any, b: Any, c: Any, precision: Precision) -> None:
     """c = a @ b by cuBLAS in `precision` (CuPy float32 arrays, 2-D, C-contiguous), on the current stream: GemmEx
     with the precision's operand types and compute type, float32 sums and C; 3xtf32 as three TF32 products of the
-    split operands, the two small ones first. The reference each own kernel is measured against, in its mode."""
+    split operands, the two small ones first; int8 `cublas_int8_product`. The reference each own kernel is measured
+    against, in its mode."""
     import cupy as cp
 
+    if precision is Precision.INT8:
+        cublas_int8_product(a, b, c)
+        return
     if precision is Precision.FP32:
         cp.matmul(a, b, out=c)
         return
@@ -84,6 +88,10 @@ def cublas_product(a: Any, b: Any, c: Any, precision: Precision) -> None:
         gemm(convert(a), convert(b), CUDA_R_16BF, CUBLAS_COMPUTE_32F, zero)
     else:
         gemm(a.astype(cp.float16), b.astype(cp.float16), CUDA_R_16F, CUBLAS_COMPUTE_32F, zero)
+
+
+INT8_K_MULTIPLE = 4
+"""cuBLAS's int8 GEMM takes rows of A and B^T whose length k is a multiple of 4 (CUBLAS_STATUS_NOT_SUPPORTED else)."""
 
 
 def cublas_int8_product(a: Any, b: Any, c: Any, *, b_transposed: bool = False) -> None:

@@ -21,7 +21,7 @@ from kernels import tensorcore, tma
 from kernels.catalogue import RUNGS, Rung, rungs_on
 from kernels.cublas import cublas_product
 from kernels.registry import KERNELS, STATIC_SMEM_LIMIT, KernelSpec, LaunchConfig, cdiv, read_kernel_source
-from numerics.precision import Precision
+from numerics.precision import INT8_MAX_K, Precision, int8_fits, operand_dtype
 
 COMPILE_OPTIONS = ("-std=c++17",)
 Key = TypeVar("Key")
@@ -120,16 +120,17 @@ class Launcher:
         precision: Precision = Precision.FP32,
         config: LaunchConfig | None = None,
     ) -> None:
-        """c = a @ b by the rung `kernel` in `precision` on the current stream: CuPy arrays of one dtype, 2-D and
-        C-contiguous (3-D stacks for the FMA kernels that batch). `config` is the FMA kernel's instance (by default the
-        one its spec picks for the shape); the other rungs choose their own."""
+        """c = a @ b by the rung `kernel` in `precision` on the current stream: CuPy arrays, 2-D and C-contiguous
+        (3-D stacks for the FMA kernels that batch), a and b in the operand dtype of c's (int8 for int32, else c's
+        own). `config` is the FMA kernel's instance (by default the one its spec picks for the shape); the other rungs
+        choose their own."""
         if not self.runs(kernel):
             raise ValueError(f"kernel '{kernel}' does not run on this device; it runs {[r.name for r in self.rungs]}")
         rung = RUNGS[kernel]
-        if a.dtype.name not in rung.dtypes:
-            raise ValueError(f"kernel '{kernel}' computes in {', '.join(rung.dtypes)}, not {a.dtype}")
-        if precision not in rung.precisions or (a.dtype.name == "float64" and precision is not Precision.FP32):
-            raise ValueError(f"kernel '{kernel}' does not compute {a.dtype} in precision {precision}")
+        if not rung.computes(c.dtype.name, precision):
+            raise ValueError(f"kernel '{kernel}' does not compute {c.dtype} in precision {precision}")
+        if not a.dtype == b.dtype == operand_dtype(c.dtype):
+            raise ValueError(f"{c.dtype} products take {operand_dtype(c.dtype)} operands, not {a.dtype}, {b.dtype}")
         if rung.launcher == "cublas":
             cublas_product(a, b, c, precision)
         elif rung.launcher == "fma":
@@ -208,30 +209,27 @@ class TensorCoreLibrary:
 
         self._cp = cupy
         self._wgmma: dict[Precision, Any] = {}
-        self._wgmma_int8: Any = None
         self._mma_sync: dict[Precision, Any] = {}
         self._dmma: dict[bool, Any] = {}
         self._conversions: dict[tuple[str, int], Any] = {}
         with tempfile.TemporaryDirectory(prefix="matmul-tensorcore-") as folder:
             place = Path(folder)
-            # one compilation for every instance; int8 has no precision (its products are exact): key None
-            configs: dict[Precision | None, tensorcore.WgmmaConfig] = {None: tensorcore.WGMMA_INT8}
-            for precision, config in tensorcore.WGMMA_CONFIGS.items():
-                configs[precision] = config
-            wgmma = self._load_instances(place, tensorcore.WGMMA_SOURCE, configs)
-            self._wgmma_int8 = wgmma.pop(None)
-            self._wgmma = {precision: function for precision, function in wgmma.items() if precision is not None}
+            # one compilation for every instance of a source, int8's among wgmma's
+            configs = {**tensorcore.WGMMA_CONFIGS, Precision.INT8: tensorcore.WGMMA_INT8}
+            self._wgmma = self._load_instances(place, tensorcore.WGMMA_SOURCE, configs)
             self._mma_sync = self._load_instances(place, tensorcore.MMA_SYNC_SOURCE, tensorcore.MMA_SYNC_CONFIGS)
             self._dmma = self._load_instances(place, tensorcore.DMMA_SOURCE, tensorcore.DMMA_CONFIGS)
             conversions = self._load(place, tensorcore.OPERANDS_SOURCE, tensorcore.conversion_expressions())
             for expression, function in conversions.items():
                 kernel, conversion = expression.removesuffix(">").split("<")
                 self._conversions[(kernel, int(conversion))] = function
-        self.instances = len(self._wgmma) + 1 + len(self._mma_sync) + len(self._dmma)
+        self.instances = len(self._wgmma) + len(self._mma_sync) + len(self._dmma)
 
     def launch(self, kernel: str, a: Any, b: Any, c: Any, precision: Precision) -> None:
         """c = a @ b by the tensor-core rung `kernel` (wgmma, mma_sync, dmma) in `precision`."""
-        if kernel == tensorcore.WGMMA:
+        if kernel == tensorcore.WGMMA and precision is Precision.INT8:
+            self.wgmma_int8(a, b, c)
+        elif kernel == tensorcore.WGMMA:
             self.wgmma(a, b, c, precision)
         elif kernel == tensorcore.MMA_SYNC:
             self.mma_sync(a, b, c, precision)
@@ -295,8 +293,8 @@ class TensorCoreLibrary:
         C-contiguous CuPy int8 arrays (b given as B^T, N x K, when `b_transposed`), c int32. ValueError where k is so
         long that a sum could pass int32's range."""
         k = a.shape[1]
-        if not tensorcore.int8_fits(k):
-            raise ValueError(f"k = {k}: sums of int8 products pass int32 beyond k = {tensorcore.INT32_MAX // 16384}")
+        if not int8_fits(k):
+            raise ValueError(f"k = {k}: sums of int8 products pass int32 beyond k = {INT8_MAX_K}")
         if _nothing_to_multiply(c, k):
             return
         config = tensorcore.WGMMA_INT8
@@ -308,7 +306,7 @@ class TensorCoreLibrary:
             return self.converted(config, x, transposed=False)
 
         b_parts = k_major(b) if b_transposed else self.converted(config, b, transposed=True)
-        self._launch_wgmma(self._wgmma_int8, config, k_major(a), b_parts, c, k)
+        self._launch_wgmma(self._wgmma[Precision.INT8], config, k_major(a), b_parts, c, k)
 
     def _launch_wgmma(
         self, function: Any, config: tensorcore.WgmmaConfig, a_parts: list[Any], b_parts: list[Any], c: Any, k: int

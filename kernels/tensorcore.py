@@ -20,7 +20,7 @@ from numerics.precision import Precision
 WGMMA = "wgmma"
 WGMMA_SUMMARY = (
     "Tensor cores (Hopper wgmma, sm_90a), fed by TMA bulk copies through a 4-stage mbarrier pipeline; operands "
-    "converted on the device first. Precisions tf32, 3xtf32, bf16, fp16."
+    "converted on the device first. Precisions tf32, 3xtf32, bf16, fp16; int8 operands into exact int32."
 )
 WGMMA_SOURCE = "wgmma.cu"
 OPERANDS_SOURCE = "operands.cu"
@@ -117,15 +117,6 @@ WGMMA_CONFIGS: MappingProxyType[Precision, WgmmaConfig] = MappingProxyType(
 WGMMA_INT8 = WgmmaConfig(OperandKind.S8, 256, 4, False, Conversion.COPY_S8)
 """int8 operands, int32 sums and C: 128-element rows of K, four stages of 128 x 256 tiles (the BF16 instance's
 bytes)."""
-INT8_LARGEST_PRODUCT = 128 * 128
-"""The largest magnitude of a product of two int8 values, (-128) * (-128): k of them must fit an int32."""
-INT32_MAX = 2**31 - 1
-
-
-def int8_fits(k: int) -> bool:
-    """Whether every int32 sum of k int8 products is exact: k * 128 * 128 <= 2^31 - 1."""
-    return k * INT8_LARGEST_PRODUCT <= INT32_MAX
-
 
 MMA_SYNC = "mma_sync"
 MMA_SYNC_SUMMARY = (

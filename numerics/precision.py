@@ -1,5 +1,5 @@
 """The precisions a float32 product may run in, what rounding each adds, and cuBLAS in each (the library every
-rung of the tensor-core ladder is measured against, in the same mode).
+rung of the tensor-core ladder is measured against, in the same mode); and int8, the exact integer product.
 
 Operands stay float32; a precision says how the multiplier sees them. The products are summed in float32 in every
 mode, so a precision adds to the float32 product's error one term, from rounding the operands, and 3xtf32 adds two
@@ -29,6 +29,10 @@ against the truncation unit), 1.09 for bf16, 1.22 for fp16 and 0.14 for 3xtf32, 
 leaves 3.3x headroom. The 1-norm form, e * (|A| @ |B|), would be as safe and, at k = 4096, sqrt(k)/c = 16 times too
 loose to tell bf16 from tf32.
 
+int8 is not a rounding: int8 operands multiplied on the integer tensor cores into int32 sums, exactly, for a product
+of dtype int32 (`PRECISIONS_OF`). Every term is at most 128 * 128 in magnitude, so k terms fit int32 while
+k * 128 * 128 <= 2^31 - 1 (`int8_fits`: k up to 131,071); past that a sum could wrap, and the product is refused.
+
 The conversions here use only array operations on the float32 bits, so they run as they are on NumPy and CuPy
 arrays (the tests emulate every mode on the CPU with them). cuBLAS in each mode is kernels/cublas.py.
 """
@@ -49,6 +53,40 @@ class Precision(StrEnum):
     TF32X3 = "3xtf32"
     BF16 = "bf16"
     FP16 = "fp16"
+    INT8 = "int8"
+
+
+FLOAT_PRECISIONS = tuple(precision for precision in Precision if precision is not Precision.INT8)
+"""The precisions of a float32 product: its own, and the tensor cores' roundings of its operands."""
+INT8_PRODUCT = "int32"
+"""The dtype of the exact product of int8 operands (precision int8): its int32 sums."""
+PRECISIONS_OF: dict[str, tuple[Precision, ...]] = {
+    "float32": FLOAT_PRECISIONS,
+    "float64": (Precision.FP32,),
+    INT8_PRODUCT: (Precision.INT8,),
+}
+"""Product dtype -> the precisions it may be computed in: float64 in its own alone ("fp32": no operand rounding),
+int32 from int8 operands alone."""
+INT8_OPERAND = np.dtype(np.int8)
+OPERAND_DTYPES: dict[str, np.dtype] = {INT8_PRODUCT: INT8_OPERAND}
+"""Product dtype -> the dtype its operands are multiplied in, where that is not the product's own."""
+
+
+def operand_dtype(product: np.dtype) -> np.dtype:
+    """The dtype a product's operands are staged and multiplied in: int8 for int32, else the product's own."""
+    return OPERAND_DTYPES.get(product.name, product)
+
+
+INT8_LARGEST_PRODUCT = 128 * 128
+"""The largest magnitude of a product of two int8 values, (-128) * (-128): k of them must fit an int32."""
+INT32_MAX = 2**31 - 1
+INT8_MAX_K = INT32_MAX // INT8_LARGEST_PRODUCT
+"""131,071: the longest sum of int8 products that int32 holds whatever the operands."""
+
+
+def int8_fits(k: int) -> bool:
+    """Whether every int32 sum of k int8 products is exact: k * 128 * 128 <= 2^31 - 1."""
+    return k <= INT8_MAX_K
 
 
 @dataclass(frozen=True)
@@ -98,7 +136,7 @@ format's `overflow` would be infinite there. fp16's range ends at 65504; bf16's 
 
 def input_error(precision: Precision) -> float:
     """The most the operands' rounding in `precision` adds to an element, relative to (|A| @ |B|) there."""
-    if precision is Precision.FP32:
+    if precision in (Precision.FP32, Precision.INT8):
         return 0.0
     if precision is Precision.TF32X3:
         u = TF32_UNIT_ROUNDOFF
@@ -166,7 +204,10 @@ _ROUNDING: dict[Precision, Callable[[Any], Any]] = {
 
 def emulate(a: Any, b: Any, precision: Precision) -> Any:
     """a @ b as `precision` computes it, with the float32 sums done in float64 (NumPy or CuPy): what the bound
-    allows for the rounding of the operands, and nothing for the sums; for tests of the bound."""
+    allows for the rounding of the operands, and nothing for the sums; for tests of the bound. int8: the exact
+    product, in int64, summed by float64 BLAS (`exact_int8_product` says why that is exact)."""
+    if precision is Precision.INT8:
+        return (a.astype(np.float64) @ b.astype(np.float64)).astype(np.int64)
     if precision is Precision.FP32:
         return a.astype(np.float64) @ b.astype(np.float64)
     if precision is Precision.TF32X3:
@@ -187,3 +228,10 @@ def float32_emulation(a: np.ndarray, b: np.ndarray, precision: Precision) -> np.
         return result
     rounded: np.ndarray = _ROUNDING[precision](a) @ _ROUNDING[precision](b)
     return rounded
+
+
+def exact_int8_product(a: np.ndarray, b: np.ndarray, out: np.ndarray) -> None:
+    """out (int32) = a @ b for int8 a and b, exactly, through float64 BLAS: every term and partial sum is an integer
+    of magnitude at most k * 128 * 128 <= 2^31 - 1 (`int8_fits`), far inside the 2^53 that float64 holds exactly, so
+    no sum rounds; NumPy's own integer matmul is exact too, but has no BLAS behind it."""
+    np.copyto(out, a.astype(np.float64) @ b.astype(np.float64), casting="unsafe")

@@ -60,15 +60,18 @@ from typing import Any
 import numpy as np
 from numpy.typing import DTypeLike
 
-from numerics.precision import Precision, float32_sums, input_error
+from numerics.precision import PRECISIONS_OF, Precision, float32_sums, input_error
 
 BOUND_CONSTANT = 4.0
 """c of the bound |C - R| <= c * sqrt(k) * u * (|A| @ |B|); see the module's docstring for why 4."""
 UNIT_ROUNDOFF = MappingProxyType(
-    {np.dtype(dtype): 2.0 ** -(np.finfo(dtype).nmant + 1) for dtype in (np.float32, np.float64)}
+    {
+        **{np.dtype(dtype): 2.0 ** -(np.finfo(dtype).nmant + 1) for dtype in (np.float32, np.float64)},
+        np.dtype(np.int32): 0.0,
+    }
 )
 """u of each working dtype: half the distance from 1 to the next number, the largest relative rounding error (2^-24
-and 2^-53, from the stored fraction bits)."""
+and 2^-53, from the stored fraction bits); 0 for int32, whose sums of int8 products are exact (the bound is 0)."""
 
 
 def unit_roundoff(dtype: DTypeLike) -> float:
@@ -98,13 +101,13 @@ class Reference:
             |C - R| <= c * (input_error * sqrt((A*A) @ (B*B)) + sums * sqrt(k) * u * (|A| @ |B|))
         """
         working = np.dtype(dtype)
-        if precision is not Precision.FP32 and working != np.dtype(np.float32):
-            raise ValueError(f"precision {precision} takes float32 operands, not {working}")
+        if precision not in PRECISIONS_OF[working.name]:
+            raise ValueError(f"a {working} product is not computed in precision {precision}")
         a_wide, b_wide = (x.astype(working).astype(np.float64) for x in (a, b))
         with np.errstate(invalid="ignore"):  # NaN or Inf operands: Inf * 0, Inf - Inf
             product, scale = a_wide @ b_wide, abs(a_wide) @ abs(b_wide)
         scale *= float32_sums(precision) * math.sqrt(a.shape[-1]) * unit_roundoff(working)
-        if precision is not Precision.FP32:
+        if input_error(precision):
             with np.errstate(invalid="ignore"):
                 scale += input_error(precision) * ((a_wide * a_wide) @ (b_wide * b_wide)) ** 0.5
         return cls(product=product, scale=scale, dtype=working, precision=precision)

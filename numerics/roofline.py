@@ -26,7 +26,7 @@ from types import MappingProxyType
 
 import numpy as np
 
-from numerics.precision import Precision
+from numerics.precision import Precision, operand_dtype
 
 FMA_LANES: MappingProxyType[tuple[int, int], tuple[int, int]] = MappingProxyType(
     {
@@ -45,13 +45,14 @@ arithmetic-instruction throughput table of the CUDA C++ Programming Guide. A cap
 TENSOR_CORE_MMAS: MappingProxyType[tuple[int, int], Mapping[str, int]] = MappingProxyType(
     {
         (7, 0): {"fp16": 512},
-        (8, 0): {"tf32": 512, "bf16": 1024, "fp16": 1024, "float64": 64},
-        (9, 0): {"tf32": 1024, "bf16": 2048, "fp16": 2048, "float64": 128},
+        (8, 0): {"tf32": 512, "bf16": 1024, "fp16": 1024, "int8": 2048, "float64": 64},
+        (9, 0): {"tf32": 1024, "bf16": 2048, "fp16": 2048, "int8": 4096, "float64": 128},
     }
 )
 """Compute capability -> dense tensor-core multiply-adds per clock per SM by input type (16-bit and TF32 inputs
-with float32 accumulation; float64 on DMMA), from NVIDIA's V100, A100 and H100 architecture whitepapers. Only
-the data-centre chips are listed: the others' rates with float32 accumulation differ by product line."""
+with float32 accumulation; int8 with int32 sums; float64 on DMMA), from NVIDIA's V100, A100 and H100 architecture
+whitepapers. Only the data-centre chips are listed: the others' rates with float32 accumulation differ by product
+line."""
 
 TF32_PRODUCTS_PER_3XTF32 = 3
 """3xtf32 returns one product for three TF32 products (big·big, big·small, small·big)."""
@@ -88,6 +89,7 @@ def gpu_peaks(
         Precision.TF32X3.value: tensor.get("tf32", 0) / TF32_PRODUCTS_PER_3XTF32,
         Precision.BF16.value: tensor.get("bf16", 0),
         Precision.FP16.value: tensor.get("fp16", 0),
+        Precision.INT8.value: tensor.get("int8", 0),
     }
     flops_per_s: dict[str, float | None] = {
         name: 2.0 * multiprocessors * mmas * clock_khz * 1e3 if multiprocessors and mmas and clock_khz else None
@@ -132,7 +134,11 @@ def roofline(
     memory (`LaunchConfig.global_elements`, or `minimum_global_elements` for a library or tensor-core kernel)."""
     m, n, k = shape
     flops = 2 * m * n * k
-    global_bytes = global_elements * dtype.itemsize
+    operand_bytes = operand_dtype(dtype).itemsize
+    if operand_bytes == dtype.itemsize:
+        global_bytes = global_elements * dtype.itemsize
+    else:  # int8 operands, int32 C: only kernels that read each operand once run these (`minimum_global_elements`)
+        global_bytes = (m * k + k * n) * operand_bytes + m * n * dtype.itemsize
     seconds = kernel_ms / 1e3
     achieved_flops = flops * batch_size / seconds if flops and seconds > 0 else None
     peak = peaks.flops_per_s.get(roof_name(dtype, precision))

@@ -42,7 +42,7 @@ from typing import Any
 
 import numpy as np
 
-from kernels.catalogue import CUBLAS, DTYPES, RUNGS
+from kernels.catalogue import CUBLAS, DTYPES, RUNGS, TENSOR_CORE_PRECISIONS
 from kernels.cublas import cublas_int8_product
 from kernels.cuda import Launcher, device_attributes
 from kernels.registry import KERNELS, KernelSpec, LaunchConfig
@@ -465,7 +465,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--precisions",
         default="",
         help="float32 only: cuBLAS (and wgmma) also in these modes, comma-separated, of "
-        f"{[str(p) for p in Precision if p is not Precision.FP32]}",
+        f"{[str(p) for p in TENSOR_CORE_PRECISIONS]}",
     )
     parser.add_argument("--check-only", action="store_true", help="check against the reference, time nothing")
     parser.add_argument("--include-slow", action="store_true", help="time the teaching kernels at every size")
@@ -478,10 +478,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     unknown = [name for name in args.kernels if name not in KERNELS and name not in KERNEL_NAMES]
     if unknown:
         parser.error(f"unknown kernels {unknown}; registered: {list(KERNELS)}")
-    try:
-        args.precisions = [Precision(p) for p in args.precisions.split(",") if p and p != Precision.FP32]
-    except ValueError as exc:
-        parser.error(f"--precisions: {exc}")
+    args.precisions = [p for p in args.precisions.split(",") if p and p != Precision.FP32]
+    if any(p not in TENSOR_CORE_PRECISIONS for p in args.precisions):
+        parser.error(f"--precisions must be among {[str(p) for p in TENSOR_CORE_PRECISIONS]} (int8: --dtypes int8)")
+    args.precisions = [Precision(p) for p in args.precisions]
     args.sizes = [int(s) for s in args.sizes.split(",") if s]
     args.dtypes = [d for d in args.dtypes.split(",") if d]
     if any(d not in BENCH_DTYPES for d in args.dtypes):

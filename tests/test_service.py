@@ -95,19 +95,27 @@ def test_the_result_is_held_to_its_own_limit() -> None:
 
 
 @pytest.mark.parametrize(
-    ("requested", "a", "b", "typed", "expected"),
+    ("requested", "precision", "a", "b", "typed", "expected"),
     [
-        ("float64", "float32", "float32", True, "float64"),
-        ("float32", "float64", "float64", True, "float32"),
-        (None, "float32", ">f8", True, "float64"),
-        (None, "<f8", "int64", True, "float64"),
-        (None, "float32", "int64", True, "float32"),
-        (None, "float64", "float64", False, "float32"),
+        ("float64", None, "float32", "float32", True, "float64"),
+        ("float32", None, "float64", "float64", True, "float32"),
+        (None, None, "float32", ">f8", True, "float64"),
+        (None, None, "<f8", "int64", True, "float64"),
+        (None, None, "float32", "int64", True, "float32"),
+        (None, None, "float64", "float64", False, "float32"),
+        (None, None, "int8", "int8", True, "int32"),  # an int8 pair: its exact product, never float
+        (None, None, "int8", "int16", True, "float32"),
+        (None, None, "int64", "int64", False, "float32"),  # JSON integers: float32 unless asked
+        (None, "int8", "int64", "int64", False, "int32"),
+        ("int32", None, "float64", "float64", False, "int32"),
+        ("float32", None, "int8", "int8", True, "float32"),  # asked for in words: the float product
     ],
 )
-def test_working_dtype(requested: str | None, a: str, b: str, typed: bool, expected: str) -> None:
+def test_working_dtype(
+    requested: str | None, precision: str | None, a: str, b: str, typed: bool, expected: str
+) -> None:
     operands = Operands(a=np.ones((1, 1), a), b=np.ones((1, 1), b), typed=typed)
-    assert service.working_dtype(requested, operands) == np.dtype(expected)
+    assert service.working_dtype(requested, precision, operands) == np.dtype(expected)
 
 
 @pytest.mark.parametrize(
@@ -120,6 +128,8 @@ def test_working_dtype(requested: str | None, a: str, b: str, typed: bool, expec
         ("fp32", "float16", "float16", "float32", Precision.FP32),
         ("bf16", "float16", "float16", "float32", Precision.BF16),
         (None, "float32", "float32", "float32", Precision.FP32),
+        (None, "int8", "int8", "int32", Precision.INT8),
+        ("int8", "int8", "int8", "int32", Precision.INT8),
     ],
 )
 def test_two_float16_operands_default_to_their_natural_precision(
@@ -131,8 +141,8 @@ def test_two_float16_operands_default_to_their_natural_precision(
 
 def test_an_unsupported_dtype_names_the_choices() -> None:
     with pytest.raises(InvalidParameter) as caught:
-        service.working_dtype("float16", Operands(a=np.ones((1, 1)), b=np.ones((1, 1))))
-    assert caught.value.message == "dtype 'float16' is not supported; choose one of ['float32', 'float64']"
+        service.working_dtype("float16", None, Operands(a=np.ones((1, 1)), b=np.ones((1, 1))))
+    assert caught.value.message == "dtype 'float16' is not supported; choose one of ['float32', 'float64', 'int32']"
     assert caught.value.location == ["dtype"]
 
 

@@ -277,7 +277,7 @@ def _parameters(parameters: Mapping[str, Any]) -> dict[str, Any]:
     return read
 
 
-TYPED_CONTENTS = {"FP32": "fp32_contents", "FP64": "fp64_contents"}
+TYPED_CONTENTS = {"FP32": "fp32_contents", "FP64": "fp64_contents", "INT8": "int_contents"}
 """The typed contents field of each datatype that has one (FP16 tensors travel as raw contents)."""
 
 

@@ -46,7 +46,7 @@ class AutoChoiceModel(BaseModel):
     precision: PrecisionName = Field(description="The precision these choices are for.")
     dtype: DtypeName = Field(
         description="The dtype these choices are for: float64 has its own where a kernel computes in float64 alone "
-        "(dmma); elsewhere float64 products take float32's."
+        "(dmma), elsewhere float64 products take float32's; int32 (precision int8) has its own where wgmma runs."
     )
     kernel: str = Field(description="What `auto` runs for this class: the fastest on the probe.")
     probe: list[int] = Field(description="The product timed at start-up for this class, [m, k, n].")

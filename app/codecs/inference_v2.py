@@ -21,14 +21,21 @@ from app.codecs.npy import data_bytes
 from app.codecs.operands import Body, Limits, Operands, RequestOptions, check_shape
 from app.errors import BadRequest, InvalidMatrix, InvalidParameter, MalformedPayload, SharedMemoryError
 from app.shared_memory import Matrix, SharedOutput, SharedTensor
-from numerics.precision import Precision
+from numerics.precision import INT8_PRODUCT, Precision
 
 HEADER_LENGTH = "Inference-Header-Content-Length"
 BINARY_MEDIA_TYPE = "application/octet-stream"
 INPUTS = ("A", "B")
 OUTPUT = "C"
-DATATYPES: dict[str, np.dtype] = {"FP16": np.dtype("<f2"), "FP32": np.dtype("<f4"), "FP64": np.dtype("<f8")}
-DATATYPE_OF = {"float32": "FP32", "float64": "FP64"}
+DATATYPES: dict[str, np.dtype] = {
+    "FP16": np.dtype("<f2"),
+    "FP32": np.dtype("<f4"),
+    "FP64": np.dtype("<f8"),
+    "INT8": np.dtype("i1"),
+}
+"""The input datatypes: A and B both INT8 are multiplied exactly into INT32 (`_options`)."""
+DATATYPE_OF = {"float32": "FP32", "float64": "FP64", INT8_PRODUCT: "INT32"}
+"""C's datatype for each product dtype."""
 
 
 @dataclass(frozen=True)
@@ -55,7 +62,10 @@ def _options(parameters: Mapping[str, Any], declared: list[str]) -> RequestOptio
             raise InvalidParameter(f"parameters.{name} must be a string", location=["parameters", name])
     if tile is not None and (isinstance(tile, bool) or not isinstance(tile, int)):
         raise InvalidParameter("parameters.tile must be an integer", location=["parameters", "tile"])
-    dtype = "float64" if "FP64" in declared else "float32"
+    if set(declared) == {"INT8"} or precision == Precision.INT8.value:
+        dtype = INT8_PRODUCT  # the exact product; other datatypes' values must be int8's, checked as they are staged
+    else:
+        dtype = "float64" if "FP64" in declared else "float32"
     if precision is None and set(declared) == {"FP16"}:
         precision = Precision.FP16.value  # FP16 tensors' natural precision, whether sent as binary or JSON data
     return RequestOptions(kernel=kernel, tile=tile, dtype=dtype, precision=precision)

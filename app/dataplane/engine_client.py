@@ -1,11 +1,12 @@
 """The engine as an HTTP worker sees it: engine processes at the end of Unix sockets, operands in shared memory.
 
 `EngineClient` is what the service and the routes call (`app.engine.EngineFront`). A product reserves a slab of
-this worker's arena, its operands are converted into the working dtype straight into the slab (one pass, off the
-event loop when large), and a descriptor goes to the least-loaded ready engine; the answer's C is a view of the
-slab, whose bytes go back to the arena once the request has released it and the answer no longer reads them
-(`app.dataplane.slab`). A large binary body may have been read into the arena itself (`lend`): an operand there
-that is already in the working dtype, C-ordered and aligned is not copied; the engine reads it where it lies.
+this worker's arena, its operands are converted into the dtype they are multiplied in (the working dtype; int8 for
+an int32 product) straight into the slab (one pass, off the event loop when large), and a descriptor goes to the
+least-loaded ready engine; the answer's C is a view of the slab, whose bytes go back to the arena once the request
+has released it and the answer no longer reads them (`app.dataplane.slab`). A large binary body may have been read
+into the arena itself (`lend`): an operand there that is already in that dtype, C-ordered and aligned is not
+copied; the engine reads it where it lies.
 Nothing here imports CuPy.
 
 Each `EngineLink` keeps its connection: it connects (again, after an engine process restarted) with the arena's
@@ -40,7 +41,7 @@ from app.engine.base import DeviceTiming
 from app.engine.staging import cast_into, check_in_format
 from app.errors import DeviceLost, NotReady, Overloaded, SharedMemoryError, error_of
 from app.shared_memory import Matrix, SharedOutput, SharedTensor
-from numerics.precision import Precision
+from numerics.precision import Precision, operand_dtype
 from numerics.roofline import DevicePeaks
 
 log = logging.getLogger(__name__)
@@ -394,24 +395,25 @@ class EngineClient:
                 location=["outputs", 0],
             )
         budget_s = DEFAULT_WAIT_S if timeout_s is None else timeout_s
+        operands_in = operand_dtype(dtype)
         in_arena = {
             name: offset
             for name, operand in (("a", a), ("b", b))
-            if isinstance(operand, np.ndarray) and (offset := self._offset_as_is(operand, dtype)) is not None
+            if isinstance(operand, np.ndarray) and (offset := self._offset_as_is(operand, operands_in)) is not None
         }
-        staged_shapes = [
-            shape
-            for name, operand, shape in (("a", a, (m, k)), ("b", b, (k, n)))
+        staged_bytes = [
+            rows * cols * operands_in.itemsize
+            for name, operand, (rows, cols) in (("a", a, (m, k)), ("b", b, (k, n)))
             if isinstance(operand, np.ndarray) and name not in in_arena
         ]
         if into is None:
-            staged_shapes.append((m, n))
-        nbytes = sum(aligned(rows * cols * dtype.itemsize) for rows, cols in staged_shapes)
+            staged_bytes.append(m * n * dtype.itemsize)
+        nbytes = sum(aligned(size) for size in staged_bytes)
         held = sum(self.arena.bytes_in(operand) for operand in (a, b) if isinstance(operand, np.ndarray))
         slab = await self.arena.reserve(nbytes, budget_s, holding=held)
         try:
-            a_at = await self._place(a, slab, dtype, "a", precision, in_arena.get("a"))
-            b_at = await self._place(b, slab, dtype, "b", precision, in_arena.get("b"))
+            a_at = await self._place(a, slab, operands_in, "a", precision, in_arena.get("a"))
+            b_at = await self._place(b, slab, operands_in, "b", precision, in_arena.get("b"))
             c_at = None
             if into is None:
                 c_at = slab.place((m, n), dtype)
@@ -432,7 +434,8 @@ class EngineClient:
 
     def _offset_as_is(self, operand: np.ndarray, dtype: np.dtype) -> int | None:
         """Where the engine can read `operand` as it is: its offset in the arena (in a lent body), when it lies
-        there in the working dtype, C-ordered and aligned; else None (it is converted into the slab)."""
+        there in the dtype operands are multiplied in, C-ordered and aligned; else None (it is converted into the
+        slab)."""
         if operand.dtype != dtype or not (operand.flags.c_contiguous and operand.flags.aligned):
             return None
         return self.arena.offset_of(operand)

@@ -50,7 +50,7 @@ from app.engine import BatchPolicy, DeviceWorker, EngineState, Outcome
 from app.engine.base import Backend
 from app.engine.cpu import CpuBackend
 from app.errors import InvalidParameter, MatmulError, NotReady, SharedMemoryError
-from numerics.precision import OPERAND_FORMATS
+from numerics.precision import Precision, operand_dtype
 
 log = logging.getLogger("app.engine_process")
 
@@ -288,8 +288,9 @@ class EngineServer:
         log.info("HTTP worker %d disconnected", peer.pid)
 
     def _operand(self, peer: _Peer, where: wire.Place, dtype: str, name: str, lent: list[Region]) -> Any:
-        """An operand or product where the message says: in the peer's arena (in the product's dtype), or in a
-        registered region (a device array for a CUDA one), which it then holds (`lent`)."""
+        """An operand or product where the message says: in the peer's arena (in `dtype`: the product's, or the one
+        its operands are multiplied in), or in a registered region (a device array for a CUDA one), which it then
+        holds (`lent`)."""
         if isinstance(where, wire.InArena):
             return peer.array(where, dtype)
         if not self.shared_memory:
@@ -402,10 +403,11 @@ class EngineServer:
             raise NotReady("the engine is shutting down")
         dtype, precision = np.dtype(message.request.dtype), message.request.precision
         places = {"a": message.a, "b": message.b, "c": message.c}
-        a, b, c = (self._operand(peer, place, dtype.name, name, lent) for name, place in places.items())
+        in_arena = {"a": operand_dtype(dtype), "b": operand_dtype(dtype), "c": dtype}
+        a, b, c = (self._operand(peer, place, in_arena[name].name, name, lent) for name, place in places.items())
         for name, operand in (("a", a), ("b", b)):
             # in a client's region, no HTTP worker staged and checked it; fp32 rounds nothing, so nothing to check
-            if isinstance(places[name], wire.InRegion) and precision in OPERAND_FORMATS:
+            if isinstance(places[name], wire.InRegion) and precision is not Precision.FP32:
                 await in_thread(self.backend.check_operand, operand, name, precision)
         plan = self.backend.plan(message.request)
         return await self.worker.matmul(a, b, dtype, plan, timeout_s=message.timeout_s, out=c)

@@ -12,7 +12,7 @@ from app.engine.autotune import AutoChoice
 from app.errors import InvalidParameter, ShapeMismatch
 from kernels.catalogue import DTYPES, Rung
 from kernels.registry import KERNELS, LaunchConfig
-from numerics.precision import Precision
+from numerics.precision import INT8_PRODUCT, Precision
 from numerics.roofline import DevicePeaks, minimum_global_elements
 
 AUTO = "auto"
@@ -45,6 +45,8 @@ class KernelInfo:
 
 
 ALL_PRECISIONS = tuple(Precision)
+ALL_DTYPES = (*DTYPES, INT8_PRODUCT)
+"""The product dtypes: the float ones and int32, the exact product of int8 operands."""
 
 
 def kernel_info(rung: Rung, kind: Literal["cuda", "emulation"] = "cuda", summary_prefix: str = "") -> KernelInfo:

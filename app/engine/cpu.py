@@ -13,6 +13,7 @@ import numpy as np
 
 from app.engine.autotune import AutoChoice
 from app.engine.base import (
+    ALL_DTYPES,
     ALL_PRECISIONS,
     AUTO,
     NUMPY,
@@ -30,7 +31,7 @@ from app.engine.staging import cast_into, check_in_format
 from app.errors import InvalidParameter, SharedMemoryError, UnknownKernel
 from kernels.catalogue import RUNGS
 from kernels.emulation import EMULATIONS
-from numerics.precision import Precision, float32_emulation
+from numerics.precision import Precision, exact_int8_product, float32_emulation, operand_dtype
 from numerics.roofline import DevicePeaks
 
 EMULATED = "An emulation of the GPU kernel in NumPy, thread for thread (float32: the GPU's bits). The kernel: "
@@ -48,13 +49,19 @@ class CpuBackend:
     def kernels(self) -> list[KernelInfo]:
         return [
             KernelInfo(
-                name=AUTO, kind="auto", summary="The fastest kernel this backend has: numpy.", precisions=ALL_PRECISIONS
+                name=AUTO,
+                kind="auto",
+                summary="The fastest kernel this backend has: numpy.",
+                dtypes=ALL_DTYPES,
+                precisions=ALL_PRECISIONS,
             ),
             *(kernel_info(RUNGS[name], "emulation", EMULATED) for name in EMULATIONS),
             KernelInfo(
                 name=NUMPY,
                 kind="library",
-                summary="numpy.matmul, through NumPy's BLAS; the tensor-core precisions emulated.",
+                summary="numpy.matmul, through NumPy's BLAS; the tensor-core precisions emulated; int8 operands "
+                "multiplied exactly in float64 into int32.",
+                dtypes=ALL_DTYPES,
                 precisions=ALL_PRECISIONS,
             ),
         ]
@@ -91,13 +98,16 @@ class CpuBackend:
     ) -> Finished:
         start = perf_counter()
         (m, _), n = pairs[0][0].shape, pairs[0][1].shape[1]
-        staged_pairs = [(_in_dtype(a, dtype, "a"), _in_dtype(b, dtype, "b")) for a, b in pairs]
+        operands_in = operand_dtype(dtype)
+        staged_pairs = [(_in_dtype(a, operands_in, "a"), _in_dtype(b, operands_in, "b")) for a, b in pairs]
         staged = perf_counter()
         products = list(outputs) if outputs is not None else [np.empty((m, n), dtype) for _ in pairs]
         # NaN and infinities propagate as docs/api.md says; NumPy's RuntimeWarnings about them are log noise.
         with np.errstate(invalid="ignore", over="ignore"):
             for (a, b), c in zip(staged_pairs, products, strict=True):
-                if plan.precision is not Precision.FP32:
+                if plan.precision is Precision.INT8:
+                    exact_int8_product(a, b, c)
+                elif plan.precision is not Precision.FP32:
                     np.copyto(c, float32_emulation(a, b, plan.precision))
                 elif plan.config is None:
                     np.matmul(a, b, out=c)

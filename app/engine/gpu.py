@@ -33,6 +33,7 @@ import numpy as np
 import kernels
 from app.engine.autotune import AUTO_REPEATS, SHAPE_CLASSES, AutoChoice, pick_auto
 from app.engine.base import (
+    ALL_DTYPES,
     ALL_PRECISIONS,
     AUTO,
     DeviceTiming,
@@ -55,9 +56,11 @@ from app.errors import (
     UnknownKernel,
 )
 from kernels.catalogue import CUBLAS, DTYPES, RUNGS, TENSOR_CORE_PRECISIONS, Rung, rungs_on
+from kernels.cublas import INT8_K_MULTIPLE
 from kernels.cuda import Launcher, device_attributes
 from kernels.registry import KERNELS, LaunchConfig, cdiv
-from numerics.precision import Precision
+from kernels.tensorcore import WGMMA
+from numerics.precision import INT8_OPERAND, INT8_PRODUCT, Precision, operand_dtype
 from numerics.reference import Reference
 from numerics.roofline import DevicePeaks, gpu_peaks
 
@@ -191,6 +194,12 @@ def _copy_between(runtime: Any, device: Any, hosts: list[np.ndarray], kind: int,
         device_address += host.nbytes
 
 
+def _poison(dtype: np.dtype) -> float | int:
+    """What `poison_outputs` fills C with: NaN, or int32's least value, which no sum of int8 products reaches (the
+    least product is -128 * 127)."""
+    return int(np.iinfo(dtype).min) if dtype.kind == "i" else math.nan
+
+
 def _nothing() -> None:
     """The `on_done` of launches whose result is waited for at once."""
 
@@ -310,6 +319,7 @@ class GpuBackend:
                 name=AUTO,
                 kind="auto",
                 summary="The kernel measured fastest at start-up for the shape's class and the precision.",
+                dtypes=ALL_DTYPES,
                 precisions=ALL_PRECISIONS,
             ),
             *(kernel_info(rung) for rung in rungs_on(self._compute_capability)),
@@ -323,8 +333,11 @@ class GpuBackend:
         m, n, k = request.m, request.n, request.k
         if kernel == FAULT_TRAP and self._fault_injection:
             return Plan(kernel=FAULT_TRAP)
+        int8_on_wgmma = RUNGS[WGMMA].runs_on(self._compute_capability) and dtype == INT8_PRODUCT
         if kernel == AUTO:
             kernel = pick_auto(self._auto, m, n, k, fallback=CUBLAS, precision=precision, dtype=dtype)
+            if kernel == CUBLAS and int8_on_wgmma and k % INT8_K_MULTIPLE:
+                kernel = WGMMA  # the one int8 kernel here that takes any k
         rung = RUNGS.get(kernel)
         if rung is None or not rung.runs_on(self._compute_capability):
             offered = [info.name for info in self.kernels()]
@@ -334,6 +347,12 @@ class GpuBackend:
         if rung.launcher == "cublas":
             if tile is not None:
                 raise InvalidParameter(f"tile does not apply to kernel '{kernel}'", location=["tile"])
+            if dtype == INT8_PRODUCT and k % INT8_K_MULTIPLE and m and n:  # (no elements: no call, nothing to refuse)
+                instead = "ask for kernel wgmma or auto" if int8_on_wgmma else "this device has no other int8 kernel"
+                raise InvalidParameter(
+                    f"cuBLAS's int8 GEMM takes k a multiple of {INT8_K_MULTIPLE}, and k is {k}: {instead}",
+                    location=["kernel"],
+                )
             return Plan(kernel=kernel, precision=precision)
         return ladder_plan(kernel, request, CUBLAS)
 
@@ -347,9 +366,10 @@ class GpuBackend:
                 f"kernel '{rung.name}' computes in {', '.join(rung.dtypes)}; this product's dtype is {dtype}",
                 location=["dtype"],
             )
-        if precision not in rung.precisions:
+        if not rung.computes(dtype, precision):
+            offered = [str(offered) for offered in rung.precisions if rung.computes(dtype, offered)]
             raise InvalidParameter(
-                f"kernel '{rung.name}' computes in precision {', '.join(rung.precisions)}, not {precision}",
+                f"kernel '{rung.name}' computes {dtype} in precision {', '.join(offered)}, not {precision}",
                 location=["precision"],
             )
         return Plan(kernel=rung.name, precision=precision)
@@ -371,42 +391,46 @@ class GpuBackend:
         self._self_test()
         self._tune_auto()
 
-    def _instances(self) -> list[tuple[Plan, tuple[str, ...]]]:
-        """A plan for every compiled instance, and cuBLAS, in every precision each computes in, with the dtypes it
+    def _instances(self) -> list[tuple[Plan, str]]:
+        """A plan for every compiled instance, and cuBLAS, in every precision each computes in, with each dtype it
         computes in."""
         fma = [Plan(kernel=CUBLAS)] + [
             Plan(kernel=spec.name, tile=int(config.label) if spec.tiles else None, config=config)
             for spec in KERNELS.values()
             for config in spec.configs
         ]
-        float32: tuple[str, ...] = ("float32",)
-        tensor_core = [(Plan(kernel=CUBLAS, precision=precision), float32) for precision in TENSOR_CORE_PRECISIONS] + [
-            (Plan(kernel=rung.name, precision=precision), rung.dtypes)
-            for rung in self._tensor_core_rungs()
-            for precision in rung.precisions
+        other_modes = [
+            (Plan(kernel=rung.name, precision=precision), dtype)
+            for rung in (RUNGS[CUBLAS], *self._tensor_core_rungs())
+            for dtype, precision in rung.modes()
+            if rung.launcher == "tensor_core" or precision is not Precision.FP32
         ]
-        return [(plan, DTYPES) for plan in fma] + tensor_core
+        return [(plan, dtype) for plan in fma for dtype in DTYPES] + other_modes
 
     def _self_test(self) -> None:
         """Run every kernel instance once (the warm-up), alone and, where it batches, as a batch of three, and
         check every element of each product against a float64 one (numerics/reference.py's bound, in the plan's
-        precision)."""
+        precision; int8's exactly)."""
         rng = np.random.default_rng(0)
-        for plan, dtypes in self._instances():
+        for plan, dtype in self._instances():
             m, k, n = _fitted(SELF_TEST_SHAPE, plan.config)
-            pairs = [(rng.standard_normal((m, k)), rng.standard_normal((k, n))) for _ in range(3)]
-            for dtype in dtypes:
-                launches = [pairs[:1], pairs] if self.batchable(plan) else [pairs[:1]]
-                for launch in launches:
-                    products, _ = self.submit(launch, np.dtype(dtype), plan, on_done=_nothing).result()
-                    for (a, b), c in zip(launch, products, strict=True):
-                        problem = Reference.of(a, b, dtype, plan.precision).mismatch(c)
-                        if problem is not None:
-                            label = plan.config.label if plan.config else ""
-                            raise RuntimeError(
-                                f"self-test failed: {plan.kernel}/{label}/{dtype}/{plan.precision}, batch of "
-                                f"{len(launch)}: {problem}"
-                            )
+            pairs: list[tuple[np.ndarray, np.ndarray]]
+            if dtype == INT8_PRODUCT:  # int8 values, k as cuBLAS's int8 GEMM takes it
+                k = cdiv(k, INT8_K_MULTIPLE) * INT8_K_MULTIPLE
+                pairs = [(rng.integers(-128, 128, (m, k)), rng.integers(-128, 128, (k, n))) for _ in range(3)]
+            else:
+                pairs = [(rng.standard_normal((m, k)), rng.standard_normal((k, n))) for _ in range(3)]
+            launches = [pairs[:1], pairs] if self.batchable(plan) else [pairs[:1]]
+            for launch in launches:
+                products, _ = self.submit(launch, np.dtype(dtype), plan, on_done=_nothing).result()
+                for (a, b), c in zip(launch, products, strict=True):
+                    problem = Reference.of(a, b, dtype, plan.precision).mismatch(c)
+                    if problem is not None:
+                        label = plan.config.label if plan.config else ""
+                        raise RuntimeError(
+                            f"self-test failed: {plan.kernel}/{label}/{dtype}/{plan.precision}, batch of "
+                            f"{len(launch)}: {problem}"
+                        )
 
     def _tune_auto(self) -> None:
         """Time every kernel on one shape per class, in float32, and let `auto` pick the fastest of each: the
@@ -418,7 +442,8 @@ class GpuBackend:
 
         The tensor-core precisions have their own choices, between cuBLAS and the tensor-core kernels: their
         conversion passes and launches cost more than cuBLAS's at small sizes, and less at large ones. So has float64
-        where kernels/dmma.cu runs (elsewhere it takes float32's choices, as the FMA kernels rank alike in both)."""
+        where kernels/dmma.cu runs (elsewhere it takes float32's choices, as the FMA kernels rank alike in both), and
+        int32, between cuBLAS's int8 GEMM and wgmma's int8 instance (elsewhere cuBLAS runs it)."""
         candidates: dict[tuple[Precision, str], list[str]] = {(Precision.FP32, "float32"): [CUBLAS, *KERNELS]}
         # the tensor-core kernels (sm_90a machine code) where they run; elsewhere cuBLAS runs the tensor-core
         # precisions, and float64 takes float32's choices
@@ -438,6 +463,10 @@ class GpuBackend:
                 CUBLAS,
                 *KERNELS,
                 *(rung.name for rung in tensor_core if "float64" in rung.dtypes),
+            ]
+            candidates[(Precision.INT8, INT8_PRODUCT)] = [
+                CUBLAS,
+                *(rung.name for rung in tensor_core if rung.computes(INT8_PRODUCT, Precision.INT8)),
             ]
         choices = []
         for (precision, dtype), names in candidates.items():
@@ -469,8 +498,10 @@ class GpuBackend:
         start, stop = cp.cuda.Event(), cp.cuda.Event()
         batch = min(self._auto_batch, max(1, AUTO_PROBE_ELEMENTS // size**2)) if self.batchable(plan) else 1
         shape = (batch, size, size) if batch > 1 else (size, size)
-        a = cp.random.standard_normal(shape, dtype=dtype)
-        b = cp.random.standard_normal(shape, dtype=dtype)
+        if dtype == INT8_PRODUCT:
+            a, b = (cp.random.randint(-128, 128, shape).astype(INT8_OPERAND) for _ in range(2))
+        else:
+            a, b = (cp.random.standard_normal(shape, dtype=dtype) for _ in range(2))
         c = cp.empty(shape, dtype=dtype)
         with self._compute as stream:
             self._launch(plan, a, b, c)
@@ -672,15 +703,16 @@ class GpuBackend:
         a_operands, b_operands = [a for a, _ in pairs], [b for _, b in pairs]
         on_device = [_is_device_array(operands[0]) for operands in (a_operands, b_operands)]
         into_device = outputs is not None and _is_device_array(outputs[0])
+        operands_in = operand_dtype(dtype)
         started = perf_counter()
-        a_hosts = [] if on_device[0] else self._host_operands(a_operands, dtype, "a")
-        b_hosts = [] if on_device[1] else self._host_operands(b_operands, dtype, "b")
+        a_hosts = [] if on_device[0] else self._host_operands(a_operands, operands_in, "a")
+        b_hosts = [] if on_device[1] else self._host_operands(b_operands, operands_in, "b")
         staging_ms = (perf_counter() - started) * 1e3
         events = self._spare_events.pop() if self._spare_events else _LaunchEvents.create(cp)
         with self._copy_in as stream:
             events.copy_in.record(stream)
-            a_dev = self._on_device(a_operands, dtype) if on_device[0] else cp.empty((*stack, m, k), dtype)
-            b_dev = self._on_device(b_operands, dtype) if on_device[1] else cp.empty((*stack, k, n), dtype)
+            a_dev = self._on_device(a_operands, operands_in) if on_device[0] else cp.empty((*stack, m, k), operands_in)
+            b_dev = self._on_device(b_operands, operands_in) if on_device[1] else cp.empty((*stack, k, n), operands_in)
             _copy_between(cp.cuda.runtime, a_dev, a_hosts, CUDA_MEMCPY_HOST_TO_DEVICE, stream)
             _copy_between(cp.cuda.runtime, b_dev, b_hosts, CUDA_MEMCPY_HOST_TO_DEVICE, stream)
             events.copied_in.record(stream)
@@ -688,7 +720,7 @@ class GpuBackend:
             direct = into_device and not stack and outputs is not None and _launchable(outputs[0], dtype)
             c_dev = outputs[0] if direct and outputs is not None else cp.empty((*stack, m, n), dtype)
             if self._poison_outputs:
-                c_dev.fill(np.nan)
+                c_dev.fill(_poison(dtype))
             stream.wait_event(events.copied_in)
             events.launch.record(stream)
             self._launch(plan, a_dev, b_dev, c_dev)
@@ -703,7 +735,7 @@ class GpuBackend:
             products, c_hosts = list(outputs), [] if into_device else list(outputs)
         if self._poison_outputs:
             for host in c_hosts:
-                host.fill(np.nan)
+                host.fill(_poison(dtype))
         with self._copy_out as stream:
             stream.wait_event(events.launched)
             events.copy_out.record(stream)

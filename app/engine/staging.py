@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 
 from app.errors import InvalidMatrix
-from numerics.precision import OPERAND_FORMATS, Precision
+from numerics.precision import INT8_OPERAND, OPERAND_FORMATS, Precision
 
 
 def cast_into(
@@ -20,9 +20,14 @@ def cast_into(
 
     NaN and infinities already in `src` are copied as they are; a finite value too large for dst's dtype
     (1e39 into float32), or for the format `precision` rounds operands into (7e4 in fp16), is an error, not a
-    silent infinity. `first_row` is the row of the whole matrix that `src` starts at, when it is a band of rows,
-    so that the error names the right element.
+    silent infinity. An integer `dst` (int8 operands of an int32 product) takes only integers in its range: 200 or
+    0.5 is an error, never wrapped or truncated. `first_row` is the row of the whole matrix that `src` starts at,
+    when it is a band of rows, so that the error names the right element.
     """
+    if dst.dtype.kind == "i":
+        check_integers(src, dst.dtype, name, first_row)
+        np.copyto(dst, src, casting="unsafe")
+        return
     try:
         with np.errstate(over="raise"):
             np.copyto(dst, src, casting="unsafe")
@@ -41,6 +46,36 @@ def cast_into(
         check_in_format(dst, name, precision, first_row=first_row)
 
 
+def check_integers(x: np.ndarray, dtype: np.dtype, name: str, first_row: int = 0) -> None:
+    """InvalidMatrix naming the first element of `x` that is not an integer in `dtype`'s range (an integer dtype):
+    two reductions when every element is one, an element-by-element look only when one is not."""
+    info = np.iinfo(dtype)
+    if x.size == 0 or (x.dtype.kind in "iu" and np.can_cast(x.dtype, dtype)):
+        return
+    low, high = x.min(), x.max()
+    with np.errstate(invalid="ignore"):
+        whole = x.dtype.kind in "iu" or bool(np.all(np.floor(x) == x))  # False for NaN and infinities
+    if whole and info.min <= low and high <= info.max:
+        return
+    with np.errstate(invalid="ignore"):
+        wrong = (x < info.min) | (x > info.max)
+        if x.dtype.kind == "f":
+            wrong |= np.floor(x) != x  # NaN too
+    row, col = _first(wrong)
+    raise InvalidMatrix(
+        f"{name}[{row + first_row}][{col}] = {x[row, col].item()!r} is not an {dtype} (an integer from {info.min} to "
+        f"{info.max}): an int32 product multiplies {dtype} operands exactly; send {dtype} values or ask for a float "
+        "dtype",
+        location=[name, row + first_row, col],
+    )
+
+
+def _first(flags: Any) -> tuple[int, int]:
+    """(row, column) of the first True of a 2-D boolean array (NumPy or CuPy), in row-major order."""
+    row, col = np.unravel_index(int(np.argmax(flags)), flags.shape)
+    return int(row), int(col)
+
+
 def _overflow(precision: Precision) -> float:
     operand_format = OPERAND_FORMATS.get(precision)
     return math.inf if operand_format is None else operand_format.overflow
@@ -49,7 +84,11 @@ def _overflow(precision: Precision) -> float:
 def check_in_format(x: Any, name: str, precision: Precision, first_row: int = 0) -> None:
     """InvalidMatrix when a finite element of `x` (a NumPy or a CuPy array) would be infinite once rounded into the
     format `precision` rounds operands into (7e4 in fp16), the first of those being named. Two reductions when every
-    element is finite and in range; NaN and infinities pass as they are."""
+    element is finite and in range; NaN and infinities pass as they are. For int8, any element that is not an int8
+    (`check_integers`)."""
+    if precision is Precision.INT8:
+        check_integers(x, INT8_OPERAND, name, first_row)
+        return
     limit = _overflow(precision)
     if math.isinf(limit) or x.size == 0:
         return
@@ -59,7 +98,7 @@ def check_in_format(x: Any, name: str, precision: Precision, first_row: int = 0)
         beyond = np.isfinite(x) & (np.abs(x) >= limit)
     if not bool(beyond.any()):
         return
-    row, col = (int(i) for i in np.unravel_index(int(np.argmax(beyond)), x.shape))
+    row, col = _first(beyond)
     raise InvalidMatrix(
         f"{name}[{row + first_row}][{col}] = {float(x[row, col])!r} is out of range for precision {precision} "
         f"(largest {OPERAND_FORMATS[precision].largest:.6g}): it would be infinite there; send smaller values or ask "

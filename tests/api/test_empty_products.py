@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from matmul_tools.bodies import inference_v2_body, load_npy, npy_bytes
+from numerics.precision import PRECISIONS_OF, Precision
 
 pytestmark = pytest.mark.anyio
 SHAPES = [(5, 0, 7), (0, 3, 4), (4, 3, 0), (0, 0, 0)]
@@ -21,14 +22,14 @@ SHAPES = [(5, 0, 7), (0, 3, 4), (4, 3, 0), (0, 0, 0)]
 
 async def _every_way_asked(client: httpx.AsyncClient) -> list[tuple[str, str, str]]:
     """(kernel, precision, dtype) for every kernel the backend lists, in each precision and dtype it takes (the
-    tensor-core precisions take float32 operands only)."""
+    tensor-core precisions take float32 operands only, int8 is int32's alone)."""
     listing = (await client.get("/v1/kernels")).json()["kernels"]
     return [
         (kernel["name"], precision, dtype)
         for kernel in listing
         for precision in kernel["precisions"]
         for dtype in kernel["dtypes"]
-        if precision == "fp32" or dtype == "float32"
+        if Precision(precision) in PRECISIONS_OF[dtype]
     ]
 
 
@@ -48,9 +49,11 @@ async def _every_empty_product_is_zero(client: httpx.AsyncClient) -> int:
     asked = 0
     for kernel, precision, dtype in await _every_way_asked(client):
         for m, k, n in SHAPES:
-            if m and n:  # a C of the same shape, all 6 (exact in every precision), just before
-                sixes = await _product(client, np.full((m, 1), 2, dtype), np.full((1, n), 3, dtype), kernel, precision)
-                assert sixes.tolist() == [[6.0] * n] * m, (kernel, precision, dtype, (m, 1, n))
+            if m and n:  # a C of the same shape, all 2 * 3 + 0 * 3 * 3 (exact in every precision), just before
+                twos = np.zeros((m, 4), dtype)  # k = 4: one that cuBLAS's int8 GEMM takes too
+                twos[:, 0] = 2
+                sixes = await _product(client, twos, np.full((4, n), 3, dtype), kernel, precision)
+                assert sixes.tolist() == [[6.0] * n] * m, (kernel, precision, dtype, (m, 4, n))
             c = await _product(client, np.ones((m, k), dtype), np.ones((k, n), dtype), kernel, precision)
             assert (c.shape, c.dtype.name) == ((m, n), dtype) and not c.any(), (kernel, precision, dtype, (m, k, n))
             asked += 1

@@ -136,6 +136,39 @@ def test_typed_contents_are_read_as_the_tensors_values(url: str) -> None:
     assert_close_to_reference(c, a, b, np.dtype(np.float32))
 
 
+def test_int8_inputs_answer_their_exact_int32_product(triton: grpcclient.InferenceServerClient, url: str) -> None:
+    """INT8 inputs as raw contents (tritonclient) and as typed int_contents (other languages' clients) are multiplied
+    exactly into an INT32 output; a typed value out of int8's range is refused saying where."""
+    rng = np.random.default_rng(9)
+    a, b = rng.integers(-128, 128, (5, 2000), np.int8), rng.integers(-128, 128, (2000, 3), np.int8)
+    a[0], b[:, 0] = -128, -128
+    expected = a.astype(np.int64) @ b.astype(np.int64)
+    inputs = [grpcclient.InferInput("A", list(a.shape), "INT8"), grpcclient.InferInput("B", list(b.shape), "INT8")]
+    inputs[0].set_data_from_numpy(a)
+    inputs[1].set_data_from_numpy(b)
+    raw = triton.infer("matmul", inputs)
+    assert raw.get_output("C").datatype == "INT32" and np.array_equal(raw.as_numpy("C"), expected)
+    assert raw.get_response().parameters["precision"].string_param == "int8"
+
+    def typed(b_values: list[int]) -> Any:
+        request = pb.ModelInferRequest(model_name="matmul")
+        for name, x in (("A", a), ("B", b)):
+            tensor = request.inputs.add(name=name, datatype="INT8", shape=list(x.shape))
+            tensor.contents.int_contents.extend(b_values if name == "B" else x.ravel().tolist())
+        return request
+
+    with grpc.insecure_channel(url) as channel:
+        stub = pb_grpc.GRPCInferenceServiceStub(channel)
+        response = stub.ModelInfer(typed(b.ravel().tolist()))
+        with pytest.raises(grpc.RpcError) as refused:
+            stub.ModelInfer(typed([*b.ravel().tolist()[:-1], 200]))
+    [output] = response.outputs
+    assert output.datatype == "INT32"
+    assert np.array_equal(np.frombuffer(response.raw_output_contents[0], "<i4").reshape(list(output.shape)), expected)
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert refused.value.details().startswith("b[1999][2] = 200 is not an int8")
+
+
 @pytest.mark.parametrize(
     ("call", "code", "message"),
     [

@@ -14,7 +14,7 @@ import orjson
 import pytest
 
 from matmul_tools.bodies import MULTIPART_CONTENT_TYPE, inference_v2_body, load_npy, multipart_body, npy_bytes
-from numerics.precision import Precision, input_error
+from numerics.precision import FLOAT_PRECISIONS, Precision, input_error
 from numerics.reference import BOUND_CONSTANT, Reference
 
 pytestmark = pytest.mark.anyio
@@ -31,7 +31,7 @@ async def _json_product(client: httpx.AsyncClient, a: np.ndarray, b: np.ndarray,
     return await client.post("/matmul", json={"a": a.tolist(), "b": b.tolist(), **options})
 
 
-@pytest.mark.parametrize("precision", list(Precision))
+@pytest.mark.parametrize("precision", FLOAT_PRECISIONS)
 async def test_each_precision_runs_says_so_and_keeps_its_bound(client: httpx.AsyncClient, precision: Precision) -> None:
     a, b = _operands(1)
     answer = await client.post(f"/matmul?precision={precision}", json={"a": a.tolist(), "b": b.tolist()})
@@ -175,7 +175,7 @@ async def test_v2_parameters_carry_the_precision(client: httpx.AsyncClient, prec
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("precision", list(Precision))
+@pytest.mark.parametrize("precision", FLOAT_PRECISIONS)
 @pytest.mark.parametrize("kernel", ["cublas", "auto"])
 async def test_on_the_gpu_each_precision_runs_on_cublas(
     gpu_client: httpx.AsyncClient, precision: Precision, kernel: str

@@ -149,9 +149,9 @@ async def test_the_emulated_kernels_are_models_of_their_own(client: httpx.AsyncC
         ),
         (
             "/v2/models/matmul/infer",
-            {"json": {"inputs": [raw("A", [1, 1], "INT8", [1]), tensor("B", np.ones((1, 1)))]}},
+            {"json": {"inputs": [raw("A", [1, 1], "INT16", [1]), tensor("B", np.ones((1, 1)))]}},
             422,
-            "datatype 'INT8'",
+            "datatype 'INT16'",
         ),
         (
             "/v2/models/matmul/infer",

@@ -67,6 +67,22 @@ def test_npy_keeps_the_operands_dtype_and_json_works_in_float32(client: MatmulCl
     assert client.matmul(a, b, format="json").dtype == np.float32
 
 
+@pytest.mark.parametrize("format", FORMATS)
+def test_two_int8_operands_come_back_as_their_exact_int32_product_in_every_format(
+    client: MatmulClient, format: RequestFormat
+) -> None:
+    """JSON numbers carry no dtype, so the client asks for int32 for an int8 pair, as .npy and .npz bodies get it;
+    a dtype or precision named is sent as it is."""
+    rng = np.random.default_rng(8)
+    a, b = rng.integers(-128, 128, (6, 1500), np.int8), rng.integers(-128, 128, (1500, 4), np.int8)
+    a[0], b[:, 0] = -128, -128  # 1500 * 16384 > 2^24: exact in int32 alone
+    product = client.multiply(a, b, format=format)
+    assert product.c.dtype == np.int32 and product.precision == "int8"
+    assert np.array_equal(product.c, a.astype(np.int64) @ b.astype(np.int64))
+    assert client.matmul(a, b, format=format, dtype="float64").dtype == np.float64
+    assert client.matmul(a, b, format=format, precision="int8").dtype == np.int32
+
+
 def test_fortran_ordered_and_integer_operands(client: MatmulClient) -> None:
     a = np.asfortranarray(np.arange(12, dtype=np.float64).reshape(3, 4))
     b = np.arange(8).reshape(4, 2)

@@ -276,16 +276,16 @@ class TestChecks:
         ],
     )
     def test_working_dtype(self, requested: str | None, a: str, b: str, expected: str) -> None:
-        dtype = service.working_dtype(requested, codecs.Operands(np.ones((1, 1), a), np.ones((1, 1), b)))
+        dtype = service.working_dtype(requested, None, codecs.Operands(np.ones((1, 1), a), np.ones((1, 1), b)))
         assert dtype == np.dtype(expected)
 
     def test_json_numbers_default_to_float32(self) -> None:
         ops = codecs.json.decode_json(json_body(a=[[0.5]], b=[[1.5]]), LIMITS)
-        assert service.working_dtype(None, ops) == np.float32
+        assert service.working_dtype(None, None, ops) == np.float32
 
     def test_unknown_dtype(self) -> None:
         with pytest.raises(InvalidParameter, match="'float16' is not supported"):
-            service.working_dtype("float16", codecs.Operands(np.ones((1, 1)), np.ones((1, 1))))
+            service.working_dtype("float16", None, codecs.Operands(np.ones((1, 1)), np.ones((1, 1))))
 
     def test_options_given_twice_must_agree(self) -> None:
         query = codecs.RequestOptions(kernel="tiled", tile=None)

@@ -189,7 +189,11 @@ def test_true_in_a_string_does_not_refuse_numbers() -> None:
         ),
         (
             doc(A, {**B, "datatype": "INT32"}),
-            ("invalid_matrix", "input 'B' has datatype 'INT32'; this model takes ['FP16', 'FP32', 'FP64']", ["B"]),
+            (
+                "invalid_matrix",
+                "input 'B' has datatype 'INT32'; this model takes ['FP16', 'FP32', 'FP64', 'INT8']",
+                ["B"],
+            ),
         ),
         (
             doc(A, {k: v for k, v in B.items() if k != "data"}),

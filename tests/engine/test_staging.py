@@ -10,7 +10,7 @@ import pytest
 
 from app.engine.staging import PARALLEL_BYTES, cast_into, cast_into_parallel, check_in_format
 from app.errors import InvalidMatrix
-from numerics.precision import Precision, to_bf16, to_fp16, to_tf32
+from numerics.precision import FLOAT_PRECISIONS, Precision, to_bf16, to_fp16, to_tf32
 
 ROWS = 1024
 COLUMNS = PARALLEL_BYTES // (4 * ROWS)
@@ -77,11 +77,37 @@ def test_an_operand_is_refused_exactly_where_the_precisions_rounding_makes_it_in
 
 def test_nan_and_infinities_already_there_pass_and_fp32_checks_nothing() -> None:
     src = np.array([[np.nan, np.inf, -np.inf, 1.0]], np.float32)
-    for precision in Precision:
+    for precision in FLOAT_PRECISIONS:
         check_in_format(src, "b", precision)
     check_in_format(np.full((2, 2), 1e38, np.float32), "b", Precision.FP32)
     with pytest.raises(InvalidMatrix, match=r"b\[0\]\[3\] = 70000.0 is out of range for precision fp16"):
         check_in_format(np.array([[np.nan, np.inf, 5.0, 7e4]], np.float32), "b", Precision.FP16)
+
+
+@pytest.mark.parametrize(
+    ("src", "words"),
+    [
+        (np.array([[1, 2], [3, 128]], np.int64), r"a\[1\]\[1\] = 128 is not an int8 \(an integer from -128 to 127\)"),
+        (np.array([[1, -129], [3, 4]], ">i2"), r"a\[0\]\[1\] = -129 is not an int8"),
+        (np.array([[1, 2], [255, 4]], np.uint8), r"a\[1\]\[0\] = 255 is not an int8"),
+        (np.array([[1.0, 2.0], [3.0, 0.5]], np.float32), r"a\[1\]\[1\] = 0.5 is not an int8"),
+        (np.array([[1.0, np.nan], [3.0, 4.0]]), r"a\[0\]\[1\] = nan is not an int8"),
+        (np.array([[np.inf, 1.0], [3.0, 4.0]]), r"a\[0\]\[0\] = inf is not an int8"),
+    ],
+)
+def test_int8_operands_take_integers_in_int8s_range_alone(src: np.ndarray, words: str) -> None:
+    """Staged for an int32 product, a value that is not an int8 is refused where it is, never wrapped or truncated,
+    whether it comes as a wider integer, an unsigned one or a float; the whole-number floats in range pass as their
+    integers, and so does every int8."""
+    dst = np.empty((2, 2), np.int8)
+    with pytest.raises(InvalidMatrix, match=words) as caught:
+        cast_into(dst, src, "a")
+    assert caught.value.location == ["a", *np.argwhere(src != np.clip(np.round(src), -128, 127))[0].tolist()]
+    with pytest.raises(InvalidMatrix, match=words):
+        check_in_format(src, "a", Precision.INT8)
+    cast_into(dst, np.array([[-128.0, 127.0], [0.0, -0.0]]), "a")
+    assert dst.tolist() == [[-128, 127], [0, 0]]
+    check_in_format(np.array([[-128, 127]], np.int8), "a", Precision.INT8)
 
 
 def test_staging_in_a_precision_refuses_what_its_rounding_makes_infinite() -> None:

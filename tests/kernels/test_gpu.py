@@ -15,7 +15,7 @@ from kernels.cublas import cublas_product
 from kernels.emulation import EMULATIONS
 from kernels.registry import KERNELS, KernelSpec, LaunchConfig, cdiv
 from matmul_tools.bodies import load_npy, npy_bytes
-from numerics.precision import Precision
+from numerics.precision import FLOAT_PRECISIONS, Precision
 from numerics.reference import Reference, assert_close_to_reference
 from numerics.roofline import FMA_LANES
 from tests.conftest import EDGE_SHAPES
@@ -140,6 +140,11 @@ def test_the_launcher_refuses_what_a_rung_does_not_compute(launcher: Any) -> Non
         launcher.launch(CUBLAS, x64, x64, x64, precision=Precision.BF16)
     with pytest.raises(ValueError, match="'strassen' does not run on this device"):
         launcher.launch("strassen", x32, x32, x32)
+    i8, i32 = cp.ones((64, 64), dtype=cp.int8), cp.ones((64, 64), dtype=cp.int32)
+    with pytest.raises(ValueError, match="'cublas' does not compute float32 in precision int8"):
+        launcher.launch(CUBLAS, i8, i8, x32, precision=Precision.INT8)
+    with pytest.raises(ValueError, match="int32 products take int8 operands, not float32, float32"):
+        launcher.launch(CUBLAS, x32, x32, i32, precision=Precision.INT8)
 
 
 @pytest.mark.parametrize(("seed", "kernel"), [(12, CUBLAS), (13, "tiled")])
@@ -432,7 +437,7 @@ async def test_the_service_on_the_gpu_backend(gpu_client: httpx.AsyncClient) -> 
     assert r.status_code == 422 and r.json()["code"] == "invalid_parameter"
 
 
-@pytest.mark.parametrize("precision", list(Precision))
+@pytest.mark.parametrize("precision", FLOAT_PRECISIONS)
 @pytest.mark.parametrize(("m", "k", "n"), [(256, 256, 256), (17, 33, 9), (1, 5, 300), (1000, 1, 1000), (300, 4099, 65)])
 def test_cublas_in_each_precision_is_within_its_bound(precision: Precision, m: int, k: int, n: int) -> None:
     """The library every tensor-core rung is measured against, checked as the rungs will be: every element of an
@@ -455,7 +460,7 @@ def test_the_precisions_errors_are_in_their_order() -> None:
     a, b = rng.standard_normal((1024, 1024), dtype=cp.float32), rng.standard_normal((1024, 1024), dtype=cp.float32)
     reference = Reference.of(a, b, np.float32)
     errors = {}
-    for precision in Precision:
+    for precision in FLOAT_PRECISIONS:
         c = cp.empty((1024, 1024), cp.float32)
         cublas_product(a, b, c, precision)
         errors[precision] = reference.relative_error(c)

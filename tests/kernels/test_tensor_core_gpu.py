@@ -13,7 +13,7 @@ import pytest
 
 from kernels import tensorcore
 from kernels.registry import KERNELS
-from numerics.precision import Precision, bf16_bits, split_tf32, to_fp16, to_tf32
+from numerics.precision import Precision, bf16_bits, emulate, split_tf32, to_fp16, to_tf32
 from numerics.reference import Reference
 from tests.conftest import EDGE_SHAPES
 
@@ -84,8 +84,8 @@ def test_int8_operands_are_copied_as_they_are_into_rows_of_16_elements(launcher:
 @pytest.mark.parametrize("values", ["uniform", "extremes"])
 @pytest.mark.parametrize(("m", "k", "n"), INT8_SHAPES, ids=str)
 def test_wgmma_int8_products_are_exact(launcher: Any, m: int, k: int, n: int, values: str) -> None:
-    """int8 @ int8 into int32 equals the int64 product bit for bit, for values across int8's range and for
-    -128 and 127 alone (the largest products)."""
+    """int8 @ int8 into int32 equals the exact product bit for bit (float64 BLAS's: NumPy's int64 matmul took a
+    minute at 2048^3), for values across int8's range and for -128 and 127 alone (the largest products)."""
     import cupy as cp
 
     rng = np.random.default_rng(m * 7 + k * 3 + n)
@@ -96,7 +96,7 @@ def test_wgmma_int8_products_are_exact(launcher: Any, m: int, k: int, n: int, va
         a, b = rng.choice(extremes, (m, k)), rng.choice(extremes, (k, n))
     c = cp.full((m, n), -7, cp.int32)  # an element never written stays -7, which no product here is everywhere
     launcher.tensor_cores.wgmma_int8(cp.asarray(a), cp.asarray(b), c)
-    np.testing.assert_array_equal(cp.asnumpy(c), a.astype(np.int64) @ b.astype(np.int64))
+    np.testing.assert_array_equal(cp.asnumpy(c), emulate(a, b, Precision.INT8))
 
 
 def test_wgmma_int8_sums_up_to_the_longest_k_that_fits_and_refuses_one_more(launcher: Any) -> None:
@@ -198,9 +198,9 @@ async def test_the_service_runs_the_tensor_core_kernels_and_auto_chooses_per_pre
         pytest.skip("the tensor-core kernels run on compute capability 9.0 only")
     listing = (await gpu_client.get("/v1/kernels")).json()
     offered = {kernel["name"]: kernel for kernel in listing["kernels"]}
-    assert offered["wgmma"]["precisions"] == ["tf32", "3xtf32", "bf16", "fp16"]
+    assert offered["wgmma"]["precisions"] == ["tf32", "3xtf32", "bf16", "fp16", "int8"]
     assert offered["mma_sync"]["precisions"] == ["tf32", "bf16", "fp16"]
-    assert offered["wgmma"]["dtypes"] == offered["mma_sync"]["dtypes"] == ["float32"]
+    assert offered["wgmma"]["dtypes"] == ["float32", "int32"] and offered["mma_sync"]["dtypes"] == ["float32"]
     assert offered["dmma"]["dtypes"] == ["float64"] and offered["dmma"]["precisions"] == ["fp32"]
     for precision, dtype, kernels in [
         ("tf32", "float32", {"cublas", "mma_sync", "wgmma"}),
@@ -208,6 +208,7 @@ async def test_the_service_runs_the_tensor_core_kernels_and_auto_chooses_per_pre
         ("bf16", "float32", {"cublas", "mma_sync", "wgmma"}),
         ("fp16", "float32", {"cublas", "mma_sync", "wgmma"}),
         ("fp32", "float64", {"cublas", "dmma", *KERNELS}),
+        ("int8", "int32", {"cublas", "wgmma"}),
     ]:
         choices = [c for c in listing["auto"] if c["precision"] == precision and c["dtype"] == dtype]
         assert [c["shape_class"] for c in choices] == ["small", "medium", "large", "huge"]
@@ -232,8 +233,8 @@ async def test_the_service_runs_the_tensor_core_kernels_and_auto_chooses_per_pre
         assert Reference.of(a.astype(np.float64), b.astype(np.float64), np.float64).mismatch(c) is None
 
     for params, location, message in [
-        ({"kernel": "wgmma"}, "precision", "computes in precision tf32, 3xtf32, bf16, fp16, not fp32"),
-        ({"kernel": "mma_sync", "precision": "3xtf32"}, "precision", "computes in precision tf32, bf16, fp16"),
+        ({"kernel": "wgmma"}, "precision", "computes float32 in precision tf32, 3xtf32, bf16, fp16, not fp32"),
+        ({"kernel": "mma_sync", "precision": "3xtf32"}, "precision", "computes float32 in precision tf32, bf16, fp16"),
         ({"kernel": "dmma"}, "dtype", "kernel 'dmma' computes in float64; this product's dtype is float32"),
         ({"kernel": "wgmma", "precision": "tf32", "dtype": "float64"}, "precision", "computes from float32"),
         ({"kernel": "wgmma", "precision": "bf16", "tile": 16}, "tile", "tile does not apply"),

@@ -8,6 +8,7 @@ import re
 import pytest
 
 from kernels import tensorcore
+from kernels.catalogue import TENSOR_CORE_PRECISIONS
 from kernels.cuda import compile_tensor_core_source
 from kernels.registry import MAX_DYNAMIC_SMEM, cdiv
 from numerics.precision import Precision
@@ -38,7 +39,7 @@ def test_compiles_for_sm90a_without_spilling(source: str) -> None:
 
 
 def test_every_tensor_core_precision_has_an_instance_that_fits_in_shared_memory() -> None:
-    assert set(tensorcore.WGMMA_CONFIGS) == {precision for precision in Precision if precision is not Precision.FP32}
+    assert set(tensorcore.WGMMA_CONFIGS) == set(TENSOR_CORE_PRECISIONS)
     for config in (*tensorcore.WGMMA_CONFIGS.values(), tensorcore.WGMMA_INT8):
         assert config.smem_bytes() <= MAX_DYNAMIC_SMEM
         # a tile row is one 128-byte swizzle span, and a TMA box has at most 256 rows
@@ -62,12 +63,6 @@ def test_int8_rows_are_padded_to_16_elements(k: int, padded: int) -> None:
     assert tensorcore.WGMMA_INT8.padded_k(k) == padded
     assert tensorcore.WGMMA_INT8.tile_k == 128
     assert tensorcore.WGMMA_INT8.expression() == "matmul_wgmma<3, 256, 4, false>"
-
-
-def test_int8_sums_fit_int32_up_to_k_131071() -> None:
-    """k products of (-128) * (-128) = 16384 each: 131071 of them are 2^31 - 16384, one more passes 2^31 - 1."""
-    assert tensorcore.int8_fits(131_071) and not tensorcore.int8_fits(131_072)
-    assert 131_071 * 16_384 <= 2**31 - 1 < 131_072 * 16_384
 
 
 def test_one_block_per_tile_of_c() -> None:

@@ -9,15 +9,19 @@ import pytest
 from numerics.precision import (
     BF16,
     BF16_UNIT_ROUNDOFF,
+    FLOAT_PRECISIONS,
     FP16,
     FP16_UNIT_ROUNDOFF,
+    INT8_MAX_K,
     TF32,
     TF32_UNIT_ROUNDOFF,
     Precision,
     bf16_bits,
     emulate,
+    exact_int8_product,
     float32_emulation,
     input_error,
+    int8_fits,
     split_tf32,
     to_bf16,
     to_fp16,
@@ -129,7 +133,7 @@ def test_each_unit_roundoff_is_derived_from_its_formats_bits() -> None:
 SHAPES = [(1, 1, 1), (1, 5, 300), (300, 5, 1), (17, 33, 9), (64, 1000, 64), (128, 4096, 32)]
 
 
-@pytest.mark.parametrize("precision", list(Precision))
+@pytest.mark.parametrize("precision", FLOAT_PRECISIONS)
 @pytest.mark.parametrize(("m", "k", "n"), SHAPES)
 def test_each_precisions_product_is_within_its_bound(precision: Precision, m: int, k: int, n: int) -> None:
     rng = np.random.default_rng(m * k + n)
@@ -137,7 +141,7 @@ def test_each_precisions_product_is_within_its_bound(precision: Precision, m: in
     assert Reference.of(a, b, F32, precision).error_ratio(emulate(a, b, precision)) <= BOUND_CONSTANT
 
 
-@pytest.mark.parametrize("precision", list(Precision))
+@pytest.mark.parametrize("precision", FLOAT_PRECISIONS)
 def test_the_cpu_backends_float32_emulation_rounds_as_the_precision_and_keeps_its_bound(precision: Precision) -> None:
     """What the CPU backend answers in each precision: the operands rounded as the precision rounds them, summed in
     float32: within the precision's bound; within float32's own only for fp32 and 3xtf32 (its point)."""
@@ -168,6 +172,49 @@ def test_a_coarser_precision_fails_a_finer_ones_bound(computed: Precision, promi
     assert problem is not None and f"over the {mode} bound" in problem
 
 
-def test_a_precision_takes_float32_operands() -> None:
-    with pytest.raises(ValueError, match="precision bf16 takes float32 operands, not float64"):
-        Reference.of(np.ones((2, 2)), np.ones((2, 2)), np.float64, Precision.BF16)
+@pytest.mark.parametrize(
+    ("dtype", "precision"),
+    [
+        (np.float64, Precision.BF16),
+        (np.float32, Precision.INT8),
+        (np.int32, Precision.FP32),
+        (np.int32, Precision.TF32),
+    ],
+)
+def test_a_precision_goes_with_its_products_dtype(dtype: type, precision: Precision) -> None:
+    with pytest.raises(ValueError, match=f"a {np.dtype(dtype)} product is not computed in precision {precision}"):
+        Reference.of(np.ones((2, 2)), np.ones((2, 2)), dtype, precision)
+
+
+def test_int8_sums_fit_int32_up_to_k_131071() -> None:
+    """(-128) * (-128) * 131071 = 2,147,467,264 <= 2^31 - 1 < that plus 16384."""
+    assert INT8_MAX_K == 131_071 and int8_fits(131_071) and not int8_fits(131_072)
+    assert INT8_MAX_K * 128 * 128 <= 2**31 - 1 < (INT8_MAX_K + 1) * 128 * 128
+
+
+@pytest.mark.parametrize(("m", "k", "n"), [(1, 1, 1), (3, 0, 2), (17, 33, 9), (64, 1000, 64), (2, INT8_MAX_K, 3)])
+@pytest.mark.parametrize("values", ["random", "extremes"])
+def test_the_exact_int8_product_is_the_int64_product(m: int, k: int, n: int, values: str) -> None:
+    """The CPU backend's int8 product through float64 BLAS, element for element the int64 product, also where every
+    sum is the largest or least one int32 holds (-128 * -128 and -128 * 127 all along k = 131071)."""
+    rng = np.random.default_rng(m + k + n)
+    if values == "random":
+        a, b = rng.integers(-128, 128, (m, k), np.int8), rng.integers(-128, 128, (k, n), np.int8)
+    else:
+        a = np.full((m, k), -128, np.int8)
+        b = np.where(np.arange(n) % 2 == 0, np.int8(-128), np.int8(127)) * np.ones((k, n), np.int8)
+    c = np.empty((m, n), np.int32)
+    exact_int8_product(a, b, c)
+    expected = emulate(a, b, Precision.INT8)
+    assert expected.dtype == np.int64 and np.array_equal(c, expected)
+    assert Reference.of(a, b, np.int32, Precision.INT8).mismatch(c) is None
+
+
+def test_the_int32_bound_is_zero_an_answer_off_by_one_fails_it() -> None:
+    rng = np.random.default_rng(3)
+    a, b = rng.integers(-128, 128, (8, 40), np.int8), rng.integers(-128, 128, (40, 8), np.int8)
+    c = emulate(a, b, Precision.INT8).astype(np.int32)
+    c[5, 2] += 1
+    problem = Reference.of(a, b, np.int32, Precision.INT8).mismatch(c)
+    assert problem is not None and problem.startswith("element (5, 2) is") and "over the int32 int8 bound 0" in problem
+    assert unit_roundoff(np.int32) == 0.0 and input_error(Precision.INT8) == 0.0

@@ -8,9 +8,9 @@ from collections.abc import Callable
 import numpy as np
 import pytest
 
-from kernels import catalogue
 from kernels.emulation import emulate_naive
 from kernels.registry import KERNELS
+from numerics.precision import PRECISIONS_OF
 from numerics.reference import (
     BOUND_CONSTANT,
     UNIT_ROUNDOFF,
@@ -74,7 +74,7 @@ def _operands(m: int, k: int, n: int, dtype: np.dtype, seed: int) -> tuple[np.nd
 
 
 def test_every_working_dtype_has_its_unit_roundoff() -> None:
-    assert {dtype.name for dtype in UNIT_ROUNDOFF} == set(catalogue.DTYPES)
+    assert {dtype.name for dtype in UNIT_ROUNDOFF} == set(PRECISIONS_OF)
     for dtype in DTYPES:
         assert unit_roundoff(dtype) == unit_roundoff(dtype.name) == float(np.finfo(dtype).eps) / 2
 

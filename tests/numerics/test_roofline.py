@@ -65,6 +65,7 @@ def test_the_peaks_of_an_h100_from_its_attributes() -> None:
     assert peaks.flops_per_s["tf32"] == pytest.approx(535.3e12, rel=1e-3)  # 132 x 1024 x 2 x 1.98 GHz
     assert peaks.flops_per_s["3xtf32"] == pytest.approx(535.3e12 / 3, rel=1e-3)  # three TF32 products per product
     assert peaks.flops_per_s["bf16"] == peaks.flops_per_s["fp16"] == pytest.approx(1070.5e12, rel=1e-3)
+    assert peaks.flops_per_s["int8"] == pytest.approx(2141.0e12, rel=1e-3)  # 132 x 4096 x 2 x 1.98 GHz
     assert peaks.dram_bytes_per_s == pytest.approx(3.352e12, rel=1e-3)  # 2.619 GHz x 640 bytes x 2
 
 
@@ -138,6 +139,15 @@ def test_a_product_is_rated_against_its_arithmetics_roof(
     peak = peaks.flops_per_s[roof]
     assert peak is not None and line.peak_gflops == pytest.approx(peak / 1e9)
     assert line.peak_fraction == pytest.approx(2 * 4096**3 / 1e-3 / peak)
+
+
+def test_an_int32_products_traffic_is_int8_operands_and_an_int32_c_against_the_int8_roof() -> None:
+    m, n, k = 4096, 2048, 1024
+    peaks = gpu_peaks((9, 0), **H100)
+    line = roofline(minimum_global_elements(m, n, k), (m, n, k), np.dtype(np.int32), 1, 0.1, peaks, Precision.INT8)
+    assert line.global_bytes == m * k + k * n + 4 * m * n
+    assert line.peak_gflops == pytest.approx(peaks.flops_per_s["int8"] / 1e9)
+    assert line.peak_fraction == pytest.approx(2 * m * n * k / 1e-4 / peaks.flops_per_s["int8"])
 
 
 def test_a_batch_is_rated_over_the_launch_and_a_library_at_the_minimum() -> None:

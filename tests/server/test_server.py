@@ -12,6 +12,7 @@ import pytest
 from matmul_tools.bodies import load_npy, npy_bytes
 from matmul_tools.raw_http import status_of_a_large_header
 from matmul_tools.service import free_port, running_server, uvicorn_command
+from numerics.precision import PRECISIONS_OF, Precision
 from numerics.reference import assert_close_to_reference
 
 
@@ -58,9 +59,11 @@ def test_the_gpu_backend_serves_over_http() -> None:
         exercise(client, "gpu")
         for kernel in client.get("/v1/kernels").json()["kernels"]:
             for precision, dtype in itertools.product(kernel["precisions"], kernel["dtypes"]):
-                if precision != "fp32" and dtype != "float32":
-                    continue  # the tensor-core precisions take float32 operands
+                if Precision(precision) not in PRECISIONS_OF[dtype]:
+                    continue  # the tensor-core precisions take float32 operands, int8 is int32's alone
                 asked = {"kernel": kernel["name"], "precision": precision, "dtype": dtype}
-                r = client.post("/matmul", params=asked, json={"a": [[1, 2], [3, 4]], "b": [[5, 6], [7, 8]]})
+                # k = 4, zeros beyond 2: a k that every kernel takes (cuBLAS's int8 GEMM wants a multiple of 4)
+                operands = {"a": [[1, 2, 0, 0], [3, 4, 0, 0]], "b": [[5, 6], [7, 8], [0, 0], [0, 0]]}
+                r = client.post("/matmul", params=asked, json=operands)
                 assert r.status_code == 200, f"{asked}: {r.text}"
                 assert r.json()["result"] == [[19, 22], [43, 50]]  # exact in every precision

@@ -81,22 +81,27 @@ KernelParam = Annotated[
     str | None,
     Query(
         max_length=64,
-        description="naive, tiled, coalesced, blocktile1d, blocktile2d, fast, cublas or auto on the GPU backend; "
-        "naive, tiled (emulations of the GPU kernels), numpy or auto on the CPU backend (GET /v1/kernels lists "
-        "them). Default: auto.",
+        description="naive, tiled, coalesced, blocktile1d, blocktile2d, fast, cublas, auto and on Hopper mma_sync, "
+        "wgmma, dmma on the GPU backend; naive, tiled (emulations of the GPU kernels), numpy or auto on the CPU "
+        "backend (GET /v1/kernels lists them, with the dtypes and precisions of each). Default: auto.",
     ),
 ]
 TileParam = Annotated[int | None, Query(ge=1, le=1024, description="Tile width of the tiled kernel: 8, 16 or 32.")]
 DtypeParam = Annotated[
     DtypeName | None,
-    Query(description="Working dtype. Default: float64 if an operand is float64, else float32."),
+    Query(
+        description="Working dtype. int32: the exact product of int8 operands (values from -128 to 127, k up to "
+        "131071). Default: int32 for two int8 operands (.npy, .npz), else float64 if an operand is float64, else "
+        "float32."
+    ),
 ]
 PrecisionParam = Annotated[
     PrecisionName | None,
     Query(
         description="How the multiplier rounds float32 operands: fp32 (default, exact operands), tf32, 3xtf32 "
-        "(fp32-like accuracy from TF32 parts), bf16, fp16 (tensor cores; cuBLAS on the GPU backend for now, an "
-        "emulation of the rounding on the CPU backend). The answer's error_bound says what each promises."
+        "(fp32-like accuracy from TF32 parts), bf16, fp16 (tensor cores on the GPU backend, an emulation of the "
+        "rounding on the CPU backend); int8 for an int32 product (int8 operands, exact sums). The answer's "
+        "error_bound says what each promises."
     ),
 ]
 
