@@ -123,6 +123,13 @@ async def test_the_emulated_kernels_are_models_of_their_own(client: httpx.AsyncC
     assert r.status_code == (200 if kernel == "tiled" else 422), r.text
 
 
+async def test_a_model_of_one_kernel_keeps_the_requests_other_parameters(client: httpx.AsyncClient) -> None:
+    """matmul_numpy fixes the kernel alone: the precision asked for is the one computed in, never dropped."""
+    r = await client.post("/v2/models/matmul_numpy/infer", json=ab(parameters={"precision": "bf16"}))
+    assert r.status_code == 200, r.text
+    assert (r.json()["parameters"]["kernel"], r.json()["parameters"]["precision"]) == ("numpy", "bf16")
+
+
 @pytest.mark.parametrize(
     ("path", "kwargs", "status", "words"),
     [

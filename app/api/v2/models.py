@@ -7,6 +7,7 @@ choose the kernel. Each has version "1".
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Annotated, Any
 
 from fastapi import Depends
@@ -47,7 +48,7 @@ class ModelCatalogue:
             return options
         if options.kernel not in (None, fixed_kernel):
             raise InvalidParameter(f"model '{model}' runs kernel '{fixed_kernel}'; use model '{MODEL}' to choose")
-        return RequestOptions(kernel=fixed_kernel, tile=options.tile, dtype=options.dtype)
+        return dataclasses.replace(options, kernel=fixed_kernel)
 
     def metadata(self, model: str) -> dict[str, Any]:
         """The protocol's model metadata: inputs A (m x k) and B (k x n), output C (m x n)."""
