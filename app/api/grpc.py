@@ -38,7 +38,7 @@ from app.codecs.npy import data_bytes
 from app.config import Settings, SharedMemoryKind
 from app.dataplane.engine_client import EngineClient
 from app.dataplane.wire import RegionKind
-from app.errors import MalformedPayload, MatmulError
+from app.errors import MalformedPayload, MatmulError, PayloadTooLarge
 from app.service import MatmulService, Product, Stopwatch
 
 log = logging.getLogger(__name__)
@@ -217,6 +217,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):  # type: ignore[m
                 timing = product.describe().timing
             finally:
                 product.release()
+            _check_answer_fits(response, message_limit(self.settings))
         except MatmulError:
             self.statistics.record_failure(model, clock.elapsed_ms())
             raise
@@ -361,6 +362,17 @@ def message_limit(settings: Settings) -> int:
     return settings.max_body_bytes + MESSAGE_OVERHEAD_BYTES
 
 
+def _check_answer_fits(response: Any, limit: int) -> None:
+    """PayloadTooLarge (RESOURCE_EXHAUSTED) for an answer past the message limit, saying what to do instead, rather
+    than the transport's own failure to send it: a product's C can be far larger than its operands (m x 1 @ 1 x n)."""
+    size = response.ByteSize()
+    if size > limit:
+        raise PayloadTooLarge(
+            f"the answer is {size} bytes, over the gRPC message limit of {limit} (MATMUL_MAX_BODY_BYTES and 1 MiB for "
+            "the other fields): ask for C in shared memory, or over HTTP"
+        )
+
+
 async def start_server(settings: Settings, engine: EngineClient, statistics: InferenceStatistics) -> grpc.aio.Server:
     """This HTTP worker's gRPC server on MATMUL_GRPC_HOST:MATMUL_GRPC_PORT, the port shared with the other workers."""
     limit = message_limit(settings)
@@ -373,8 +385,7 @@ async def start_server(settings: Settings, engine: EngineClient, statistics: Inf
     )
     pb_grpc.add_GRPCInferenceServiceServicer_to_server(InferenceServicer(settings, engine, statistics), server)
     address = f"{settings.grpc_host}:{settings.grpc_port}"
-    if server.add_insecure_port(address) == 0:
-        raise RuntimeError(f"the gRPC server could not listen on {address}")
+    server.add_insecure_port(address)  # RuntimeError where it cannot listen there
     await server.start()
     log.info("gRPC inference protocol on %s", address)
     return server

@@ -6,6 +6,7 @@ each checked against their own float64 product."""
 from __future__ import annotations
 
 import asyncio
+import re
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
@@ -28,7 +29,7 @@ from app.engine import DeviceWorker, EngineState
 from app.errors import NotReady
 from app.metrics import ServiceMetrics
 from matmul_tools.service import free_port, running_server, uvicorn_command
-from numerics.precision import Precision
+from numerics.precision import Precision, input_error
 from numerics.reference import assert_close_to_reference
 from tests.fakes import RecordingEngine, SteeredBackend, until
 
@@ -120,6 +121,52 @@ def test_parameters_choose_the_kernel_and_fp16_inputs_run_in_fp16(triton: grpccl
     fp16 = triton.infer("matmul", _inputs(*halves))
     assert fp16.get_response().parameters["precision"].string_param == "fp16"
     assert_close_to_reference(fp16.as_numpy("C"), *halves, np.dtype(np.float32), precision=Precision.FP16)
+
+
+def test_an_answer_names_its_model_and_says_how_the_product_was_made_in_typed_parameters(url: str) -> None:
+    """A request without an id gets an empty one; the parameters carry each value in its own type (strings, int64,
+    double), as the HTTP answer's JSON has them."""
+    a, b = _operands(7, m=5, k=6, n=4)
+    request = _infer_request(a, b)
+    request.parameters["precision"].string_param = "bf16"
+    with grpc.insecure_channel(url) as channel:
+        response = pb_grpc.GRPCInferenceServiceStub(channel).ModelInfer(request)
+    assert (response.model_name, response.model_version, response.id) == ("matmul", "1", "")
+    parameters = response.parameters
+    assert (parameters["kernel"].string_param, parameters["precision"].string_param) == ("numpy", "bf16")
+    assert parameters["batch_size"].int64_param == 1 and parameters["roofline_flops"].int64_param == 2 * 5 * 6 * 4
+    assert parameters["error_bound_input"].double_param == input_error(Precision.BF16) > 0
+
+
+def test_an_answer_past_the_message_limit_is_refused_saying_what_to_do(url: str) -> None:
+    """2048 x 1 @ 1 x 1024: a request of 12 KiB whose C is 8 MiB, past the 5 MiB limit either way; a client that would
+    take it still gets RESOURCE_EXHAUSTED, saying how to get C, and the next product is served."""
+    a, b = _operands(9, m=2048, k=1, n=1024)
+    unlimited = [("grpc.max_receive_message_length", -1)]
+    with grpc.insecure_channel(url, options=unlimited) as channel:
+        stub = pb_grpc.GRPCInferenceServiceStub(channel)
+        with pytest.raises(grpc.RpcError) as refused:
+            stub.ModelInfer(_infer_request(a, b))
+        assert stub.ModelInfer(_infer_request(a[:8], b)).outputs[0].shape == [8, 1024]
+    assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    said = re.fullmatch(
+        rf"the answer is (\d+) bytes, over the gRPC message limit of {MAX_BODY_BYTES + MIB} \(MATMUL_MAX_BODY_BYTES "
+        r"and 1 MiB for the other fields\): ask for C in shared memory, or over HTTP",
+        refused.value.details(),
+    )
+    assert said is not None and 2048 * 1024 * 4 < int(said[1]) < 2048 * 1024 * 4 + 4096, refused.value.details()
+
+
+def test_an_input_without_raw_contents_is_refused_naming_it(url: str) -> None:
+    a, b = _operands(8, m=2, k=3, n=2)
+    request = _infer_request(a, b)
+    del request.raw_input_contents[1]
+    with grpc.insecure_channel(url) as channel, pytest.raises(grpc.RpcError) as refused:
+        pb_grpc.GRPCInferenceServiceStub(channel).ModelInfer(request)
+    assert (refused.value.code(), refused.value.details()) == (
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "input 'B' has no raw contents",
+    )
 
 
 def test_typed_contents_are_read_as_the_tensors_values(url: str) -> None:
@@ -245,7 +292,9 @@ def test_system_shared_memory_holds_the_operands_and_the_product(triton: grpccli
         output.set_shared_memory(name, size - c_at, offset=c_at)
         result = triton.infer("matmul", inputs, outputs=[output])
         placed = result.get_output("C")
+        assert placed.parameters["shared_memory_region"].string_param == name
         assert placed.parameters["shared_memory_offset"].int64_param == c_at
+        assert placed.parameters["shared_memory_byte_size"].int64_param == a.shape[0] * b.shape[1] * 4
         c = shm.get_contents_as_numpy(handle, np.float32, [a.shape[0], b.shape[1]], offset=c_at)
         assert_close_to_reference(c, a, b, np.dtype(np.float32))
         other = f"{name}-other"  # a second region over the same object: status and unregister of one by name
