@@ -21,6 +21,7 @@ from app.client import (
     AnswerMemory,
     AsyncMatmulClient,
     MatmulClient,
+    MatmulServiceError,
     RequestFormat,
     RequestRejected,
     ServerError,
@@ -165,11 +166,19 @@ class Stub:
     body, counts the connections it accepted, and closes a connection after answering when `close_after`."""
 
     def __init__(
-        self, answer: bytes, close_after: bool = False, silent: bool = False, early: bool = False, pause: float = 0
+        self,
+        answer: bytes,
+        close_after: bool = False,
+        silent: bool = False,
+        early: bool = False,
+        pause: float = 0,
+        pieces: int = 1,
     ) -> None:
         self.answer, self.close_after, self.silent, self.early = answer, close_after, silent, early
         self.pause = pause
         """Seconds before each answer."""
+        self.pieces = pieces
+        """Writes each answer is sent in, 20 ms apart, so that the client's reads find it in parts."""
         self.requests: list[tuple[bytes, bytes]] = []
         self.connections = 0
         self._listener = socket.create_server(("127.0.0.1", 0))
@@ -204,7 +213,10 @@ class Stub:
                 if self.silent:
                     time.sleep(5)
                     return
-                sock.sendall(self.answer)
+                step = -(-len(self.answer) // self.pieces)
+                for start in range(0, len(self.answer), step):
+                    sock.sendall(self.answer[start : start + step])
+                    time.sleep(0.02 if self.pieces > 1 else 0)
                 if self.close_after:
                     return
 
@@ -272,6 +284,60 @@ def test_503_is_unavailable_with_retry_after(stub: Callable[..., Stub]) -> None:
     assert isinstance(caught.value, ServerError)
     assert (caught.value.status, caught.value.code, caught.value.message) == (503, "overloaded", body["message"])
     assert (caught.value.location, caught.value.retry_after_s) == (["queue"], 2)
+
+
+@pytest.mark.parametrize(
+    ("status", "family"), [(400, RequestRejected), (499, RequestRejected), (500, ServerError), (599, ServerError)]
+)
+def test_4xx_is_a_rejected_request_and_5xx_a_server_error(stub: Callable[..., Stub], status: int, family: type) -> None:
+    body = orjson.dumps({"code": "some_code", "message": "what went wrong", "location": None})
+    server = stub(http_answer(status, body, "content-type: application/json"))
+    with MatmulClient(server.url) as client, pytest.raises(MatmulServiceError) as caught:
+        client.matmul(np.ones((1, 1)), np.ones((1, 1)))
+    assert type(caught.value) is family and caught.value.status == status
+
+
+@pytest.mark.parametrize(
+    ("body", "message"),
+    [
+        (b"", "Bad Gateway"),  # no words of its own: the status's reason phrase
+        (b"x" * 600, "x" * 500),  # a page, cut at 500 characters
+        (b"bad \xff byte", "bad \ufffd byte"),  # not UTF-8: the byte replaced, not an exception of the client's
+    ],
+)
+def test_a_proxys_answer_is_a_server_error_in_its_own_words(
+    stub: Callable[..., Stub], body: bytes, message: str
+) -> None:
+    server = stub(http_answer(502, body, "content-type: text/html"))
+    with MatmulClient(server.url) as client, pytest.raises(ServerError) as caught:
+        client.matmul(np.ones((1, 1)), np.ones((1, 1)))
+    assert (caught.value.status, caught.value.code, caught.value.message) == (502, "http_error", message)
+
+
+def test_a_retry_after_that_is_a_date_gives_no_seconds(stub: Callable[..., Stub]) -> None:
+    body = orjson.dumps({"code": "overloaded", "message": "full", "location": None})
+    server = stub(http_answer(503, body, "retry-after: Fri, 27 Nov 2026 12:00:00 GMT"))
+    with MatmulClient(server.url) as client, pytest.raises(Unavailable) as caught:
+        client.matmul(np.ones((1, 1)), np.ones((1, 1)))
+    assert caught.value.retry_after_s is None
+
+
+def test_a_large_answer_arriving_in_pieces_is_read_whole(stub: Callable[..., Stub]) -> None:
+    """A 2 MiB .npy answer (read into the client's kept buffers) sent in five writes, 20 ms apart: every read that
+    returns part of it moves on from where the last one ended."""
+    c = np.arange(256 * 1024, dtype=np.float64).reshape(256, 1024)
+    server = stub(npy_answer(c), pieces=5)
+    with MatmulClient(server.url) as client:
+        np.testing.assert_array_equal(client.matmul(np.ones((256, 1)), np.ones((1, 1024))), c)
+
+
+def test_both_npy_parts_data_start_on_64_bytes_of_the_body() -> None:
+    """The server reads a large body into aligned memory and uses an operand there in place when its data is aligned:
+    the second part's too, after the first part's odd size."""
+    a, b = np.ones((3, 5), np.float32), np.ones((5, 7), np.float64)
+    buffers = encode_payload(a, b, "npy").parts
+    assert len(buffers[0]) % 64 == 0 and (len(buffers[0]) + len(buffers[1]) + len(buffers[2])) % 64 == 0
+    assert bytes(buffers[3]) == b.tobytes()
 
 
 def test_the_servers_error_to_an_info_request_is_raised_with_its_status(stub: Callable[..., Stub]) -> None:
