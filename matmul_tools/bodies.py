@@ -69,7 +69,7 @@ def inference_v2_body(a: np.ndarray, b: np.ndarray, parameters: dict[str, str] |
     """An Open Inference Protocol v2 infer request for C = A @ B with A and B as binary tensors (little-endian)
     and C asked for in binary (with the request's `parameters`, when given), and the length of its JSON header (the
     Inference-Header-Content-Length)."""
-    datatypes = {"float32": "FP32", "float64": "FP64", "float16": "FP16"}
+    datatypes = {"float32": "FP32", "float64": "FP64", "float16": "FP16", "int8": "INT8"}
     inputs = [
         {"name": name, "shape": list(x.shape), "datatype": datatypes[x.dtype.name],
          "parameters": {"binary_data_size": x.nbytes}}

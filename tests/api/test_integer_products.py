@@ -14,7 +14,7 @@ import pytest
 
 from app.config import Settings
 from app.main import create_app
-from matmul_tools.bodies import load_npy, npy_bytes, npz_bytes
+from matmul_tools.bodies import inference_v2_body, load_npy, npy_bytes, npz_bytes
 from numerics.precision import INT8_MAX_K
 from tests.conftest import _client_for
 
@@ -179,7 +179,8 @@ async def test_what_an_int32_product_cannot_take_is_refused_saying_where(
     if "json" in send:
         answer = await client.post("/matmul", json=send["json"])
     else:
-        answer = await post_npy(client, *send["npy"], send["params"])
+        a, b = send["npy"]
+        answer = await post_npy(client, a, b, send["params"])
     assert answer.status_code == 422, answer.text
     body = answer.json()
     assert body["code"] == code and body["message"].startswith(message) and body["location"] == location
@@ -216,34 +217,23 @@ async def test_the_kernel_listing_says_which_kernels_compute_int32_in_int8(clien
 # ------------------------------------------------------------------------------------ the inference protocol
 
 
-def _v2_tensor(name: str, x: np.ndarray, datatype: str, binary: bool) -> dict[str, Any]:
-    tensor: dict[str, Any] = {"name": name, "datatype": datatype, "shape": list(x.shape)}
-    if binary:
-        tensor["parameters"] = {"binary_data_size": x.nbytes}
-    else:
-        tensor["data"] = x.reshape(-1).tolist()
-    return tensor
+V2_DATATYPES = {"int8": "INT8", "float32": "FP32"}
 
 
 async def _v2_infer(
-    client: httpx.AsyncClient, a: np.ndarray, b: np.ndarray, datatypes: tuple[str, str], binary: bool, **parameters: Any
+    client: httpx.AsyncClient, a: np.ndarray, b: np.ndarray, binary: bool, **parameters: Any
 ) -> httpx.Response:
-    header = orjson.dumps(
-        {
-            "inputs": [_v2_tensor("A", a, datatypes[0], binary), _v2_tensor("B", b, datatypes[1], binary)],
-            "outputs": [{"name": "C", "parameters": {"binary_data": binary}}],
-            "parameters": parameters,
-        }
-    )
-    if not binary:
-        return await client.post(
-            "/v2/models/matmul/infer", content=header, headers={"content-type": "application/json"}
-        )
-    return await client.post(
-        "/v2/models/matmul/infer",
-        content=header + a.tobytes() + b.tobytes(),
-        headers={"inference-header-content-length": str(len(header)), "content-type": "application/octet-stream"},
-    )
+    """a @ b on the inference protocol, each input in the datatype of its dtype: as binary tensors (C asked for in
+    binary), or as JSON data (C as JSON)."""
+    if binary:
+        body, header_length = inference_v2_body(a, b, parameters or None)
+        headers = {"inference-header-content-length": str(header_length), "content-type": "application/octet-stream"}
+        return await client.post("/v2/models/matmul/infer", content=body, headers=headers)
+    inputs = [
+        {"name": name, "datatype": V2_DATATYPES[x.dtype.name], "shape": list(x.shape), "data": x.ravel().tolist()}
+        for name, x in (("A", a), ("B", b))
+    ]
+    return await client.post("/v2/models/matmul/infer", json={"inputs": inputs, "parameters": parameters})
 
 
 def _v2_output(answer: httpx.Response) -> tuple[dict[str, Any], np.ndarray]:
@@ -261,7 +251,7 @@ def _v2_output(answer: httpx.Response) -> tuple[dict[str, Any], np.ndarray]:
 @pytest.mark.parametrize("binary", [True, False])
 async def test_int8_inputs_answer_an_int32_output(client: httpx.AsyncClient, binary: bool) -> None:
     a, b = int8_operands(7, 300, 5, seed=4)
-    header, c = _v2_output(await _v2_infer(client, a, b, ("INT8", "INT8"), binary))
+    header, c = _v2_output(await _v2_infer(client, a, b, binary))
     assert header["outputs"][0]["datatype"] == "INT32" and header["parameters"]["precision"] == "int8"
     assert np.array_equal(c, exact(a, b))
 
@@ -270,9 +260,9 @@ async def test_float_inputs_holding_int8_values_multiply_exactly_with_precision_
     """A mixed pair is a float32 product unless precision int8 is asked for; then the FP32 tensor's values are staged
     as int8, each checked to be one."""
     a, b = int8_operands(3, 9, 4, seed=5)
-    header, c = _v2_output(await _v2_infer(client, a.astype(np.float32), b, ("FP32", "INT8"), True, precision="int8"))
+    header, c = _v2_output(await _v2_infer(client, a.astype(np.float32), b, True, precision="int8"))
     assert header["outputs"][0]["datatype"] == "INT32" and np.array_equal(c, exact(a, b))
-    unasked = await _v2_infer(client, a.astype(np.float32), b, ("FP32", "INT8"), False)
+    unasked = await _v2_infer(client, a.astype(np.float32), b, False)
     assert unasked.status_code == 200 and unasked.json()["outputs"][0]["datatype"] == "FP32"
 
 
@@ -350,7 +340,7 @@ async def test_on_the_gpu_the_longest_k_sums_exactly_and_one_more_is_refused(
 @pytest.mark.parametrize("binary", [True, False])
 async def test_on_the_gpu_int8_inputs_answer_an_int32_output(gpu_client: httpx.AsyncClient, binary: bool) -> None:
     a, b = int8_operands(130, 777, 260, seed=6)
-    header, c = _v2_output(await _v2_infer(gpu_client, a, b, ("INT8", "INT8"), binary))
+    header, c = _v2_output(await _v2_infer(gpu_client, a, b, binary))
     assert header["outputs"][0]["datatype"] == "INT32" and np.array_equal(c, exact(a, b))
 
 
