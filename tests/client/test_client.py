@@ -599,6 +599,39 @@ async def test_async_calls_run_on_the_clients_own_threads_with_the_format_asked(
     assert content_types == [b"application/json"] + [b"application/x-npz"] * 4
 
 
+@pytest.mark.anyio
+async def test_both_clients_send_a_payload_and_many_products_with_the_format_and_options_asked(
+    stub: Callable[..., Stub],
+) -> None:
+    """A payload encoded once is sent as it is, with the options of the call; `multiply_many` sends every body in the
+    format named and every path with the options given, on one connection as on several."""
+    c = np.arange(4.0).reshape(2, 2)
+    server = stub(npy_answer(c))
+    pairs = [(np.ones((2, 2)), np.ones((2, 2)))] * 3
+    with MatmulClient(server.url, connections=1) as blocking:
+        np.testing.assert_array_equal(blocking.send(encode_payload(*pairs[0], "npz"), kernel="tiled").c, c)
+        assert [p.c.tolist() for p in blocking.multiply_many(pairs, format="json", tile=8)] == [c.tolist()] * 3
+    async with AsyncMatmulClient(server.url, connections=2) as asynchronous:
+        np.testing.assert_array_equal((await asynchronous.send(encode_payload(*pairs[0], "json"), tile=16)).c, c)
+        await asynchronous.multiply_many(pairs, format="npz", kernel="naive")
+    heads = [head for head, _ in server.requests]
+    content_types = [re.search(rb"Content-Type: ([^;\r]+)", head)[1] for head in heads]  # type: ignore[index]
+    assert content_types == [b"application/x-npz", *[b"application/json"] * 4, *[b"application/x-npz"] * 3]
+    paths = [head.split(b" ")[1] for head in heads]
+    assert paths == [
+        b"/matmul?kernel=tiled",
+        *[b"/matmul?tile=8"] * 3,
+        b"/matmul?tile=16",
+        *[b"/matmul?kernel=naive"] * 3,
+    ]
+
+
+def test_a_client_needs_at_least_one_connection() -> None:
+    with pytest.raises(ValueError, match="connections must be at least 1, not 0"):
+        MatmulClient("http://127.0.0.1:1", connections=0)
+    assert MatmulClient("http://127.0.0.1:1", connections=1).connections == 1
+
+
 def test_parse_server_timing() -> None:
     header = 'queue;dur=0.050, cache;desc="hit", kernel ; dur=1.5 ;desc="tiled"'
     assert parse_server_timing(header) == {"queue": 0.05, "kernel": 1.5}
