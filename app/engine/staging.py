@@ -35,12 +35,8 @@ def cast_into(
         limit = np.finfo(dst.dtype).max
         with np.errstate(invalid="ignore"):
             too_large = np.isfinite(src) & (np.abs(src) > limit)
-        row, col = np.unravel_index(int(np.argmax(too_large)), src.shape)
-        value = src[row, col].item()
-        row += first_row
-        raise InvalidMatrix(
-            f"{name}[{row}][{col}] = {value!r} is out of range for {dst.dtype} (largest {limit:.4g})",
-            location=[name, int(row), int(col)],
+        raise _refusal(
+            src, too_large, name, first_row, f"is out of range for {dst.dtype} (largest {limit:.4g})"
         ) from None
     if not (src.dtype.kind == "f" and float(np.finfo(src.dtype).max) < _overflow(precision)):
         check_in_format(dst, name, precision, first_row=first_row)
@@ -61,19 +57,23 @@ def check_integers(x: np.ndarray, dtype: np.dtype, name: str, first_row: int = 0
         wrong = (x < info.min) | (x > info.max)
         if x.dtype.kind == "f":
             wrong |= np.floor(x) != x  # NaN too
-    row, col = _first(wrong)
-    raise InvalidMatrix(
-        f"{name}[{row + first_row}][{col}] = {x[row, col].item()!r} is not an {dtype} (an integer from {info.min} to "
-        f"{info.max}): an int32 product multiplies {dtype} operands exactly; send {dtype} values or ask for a float "
-        "dtype",
-        location=[name, row + first_row, col],
+    raise _refusal(
+        x,
+        wrong,
+        name,
+        first_row,
+        f"is not an {dtype} (an integer from {info.min} to {info.max}): an int32 product multiplies {dtype} operands "
+        f"exactly; send {dtype} values or ask for a float dtype",
     )
 
 
-def _first(flags: Any) -> tuple[int, int]:
-    """(row, column) of the first True of a 2-D boolean array (NumPy or CuPy), in row-major order."""
-    row, col = np.unravel_index(int(np.argmax(flags)), flags.shape)
-    return int(row), int(col)
+def _refusal(x: Any, flags: Any, name: str, first_row: int, says: str) -> InvalidMatrix:
+    """The InvalidMatrix naming the first element of `x` (NumPy or CuPy, a band of rows from `first_row`) where
+    `flags` is True, in row-major order, its value, and what `says` is wrong with it."""
+    row, col = (int(i) for i in np.unravel_index(int(np.argmax(flags)), flags.shape))
+    return InvalidMatrix(
+        f"{name}[{row + first_row}][{col}] = {x[row, col].item()!r} {says}", location=[name, row + first_row, col]
+    )
 
 
 def _overflow(precision: Precision) -> float:
@@ -98,12 +98,13 @@ def check_in_format(x: Any, name: str, precision: Precision, first_row: int = 0)
         beyond = np.isfinite(x) & (np.abs(x) >= limit)
     if not bool(beyond.any()):
         return
-    row, col = _first(beyond)
-    raise InvalidMatrix(
-        f"{name}[{row + first_row}][{col}] = {float(x[row, col])!r} is out of range for precision {precision} "
-        f"(largest {OPERAND_FORMATS[precision].largest:.6g}): it would be infinite there; send smaller values or ask "
-        "for another precision",
-        location=[name, row + first_row, col],
+    raise _refusal(
+        x,
+        beyond,
+        name,
+        first_row,
+        f"is out of range for precision {precision} (largest {OPERAND_FORMATS[precision].largest:.6g}): it would be "
+        "infinite there; send smaller values or ask for another precision",
     )
 
 
