@@ -77,8 +77,9 @@ def client_main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument(
         "--precision",
-        choices=["fp32", "tf32", "3xtf32", "bf16", "fp16", "int8"],
-        help="how the multiplier rounds float32 operands (default: fp32, as they are); int8: int8 operands, exactly",
+        choices=["fp32", "tf32", "3xtf32", "bf16", "fp16", "fp8", "int8"],
+        help="how the multiplier rounds float32 operands (default: fp32, as they are; fp8: e4m3, each operand scaled "
+        "by a power of two); int8: int8 operands, exactly",
     )
     parser.add_argument(
         "--format", choices=FORMATS, default="npy", help="request body: npy (multipart, the default), json or npz"

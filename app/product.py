@@ -11,7 +11,7 @@ from typing import Literal
 from pydantic import BaseModel, Field
 
 DtypeName = Literal["float32", "float64", "int32"]
-PrecisionName = Literal["fp32", "tf32", "3xtf32", "bf16", "fp16", "int8"]
+PrecisionName = Literal["fp32", "tf32", "3xtf32", "bf16", "fp16", "fp8", "int8"]
 BackendName = Literal["cpu", "gpu"]
 
 
@@ -70,7 +70,9 @@ class ErrorBound(BaseModel):
     """What the product promises, element by element, against R, the float64 product of the operands as they were
     converted to the working dtype: |C - R| <= constant * (input_error * sqrt((A*A) @ (B*B)) + sums * sqrt(k) *
     unit_roundoff * (|A| @ |B|)). The first term is the precision's rounding of the operands, the second the
-    float32 (or float64) sums' (numerics/reference.py and numerics/precision.py derive both)."""
+    float32 (or float64) sums' (numerics/reference.py and numerics/precision.py derive both). fp8 adds the
+    subnormals' term, (1 + u) * (eta_A * ||B[:, j]|| + eta_B * ||A[i, :]||) + eta_A * eta_B * sqrt(k) with u = 2^-4 and
+    eta = 2^-10 * 2^-e for each operand, whose scale 2^e brings its largest magnitude into (224, 448]."""
 
     constant: float = Field(description="c, the headroom of the statistical bound (4).")
     input_error: float = Field(description="What the precision's rounding of A and B adds per term (0 for fp32).")
@@ -87,7 +89,8 @@ class MatmulMetadata(BaseModel):
     dtype: DtypeName
     precision: PrecisionName = Field(
         description="How the multiplier saw the operands: fp32 (as they are, also for float64), or rounded for the "
-        "tensor cores (tf32, bf16, fp16; 3xtf32: split into two TF32 parts); int8 for an int32 product, the exact "
+        "tensor cores (tf32, bf16, fp16; 3xtf32: split into two TF32 parts; fp8: e4m3, each operand scaled by a "
+        "power of two from its largest magnitude); int8 for an int32 product, the exact "
         "sums of int8 operands."
     )
     error_bound: ErrorBound

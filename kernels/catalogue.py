@@ -8,9 +8,13 @@ GPU kernels its emulations stand for from here.
     naive ..      fma            float32, float64          fp32                               every CUDA GPU
     fast
     mma_sync      tensor_core    float32                   tf32, bf16, fp16                   compute capability 9.0
-    wgmma         tensor_core    float32, int32            tf32, 3xtf32, bf16, fp16, int8     compute capability 9.0
+    wgmma         tensor_core    float32, int32            tf32, 3xtf32, bf16, fp16, fp8,     compute capability 9.0
+                                                           int8
     dmma          tensor_core    float64                   fp32 (float64's own)               compute capability 9.0
-    cublas        cublas         float32, float64, int32   every one                          every CUDA GPU
+    cublas        cublas         float32, float64, int32   every one but fp8                  every CUDA GPU
+
+cuBLAS's GemmEx has no FP8 types (only cuBLASLt has, which CuPy does not bind), so fp8 runs on `wgmma` alone, and the
+kernel benchmark measures it against cuBLASLt through PyTorch where PyTorch is installed.
 
 A rung computes a product of one of its dtypes in those of its precisions that the dtype takes
 (numerics/precision.py's `PRECISIONS_OF`): int32 from int8 operands, float64 in its own, float32 in the others.
@@ -27,6 +31,8 @@ from kernels.registry import KERNELS
 from numerics.precision import FLOAT_PRECISIONS, INT8_PRODUCT, PRECISIONS_OF, Precision
 
 CUBLAS = "cublas"
+CUBLAS_PRECISIONS = tuple(precision for precision in Precision if precision is not Precision.FP8)
+"""Every precision but fp8: GemmEx has no FP8 types."""
 DTYPES = ("float32", "float64")
 """The float dtypes, which every FMA kernel computes in."""
 TENSOR_CORE_PRECISIONS = tuple(precision for precision in FLOAT_PRECISIONS if precision is not Precision.FP32)
@@ -103,10 +109,10 @@ RUNGS: MappingProxyType[str, Rung] = MappingProxyType(
             Rung(
                 CUBLAS,
                 "cuBLAS: cupy.matmul in fp32 (TF32 off), GemmEx in the precision's types (int8: IMMA, k a multiple "
-                "of 4): the reference.",
+                "of 4; no fp8): the reference.",
                 "cublas",
                 dtypes=(*DTYPES, INT8_PRODUCT),
-                precisions=tuple(Precision),
+                precisions=CUBLAS_PRECISIONS,
             ),
         )
     }

@@ -199,6 +199,21 @@ class _Instance(Protocol):
     def smem_bytes(self) -> int: ...
 
 
+STORED_DTYPES = MappingProxyType(
+    {
+        tensorcore.OperandKind.BF16: np.dtype(np.uint16),
+        tensorcore.OperandKind.FP16: np.dtype(np.uint16),
+        tensorcore.OperandKind.TF32: np.dtype(np.float32),
+        tensorcore.OperandKind.S8: np.dtype(np.int8),
+        tensorcore.OperandKind.E4M3: np.dtype(np.uint8),
+    }
+)
+"""The dtype of the arrays holding each kind of converted operand: 16-bit formats and e4m3 as their bits."""
+LARGEST_MAGNITUDE_THREADS = 256
+LARGEST_MAGNITUDE_BLOCKS = 1024
+"""At most this many blocks measure an operand's largest magnitude, each thread then taking 16 bytes at a time."""
+
+
 class TensorCoreLibrary:
     """The tensor-core kernels (kernels/tensorcore.py), compiled for sm_90a and loaded on the current CuPy device (a
     compute capability 9.0 one): float32 products in the tensor-core precisions through wgmma and mma.sync, and
@@ -219,8 +234,9 @@ class TensorCoreLibrary:
             self._wgmma = self._load_instances(place, tensorcore.WGMMA_SOURCE, configs)
             self._mma_sync = self._load_instances(place, tensorcore.MMA_SYNC_SOURCE, tensorcore.MMA_SYNC_CONFIGS)
             self._dmma = self._load_instances(place, tensorcore.DMMA_SOURCE, tensorcore.DMMA_CONFIGS)
-            conversions = self._load(place, tensorcore.OPERANDS_SOURCE, tensorcore.conversion_expressions())
-            for expression, function in conversions.items():
+            operands = self._load(place, tensorcore.OPERANDS_SOURCE, tensorcore.operand_expressions())
+            self._largest_magnitude = operands.pop(tensorcore.LARGEST_MAGNITUDE)
+            for expression, function in operands.items():
                 kernel, conversion = expression.removesuffix(">").split("<")
                 self._conversions[(kernel, int(conversion))] = function
         self.instances = len(self._wgmma) + len(self._mma_sync) + len(self._dmma)
@@ -256,20 +272,31 @@ class TensorCoreLibrary:
             loaded[key] = function
         return loaded
 
-    def converted(self, config: tensorcore.WgmmaConfig, x: Any, *, transposed: bool) -> list[Any]:
+    def largest_magnitudes(self, *operands: Any) -> Any:
+        """A device array of uint32, the float32 bits of each operand's largest magnitude (CuPy float32 arrays,
+        C-contiguous), in their order: what FP8's scales come from (kernels/e4m3_scale.cuh)."""
+        largest = self._cp.zeros(len(operands), np.uint32)
+        for i, x in enumerate(operands):
+            if x.size:
+                blocks = min(cdiv(x.size, 4 * LARGEST_MAGNITUDE_THREADS), LARGEST_MAGNITUDE_BLOCKS)
+                self._largest_magnitude((blocks,), (LARGEST_MAGNITUDE_THREADS,), (x, np.uint64(x.size), largest[i:]))
+        return largest
+
+    def converted(self, config: tensorcore.WgmmaConfig, x: Any, *, transposed: bool, amax: Any = None) -> list[Any]:
         """x (2-D, C-contiguous: float32, or int8 for int8 products) as the tensor-core kernels of `config` read it:
         K-major rows (x's rows, or its columns when `transposed`) in the kernel's input type (uint16 bits for bf16
-        and fp16), padded to the stride alignment; the big and the small part for 3xtf32."""
+        and fp16, uint8 for e4m3), padded to the stride alignment; the big and the small part for 3xtf32. For e4m3,
+        `amax` is a device array whose first word holds x's `largest_magnitudes`."""
         height, width = x.shape
         rows, k = (width, height) if transposed else (height, width)
-        dtype = {1: np.int8, 2: np.uint16, 4: np.float32}[config.element_bytes]
+        dtype = STORED_DTYPES[config.kind]
         parts = [self._cp.empty((rows, config.padded_k(k)), dtype) for _ in range(config.parts)]
         kernel = "convert_transposed" if transposed else "convert_rows"
         if transposed:
             grid, block = (cdiv(width, 32), min(cdiv(height, 32), 65535)), (32, 8)
         else:
             grid, block = (cdiv(width, 256), min(height, 65535)), (256, 1)
-        arguments = (x, parts[0], parts[-1], np.int32(height), np.int32(width), np.int32(parts[0].shape[1]))
+        arguments = (x, parts[0], parts[-1], np.int32(height), np.int32(width), np.int32(parts[0].shape[1]), amax)
         self._conversions[(kernel, int(config.conversion))](grid, block, arguments)
         return parts
 
@@ -278,6 +305,9 @@ class TensorCoreLibrary:
         arrays."""
         config = tensorcore.WGMMA_CONFIGS[precision]
         if _nothing_to_multiply(c, a.shape[1]):
+            return
+        if precision is Precision.FP8:
+            self.wgmma_e4m3(*self.e4m3_operands(a, b), a.shape[1], c)
             return
         if precision is Precision.TF32 and a.shape[1] % 4 == 0 and a.data.ptr % tensorcore.STRIDE_ALIGNMENT == 0:
             # read as it is: the tensor cores take a float32's top 19 bits, TF32 truncated (numerics/precision.py's
@@ -308,11 +338,34 @@ class TensorCoreLibrary:
         b_parts = k_major(b) if b_transposed else self.converted(config, b, transposed=True)
         self._launch_wgmma(self._wgmma[Precision.INT8], config, k_major(a), b_parts, c, k)
 
+    def e4m3_operands(self, a: Any, b: Any) -> tuple[Any, Any, Any]:
+        """A and B^T as kernels/wgmma.cu's FP8 instance reads them (uint8 e4m3 bits, K-major, rows padded to the
+        stride alignment), each scaled by the power of two its largest magnitude gives, and those magnitudes
+        (`largest_magnitudes`), which the instance scales the product back by: from CuPy float32 a and b."""
+        config = tensorcore.WGMMA_CONFIGS[Precision.FP8]
+        amax = self.largest_magnitudes(a, b)
+        (a_e4m3,) = self.converted(config, a, transposed=False, amax=amax)
+        (b_t_e4m3,) = self.converted(config, b, transposed=True, amax=amax[1:])
+        return a_e4m3, b_t_e4m3, amax
+
+    def wgmma_e4m3(self, a_e4m3: Any, b_t_e4m3: Any, amax: Any, k: int, c: Any) -> None:
+        """c (M x N, float32) = A @ B on the current stream through kernels/wgmma.cu's FP8 instance, from
+        `e4m3_operands` (A, M x k, and B^T, N x k) and the largest magnitudes their scales came from."""
+        config = tensorcore.WGMMA_CONFIGS[Precision.FP8]
+        self._launch_wgmma(self._wgmma[Precision.FP8], config, [a_e4m3], [b_t_e4m3], c, k, amax)
+
     def _launch_wgmma(
-        self, function: Any, config: tensorcore.WgmmaConfig, a_parts: list[Any], b_parts: list[Any], c: Any, k: int
+        self,
+        function: Any,
+        config: tensorcore.WgmmaConfig,
+        a_parts: list[Any],
+        b_parts: list[Any],
+        c: Any,
+        k: int,
+        amax: Any = None,
     ) -> None:
         """Launch a wgmma instance on operands as it reads them: A's parts M x K and B^T's N x K, K-major (their
-        rows padded past k), into c, M x N."""
+        rows padded past k), into c, M x N; `amax` the largest magnitudes of A and B for FP8's scales."""
         m, n = c.shape
 
         def matrix(part: Any, rows: int, box_rows: int) -> tma.Matrix2d:
@@ -332,7 +385,7 @@ class TensorCoreLibrary:
         function(
             (config.blocks(m, n), 1, 1),
             (tensorcore.THREADS, 1, 1),
-            (device_maps, c, np.int32(m), np.int32(n), np.int32(k)),
+            (device_maps, c, np.int32(m), np.int32(n), np.int32(k), amax),
             shared_mem=config.smem_bytes(),
         )
 

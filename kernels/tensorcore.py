@@ -20,7 +20,8 @@ from numerics.precision import Precision
 WGMMA = "wgmma"
 WGMMA_SUMMARY = (
     "Tensor cores (Hopper wgmma, sm_90a), fed by TMA bulk copies through a 4-stage mbarrier pipeline; operands "
-    "converted on the device first. Precisions tf32, 3xtf32, bf16, fp16; int8 operands into exact int32."
+    "converted on the device first. Precisions tf32, 3xtf32, bf16, fp16, fp8 (e4m3, a power-of-two scale per "
+    "operand); int8 operands into exact int32."
 )
 WGMMA_SOURCE = "wgmma.cu"
 OPERANDS_SOURCE = "operands.cu"
@@ -47,20 +48,28 @@ class OperandKind(IntEnum):
     FP16 = 1
     TF32 = 2
     S8 = 3
+    E4M3 = 4
 
 
-ELEMENT_BYTES = MappingProxyType({OperandKind.BF16: 2, OperandKind.FP16: 2, OperandKind.TF32: 4, OperandKind.S8: 1})
+ELEMENT_BYTES = MappingProxyType(
+    {OperandKind.BF16: 2, OperandKind.FP16: 2, OperandKind.TF32: 4, OperandKind.S8: 1, OperandKind.E4M3: 1}
+)
 
 
 class Conversion(IntEnum):
     """kernels/operands.cu's Conversion: what the pass from the operand as sent (float32, or int8 for the copy)
-    writes."""
+    writes. TO_E4M3 scales the operand by the power of two its largest magnitude gives (`LARGEST_MAGNITUDE`)."""
 
     TO_BF16 = 0
     TO_FP16 = 1
     TO_TF32 = 2
     SPLIT_TF32 = 3
     COPY_S8 = 4
+    TO_E4M3 = 5
+
+
+LARGEST_MAGNITUDE = "largest_magnitude"
+"""kernels/operands.cu's kernel measuring an operand's largest magnitude, which its FP8 scale comes from."""
 
 
 @dataclass(frozen=True)
@@ -111,6 +120,8 @@ WGMMA_CONFIGS: MappingProxyType[Precision, WgmmaConfig] = MappingProxyType(
         Precision.TF32: WgmmaConfig(OperandKind.TF32, 256, 4, False, Conversion.TO_TF32),
         # two accumulators of 64 x 128 a warpgroup, and four tiles a stage
         Precision.TF32X3: WgmmaConfig(OperandKind.TF32, 128, 3, True, Conversion.SPLIT_TF32),
+        # two accumulators too (each tile's sums apart), so 128 wide; 32 KiB a stage
+        Precision.FP8: WgmmaConfig(OperandKind.E4M3, 128, 4, False, Conversion.TO_E4M3),
     }
 )
 
@@ -219,3 +230,8 @@ KERNEL_NAMES = (MMA_SYNC, WGMMA, DMMA)
 
 def conversion_expressions() -> list[str]:
     return [f"{kernel}<{int(c)}>" for kernel in ("convert_rows", "convert_transposed") for c in Conversion]
+
+
+def operand_expressions() -> list[str]:
+    """Every kernel of kernels/operands.cu: the conversions and the largest magnitude."""
+    return [*conversion_expressions(), LARGEST_MAGNITUDE]

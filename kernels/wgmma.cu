@@ -15,25 +15,32 @@
 //
 // Operands: A is M x K and B is given as B^T, N x K, both "K-major" (K contiguous), the one layout every input
 // type of wgmma takes; kernels/operands.cu writes them so from the float32 operands (converting to bf16 or fp16,
-// rounding to TF32, or splitting for 3xTF32), or from int8 ones as they are, with rows padded to 16 bytes as TMA
-// requires. C is M x N row-major, float32 (int32 for int8), written straight from the accumulators.
+// rounding to TF32, splitting for 3xTF32, or scaling and rounding to e4m3), or from int8 ones as they are, with rows
+// padded to 16 bytes as TMA requires. C is M x N row-major, float32 (int32 for int8), written straight from the accumulators.
 //
 // S8 (int8): the integer tensor cores multiply int8 by int8 and sum into int32, exactly (the host rules out an
 // overflow: k * 128 * 128 must fit). A row of a tile is still 128 bytes, now 128 elements of K, and one wgmma
 // takes 32 of them (k32), so each byte copied feeds twice the products of a 16-bit tile: the same pipeline at
 // twice the rate, 1,979 TOPS dense on an H100 against BF16's 989.
 //
+// E4M3 (FP8): float32 operands scaled per tensor by a power of two and rounded to e4m3 (kernels/operands.cu), then
+// multiplied as int8 is, 128 elements of K a tile row and k32 an instruction, into float32 sums. The tensor cores
+// keep FP8 sums to fewer bits than float32 (about 14: rounding that grows with K), so, as for SPLIT's big products,
+// each tile's products are summed apart and added to the float32 total here, and the sum is scaled back by
+// 2^-(e_A + e_B) as it is stored (exact, but where it leaves float32's range).
+//
 // SPLIT (3xTF32): each operand comes as a big and a small TF32 part, x = big + small. Per tile the consumers
 // compute big*big into one accumulator and big*small + small*big into another, and add the two at the end: the
 // small products' float32 sums do not round against the big ones' magnitude.
 
 #include "async_copy.cuh"
+#include "e4m3_scale.cuh"
 #include "tile_order.cuh"
 
 typedef unsigned int u32;
 typedef unsigned long long u64;
 
-enum OperandKind { BF16 = 0, FP16 = 1, TF32 = 2, S8 = 3 };
+enum OperandKind { BF16 = 0, FP16 = 1, TF32 = 2, S8 = 3, E4M3 = 4 };
 
 constexpr int BM = 128;            // rows of C per block: two consumer warpgroups of 64
 constexpr int CONSUMERS = 2;
@@ -45,8 +52,8 @@ template <bool INTEGER> struct Sums { typedef float type; };
 template <> struct Sums<true> { typedef int type; };
 
 template <int KIND> struct Operand {
-    static constexpr int bytes = KIND == TF32 ? 4 : KIND == S8 ? 1 : 2;
-    static constexpr int tile_k = ROW_BYTES / bytes;   // K per tile: 64 (16-bit), 32 (TF32) or 128 (int8)
+    static constexpr int bytes = KIND == TF32 ? 4 : KIND == S8 || KIND == E4M3 ? 1 : 2;
+    static constexpr int tile_k = ROW_BYTES / bytes;   // K per tile: 64 (16-bit), 32 (TF32) or 128 (8-bit)
     static constexpr int mma_k = 32 / bytes;           // K per wgmma: 16, 8 or 32, 32 bytes of a row
     typedef typename Sums<KIND == S8>::type Sum;       // the accumulators' and C's type
 };
@@ -166,6 +173,8 @@ template <int COUNT> __device__ __forceinline__ void fence_registers(int (&d)[CO
         WGMMA_ISSUE("m64n" #N "k16", "f32.f16.f16", WGMMA_D##REGS, WGMMA_F##REGS, A, B, P, ", 1, 1, 0, 0");      \
     } else if constexpr (KIND == TF32) {                                                                         \
         WGMMA_ISSUE("m64n" #N "k8", "f32.tf32.tf32", WGMMA_D##REGS, WGMMA_F##REGS, A, B, P, ", 1, 1");           \
+    } else if constexpr (KIND == E4M3) {                                                                         \
+        WGMMA_ISSUE("m64n" #N "k32", "f32.e4m3.e4m3", WGMMA_D##REGS, WGMMA_F##REGS, A, B, P, ", 1, 1");          \
     } else {                                                                                                     \
         WGMMA_ISSUE("m64n" #N "k32", "s32.s8.s8", WGMMA_D##REGS, WGMMA_R##REGS, A, B, P, "");                    \
     }
@@ -190,14 +199,17 @@ __device__ __forceinline__ void store_pair(int* out, int first, int second) {
 // ------------------------------------------------------------------------------------------------ the kernel
 
 // maps: the TMA tensor maps in global memory, 128 bytes each: A and B^T, or (SPLIT) A's big and small parts and
-// B^T's. Launched with THREADS threads, one block per tile of C (1-D grid), and `smem_bytes<...>()` bytes of
+// B^T's. amax (E4M3 only, else null): the float32 bits of A's and B^T's largest magnitudes, which their scales
+// come from. Launched with THREADS threads, one block per tile of C (1-D grid), and `smem_bytes<...>()` bytes of
 // dynamic shared memory.
 template <int KIND, int BN, int STAGES, bool SPLIT>
-__global__ void __launch_bounds__(THREADS, 1) matmul_wgmma(
-    const unsigned char* __restrict__ maps, typename Operand<KIND>::Sum* __restrict__ C, int M, int N, int K) {
+__global__ void __launch_bounds__(THREADS, 1) matmul_wgmma(const unsigned char* __restrict__ maps,
+                                                           typename Operand<KIND>::Sum* __restrict__ C, int M, int N,
+                                                           int K, const u32* __restrict__ amax) {
     using Op = Operand<KIND>;
     using Sum = typename Op::Sum;
     constexpr int PARTS = SPLIT ? 2 : 1;
+    constexpr bool TILE_SUMS = SPLIT || KIND == E4M3;  // each tile's products summed apart, then added here
     constexpr int A_BYTES = BM * ROW_BYTES;
     constexpr int B_BYTES = BN * ROW_BYTES;
     constexpr int STAGE_BYTES = PARTS * (A_BYTES + B_BYTES);
@@ -245,9 +257,10 @@ __global__ void __launch_bounds__(THREADS, 1) matmul_wgmma(
 
     asm volatile("setmaxnreg.inc.sync.aligned.u32 232;");
     constexpr int SPLIT_REGISTERS = SPLIT ? BN / 2 : 1;
+    constexpr int TILE_REGISTERS = TILE_SUMS ? BN / 2 : 1;
     Sum d[BN / 2];
     Sum d_small[SPLIT_REGISTERS];  // SPLIT: big*small + small*big, over all of K
-    Sum d_tile[SPLIT_REGISTERS];   // SPLIT: big*big over one tile of K
+    Sum d_tile[TILE_REGISTERS];    // TILE_SUMS: (big*big) over one tile of K
 #pragma unroll
     for (int i = 0; i < BN / 2; ++i) d[i] = 0;
 #pragma unroll
@@ -261,10 +274,8 @@ __global__ void __launch_bounds__(THREADS, 1) matmul_wgmma(
         const u64 a_big = tile_descriptor(stage + half);
         const u64 b_big = tile_descriptor(stage + PARTS * A_BYTES);
         fence_registers(d);
-        if constexpr (SPLIT) {
-            fence_registers(d_small);
-            fence_registers(d_tile);
-        }
+        if constexpr (SPLIT) fence_registers(d_small);
+        if constexpr (TILE_SUMS) fence_registers(d_tile);
         wgmma_fence();
 #pragma unroll
         for (int step = 0; step < MMAS; ++step) {
@@ -275,18 +286,21 @@ __global__ void __launch_bounds__(THREADS, 1) matmul_wgmma(
                 wgmma<KIND, BN>(d_small, a_big + 2 * step, b_small + 2 * step, 1);
                 wgmma<KIND, BN>(d_small, a_small + 2 * step, b_big + 2 * step, 1);
                 wgmma<KIND, BN>(d_tile, a_big + 2 * step, b_big + 2 * step, step > 0);
+            } else if constexpr (TILE_SUMS) {
+                wgmma<KIND, BN>(d_tile, a_big + 2 * step, b_big + 2 * step, step > 0);
             } else {
                 wgmma<KIND, BN>(d, a_big + 2 * step, b_big + 2 * step, 1);
             }
         }
         wgmma_commit();
         fence_registers(d);
-        if constexpr (SPLIT) {
-            // The tensor cores round their float32 sums toward zero: over all of K that bias grows with K (9.6e-6
-            // relative at 4096^3, 9x SGEMM's error). So the big products' sum of each tile is added here, rounded
-            // to nearest, and the tensor cores' sums stay one tile long. The small products' sum is 2^-11 of the
-            // big one's, so its bias is not worth the registers.
-            fence_registers(d_small);
+        if constexpr (TILE_SUMS) {
+            // The tensor cores round their sums toward zero (TF32), or keep fewer bits than float32 (FP8): over all
+            // of K that error grows with K (9.6e-6 relative at 4096^3 for 3xTF32, 9x SGEMM's error). So each
+            // tile's (big) products are summed apart and added here, rounded to nearest, and the tensor cores'
+            // sums stay one tile long. SPLIT's small products' sum is 2^-11 of the big one's, so its bias is not
+            // worth the registers.
+            if constexpr (SPLIT) fence_registers(d_small);
             fence_registers(d_tile);
             wgmma_wait<0>();
             fence_registers(d_tile);
@@ -302,6 +316,11 @@ __global__ void __launch_bounds__(THREADS, 1) matmul_wgmma(
     wgmma_wait<0>();
     fence_registers(d);
     if constexpr (SPLIT) fence_registers(d_small);
+
+    // E4M3: the operands were scaled by 2^e_A and 2^e_B
+    int descale = 0;
+    if constexpr (KIND == E4M3) descale = -(e4m3_scale_exponent(__uint_as_float(amax[0])) +
+                                            e4m3_scale_exponent(__uint_as_float(amax[1])));
 
     // The accumulator layout of a 64 x BN wgmma: warp w of the warpgroup holds rows 16w..16w+15; lane l holds, for
     // each 8 columns j, columns 8j + 2(l % 4) and the next, in rows l / 4 (registers 4j, 4j + 1) and l / 4 + 8
@@ -319,6 +338,10 @@ __global__ void __launch_bounds__(THREADS, 1) matmul_wgmma(
             if constexpr (SPLIT) {
                 first += d_small[4 * j + 2 * h];
                 second += d_small[4 * j + 2 * h + 1];
+            }
+            if constexpr (KIND == E4M3) {
+                first = ldexpf(first, descale);
+                second = ldexpf(second, descale);
             }
             if (row >= M || column >= N) continue;
             Sum* out = C + static_cast<size_t>(row) * N + column;

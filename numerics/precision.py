@@ -10,6 +10,12 @@ more float32 sums:
   since neither the PTX conversion cuBLAS uses nor cuBLAS's documentation promises rounding to nearest.
 - bf16: each operand rounded to nearest bfloat16 here (7 fraction bits): u = 2^-8.
 - fp16: each operand rounded to nearest float16 (10 fraction bits): u = 2^-11, for values inside float16's range.
+- fp8: each operand multiplied by a power of two 2^e of its own, chosen from its largest magnitude so that it lands
+  in (224, 448] (`e4m3_scale_exponent`), then rounded to nearest e4m3 (3 fraction bits: u = 2^-4; values below 2^-6
+  onto the subnormals' grid of 2^-9, so also an absolute error of at most 2^-10 * 2^-e, `E4M3_ABSOLUTE_ERROR`); the
+  product of the rounded operands is scaled back by 2^-(e_A + e_B). Scaling by a power of two rounds nothing, and no
+  element can round past e4m3's largest value, 448, since the largest magnitude lands at or below it: out of range
+  is impossible by construction. e4m3 has no infinity, so fp8 takes finite operands only.
 - 3xtf32: each operand split into a TF32 big part and the TF32 rounding of what is left, x = big + small; the
   product is big·big + big·small + small·big, three TF32 products summed in float32, which drops small·small and
   the rounding of the small parts: at most about 3u^2 of each term, with the tf32 u (`float32_sums` says what
@@ -39,6 +45,7 @@ arrays (the tests emulate every mode on the CPU with them). cuBLAS in each mode 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from enum import StrEnum
@@ -53,6 +60,7 @@ class Precision(StrEnum):
     TF32X3 = "3xtf32"
     BF16 = "bf16"
     FP16 = "fp16"
+    FP8 = "fp8"
     INT8 = "int8"
 
 
@@ -120,6 +128,14 @@ BF16 = Format(fraction_bits=7, max_exponent=127)
 """bfloat16: the upper half of a float32 (sign, 8 exponent bits, 7 fraction bits)."""
 FP16 = Format(fraction_bits=10, max_exponent=15)
 """IEEE binary16."""
+E4M3_FRACTION_BITS = 3
+E4M3_LARGEST = 448.0
+"""e4m3's largest finite value, 1.75 * 2^8: the format has no infinity, and S.1111.111 is NaN."""
+E4M3_SMALLEST_NORMAL = 2.0**-6
+E4M3_SUBNORMAL_SPACING = 2.0**-9
+E4M3_UNIT_ROUNDOFF = 2.0 ** -(E4M3_FRACTION_BITS + 1)
+E4M3_ABSOLUTE_ERROR = E4M3_SUBNORMAL_SPACING / 2
+"""The most rounding to nearest moves a value below 2^-6, where e4m3's values are 2^-9 apart: 2^-10."""
 TF32_UNIT_ROUNDOFF = 2 * TF32.unit_roundoff
 """2^-10, the truncation unit: twice rounding to nearest's, since the tensor cores may truncate (module docstring)."""
 BF16_UNIT_ROUNDOFF = BF16.unit_roundoff
@@ -141,10 +157,23 @@ def input_error(precision: Precision) -> float:
     if precision is Precision.TF32X3:
         u = TF32_UNIT_ROUNDOFF
         return 3 * u * u * (1 + u)
-    u = {Precision.TF32: TF32_UNIT_ROUNDOFF, Precision.BF16: BF16_UNIT_ROUNDOFF, Precision.FP16: FP16_UNIT_ROUNDOFF}[
-        precision
-    ]
+    u = UNIT_ROUNDOFFS[precision]
     return 2 * u + u * u
+
+
+def operand_rounding(precision: Precision) -> float:
+    """The most rounding moves an operand in `precision`, relative to its magnitude (0 where it is not rounded)."""
+    return UNIT_ROUNDOFFS.get(precision, 0.0)
+
+
+UNIT_ROUNDOFFS: dict[Precision, float] = {
+    Precision.TF32: TF32_UNIT_ROUNDOFF,
+    Precision.TF32X3: TF32_UNIT_ROUNDOFF,
+    Precision.BF16: BF16_UNIT_ROUNDOFF,
+    Precision.FP16: FP16_UNIT_ROUNDOFF,
+    Precision.FP8: E4M3_UNIT_ROUNDOFF,
+}
+"""u of the format each precision rounds operands into (3xtf32: its big part)."""
 
 
 def float32_sums(precision: Precision) -> float:
@@ -193,6 +222,37 @@ def split_tf32(x: Any) -> tuple[Any, Any]:
         return big, x - big
 
 
+def e4m3_scale_exponent(amax: float) -> int:
+    """The exponent e of the power of two that brings an operand's largest magnitude `amax` (finite) to at most 448,
+    e4m3's largest value, and as near it as a power of two can: amax * 2^e in (224, 448]; 0 for amax = 0.
+    kernels/e4m3_scale.cuh computes the same on the device."""
+    if amax == 0:
+        return 0
+    fraction, exponent = math.frexp(float(np.float32(amax)))  # amax = fraction * 2^exponent, fraction in [0.5, 1)
+    return (9 if fraction <= 0.875 else 8) - exponent  # 448 = 0.875 * 2^9
+
+
+def largest_magnitude(x: Any) -> float:
+    """max |x| (0 for an empty x): what an operand's FP8 scale comes from."""
+    return float(abs(x).max()) if x.size else 0.0
+
+
+def to_e4m3(y: Any) -> Any:
+    """float32 values (at most 448 in magnitude, as scaled ones are) rounded to nearest e4m3, ties to even, kept in
+    float32: 3 fraction bits from 2^-6 up, multiples of 2^-9 below it."""
+    y = y.astype(np.float32)
+    subnormal = np.round(y / np.float32(E4M3_SUBNORMAL_SPACING)) * np.float32(E4M3_SUBNORMAL_SPACING)
+    normal = _round_bits(y, FLOAT32_FRACTION_BITS - E4M3_FRACTION_BITS)
+    return np.where(abs(y) < E4M3_SMALLEST_NORMAL, subnormal, normal)
+
+
+def scaled_e4m3(x: Any) -> tuple[Any, int]:
+    """x scaled by its power of two and rounded to e4m3 (in float32), and the exponent e of that scale: x is about
+    2^-e times the first."""
+    exponent = e4m3_scale_exponent(largest_magnitude(x))
+    return to_e4m3(np.ldexp(x.astype(np.float32), np.int32(exponent))), exponent
+
+
 _ROUNDING: dict[Precision, Callable[[Any], Any]] = {
     Precision.FP32: lambda x: x,
     Precision.TF32: to_tf32,
@@ -214,6 +274,9 @@ def emulate(a: Any, b: Any, precision: Precision) -> Any:
         (a_big, a_small), (b_big, b_small) = split_tf32(a), split_tf32(b)
         wide = [to_tf32(x).astype(np.float64) for x in (a_big, a_small, b_big, b_small)]
         return wide[0] @ wide[2] + wide[0] @ wide[3] + wide[1] @ wide[2]
+    if precision is Precision.FP8:
+        (a_e4m3, a_exponent), (b_e4m3, b_exponent) = scaled_e4m3(a), scaled_e4m3(b)
+        return np.ldexp(a_e4m3.astype(np.float64) @ b_e4m3.astype(np.float64), -(a_exponent + b_exponent))
     return _ROUNDING[precision](a).astype(np.float64) @ _ROUNDING[precision](b).astype(np.float64)
 
 
@@ -226,6 +289,10 @@ def float32_emulation(a: np.ndarray, b: np.ndarray, precision: Precision) -> np.
         a_small, b_small = to_tf32(a_small), to_tf32(b_small)
         result: np.ndarray = a_big @ b_small + a_small @ b_big + a_big @ b_big
         return result
+    if precision is Precision.FP8:
+        (a_e4m3, a_exponent), (b_e4m3, b_exponent) = scaled_e4m3(a), scaled_e4m3(b)
+        scaled_back: np.ndarray = np.ldexp(a_e4m3 @ b_e4m3, np.int32(-(a_exponent + b_exponent)))
+        return scaled_back
     rounded: np.ndarray = _ROUNDING[precision](a) @ _ROUNDING[precision](b)
     return rounded
 

@@ -60,7 +60,16 @@ from typing import Any
 import numpy as np
 from numpy.typing import DTypeLike
 
-from numerics.precision import PRECISIONS_OF, Precision, float32_sums, input_error
+from numerics.precision import (
+    E4M3_ABSOLUTE_ERROR,
+    E4M3_UNIT_ROUNDOFF,
+    PRECISIONS_OF,
+    Precision,
+    e4m3_scale_exponent,
+    float32_sums,
+    input_error,
+    largest_magnitude,
+)
 
 BOUND_CONSTANT = 4.0
 """c of the bound |C - R| <= c * sqrt(k) * u * (|A| @ |B|); see the module's docstring for why 4."""
@@ -99,6 +108,8 @@ class Reference:
         that rounding is the product's error, and its term is added (numerics/precision.py says why this form):
 
             |C - R| <= c * (input_error * sqrt((A*A) @ (B*B)) + sums * sqrt(k) * u * (|A| @ |B|))
+
+        and for fp8 the subnormals' absolute term too (`e4m3_subnormal_term`).
         """
         working = np.dtype(dtype)
         if precision not in PRECISIONS_OF[working.name]:
@@ -110,6 +121,8 @@ class Reference:
         if input_error(precision):
             with np.errstate(invalid="ignore"):
                 scale += input_error(precision) * ((a_wide * a_wide) @ (b_wide * b_wide)) ** 0.5
+        if precision is Precision.FP8:
+            scale += e4m3_subnormal_term(a_wide, b_wide)
         return cls(product=product, scale=scale, dtype=working, precision=precision)
 
     @property
@@ -158,6 +171,19 @@ class Reference:
             f"element {where} is {value!r}, the float64 product {expected!r}: off by {abs(value - expected):.3g}, "
             f"over the {self.mode} bound {allowed:.3g} ({ratio:.3g} x sqrt(k) u |A||B|, c = {BOUND_CONSTANT:g})"
         )
+
+
+def e4m3_subnormal_term(a: Any, b: Any) -> Any:
+    """What fp8's subnormals add to the bound of each element of a @ b (float64 operands, 2-D or stacks). Below 2^-6
+    (scaled) e4m3 rounds to a grid of 2^-9, so an operand element moves by at most u |x| + eta, eta = 2^-10 * 2^-e
+    (its scale's exponent e), not u |x| alone; the term a b then errs by at most
+    (2u + u^2) |a b| + (1 + u) (eta_A |b| + eta_B |a|) + eta_A eta_B. The first part is `input_error`'s; the rest,
+    summed over k as a random walk as that one is, is at most (1 + u) (eta_A ||B[:, j]|| + eta_B ||A[i, :]||) +
+    eta_A eta_B sqrt(k) (Minkowski)."""
+    eta_a, eta_b = (math.ldexp(E4M3_ABSOLUTE_ERROR, -e4m3_scale_exponent(largest_magnitude(x))) for x in (a, b))
+    rows = ((a * a).sum(axis=-1, keepdims=True)) ** 0.5
+    columns = ((b * b).sum(axis=-2, keepdims=True)) ** 0.5
+    return (1 + E4M3_UNIT_ROUNDOFF) * (eta_a * columns + eta_b * rows) + eta_a * eta_b * math.sqrt(a.shape[-1])
 
 
 def max_error_ratio(c: Any, a: Any, b: Any, dtype: DTypeLike) -> float:

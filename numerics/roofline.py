@@ -46,13 +46,13 @@ TENSOR_CORE_MMAS: MappingProxyType[tuple[int, int], Mapping[str, int]] = Mapping
     {
         (7, 0): {"fp16": 512},
         (8, 0): {"tf32": 512, "bf16": 1024, "fp16": 1024, "int8": 2048, "float64": 64},
-        (9, 0): {"tf32": 1024, "bf16": 2048, "fp16": 2048, "int8": 4096, "float64": 128},
+        (9, 0): {"tf32": 1024, "bf16": 2048, "fp16": 2048, "fp8": 4096, "int8": 4096, "float64": 128},
     }
 )
 """Compute capability -> dense tensor-core multiply-adds per clock per SM by input type (16-bit and TF32 inputs
-with float32 accumulation; int8 with int32 sums; float64 on DMMA), from NVIDIA's V100, A100 and H100 architecture
-whitepapers. Only the data-centre chips are listed: the others' rates with float32 accumulation differ by product
-line."""
+with float32 accumulation; FP8 (e4m3) with float32 sums; int8 with int32 sums; float64 on DMMA), from NVIDIA's V100,
+A100 and H100 architecture whitepapers. Only the data-centre chips are listed: the others' rates with float32
+accumulation differ by product line."""
 
 TF32_PRODUCTS_PER_3XTF32 = 3
 """3xtf32 returns one product for three TF32 products (big·big, big·small, small·big)."""
@@ -89,6 +89,7 @@ def gpu_peaks(
         Precision.TF32X3.value: tensor.get("tf32", 0) / TF32_PRODUCTS_PER_3XTF32,
         Precision.BF16.value: tensor.get("bf16", 0),
         Precision.FP16.value: tensor.get("fp16", 0),
+        Precision.FP8.value: tensor.get("fp8", 0),
         Precision.INT8.value: tensor.get("int8", 0),
     }
     flops_per_s: dict[str, float | None] = {

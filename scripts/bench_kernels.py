@@ -18,6 +18,13 @@ compute and memory roofs; see docs/roofline.md) under --out.
     python scripts/bench_kernels.py --kernels fast,mma_sync,wgmma,dmma --sizes 4096,8192 \
         --precisions tf32,3xtf32,bf16,fp16                # the tensor-core ladder against cuBLAS in each mode
     python scripts/bench_kernels.py --kernels wgmma --sizes 4096,8192 --dtypes int8   # exact int8 products
+    python scripts/bench_kernels.py --kernels wgmma --sizes 4096,8192 --dtypes float32 --precisions fp8 --no-odd
+
+fp8 (--precisions fp8) has no cuBLAS row: cuBLAS's GemmEx has no FP8 types. Its reference is cuBLASLt through
+PyTorch, where PyTorch is installed: `torch._scaled_mm` with per-tensor scales and float32 C (row "cublaslt"),
+timed two ways as `wgmma`'s FP8 instance is: from the float32 operands, each side measuring their largest magnitudes,
+scaling them by the same powers of two and rounding them to e4m3 itself (PyTorch's amax, frexp, multiply and cast;
+config ""), and from the e4m3 operands as both read them, the same bytes and scales (config "e4m3 given").
 
 int8 (--dtypes int8) products are exact: each is compared with the int64 product element for element (WRONG at one
 difference, on an output poisoned with a value no element of it has), then timed from the same row-major int8 A and
@@ -116,29 +123,27 @@ class Bench:
         a, b = sets[0]
         return sets, Reference.of(a, b, dtype)
 
-    def error(self, run: Any, sets: list[tuple[Any, Any]], reference: Reference, dtype: str) -> tuple[float, float]:
-        """The error ratio and the relative error of the product of the first set, written into an output poisoned
-        with NaN."""
-        cp = self.cp
-        a, b = sets[0]
-        c = cp.full((a.shape[0], b.shape[1]), cp.nan, dtype=dtype)
-        run(a, b, c)
+    def error(
+        self, run: Any, sets: list[tuple[Any, ...]], reference: Reference, dtype: str, n: int | None = None
+    ) -> tuple[float, float]:
+        """The error ratio and the relative error of `run(*sets[0], c)`, written into an output poisoned with NaN
+        (C has the first operand's rows and n columns, by default the second's)."""
+        c = self.cp.full(_c_shape(sets[0], n), self.cp.nan, dtype=dtype)
+        run(*sets[0], c)
         return reference.error_ratio(c), reference.relative_error(c)
 
-    def time(self, run: Any, sets: list[tuple[Any, Any]], dtype: str, n: int | None = None) -> float:
-        """Median milliseconds of one launch, L2 flushed before each and the inputs rotated (C has n columns, by
-        default b's)."""
+    def time(self, run: Any, sets: list[tuple[Any, ...]], dtype: str, n: int | None = None) -> float:
+        """Median milliseconds of one `run(*operands, c)`, L2 flushed before each and the input sets rotated (C has
+        the first operand's rows and n columns, by default the second's)."""
         cp = self.cp
-        outputs = [cp.empty((a.shape[0], b.shape[1] if n is None else n), dtype=dtype) for a, b in sets]
+        outputs = [cp.empty(_c_shape(operands, n), dtype=dtype) for operands in sets]
         for i in range(self.warmup):
-            a, b = sets[i % len(sets)]
-            run(a, b, outputs[i % len(sets)])
+            run(*sets[i % len(sets)], outputs[i % len(sets)])
         events = [(cp.cuda.Event(), cp.cuda.Event()) for _ in range(self.repeats)]
         for i, (start, end) in enumerate(events):
-            a, b = sets[i % len(sets)]
             self.flush.fill(i)
             start.record()
-            run(a, b, outputs[i % len(sets)])
+            run(*sets[i % len(sets)], outputs[i % len(sets)])
             end.record()
         events[-1][1].synchronize()
         return float(statistics.median(cp.cuda.get_elapsed_time(start, end) for start, end in events))
@@ -166,6 +171,10 @@ class Bench:
         run(a, b, c)
         exact = cp.matmul(a.astype(cp.float64), (b.T if transposed else b).astype(cp.float64))
         return int(cp.count_nonzero(c.astype(cp.float64) != exact))
+
+
+def _c_shape(operands: tuple[Any, ...], n: int | None) -> tuple[int, int]:
+    return operands[0].shape[0], operands[1].shape[1] if n is None else n
 
 
 def plan(kernels: list[str], all_configs: bool, m: int, n: int, k: int) -> list[tuple[KernelSpec, LaunchConfig]]:
@@ -198,6 +207,10 @@ def run_sweep(args: argparse.Namespace) -> tuple[list[Result], dict[str, Any]]:
             rows = [cublas]
             for precision in args.precisions if dtype == "float32" else []:
                 in_mode = Reference.of(*sets[0], dtype, precision)
+                if precision is Precision.FP8:
+                    rows += fp8_rows(bench, args, sets, in_mode)
+                    del in_mode
+                    continue
                 library = Result(CUBLAS, "", dtype, m, n, k, None, None, None, precision=precision)
                 rows.append(library)
                 measure(bench, args, library, bench.run(CUBLAS, precision), sets, in_mode, None)
@@ -282,6 +295,92 @@ def int8_rows(bench: Bench, args: argparse.Namespace, m: int, n: int, k: int) ->
     return rows
 
 
+CUBLASLT = "cublaslt"
+"""cuBLASLt through PyTorch: the FP8 reference (cuBLAS's GemmEx has none)."""
+
+
+def fp8_rows(bench: Bench, args: argparse.Namespace, sets: list[tuple[Any, Any]], reference: Reference) -> list[Result]:
+    """cuBLASLt's and wgmma's FP8 product of one shape (float32 sets), checked against the bound, then timed from the
+    float32 operands (config "") and from the e4m3 operands as both read them (config "e4m3 given"); cuBLASLt's rows
+    only where PyTorch is installed, each wgmma ratio to cuBLASLt timed the same way."""
+    tensor_cores = bench.launcher.tensor_cores
+    if tensor_cores is None or WGMMA not in args.kernels:
+        return []
+    (m, k), n = sets[0][0].shape, sets[0][1].shape[1]
+    converted: list[tuple[Any, ...]] = [(*tensor_cores.e4m3_operands(a, b), k) for a, b in sets]
+    ways: dict[str, dict[str, tuple[Any, list[tuple[Any, ...]]]]] = {"": {}, "e4m3 given": {}}
+    cublaslt = _cublaslt_fp8()
+    if cublaslt is not None:
+        ways[""][CUBLASLT] = (cublaslt.from_float32, list(sets))
+        ways["e4m3 given"][CUBLASLT] = (cublaslt.from_e4m3, [cublaslt.e4m3_operands(*x) for x in converted])
+    ways[""][WGMMA] = (bench.run(WGMMA, Precision.FP8), list(sets))
+    ways["e4m3 given"][WGMMA] = (tensor_cores.wgmma_e4m3, converted)
+    rows = []
+    for config, runs in ways.items():
+        library_ms = None
+        for name, (run, inputs) in runs.items():
+            row = Result(name, config, "float32", m, n, k, None, None, None, precision=Precision.FP8)
+            rows.append(row)
+            measure(bench, args, row, run, inputs, reference, library_ms, n)
+            if name == CUBLASLT:
+                library_ms = row.ms
+            elif library_ms is None:
+                row.ratio = None  # nothing to compare with
+    return rows
+
+
+@dataclass(frozen=True)
+class _CublasLtFp8:
+    """torch._scaled_mm (cuBLASLt) with per-tensor power-of-two scales, float32 C written into CuPy's array."""
+
+    torch: Any
+
+    def e4m3_operands(self, a_e4m3: Any, b_t_e4m3: Any, amax: Any, k: int) -> tuple[Any, Any, Any, Any]:
+        """`TensorCoreLibrary.e4m3_operands` as cuBLASLt takes them: the same bytes as float8 tensors (B column-major)
+        and the inverse scales, computed here, before any timing, as wgmma's instance computes its own in its
+        epilogue."""
+        torch = self.torch
+        e4m3 = torch.float8_e4m3fn
+        a = torch.as_tensor(a_e4m3[:, :k]).view(e4m3)
+        b = torch.as_tensor(b_t_e4m3[:, :k]).view(e4m3).t()
+        scale_a, scale_b = self._inverse_scales(torch.as_tensor(amax).view(torch.float32))
+        return a, b, scale_a, scale_b
+
+    def from_e4m3(self, a: Any, b: Any, scale_a: Any, scale_b: Any, c: Any) -> None:
+        """From `e4m3_operands`: the same bytes as wgmma's, scaled back by the same powers of two."""
+        torch = self.torch
+        torch._scaled_mm(a, b, scale_a=scale_a, scale_b=scale_b, out_dtype=torch.float32, out=torch.as_tensor(c))
+
+    def from_float32(self, a: Any, b: Any, c: Any) -> None:
+        """What a PyTorch user writes: each operand's largest magnitude, its power-of-two scale, the cast to e4m3
+        (B^T's rows made contiguous), then the product."""
+        torch = self.torch
+        a_float, b_float = torch.as_tensor(a), torch.as_tensor(b)
+        scale_a, scale_b = self._inverse_scales(torch.stack([a_float.abs().amax(), b_float.abs().amax()]))
+        a_e4m3 = (a_float / scale_a).to(torch.float8_e4m3fn)
+        b_e4m3 = (b_float.t() / scale_b).to(torch.float8_e4m3fn).contiguous().t()
+        torch._scaled_mm(
+            a_e4m3, b_e4m3, scale_a=scale_a, scale_b=scale_b, out_dtype=torch.float32, out=torch.as_tensor(c)
+        )
+
+    def _inverse_scales(self, amax: Any) -> tuple[Any, Any]:
+        """2^-e for A's and B's largest magnitudes (a tensor of two): numerics/precision.py's e4m3_scale_exponent,
+        on the device; each its own tensor, since cuBLASLt refuses a scale that is an element of another."""
+        torch = self.torch
+        fraction, exponent = torch.frexp(amax)
+        scale_exponent = torch.where(amax == 0, 0, torch.where(fraction <= 0.875, 9, 8) - exponent)
+        inverse = torch.ldexp(torch.ones_like(amax), -scale_exponent)
+        return inverse[0].clone(), inverse[1].clone()
+
+
+def _cublaslt_fp8() -> _CublasLtFp8 | None:
+    try:
+        import torch
+    except ImportError:
+        return None
+    return _CublasLtFp8(torch)
+
+
 def measure(
     bench: Bench,
     args: argparse.Namespace,
@@ -290,14 +389,16 @@ def measure(
     sets: list[tuple[Any, Any]],
     reference: Reference,
     library_ms: float | None,
+    n: int | None = None,
 ) -> None:
     """Check `run` against `reference`, then (unless --check-only) time it into `row`; its ratio is to
-    `library_ms`, cuBLAS's time in the same mode (None: the row is cuBLAS's own, 1.0; timed whenever a row is)."""
-    row.error_ratio, row.relative_error = bench.error(run, sets, reference, row.dtype)
+    `library_ms`, cuBLAS's time in the same mode (None: the row is cuBLAS's own, 1.0; timed whenever a row is). C
+    has n columns (by default the second operand's)."""
+    row.error_ratio, row.relative_error = bench.error(run, sets, reference, row.dtype, n)
     if not row.error_ratio <= BOUND_CONSTANT:
         row.note = "WRONG"
     elif not args.check_only:
-        row.ms = bench.time(run, sets, row.dtype)
+        row.ms = bench.time(run, sets, row.dtype, n)
         row.gflops = 2 * row.m * row.n * row.k / row.ms / 1e6
         row.ratio = 1.0 if library_ms is None else library_ms / row.ms
 
@@ -354,8 +455,9 @@ def write_plot(results: list[Result], meta: dict[str, Any], path: Path) -> bool:
     when every instance was timed), cuBLAS dashed; False when matplotlib is absent."""
 
     def line(r: Result) -> str:
-        # an int8 row's config is how its operands came (B or B^T), a line of its own; an instance otherwise
-        separate = r.config and (meta["configs"] == "all" or r.dtype == INT8)
+        # a tensor-core or library row's config is how its operands came (B^T, e4m3), a line of its own; an FMA
+        # kernel's is its instance
+        separate = bool(r.config) and (meta["configs"] == "all" or r.kernel not in KERNELS)
         return label(f"{r.kernel}/{r.config}" if separate else r.kernel, r)
 
     def panel(axis: Any, dtype: str) -> None:

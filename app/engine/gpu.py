@@ -347,6 +347,8 @@ class GpuBackend:
         if rung.launcher == "cublas":
             if tile is not None:
                 raise InvalidParameter(f"tile does not apply to kernel '{kernel}'", location=["tile"])
+            if not rung.computes(dtype, precision):
+                raise InvalidParameter(self._not_computed_by(rung, dtype, precision), location=["precision"])
             if dtype == INT8_PRODUCT and k % INT8_K_MULTIPLE and m and n:  # (no elements: no call, nothing to refuse)
                 instead = "ask for kernel wgmma or auto" if int8_on_wgmma else "this device has no other int8 kernel"
                 raise InvalidParameter(
@@ -355,6 +357,12 @@ class GpuBackend:
                 )
             return Plan(kernel=kernel, precision=precision)
         return ladder_plan(kernel, request, CUBLAS)
+
+    def _not_computed_by(self, rung: Rung, dtype: str, precision: Precision) -> str:
+        """Why `rung` cannot run a product of `dtype` in `precision`, naming the kernels here that can."""
+        others = [other.name for other in rungs_on(self._compute_capability) if other.computes(dtype, precision)]
+        instead = f"kernel {' or '.join(others)} does" if others else "no kernel on this device does"
+        return f"kernel '{rung.name}' does not compute {dtype} in precision {precision}: {instead}"
 
     @staticmethod
     def _tensor_core_plan(rung: Rung, tile: int | None, precision: Precision, dtype: str) -> Plan:
@@ -452,8 +460,7 @@ class GpuBackend:
             candidates.update(
                 {
                     (precision, "float32"): [
-                        CUBLAS,
-                        *(rung.name for rung in tensor_core if precision in rung.precisions),
+                        rung.name for rung in (RUNGS[CUBLAS], *tensor_core) if rung.computes("float32", precision)
                     ]
                     for precision in TENSOR_CORE_PRECISIONS
                 }

@@ -38,7 +38,10 @@ def cast_into(
         raise _refusal(
             src, too_large, name, first_row, f"is out of range for {dst.dtype} (largest {limit:.4g})"
         ) from None
-    if not (src.dtype.kind == "f" and float(np.finfo(src.dtype).max) < _overflow(precision)):
+    # a float source whose largest value rounds finitely into the format cannot overflow it; fp8 refuses NaN and
+    # infinities, which any float source may hold
+    cannot_overflow = src.dtype.kind == "f" and float(np.finfo(src.dtype).max) < _overflow(precision)
+    if precision is Precision.FP8 or not cannot_overflow:
         check_in_format(dst, name, precision, first_row=first_row)
 
 
@@ -67,6 +70,21 @@ def check_integers(x: np.ndarray, dtype: np.dtype, name: str, first_row: int = 0
     )
 
 
+def check_finite(x: Any, name: str, first_row: int = 0) -> None:
+    """InvalidMatrix naming the first element of `x` (NumPy or CuPy, float) that is NaN or infinite: fp8 scales an
+    operand by its largest magnitude, and e4m3 holds no infinity. Two reductions when every element is finite."""
+    if x.size == 0 or (math.isfinite(float(x.max())) and math.isfinite(float(x.min()))):
+        return
+    raise _refusal(
+        x,
+        ~np.isfinite(x),
+        name,
+        first_row,
+        f"is not finite: precision {Precision.FP8} scales each operand by its largest magnitude into e4m3, which "
+        "has no infinity; send finite values or ask for another precision",
+    )
+
+
 def _refusal(x: Any, flags: Any, name: str, first_row: int, says: str) -> InvalidMatrix:
     """The InvalidMatrix naming the first element of `x` (NumPy or CuPy, a band of rows from `first_row`) where
     `flags` is True, in row-major order, its value, and what `says` is wrong with it."""
@@ -85,9 +103,12 @@ def check_in_format(x: Any, name: str, precision: Precision, first_row: int = 0)
     """InvalidMatrix when a finite element of `x` (a NumPy or a CuPy array) would be infinite once rounded into the
     format `precision` rounds operands into (7e4 in fp16), the first of those being named. Two reductions when every
     element is finite and in range; NaN and infinities pass as they are. For int8, any element that is not an int8
-    (`check_integers`)."""
+    (`check_integers`); for fp8, any that is not finite (`check_finite`)."""
     if precision is Precision.INT8:
         check_integers(x, INT8_OPERAND, name, first_row)
+        return
+    if precision is Precision.FP8:
+        check_finite(x, name, first_row)
         return
     limit = _overflow(precision)
     if math.isinf(limit) or x.size == 0:

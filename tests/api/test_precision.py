@@ -115,8 +115,8 @@ async def test_v2_fp16_inputs_run_in_fp16_and_answer_fp32(client: httpx.AsyncCli
 @pytest.mark.parametrize(
     ("ask", "body_options", "code", "problem", "location"),
     [
-        ("?precision=fp8", {}, "invalid_parameter", "precision", ["query", "precision"]),
-        ("", {"precision": "fp8"}, "invalid_parameter", "precision 'fp8' is not supported; choose one of", None),
+        ("?precision=fp4", {}, "invalid_parameter", "precision", ["query", "precision"]),
+        ("", {"precision": "fp4"}, "invalid_parameter", "precision 'fp4' is not supported; choose one of", None),
         ("", {"precision": 16}, "invalid_parameter", "'precision' must be a string", None),
         ("?precision=tf32", {"precision": "bf16"}, "invalid_parameter", "'precision' is given twice", None),
         ("?precision=tf32&dtype=float64", {}, "invalid_parameter", "computes from float32 operands", None),
@@ -175,9 +175,13 @@ async def test_v2_parameters_carry_the_precision(client: httpx.AsyncClient, prec
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("precision", FLOAT_PRECISIONS)
-@pytest.mark.parametrize("kernel", ["cublas", "auto"])
-async def test_on_the_gpu_each_precision_runs_on_cublas(
+@pytest.mark.parametrize(
+    ("precision", "kernel"),
+    # not fp8 on cuBLAS, whose GemmEx has no FP8 (its refusal: tests/kernels/test_tensor_core_gpu.py)
+    [(p, kernel) for p in FLOAT_PRECISIONS for kernel in ("cublas", "auto") if (p, kernel) != ("fp8", "cublas")],
+    ids=str,
+)
+async def test_on_the_gpu_each_precision_runs_on_cublas_or_auto(
     gpu_client: httpx.AsyncClient, precision: Precision, kernel: str
 ) -> None:
     a, b = _operands(8, 300, 129, 65)
@@ -236,6 +240,26 @@ async def test_an_operand_beyond_the_precisions_range_is_refused_not_turned_into
     assert answer.status_code == 422 and "a[0][1]" in answer.text and said in answer.text  # A, the left operand
 
 
+@pytest.mark.parametrize("value", [np.inf, -np.inf, np.nan])
+async def test_an_fp8_operand_that_is_not_finite_is_refused(client: httpx.AsyncClient, value: float) -> None:
+    """fp8 scales each operand by its largest magnitude and e4m3 has no infinity: a NaN or an infinity is a 422
+    naming the element, on /matmul (.npy) and the inference protocol, where the other precisions multiply it; any
+    finite value is taken, up to float32's largest."""
+    said = "is not finite: precision fp8 scales each operand by its largest magnitude into e4m3"
+    b = np.array([[1.0], [value]], np.float32)
+    files = {"a": ("a.npy", npy_bytes(np.ones((1, 2), np.float32))), "b": ("b.npy", npy_bytes(b))}
+    answer = await client.post("/matmul", params={"precision": "fp8"}, files=files)
+    assert answer.status_code == 422 and answer.json()["location"] == ["b", 1, 0] and said in answer.text
+    body, header_length = inference_v2_body(b.T.copy(), np.ones((2, 1), np.float32), {"precision": "fp8"})
+    answer = await client.post(
+        "/v2/models/matmul/infer", content=body, headers={"inference-header-content-length": str(header_length)}
+    )
+    assert answer.status_code == 422 and "a[0][1]" in answer.text and said in answer.text
+    huge = np.array([[3.4e38, -3.4e38]], np.float32)
+    answer = await _json_product(client, huge, np.full((2, 1), 0.5, np.float32), precision="fp8")
+    assert answer.status_code == 200 and answer.json()["result"] == [[0.0]]
+
+
 async def test_the_largest_values_that_stay_finite_in_fp16_are_multiplied(client: httpx.AsyncClient) -> None:
     """65519 rounds to float16's largest, 65504; NaN and infinities already there propagate as in fp32."""
     a = [[65519.0, -65519.0]]
@@ -252,6 +276,8 @@ async def test_the_largest_values_that_stay_finite_in_fp16_are_multiplied(client
 WORST_ROUNDINGS = [
     # (precision, dtype, a, b, the share of the promised term reached): a and b sit where rounding loses the most
     ("fp16", "float32", 1 + 2.0**-11, 1 + 2.0**-11, (0.99, 1.0)),  # ties between 1 and the next float16: 1
+    # scaled by 2^8 to 272, a tie between 256 and 288 (e4m3's 3 fraction bits): 1; the error (2u + u^2) / (1 + u)^2
+    ("fp8", "float32", 1 + 2.0**-4, 1 + 2.0**-4, (0.88, 0.89)),
     ("bf16", "float32", 1 + 2.0**-8, 1 + 2.0**-8, (0.98, 1.0)),  # the same for bfloat16
     # the CPU rounds to nearest and reaches half of tf32's term, which is the truncation unit's (the GPU may truncate)
     ("tf32", "float32", 1 + 2.0**-11, 1 + 2.0**-11, (0.49, 0.5)),

@@ -78,10 +78,22 @@ def test_an_operand_is_refused_exactly_where_the_precisions_rounding_makes_it_in
 def test_nan_and_infinities_already_there_pass_and_fp32_checks_nothing() -> None:
     src = np.array([[np.nan, np.inf, -np.inf, 1.0]], np.float32)
     for precision in FLOAT_PRECISIONS:
-        check_in_format(src, "b", precision)
+        if precision is not Precision.FP8:
+            check_in_format(src, "b", precision)
     check_in_format(np.full((2, 2), 1e38, np.float32), "b", Precision.FP32)
     with pytest.raises(InvalidMatrix, match=r"b\[0\]\[3\] = 70000.0 is out of range for precision fp16"):
         check_in_format(np.array([[np.nan, np.inf, 5.0, 7e4]], np.float32), "b", Precision.FP16)
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+def test_fp8_refuses_the_first_element_that_is_not_finite_and_takes_any_finite_one(bad: float) -> None:
+    finite = np.array([[3.4e38, -3.4e38], [1e-45, 0.0], [448.0, 449.0]], np.float32)
+    check_in_format(finite, "a", Precision.FP8)  # every finite value: the scale brings it into range
+    src = finite.copy()
+    src[2, 1], src[1, 0] = bad, bad
+    with pytest.raises(InvalidMatrix, match=r"b\[4\]\[0\] = (nan|inf|-inf) is not finite: precision fp8") as caught:
+        check_in_format(src, "b", Precision.FP8, first_row=3)
+    assert caught.value.location == ["b", 4, 0]
 
 
 @pytest.mark.parametrize(

@@ -1,7 +1,8 @@
 """On an H100 or H200: kernels/wgmma.cu and kernels/mma_sync.cu in each of their tensor-core precisions against a
 float64 product, within the bound numerics/precision.py derives per mode, and kernels/dmma.cu's float64 products within
 float64's, on square, odd and degenerate shapes; kernels/operands.cu's conversions bit for bit against
-numerics/precision.py's; own 3xTF32 as accurate as SGEMM; and the service running them."""
+numerics/precision.py's (FP8's scales and e4m3 rounding too); own 3xTF32 as accurate as SGEMM, own FP8 as cuBLASLt;
+and the service running them."""
 
 from __future__ import annotations
 
@@ -13,7 +14,16 @@ import pytest
 
 from kernels import tensorcore
 from kernels.registry import KERNELS
-from numerics.precision import Precision, bf16_bits, emulate, split_tf32, to_fp16, to_tf32
+from numerics.precision import (
+    E4M3_LARGEST,
+    Precision,
+    bf16_bits,
+    emulate,
+    scaled_e4m3,
+    split_tf32,
+    to_fp16,
+    to_tf32,
+)
 from numerics.reference import Reference
 from tests.conftest import EDGE_SHAPES
 
@@ -54,13 +64,15 @@ def test_every_element_is_within_the_precisions_bound(
 
 @pytest.mark.parametrize(("kernel", "precision"), KERNEL_PRECISIONS, ids=str)
 def test_a_product_missing_one_term_fails_the_bound(launcher: Any, kernel: str, precision: Precision) -> None:
-    """The bound is tight enough to catch a kernel that skips one k step: the check above can fail."""
+    """The bound is tight enough to catch a kernel that skips one k step: the check above can fail. An FP8 step is
+    one instruction's 32 terms: its bound, 4 * 0.129 * sqrt(sum of squared terms), is wider than one term."""
     import cupy as cp
 
     rng = cp.random.default_rng(3)
     a, b = rng.standard_normal((256, 512), dtype=cp.float32), rng.standard_normal((512, 256), dtype=cp.float32)
     short = cp.empty((256, 256), cp.float32)
-    launcher.launch(kernel, a[:, 1:].copy(), b[1:].copy(), short, precision=precision)
+    skipped = 32 if precision is Precision.FP8 else 1
+    launcher.launch(kernel, a[:, skipped:].copy(), b[skipped:].copy(), short, precision=precision)
     assert Reference.of(a, b, np.float32, precision).mismatch(short) is not None
 
 
@@ -139,7 +151,80 @@ def test_a_dmma_product_missing_one_term_fails_float64s_bound(launcher: Any, k: 
     assert Reference.of(a, b, np.float64).mismatch(short) is not None
 
 
-@pytest.mark.parametrize("precision", TENSOR_CORE_PRECISIONS)
+E4M3_VALUES = {
+    "normal": lambda rng, shape: rng.standard_normal(shape),
+    "tiny": lambda rng, shape: rng.standard_normal(shape) * 1e-30,
+    "huge": lambda rng, shape: rng.standard_normal(shape) * 1e37,
+    # 24 octaves down from the largest: e4m3's normals, its subnormals and what rounds to zero
+    "spread": lambda rng, shape: rng.standard_normal(shape) * np.exp2(rng.uniform(-24, 0, shape)),
+    "448 and zeros": lambda rng, shape: np.where(rng.uniform(size=shape) < 0.5, E4M3_LARGEST, 0.0),
+}
+
+
+@pytest.mark.parametrize("values", E4M3_VALUES)
+@pytest.mark.parametrize("transposed", [False, True], ids=["rows", "transposed"])
+@pytest.mark.parametrize("shape", [(67, 45), (3, 1), (1000, 33)], ids=str)
+def test_fp8_operands_are_scaled_and_rounded_to_e4m3_as_numerics_does(
+    launcher: Any, values: str, transposed: bool, shape: tuple[int, int]
+) -> None:
+    """The largest magnitude measured on the device, the power of two from it, and every element's e4m3 bits."""
+    import cupy as cp
+
+    x = E4M3_VALUES[values](np.random.default_rng(13), shape).astype(np.float32)
+    device_x = cp.asarray(x)
+    amax = launcher.tensor_cores.largest_magnitudes(device_x)
+    assert cp.asnumpy(amax).view(np.float32)[0] == np.abs(x).max()
+    config = tensorcore.WGMMA_CONFIGS[Precision.FP8]
+    (part,) = launcher.tensor_cores.converted(config, device_x, transposed=transposed, amax=amax)
+    source = x.T if transposed else x
+    rows, k = source.shape
+    assert part.dtype == np.uint8 and part.shape == (rows, -(-k // 16) * 16)
+    expected, _ = scaled_e4m3(source)
+    np.testing.assert_array_equal(E4M3_DECODED[cp.asnumpy(part)[:, :k]], expected)
+
+
+def _e4m3_values() -> np.ndarray:
+    """Each of the 256 e4m3 encodings' value (NaN for S.1111.111), from the format's definition."""
+    bits = np.arange(256)
+    sign, exponent, fraction = np.where(bits >> 7, -1.0, 1.0), (bits >> 3) & 15, bits & 7
+    magnitude = np.where(exponent == 0, fraction / 8 * 2.0**-6, (1 + fraction / 8) * 2.0 ** (exponent - 7))
+    return np.where((exponent == 15) & (fraction == 7), np.nan, sign * magnitude).astype(np.float32)
+
+
+E4M3_DECODED = _e4m3_values()
+
+
+def test_the_largest_magnitude_is_measured_from_any_start_and_length(launcher: Any) -> None:
+    """16 bytes at a time where the operand starts on 16 bytes, one element at a time elsewhere and for the tail."""
+    import cupy as cp
+
+    x = cp.asarray(np.random.default_rng(14).standard_normal(100_003).astype(np.float32))
+    x[77_777] = -1e6
+    for start, stop in [(0, 100_003), (1, 100_003), (3, 77_778), (77_777, 77_778), (0, 77_777), (5, 5)]:
+        part = x[start:stop]
+        want = float(cp.abs(part).max()) if part.size else 0.0
+        assert cp.asnumpy(launcher.tensor_cores.largest_magnitudes(part)).view(np.float32)[0] == want
+
+
+@pytest.mark.parametrize(
+    "scale_a", [1.0, 1e-30, 1e30, 3e38 / 4096], ids=["unit", "tiny", "huge", "near the float32 limit"]
+)
+def test_fp8_products_hold_the_bound_whatever_the_operands_scale(launcher: Any, scale_a: float) -> None:
+    """The scales bring any finite operands into e4m3's range and the product back: magnitudes from 1e-30 to
+    float32's largest, with elements spread over 24 octaves, and B 2^-10 of A (the products stay inside float32's
+    range: the bound, as float32's own, assumes no underflow)."""
+    import cupy as cp
+
+    rng = np.random.default_rng(15)
+    a = (rng.standard_normal((130, 300)) * np.exp2(rng.uniform(-24, 0, (130, 300))) * scale_a).astype(np.float32)
+    b = (rng.standard_normal((300, 70)) * 2.0**-10).astype(np.float32)
+    c = cp.full((130, 70), cp.nan, cp.float32)
+    launcher.launch(tensorcore.WGMMA, cp.asarray(a), cp.asarray(b), c, precision=Precision.FP8)
+    problem = Reference.of(a, b, np.float32, Precision.FP8).mismatch(cp.asnumpy(c))
+    assert problem is None, problem
+
+
+@pytest.mark.parametrize("precision", [p for p in TENSOR_CORE_PRECISIONS if p is not Precision.FP8])
 @pytest.mark.parametrize("transposed", [False, True], ids=["rows", "transposed"])
 def test_the_operand_conversions_round_as_kernels_precision_does(
     launcher: Any, precision: Precision, transposed: bool
@@ -188,6 +273,22 @@ def test_own_3xtf32_is_as_accurate_as_sgemm(launcher: Any) -> None:
     assert reference.relative_error(own) <= 2 * sgemm_error
 
 
+def test_own_fp8_errs_only_by_the_rounding_of_its_operands(launcher: Any) -> None:
+    """FP8's error against float64 (3.8e-2 relative for standard normal operands, cuBLASLt's too) is the rounding of
+    the operands to e4m3. The tensor cores keep FP8 sums short; own adds each tile's sums in float32, so at k = 16384
+    its relative error is that of the exact product of the rounded operands to 0.1%."""
+    import cupy as cp
+
+    rng = cp.random.default_rng(6)
+    a, b = rng.standard_normal((512, 16384), dtype=cp.float32), rng.standard_normal((16384, 512), dtype=cp.float32)
+    reference = Reference.of(a, b, np.float32, Precision.FP8)
+    own = cp.full((512, 512), cp.nan, cp.float32)
+    launcher.launch(tensorcore.WGMMA, a, b, own, precision=Precision.FP8)
+    rounding_alone = reference.relative_error(emulate(a, b, Precision.FP8))
+    assert 0.03 < rounding_alone < 0.045
+    assert reference.relative_error(own) == pytest.approx(rounding_alone, rel=1e-3)
+
+
 @pytest.mark.anyio
 async def test_the_service_runs_the_tensor_core_kernels_and_auto_chooses_per_precision_and_dtype(
     gpu_client: httpx.AsyncClient,
@@ -198,7 +299,8 @@ async def test_the_service_runs_the_tensor_core_kernels_and_auto_chooses_per_pre
         pytest.skip("the tensor-core kernels run on compute capability 9.0 only")
     listing = (await gpu_client.get("/v1/kernels")).json()
     offered = {kernel["name"]: kernel for kernel in listing["kernels"]}
-    assert offered["wgmma"]["precisions"] == ["tf32", "3xtf32", "bf16", "fp16", "int8"]
+    assert offered["wgmma"]["precisions"] == ["tf32", "3xtf32", "bf16", "fp16", "fp8", "int8"]
+    assert "fp8" not in offered["cublas"]["precisions"]
     assert offered["mma_sync"]["precisions"] == ["tf32", "bf16", "fp16"]
     assert offered["wgmma"]["dtypes"] == ["float32", "int32"] and offered["mma_sync"]["dtypes"] == ["float32"]
     assert offered["dmma"]["dtypes"] == ["float64"] and offered["dmma"]["precisions"] == ["fp32"]
@@ -207,6 +309,7 @@ async def test_the_service_runs_the_tensor_core_kernels_and_auto_chooses_per_pre
         ("3xtf32", "float32", {"cublas", "wgmma"}),
         ("bf16", "float32", {"cublas", "mma_sync", "wgmma"}),
         ("fp16", "float32", {"cublas", "mma_sync", "wgmma"}),
+        ("fp8", "float32", {"wgmma"}),
         ("fp32", "float64", {"cublas", "dmma", *KERNELS}),
         ("int8", "int32", {"cublas", "wgmma"}),
     ]:
@@ -233,7 +336,8 @@ async def test_the_service_runs_the_tensor_core_kernels_and_auto_chooses_per_pre
         assert Reference.of(a.astype(np.float64), b.astype(np.float64), np.float64).mismatch(c) is None
 
     for params, location, message in [
-        ({"kernel": "wgmma"}, "precision", "computes float32 in precision tf32, 3xtf32, bf16, fp16, not fp32"),
+        ({"kernel": "wgmma"}, "precision", "computes float32 in precision tf32, 3xtf32, bf16, fp16, fp8, not fp32"),
+        ({"kernel": "cublas", "precision": "fp8"}, "precision", "'cublas' does not compute float32 in precision fp8"),
         ({"kernel": "mma_sync", "precision": "3xtf32"}, "precision", "computes float32 in precision tf32, bf16, fp16"),
         ({"kernel": "dmma"}, "dtype", "kernel 'dmma' computes in float64; this product's dtype is float32"),
         ({"kernel": "wgmma", "precision": "tf32", "dtype": "float64"}, "precision", "computes from float32"),

@@ -22,7 +22,7 @@ SOURCES = {
     ],
     tensorcore.MMA_SYNC_SOURCE: [config.expression() for config in tensorcore.MMA_SYNC_CONFIGS.values()],
     tensorcore.DMMA_SOURCE: [config.expression() for config in tensorcore.DMMA_CONFIGS.values()],
-    tensorcore.OPERANDS_SOURCE: tensorcore.conversion_expressions(),
+    tensorcore.OPERANDS_SOURCE: tensorcore.operand_expressions(),
 }
 
 
