@@ -291,11 +291,12 @@ class TensorCoreLibrary:
         rows, k = (width, height) if transposed else (height, width)
         dtype = STORED_DTYPES[config.kind]
         parts = [self._cp.empty((rows, config.padded_k(k)), dtype) for _ in range(config.parts)]
-        kernel = "convert_transposed" if transposed else "convert_rows"
         if transposed:
-            grid, block = (cdiv(width, 32), min(cdiv(height, 32), 65535)), (32, 8)
+            kernel, grid, block = "convert_transposed", (cdiv(width, 32), min(cdiv(height, 32), 65535)), (32, 8)
+        elif width % 4 == 0 and x.data.ptr % (4 * x.itemsize) == 0:  # rows of whole, aligned fours
+            kernel, grid, block = "convert_rows_by_four", (cdiv(width, 4 * 256), min(height, 65535)), (256, 1)
         else:
-            grid, block = (cdiv(width, 256), min(height, 65535)), (256, 1)
+            kernel, grid, block = "convert_rows", (cdiv(width, 256), min(height, 65535)), (256, 1)
         arguments = (x, parts[0], parts[-1], np.int32(height), np.int32(width), np.int32(parts[0].shape[1]), amax)
         self._conversions[(kernel, int(config.conversion))](grid, block, arguments)
         return parts

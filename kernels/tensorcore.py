@@ -229,7 +229,8 @@ KERNEL_NAMES = (MMA_SYNC, WGMMA, DMMA)
 
 
 def conversion_expressions() -> list[str]:
-    return [f"{kernel}<{int(c)}>" for kernel in ("convert_rows", "convert_transposed") for c in Conversion]
+    kernels = ("convert_rows", "convert_rows_by_four", "convert_transposed")
+    return [f"{kernel}<{int(c)}>" for kernel in kernels for c in Conversion]
 
 
 def operand_expressions() -> list[str]:

@@ -82,14 +82,17 @@ INT8_SHAPES = [*EDGE_SHAPES, (67, 0, 39), (3, 17, 5), (129, 100, 257), (255, 129
 
 
 @pytest.mark.parametrize("transposed", [False, True], ids=["rows", "transposed"])
-def test_int8_operands_are_copied_as_they_are_into_rows_of_16_elements(launcher: Any, transposed: bool) -> None:
+@pytest.mark.parametrize("shape", [(67, 45), (67, 36)], ids=str)  # rows copied one element a thread, or four
+def test_int8_operands_are_copied_as_they_are_into_rows_of_16_elements(
+    launcher: Any, transposed: bool, shape: tuple[int, int]
+) -> None:
     import cupy as cp
 
-    x = np.random.default_rng(12).integers(-128, 128, (67, 45), np.int8)
+    x = np.random.default_rng(12).integers(-128, 128, shape, np.int8)
     (part,) = launcher.tensor_cores.converted(tensorcore.WGMMA_INT8, cp.asarray(x), transposed=transposed)
     source = x.T if transposed else x
     rows, k = source.shape
-    assert part.dtype == np.int8 and part.shape == (rows, 48 if k == 45 else 80)  # k padded to 16 elements
+    assert part.dtype == np.int8 and part.shape == (rows, -(-k // 16) * 16)  # k padded to 16 elements
     np.testing.assert_array_equal(cp.asnumpy(part)[:, :k], source)
 
 
@@ -163,7 +166,8 @@ E4M3_VALUES = {
 
 @pytest.mark.parametrize("values", E4M3_VALUES)
 @pytest.mark.parametrize("transposed", [False, True], ids=["rows", "transposed"])
-@pytest.mark.parametrize("shape", [(67, 45), (3, 1), (1000, 33)], ids=str)
+# rows of 45, 1 and 33 are converted one element a thread, of 48 and 32 four at a time
+@pytest.mark.parametrize("shape", [(67, 45), (3, 1), (1000, 33), (67, 48), (1000, 32)], ids=str)
 def test_fp8_operands_are_scaled_and_rounded_to_e4m3_as_numerics_does(
     launcher: Any, values: str, transposed: bool, shape: tuple[int, int]
 ) -> None:
@@ -226,13 +230,14 @@ def test_fp8_products_hold_the_bound_whatever_the_operands_scale(launcher: Any, 
 
 @pytest.mark.parametrize("precision", [p for p in TENSOR_CORE_PRECISIONS if p is not Precision.FP8])
 @pytest.mark.parametrize("transposed", [False, True], ids=["rows", "transposed"])
+@pytest.mark.parametrize("width", [45, 48])  # rows converted one element a thread, or four at a time
 def test_the_operand_conversions_round_as_kernels_precision_does(
-    launcher: Any, precision: Precision, transposed: bool
+    launcher: Any, precision: Precision, transposed: bool, width: int
 ) -> None:
     import cupy as cp
 
     rng = np.random.default_rng(11)
-    x = (rng.standard_normal((67, 45)) * 10.0 ** rng.integers(-20, 20, (67, 45))).astype(np.float32)
+    x = (rng.standard_normal((67, width)) * 10.0 ** rng.integers(-20, 20, (67, width))).astype(np.float32)
     x.flat[:3] = [np.inf, -np.inf, np.nan]
     config = tensorcore.WGMMA_CONFIGS[precision]
     converted = launcher.tensor_cores.converted(config, cp.asarray(x), transposed=transposed)
