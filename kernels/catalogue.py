@@ -7,7 +7,7 @@ GPU kernels its emulations stand for from here.
     rung          launcher       dtypes                    precisions                         devices
     naive ..      fma            float32, float64          fp32                               every CUDA GPU
     fast
-    mma_sync      tensor_core    float32                   tf32, bf16, fp16                   compute capability 9.0
+    mma_sync      tensor_core    float32, int32            tf32, bf16, fp16, int8             compute capability 8.0 on
     wgmma         tensor_core    float32, int32            tf32, 3xtf32, bf16, fp16, fp8,     compute capability 9.0
                                                            int8
     dmma          tensor_core    float64                   fp32 (float64's own)               compute capability 9.0
@@ -57,10 +57,15 @@ class Rung:
     """What a request's `tile` may choose (the FMA ladder's `tiled`)."""
     default_tile: int | None = None
     compute_capability: tuple[int, int] | None = None
-    """The one device generation its machine code runs on; None: every CUDA GPU the service runs on."""
+    """The one device generation its machine code runs on (sm_90a's); None: see `from_compute_capability`."""
+    from_compute_capability: tuple[int, int] | None = None
+    """The first device generation it runs on, and every later one (PTX the driver compiles); None with
+    `compute_capability` None: every CUDA GPU the service runs on."""
 
     def runs_on(self, compute_capability: tuple[int, int]) -> bool:
-        return self.compute_capability in (None, compute_capability)
+        if self.compute_capability is not None:
+            return compute_capability == self.compute_capability
+        return self.from_compute_capability is None or compute_capability >= self.from_compute_capability
 
     def computes(self, dtype: str, precision: Precision) -> bool:
         """Whether it computes a product of `dtype` in `precision`."""
@@ -76,8 +81,8 @@ class Rung:
         ]
 
 
-def _tensor_core(name: str, summary: str, dtypes: tuple[str, ...], precisions: tuple[Precision, ...]) -> Rung:
-    """A rung of kernels/tensorcore.py: sm_90a machine code, which only compute capability 9.0 runs."""
+def _hopper(name: str, summary: str, dtypes: tuple[str, ...], precisions: tuple[Precision, ...]) -> Rung:
+    """A rung of kernels/tensorcore.py in sm_90a machine code, which only compute capability 9.0 runs."""
     return Rung(
         name,
         summary,
@@ -96,16 +101,21 @@ RUNGS: MappingProxyType[str, Rung] = MappingProxyType(
                 Rung(spec.name, spec.summary, "fma", tiles=spec.tiles, default_tile=spec.default_tile)
                 for spec in KERNELS.values()
             ),
-            _tensor_core(
-                tensorcore.MMA_SYNC, tensorcore.MMA_SYNC_SUMMARY, ("float32",), tuple(tensorcore.MMA_SYNC_CONFIGS)
+            Rung(
+                tensorcore.MMA_SYNC,
+                tensorcore.MMA_SYNC_SUMMARY,
+                "tensor_core",
+                dtypes=("float32", INT8_PRODUCT),
+                precisions=tuple(tensorcore.MMA_SYNC_CONFIGS),
+                from_compute_capability=tensorcore.PORTABLE_COMPUTE_CAPABILITY,
             ),
-            _tensor_core(
+            _hopper(
                 tensorcore.WGMMA,
                 tensorcore.WGMMA_SUMMARY,
                 ("float32", INT8_PRODUCT),
                 (*TENSOR_CORE_PRECISIONS, Precision.INT8),
             ),
-            _tensor_core(tensorcore.DMMA, tensorcore.DMMA_SUMMARY, ("float64",), (Precision.FP32,)),
+            _hopper(tensorcore.DMMA, tensorcore.DMMA_SUMMARY, ("float64",), (Precision.FP32,)),
             Rung(
                 CUBLAS,
                 "cuBLAS: cupy.matmul in fp32 (TF32 off), GemmEx in the precision's types (int8: IMMA, k a multiple "

@@ -67,11 +67,17 @@ def compile_ptx(spec: KernelSpec, arch: str = "compute_90") -> tuple[str, dict[s
     return ptx.decode(), lowered
 
 
-def compile_tensor_core_source(source: str, expressions: list[str]) -> tuple[bytes, dict[str, str], str]:
-    """A tensor-core source (kernels/tensorcore.py) compiled by NVRTC for sm_90a, down to machine code (wgmma
-    cannot go through PTX that the driver compiles for plain sm_90): the cubin, the lowered names, and ptxas's
-    resource report (registers, spills) as the log."""
-    options = [f"--gpu-architecture={tensorcore.ARCH}", *COMPILE_OPTIONS, "--ptxas-options=-v"]
+def compile_tensor_core_source(
+    source: str, expressions: list[str], arch: str = tensorcore.ARCH
+) -> tuple[bytes, dict[str, str], str]:
+    """A tensor-core source (kernels/tensorcore.py) compiled by NVRTC: for sm_90a down to machine code (wgmma
+    cannot go through PTX that the driver compiles for plain sm_90), with ptxas's resource report (registers, spills)
+    as the log; for a virtual architecture (`tensorcore.PORTABLE_ARCH`) to PTX. The cubin or PTX, the lowered names
+    and the log."""
+    if arch.startswith("compute_"):
+        options = [f"--gpu-architecture={arch}", *COMPILE_OPTIONS]
+        return _nvrtc(source, read_kernel_source(source), expressions, options, lambda nvrtc, p: nvrtc.getPTX(p))
+    options = [f"--gpu-architecture={arch}", *COMPILE_OPTIONS, "--ptxas-options=-v"]
     return _nvrtc(source, read_kernel_source(source), expressions, options, lambda nvrtc, p: nvrtc.getCUBIN(p))
 
 
@@ -99,7 +105,8 @@ class Launcher:
         """What this device runs, in the catalogue's order."""
         self._names = frozenset(rung.name for rung in self.rungs)
         self._fma = KernelLibrary()
-        self.tensor_cores = TensorCoreLibrary() if self.runs(tensorcore.WGMMA) else None
+        runs_tensor_cores = any(rung.launcher == "tensor_core" for rung in self.rungs)
+        self.tensor_cores = TensorCoreLibrary((major, minor)) if runs_tensor_cores else None
         """The tensor-core kernels' library, where the device runs them (its operand conversions are tested alone)."""
 
     def runs(self, kernel: str) -> bool:
@@ -215,26 +222,32 @@ LARGEST_MAGNITUDE_BLOCKS = 1024
 
 
 class TensorCoreLibrary:
-    """The tensor-core kernels (kernels/tensorcore.py), compiled for sm_90a and loaded on the current CuPy device (a
-    compute capability 9.0 one): float32 products in the tensor-core precisions through wgmma and mma.sync, and
-    float64 products on the FP64 tensor cores."""
+    """The tensor-core kernels (kernels/tensorcore.py) loaded on the current CuPy device, of `compute_capability`:
+    on 9.0 (H100, H200) every one, compiled for sm_90a (float32 products in the tensor-core precisions and int8 ones
+    through wgmma and mma.sync, float64 products on the FP64 tensor cores); from 8.0 on elsewhere, mma.sync's
+    portable instances and the operand conversions but FP8's, as PTX for compute_80."""
 
-    def __init__(self) -> None:
+    def __init__(self, compute_capability: tuple[int, int] = tensorcore.COMPUTE_CAPABILITY) -> None:
         import cupy
 
         self._cp = cupy
+        hopper = compute_capability == tensorcore.COMPUTE_CAPABILITY
+        arch = tensorcore.ARCH if hopper else tensorcore.PORTABLE_ARCH
+        self.mma_sync_configs = tensorcore.MMA_SYNC_CONFIGS if hopper else tensorcore.MMA_SYNC_PORTABLE_CONFIGS
+        """The mma.sync instance of each precision on this device."""
         self._wgmma: dict[Precision, Any] = {}
         self._mma_sync: dict[Precision, Any] = {}
         self._dmma: dict[bool, Any] = {}
         self._conversions: dict[tuple[str, int], Any] = {}
         with tempfile.TemporaryDirectory(prefix="matmul-tensorcore-") as folder:
             place = Path(folder)
-            # one compilation for every instance of a source, int8's among wgmma's
-            configs = {**tensorcore.WGMMA_CONFIGS, Precision.INT8: tensorcore.WGMMA_INT8}
-            self._wgmma = self._load_instances(place, tensorcore.WGMMA_SOURCE, configs)
-            self._mma_sync = self._load_instances(place, tensorcore.MMA_SYNC_SOURCE, tensorcore.MMA_SYNC_CONFIGS)
-            self._dmma = self._load_instances(place, tensorcore.DMMA_SOURCE, tensorcore.DMMA_CONFIGS)
-            operands = self._load(place, tensorcore.OPERANDS_SOURCE, tensorcore.operand_expressions())
+            if hopper:
+                # one compilation for every instance of a source, int8's among wgmma's
+                configs = {**tensorcore.WGMMA_CONFIGS, Precision.INT8: tensorcore.WGMMA_INT8}
+                self._wgmma = self._load_instances(place, tensorcore.WGMMA_SOURCE, configs, arch)
+                self._dmma = self._load_instances(place, tensorcore.DMMA_SOURCE, tensorcore.DMMA_CONFIGS, arch)
+            self._mma_sync = self._load_instances(place, tensorcore.MMA_SYNC_SOURCE, self.mma_sync_configs, arch)
+            operands = self._load(place, tensorcore.OPERANDS_SOURCE, tensorcore.operand_expressions(hopper), arch)
             self._largest_magnitude = operands.pop(tensorcore.LARGEST_MAGNITUDE)
             for expression, function in operands.items():
                 kernel, conversion = expression.removesuffix(">").split("<")
@@ -254,17 +267,17 @@ class TensorCoreLibrary:
         else:
             raise ValueError(f"'{kernel}' is not a tensor-core kernel")
 
-    def _load(self, folder: Path, source: str, expressions: list[str]) -> dict[str, Any]:
-        """Each expression's kernel, from the source's cubin (CuPy loads a module from a file)."""
-        cubin, lowered, _ = compile_tensor_core_source(source, expressions)
-        path = folder / f"{source}.cubin"
-        path.write_bytes(cubin)
+    def _load(self, folder: Path, source: str, expressions: list[str], arch: str) -> dict[str, Any]:
+        """Each expression's kernel, from the source's cubin or PTX for `arch` (CuPy loads a module from a file)."""
+        code, lowered, _ = compile_tensor_core_source(source, expressions, arch)
+        path = folder / f"{source}.{'ptx' if arch.startswith('compute_') else 'cubin'}"
+        path.write_bytes(code)
         module = self._cp.RawModule(path=str(path))
         return {expression: module.get_function(name) for expression, name in lowered.items()}
 
-    def _load_instances(self, folder: Path, source: str, configs: Mapping[Key, _Instance]) -> dict[Key, Any]:
+    def _load_instances(self, folder: Path, source: str, configs: Mapping[Key, _Instance], arch: str) -> dict[Key, Any]:
         """Each config's kernel, allowed the dynamic shared memory it asks for."""
-        functions = self._load(folder, source, [config.expression() for config in configs.values()])
+        functions = self._load(folder, source, [config.expression() for config in configs.values()], arch)
         loaded = {}
         for key, config in configs.items():
             function = functions[config.expression()]
@@ -324,8 +337,7 @@ class TensorCoreLibrary:
         C-contiguous CuPy int8 arrays (b given as B^T, N x K, when `b_transposed`), c int32. ValueError where k is so
         long that a sum could pass int32's range."""
         k = a.shape[1]
-        if not int8_fits(k):
-            raise ValueError(f"k = {k}: sums of int8 products pass int32 beyond k = {INT8_MAX_K}")
+        _check_int8_sums_fit(k)
         if _nothing_to_multiply(c, k):
             return
         config = tensorcore.WGMMA_INT8
@@ -391,13 +403,17 @@ class TensorCoreLibrary:
         )
 
     def mma_sync(self, a: Any, b: Any, c: Any, precision: Precision) -> None:
-        """c = a @ b in `precision` (tf32, bf16 or fp16) on the current stream through kernels/mma_sync.cu: 2-D
-        C-contiguous CuPy float32 arrays. Both operands are converted (TF32 rounded, not read as they are)."""
-        config = tensorcore.MMA_SYNC_CONFIGS[precision]
+        """c = a @ b in `precision` (tf32, bf16 or fp16: 2-D C-contiguous CuPy float32 arrays; int8: int8 a and b,
+        int32 c, exactly) on the current stream through kernels/mma_sync.cu. Both operands are converted (TF32
+        rounded, not read as they are; int8 copied into rows of 16 bytes). ValueError where k is so long that an
+        int32 sum could pass its range."""
+        config = self.mma_sync_configs[precision]
         (m, k), n = a.shape, b.shape[1]
+        if precision is Precision.INT8:
+            _check_int8_sums_fit(k)
         if _nothing_to_multiply(c, k):
             return
-        config_of_operands = tensorcore.WGMMA_CONFIGS[precision]
+        config_of_operands = tensorcore.operand_config(precision)
         (a_part,) = self.converted(config_of_operands, a, transposed=False)
         (b_part,) = self.converted(config_of_operands, b, transposed=True)
         self._mma_sync[precision](
@@ -419,6 +435,11 @@ class TensorCoreLibrary:
             (a, b, c, np.int32(m), np.int32(n), np.int32(k)),
             shared_mem=config.smem_bytes(),
         )
+
+
+def _check_int8_sums_fit(k: int) -> None:
+    if not int8_fits(k):
+        raise ValueError(f"k = {k}: sums of int8 products pass int32 beyond k = {INT8_MAX_K}")
 
 
 def _nothing_to_multiply(c: Any, k: int) -> bool:

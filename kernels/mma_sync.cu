@@ -1,4 +1,6 @@
-// Tensor-core rung 1: warp-level `mma.sync` in TF32, BF16 and FP16, from swizzled shared memory.
+// Tensor-core rung 1: warp-level `mma.sync` in TF32, BF16 and FP16, and int8 into exact int32 sums, from swizzled
+// shared memory. Every instruction here exists from compute capability 8.0 on, so this is the tensor-core rung of
+// GPUs other than Hopper too (kernels/tensorcore.py compiles it for the device's own generation).
 //
 // What it changes over `fast`, and why. `fast` multiplies on the FMA lanes, one multiply-add per lane and
 // instruction. `mma.sync` gives the same product to the tensor cores a warp at a time: one m16n8k16 (BF16, FP16)
@@ -11,9 +13,10 @@
 //     and hands each lane exactly the elements the instruction wants from it. Read straight, eight rows of 128
 //     bytes would all fall on the same banks; the copies store each row's 16-byte units XORed with the row's low
 //     three bits, so the eight rows an ldmatrix reads lie in eight different bank groups.
-//   - The three precisions share every byte of this: per 32 bytes of K, one instruction takes four registers of A
-//     and two of B whether they hold 8 16-bit values or 4 TF32 ones, and ldmatrix, working in bytes, fills them
-//     alike. Only the instruction's types and K differ.
+//   - The four kinds share every byte of this: per 32 bytes of K, one instruction takes four registers of A and
+//     two of B whether they hold 8 16-bit values, 4 TF32 ones or 16 int8 ones (m16n8k32: each register four int8 of
+//     K where the 16-bit kinds hold two), and ldmatrix, working in bytes, fills them alike. Only the instruction's
+//     types and K differ, and int8's sums and C are int32 (k * 128 * 128 must fit: the host checks).
 //   - The edge of K: a copy takes only the bytes before K and fills the rest of its 16-byte unit with zeros (the
 //     padding of a converted row holds whatever memory held), and rows past M or N are zero-filled whole.
 //
@@ -28,10 +31,14 @@
 
 typedef unsigned int u32;
 
-enum MmaKind { MMA_BF16 = 0, MMA_FP16 = 1, MMA_TF32 = 2 };
+enum MmaKind { MMA_BF16 = 0, MMA_FP16 = 1, MMA_TF32 = 2, MMA_S8 = 3 };
+
+// The sums' and C's type: int32 for int8 operands, float32 otherwise.
+template <int KIND> struct MmaSum { typedef float type; };
+template <> struct MmaSum<MMA_S8> { typedef int type; };
 
 constexpr int MMA_BM = 128;
-constexpr int MMA_ROW_BYTES = 128;  // K per tile row: 64 16-bit values or 32 TF32
+constexpr int MMA_ROW_BYTES = 128;  // K per tile row: 64 16-bit values, 32 TF32 or 128 int8
 constexpr int MMA_WARPS_M = 2, MMA_WARPS_N = 4;
 constexpr int MMA_THREADS = 32 * MMA_WARPS_M * MMA_WARPS_N;
 constexpr int UNITS = MMA_ROW_BYTES / 16;  // 16-byte units in a tile row
@@ -52,10 +59,16 @@ __device__ __forceinline__ void load_matrices(u32 (&r)[4], u32 address) {
                  : "r"(address));
 }
 
-// c (16 x 8 float32: c[0..1] row g, c[2..3] row g + 8) += a (16 x 32 bytes of K) * b (32 bytes of K x 8)
+// c (16 x 8 sums: c[0..1] row g, c[2..3] row g + 8) += a (16 x 32 bytes of K) * b (32 bytes of K x 8)
 template <int KIND>
-__device__ __forceinline__ void mma(float (&c)[4], const u32 (&a)[4], u32 b0, u32 b1) {
-    if constexpr (KIND == MMA_BF16) {
+__device__ __forceinline__ void mma(typename MmaSum<KIND>::type (&c)[4], const u32 (&a)[4], u32 b0, u32 b1) {
+    if constexpr (KIND == MMA_S8) {
+        asm volatile(
+            "mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+            "{%0, %1, %2, %3};"
+            : "+r"(c[0]), "+r"(c[1]), "+r"(c[2]), "+r"(c[3])
+            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+    } else if constexpr (KIND == MMA_BF16) {
         asm volatile(
             "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
             "{%0, %1, %2, %3};"
@@ -76,12 +89,14 @@ __device__ __forceinline__ void mma(float (&c)[4], const u32 (&a)[4], u32 b0, u3
     }
 }
 
-// A: M x K, Bt: N x K, each row `ld` elements of ELEMENT_BYTES (a multiple of 16 bytes); C: M x N float32.
+// A: M x K, Bt: N x K, each row `ld` elements of ELEMENT_BYTES (a multiple of 16 bytes); C: M x N float32 (int32
+// for int8).
 template <int KIND, int BN, int STAGES>
 __global__ void __launch_bounds__(MMA_THREADS, 1)
-    matmul_mma(const unsigned char* __restrict__ A, const unsigned char* __restrict__ Bt, float* __restrict__ C,
-               int M, int N, int K, int ld) {
-    constexpr int ELEMENT_BYTES = KIND == MMA_TF32 ? 4 : 2;
+    matmul_mma(const unsigned char* __restrict__ A, const unsigned char* __restrict__ Bt,
+               typename MmaSum<KIND>::type* __restrict__ C, int M, int N, int K, int ld) {
+    using Sum = typename MmaSum<KIND>::type;
+    constexpr int ELEMENT_BYTES = KIND == MMA_TF32 ? 4 : KIND == MMA_S8 ? 1 : 2;
     constexpr int A_BYTES = MMA_BM * MMA_ROW_BYTES;
     constexpr int STAGE_BYTES = (MMA_BM + BN) * MMA_ROW_BYTES;
     constexpr int WM = MMA_BM / MMA_WARPS_M, WN = BN / MMA_WARPS_N;
@@ -125,7 +140,7 @@ __global__ void __launch_bounds__(MMA_THREADS, 1)
     const int a_row = wm + (lane & 15), a_unit = lane >> 4;
     const int b_row = wn + (lane & 7) + ((lane >> 4) << 3), b_unit = (lane >> 3) & 1;
 
-    float acc[FM][FN][4] = {};
+    Sum acc[FM][FN][4] = {};
 
     pipelined_k_loop<STAGES>((k_bytes + MMA_ROW_BYTES - 1) / MMA_ROW_BYTES, issue_tile, [&](int stage) {
         const u32 a_tile = shared_base + stage * STAGE_BYTES;
@@ -157,7 +172,7 @@ __global__ void __launch_bounds__(MMA_THREADS, 1)
         for (int h = 0; h < 2; ++h) {
             const int row = m0 + wm + 16 * i + g + 8 * h;
             if (row >= M) continue;
-            float* c_row = C + static_cast<size_t>(row) * N;
+            Sum* c_row = C + static_cast<size_t>(row) * N;
 #pragma unroll
             for (int j = 0; j < FN; ++j) {
                 const int col = n0 + wn + 8 * j + 2 * t;

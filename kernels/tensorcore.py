@@ -3,9 +3,12 @@
 kernels/dmma.cu, float64 products on the FP64 tensor cores. Nothing here needs a GPU or CuPy: kernels/cuda.py's
 `TensorCoreLibrary` compiles and launches them.
 
-wgmma and setmaxnreg exist only on sm_90a, and dmma.cu's m16n8k8 f64 instruction only from sm_90, so all of them are
-compiled for sm_90a, which only a compute capability 9.0 device (H100, H200) runs; elsewhere the tensor-core
-precisions run on cuBLAS alone, and float64 on the FMA kernels and cuBLAS.
+wgmma and setmaxnreg exist only on sm_90a, and dmma.cu's m16n8k8 f64 instruction only from sm_90, so these are
+compiled for sm_90a, which only a compute capability 9.0 device (H100, H200) runs. mma_sync.cu and operands.cu use
+only instructions of compute capability 8.0 (cp.async, ldmatrix, mma.sync in bf16, fp16, tf32 and s8), so elsewhere,
+from 8.0 on, they are compiled to PTX for compute_80 that the driver compiles for the device, with instances small
+enough for its shared memory (`MMA_SYNC_PORTABLE_CONFIGS`), and without FP8's conversion (e4m3 needs 8.9). There the
+other tensor-core precisions run on cuBLAS alone, and float64 on the FMA kernels and cuBLAS.
 """
 
 from __future__ import annotations
@@ -27,6 +30,9 @@ WGMMA_SOURCE = "wgmma.cu"
 OPERANDS_SOURCE = "operands.cu"
 ARCH = "sm_90a"
 COMPUTE_CAPABILITY = (9, 0)
+PORTABLE_ARCH = "compute_80"
+"""mma_sync.cu and operands.cu elsewhere: PTX that the driver compiles for the device it runs on."""
+PORTABLE_COMPUTE_CAPABILITY = (8, 0)
 
 BLOCK_M = 128
 """Rows of C per block (kernels/wgmma.cu's BM): two consumer warpgroups of 64."""
@@ -129,10 +135,18 @@ WGMMA_INT8 = WgmmaConfig(OperandKind.S8, 256, 4, False, Conversion.COPY_S8)
 """int8 operands, int32 sums and C: 128-element rows of K, four stages of 128 x 256 tiles (the BF16 instance's
 bytes)."""
 
+
+def operand_config(precision: Precision) -> WgmmaConfig:
+    """The wgmma instance whose operands' conversion (and layout) a product in `precision` reads: int8's copy, or
+    the precision's rounding."""
+    return WGMMA_INT8 if precision is Precision.INT8 else WGMMA_CONFIGS[precision]
+
+
 MMA_SYNC = "mma_sync"
 MMA_SYNC_SUMMARY = (
-    "Tensor cores, warp-level mma.sync (m16n8k16 bf16/fp16, m16n8k8 tf32): ldmatrix from swizzled shared memory, a "
-    "4-stage cp.async pipeline; operands converted on the device first. Precisions tf32, bf16, fp16."
+    "Tensor cores, warp-level mma.sync (m16n8k16 bf16/fp16, m16n8k8 tf32, m16n8k32 s8): ldmatrix from swizzled "
+    "shared memory, a cp.async pipeline; operands converted on the device first. Precisions tf32, bf16, fp16; int8 "
+    "operands into exact int32. Compute capability 8.0 and later."
 )
 MMA_SYNC_SOURCE = "mma_sync.cu"
 MMA_THREADS = 256
@@ -141,7 +155,7 @@ MMA_THREADS = 256
 
 @dataclass(frozen=True)
 class MmaSyncConfig:
-    """One instance of kernels/mma_sync.cu's template. It reads the operands as `WGMMA_CONFIGS[precision]` converts
+    """One instance of kernels/mma_sync.cu's template. It reads the operands as `operand_config(precision)` converts
     them (K-major, rows padded to 16 bytes), which is also the layout mma.sync's row.col form takes."""
 
     kind: OperandKind
@@ -164,8 +178,15 @@ MMA_SYNC_CONFIGS: MappingProxyType[Precision, MmaSyncConfig] = MappingProxyType(
         Precision.TF32: MmaSyncConfig(OperandKind.TF32, 256, 4),
         Precision.BF16: MmaSyncConfig(OperandKind.BF16, 256, 4),
         Precision.FP16: MmaSyncConfig(OperandKind.FP16, 256, 4),
+        Precision.INT8: MmaSyncConfig(OperandKind.S8, 256, 4),
     }
 )
+MMA_SYNC_PORTABLE_CONFIGS: MappingProxyType[Precision, MmaSyncConfig] = MappingProxyType(
+    {precision: MmaSyncConfig(config.kind, 128, 3) for precision, config in MMA_SYNC_CONFIGS.items()}
+)
+"""Where the device is not a compute capability 9.0 one: 128 x 128 tiles, 3 stages, 96 KiB of shared memory, which
+every GPU from 8.0 on gives a block (99 KiB on 8.6 and 8.9, 163 KiB on 8.0). Not timed on those GPUs: what they
+compute is tested on an H100 or H200, which runs the same PTX."""
 
 DMMA = "dmma"
 DMMA_SUMMARY = (
@@ -233,6 +254,10 @@ def conversion_expressions() -> list[str]:
     return [f"{kernel}<{int(c)}>" for kernel in kernels for c in Conversion]
 
 
-def operand_expressions() -> list[str]:
-    """Every kernel of kernels/operands.cu: the conversions and the largest magnitude."""
-    return [*conversion_expressions(), LARGEST_MAGNITUDE]
+def operand_expressions(fp8: bool = True) -> list[str]:
+    """Every kernel of kernels/operands.cu: the conversions (without FP8's where `fp8` is False: e4m3 needs compute
+    capability 8.9) and the largest magnitude."""
+    return [
+        *(e for e in conversion_expressions() if fp8 or not e.endswith(f"<{int(Conversion.TO_E4M3)}>")),
+        LARGEST_MAGNITUDE,
+    ]

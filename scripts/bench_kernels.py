@@ -17,7 +17,7 @@ compute and memory roofs; see docs/roofline.md) under --out.
     python scripts/bench_kernels.py --kernels fast --configs all --sizes 2048,4096   # every instance
     python scripts/bench_kernels.py --kernels fast,mma_sync,wgmma,dmma --sizes 4096,8192 \
         --precisions tf32,3xtf32,bf16,fp16                # the tensor-core ladder against cuBLAS in each mode
-    python scripts/bench_kernels.py --kernels wgmma --sizes 4096,8192 --dtypes int8   # exact int8 products
+    python scripts/bench_kernels.py --kernels mma_sync,wgmma --sizes 4096,8192 --dtypes int8   # exact int8 products
     python scripts/bench_kernels.py --kernels wgmma --sizes 4096,8192 --dtypes float32 --precisions fp8 --no-odd
 
 fp8 (--precisions fp8) has no cuBLAS row: cuBLAS's GemmEx has no FP8 types. Its reference is cuBLASLt through
@@ -28,9 +28,9 @@ config ""), and from the e4m3 operands as both read them, the same bytes and sca
 
 int8 (--dtypes int8) products are exact: each is compared with the int64 product element for element (WRONG at one
 difference, on an output poisoned with a value no element of it has), then timed from the same row-major int8 A and
-B as the others, cuBLAS transposing B for its integer tensor cores (GemmEx, TN, CUBLAS_COMPUTE_32I) and `wgmma`'s
-int8 instance transposing it with kernels/operands.cu; and again from A and B^T as both read them (config "B^T
-given"), each ratio to cuBLAS timed the same way.
+B as the others, cuBLAS transposing B for its integer tensor cores (GemmEx, TN, CUBLAS_COMPUTE_32I) and `wgmma`'s and
+`mma_sync`'s int8 instances transposing it with kernels/operands.cu; and cuBLAS and `wgmma` again from A and B^T as
+both read them (config "B^T given"), each ratio to cuBLAS timed the same way.
 """
 
 from __future__ import annotations
@@ -260,22 +260,30 @@ def run_sweep(args: argparse.Namespace) -> tuple[list[Result], dict[str, Any]]:
 
 
 def int8_rows(bench: Bench, args: argparse.Namespace, m: int, n: int, k: int) -> list[Result]:
-    """cuBLAS's and wgmma's exact int8 product of one shape, checked, then timed two ways: from row-major A and B
-    (each transposing B itself: config "") and from A and B^T as the tensor cores read them (config "B^T given")."""
+    """cuBLAS's, mma_sync's and wgmma's exact int8 product of one shape, checked, then timed two ways: from row-major
+    A and B (each transposing B itself: config "") and from A and B^T as the tensor cores read them (config "B^T
+    given")."""
     from cupy_backends.cuda.libs.cublas import CUBLASError
 
     sets = bench.int8_inputs(m, n, k)
     given = [(a, bench.cp.ascontiguousarray(b.T)) for a, b in sets]
-    products = {CUBLAS: cublas_int8_product}
-    if WGMMA in args.kernels and bench.launcher.tensor_cores is not None:
-        products[WGMMA] = bench.launcher.tensor_cores.wgmma_int8
+    # each kernel from row-major B, and cuBLAS and wgmma from B^T as well (mma_sync takes no B^T)
+    ways: dict[str, dict[str, Any]] = {
+        "": {CUBLAS: cublas_int8_product},
+        "B^T given": {CUBLAS: functools.partial(cublas_int8_product, b_transposed=True)},
+    }
+    tensor_cores = bench.launcher.tensor_cores
+    if MMA_SYNC in args.kernels and bench.launcher.runs(MMA_SYNC):
+        ways[""][MMA_SYNC] = bench.run(MMA_SYNC, Precision.INT8)
+    if WGMMA in args.kernels and bench.launcher.runs(WGMMA) and tensor_cores is not None:
+        ways[""][WGMMA] = tensor_cores.wgmma_int8
+        ways["B^T given"][WGMMA] = functools.partial(tensor_cores.wgmma_int8, b_transposed=True)
     rows = []
-    for config, inputs, transposed in (("", sets, False), ("B^T given", given, True)):
+    for (config, runs), (inputs, transposed) in zip(ways.items(), ((sets, False), (given, True)), strict=True):
         library_ms = None
-        for name, product in products.items():
+        for name, run in runs.items():
             row = Result(name, config, INT8, m, n, k, None, None, None, precision=INT8)
             rows.append(row)
-            run = functools.partial(product, b_transposed=transposed)
             try:
                 mismatches = bench.int8_mismatches(run, inputs, transposed)
             except CUBLASError as exc:  # IMMA has layout rules of its own (K a multiple of 4, ...)

@@ -59,7 +59,6 @@ from kernels.catalogue import CUBLAS, DTYPES, RUNGS, TENSOR_CORE_PRECISIONS, Run
 from kernels.cublas import INT8_K_MULTIPLE
 from kernels.cuda import Launcher, device_attributes
 from kernels.registry import KERNELS, LaunchConfig, cdiv
-from kernels.tensorcore import WGMMA
 from numerics.precision import INT8_OPERAND, INT8_PRODUCT, Precision, operand_dtype
 from numerics.reference import Reference
 from numerics.roofline import DevicePeaks, gpu_peaks
@@ -333,11 +332,12 @@ class GpuBackend:
         m, n, k = request.m, request.n, request.k
         if kernel == FAULT_TRAP and self._fault_injection:
             return Plan(kernel=FAULT_TRAP)
-        int8_on_wgmma = RUNGS[WGMMA].runs_on(self._compute_capability) and dtype == INT8_PRODUCT
+        # the int8 kernels here that take any k (cuBLAS's takes multiples of 4)
+        any_k = [r.name for r in self._tensor_core_rungs() if r.computes(INT8_PRODUCT, Precision.INT8)]
         if kernel == AUTO:
             kernel = pick_auto(self._auto, m, n, k, fallback=CUBLAS, precision=precision, dtype=dtype)
-            if kernel == CUBLAS and int8_on_wgmma and k % INT8_K_MULTIPLE:
-                kernel = WGMMA  # the one int8 kernel here that takes any k
+            if kernel == CUBLAS and dtype == INT8_PRODUCT and any_k and k % INT8_K_MULTIPLE:
+                kernel = any_k[-1]  # the last in the ladder's order: wgmma where it runs
         rung = RUNGS.get(kernel)
         if rung is None or not rung.runs_on(self._compute_capability):
             offered = [info.name for info in self.kernels()]
@@ -350,7 +350,7 @@ class GpuBackend:
             if not rung.computes(dtype, precision):
                 raise InvalidParameter(self._not_computed_by(rung, dtype, precision), location=["precision"])
             if dtype == INT8_PRODUCT and k % INT8_K_MULTIPLE and m and n:  # (no elements: no call, nothing to refuse)
-                instead = "ask for kernel wgmma or auto" if int8_on_wgmma else "this device has no other int8 kernel"
+                instead = f"ask for kernel {' or '.join([*any_k, 'auto'])}" if any_k else "no other kernel here does"
                 raise InvalidParameter(
                     f"cuBLAS's int8 GEMM takes k a multiple of {INT8_K_MULTIPLE}, and k is {k}: {instead}",
                     location=["kernel"],

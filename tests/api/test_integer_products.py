@@ -299,7 +299,7 @@ sum, no rows."""
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("kernel", ["wgmma", "cublas", "auto"])
+@pytest.mark.parametrize("kernel", ["mma_sync", "wgmma", "cublas", "auto"])
 @pytest.mark.parametrize(("m", "k", "n"), GPU_SHAPES)
 async def test_on_the_gpu_int8_products_are_exact_on_every_kernel(
     wide_gpu_client: httpx.AsyncClient, kernel: str, m: int, k: int, n: int
@@ -311,7 +311,7 @@ async def test_on_the_gpu_int8_products_are_exact_on_every_kernel(
     if kernel == "cublas" and k % 4:
         assert answer.status_code == 422
         assert answer.json()["message"] == (
-            f"cuBLAS's int8 GEMM takes k a multiple of 4, and k is {k}: ask for kernel wgmma or auto"
+            f"cuBLAS's int8 GEMM takes k a multiple of 4, and k is {k}: ask for kernel mma_sync or wgmma or auto"
         )
         return
     c = answer_matrix(answer)

@@ -31,8 +31,10 @@ pytestmark = pytest.mark.gpu
 
 TENSOR_CORE_PRECISIONS = list(tensorcore.WGMMA_CONFIGS)
 KERNEL_PRECISIONS = [(tensorcore.WGMMA, precision) for precision in tensorcore.WGMMA_CONFIGS] + [
-    (tensorcore.MMA_SYNC, precision) for precision in tensorcore.MMA_SYNC_CONFIGS
+    (tensorcore.MMA_SYNC, precision) for precision in tensorcore.MMA_SYNC_CONFIGS if precision is not Precision.INT8
 ]
+"""Every kernel and float precision: int8's exact products are tested apart."""
+INT8_KERNELS = [tensorcore.WGMMA, tensorcore.MMA_SYNC]
 # the edge shapes; k = 0; k a multiple of 4 (TF32 reads A as it is) and not; several tiles with ragged edges
 SHAPES = [*EDGE_SHAPES, (67, 0, 39), (256, 256, 256), (129, 4099, 257), (1000, 1024, 999), (2048, 2048, 2048)]
 
@@ -96,9 +98,10 @@ def test_int8_operands_are_copied_as_they_are_into_rows_of_16_elements(
     np.testing.assert_array_equal(cp.asnumpy(part)[:, :k], source)
 
 
+@pytest.mark.parametrize("kernel", INT8_KERNELS)
 @pytest.mark.parametrize("values", ["uniform", "extremes"])
 @pytest.mark.parametrize(("m", "k", "n"), INT8_SHAPES, ids=str)
-def test_wgmma_int8_products_are_exact(launcher: Any, m: int, k: int, n: int, values: str) -> None:
+def test_int8_products_are_exact(launcher: Any, kernel: str, m: int, k: int, n: int, values: str) -> None:
     """int8 @ int8 into int32 equals the exact product bit for bit (float64 BLAS's: NumPy's int64 matmul took a
     minute at 2048^3), for values across int8's range and for -128 and 127 alone (the largest products)."""
     import cupy as cp
@@ -110,21 +113,56 @@ def test_wgmma_int8_products_are_exact(launcher: Any, m: int, k: int, n: int, va
         extremes = np.array([-128, 127], np.int8)
         a, b = rng.choice(extremes, (m, k)), rng.choice(extremes, (k, n))
     c = cp.full((m, n), -7, cp.int32)  # an element never written stays -7, which no product here is everywhere
-    launcher.tensor_cores.wgmma_int8(cp.asarray(a), cp.asarray(b), c)
+    launcher.launch(kernel, cp.asarray(a), cp.asarray(b), c, precision=Precision.INT8)
     np.testing.assert_array_equal(cp.asnumpy(c), emulate(a, b, Precision.INT8))
 
 
-def test_wgmma_int8_sums_up_to_the_longest_k_that_fits_and_refuses_one_more(launcher: Any) -> None:
+@pytest.mark.parametrize("kernel", INT8_KERNELS)
+def test_int8_sums_up_to_the_longest_k_that_fits_and_refuses_one_more(launcher: Any, kernel: str) -> None:
     import cupy as cp
 
     longest = 131_071  # (-128) * (-128) * k <= 2^31 - 1
     a, b = cp.full((3, longest), -128, cp.int8), cp.full((longest, 5), -128, cp.int8)
     c = cp.zeros((3, 5), cp.int32)
-    launcher.tensor_cores.wgmma_int8(a, b, c)
+    launcher.launch(kernel, a, b, c, precision=Precision.INT8)
     assert (cp.asnumpy(c) == longest * 16_384).all()
     longer = cp.ones((1, longest + 1), cp.int8)
     with pytest.raises(ValueError, match="k = 131072: sums of int8 products pass int32 beyond k = 131071"):
-        launcher.tensor_cores.wgmma_int8(longer, longer.T.copy(), cp.zeros((1, 1), cp.int32))
+        launcher.launch(kernel, longer, longer.T.copy(), cp.zeros((1, 1), cp.int32), precision=Precision.INT8)
+
+
+@pytest.mark.parametrize("precision", list(tensorcore.MMA_SYNC_PORTABLE_CONFIGS), ids=str)
+@pytest.mark.parametrize(("m", "k", "n"), [(1, 1, 1), (67, 0, 39), (129, 4099, 257), (1000, 1024, 999)], ids=str)
+def test_the_library_of_other_gpus_computes_each_precision_on_mma_sync(
+    portable: Any, precision: Precision, m: int, k: int, n: int
+) -> None:
+    """What a GPU of compute capability 8.0 to 8.9 (or past 9.0) loads: mma_sync's 128 x 128 instances and the
+    conversions as PTX for compute_80, run here by the driver's compilation of it: within each precision's bound,
+    int8 exactly."""
+    import cupy as cp
+
+    rng = np.random.default_rng(m + 3 * k + 7 * n)
+    if precision is Precision.INT8:
+        a, b = rng.integers(-128, 128, (m, k), np.int8), rng.integers(-128, 128, (k, n), np.int8)
+        c = cp.full((m, n), -7, cp.int32)
+        portable.mma_sync(cp.asarray(a), cp.asarray(b), c, precision)
+        np.testing.assert_array_equal(cp.asnumpy(c), emulate(a, b, Precision.INT8))
+        return
+    a, b = rng.standard_normal((m, k)).astype(np.float32), rng.standard_normal((k, n)).astype(np.float32)
+    c = cp.full((m, n), cp.nan, cp.float32)
+    portable.mma_sync(cp.asarray(a), cp.asarray(b), c, precision)
+    problem = Reference.of(a, b, np.float32, precision).mismatch(cp.asnumpy(c))
+    assert problem is None, problem
+
+
+@pytest.fixture(scope="module")
+def portable(launcher: Any) -> Any:
+    """The tensor-core library a GPU other than an H100 or H200 builds, built here."""
+    from kernels.cuda import TensorCoreLibrary
+
+    library = TensorCoreLibrary(tensorcore.PORTABLE_COMPUTE_CAPABILITY)
+    assert library.mma_sync_configs is tensorcore.MMA_SYNC_PORTABLE_CONFIGS
+    return library
 
 
 # odd k or n take the 8-byte copies, even both the 16-byte ones; several tiles of either instance
@@ -306,8 +344,8 @@ async def test_the_service_runs_the_tensor_core_kernels_and_auto_chooses_per_pre
     offered = {kernel["name"]: kernel for kernel in listing["kernels"]}
     assert offered["wgmma"]["precisions"] == ["tf32", "3xtf32", "bf16", "fp16", "fp8", "int8"]
     assert "fp8" not in offered["cublas"]["precisions"]
-    assert offered["mma_sync"]["precisions"] == ["tf32", "bf16", "fp16"]
-    assert offered["wgmma"]["dtypes"] == ["float32", "int32"] and offered["mma_sync"]["dtypes"] == ["float32"]
+    assert offered["mma_sync"]["precisions"] == ["tf32", "bf16", "fp16", "int8"]
+    assert offered["wgmma"]["dtypes"] == ["float32", "int32"] and offered["mma_sync"]["dtypes"] == ["float32", "int32"]
     assert offered["dmma"]["dtypes"] == ["float64"] and offered["dmma"]["precisions"] == ["fp32"]
     for precision, dtype, kernels in [
         ("tf32", "float32", {"cublas", "mma_sync", "wgmma"}),
@@ -316,7 +354,7 @@ async def test_the_service_runs_the_tensor_core_kernels_and_auto_chooses_per_pre
         ("fp16", "float32", {"cublas", "mma_sync", "wgmma"}),
         ("fp8", "float32", {"wgmma"}),
         ("fp32", "float64", {"cublas", "dmma", *KERNELS}),
-        ("int8", "int32", {"cublas", "wgmma"}),
+        ("int8", "int32", {"cublas", "mma_sync", "wgmma"}),
     ]:
         choices = [c for c in listing["auto"] if c["precision"] == precision and c["dtype"] == dtype]
         assert [c["shape_class"] for c in choices] == ["small", "medium", "large", "huge"]

@@ -74,8 +74,33 @@ def test_one_block_per_tile_of_c() -> None:
     assert split.expression() == "matmul_wgmma<2, 128, 3, true>"
 
 
+PORTABLE_SMEM = 99 * 1024
+"""The least dynamic shared memory a block may ask for from compute capability 8.0 on (8.6 and 8.9: 99 KiB)."""
+
+
+@pytest.mark.skipif(_nvrtc_missing() is not None, reason=str(_nvrtc_missing()))
+@pytest.mark.parametrize("source", [tensorcore.MMA_SYNC_SOURCE, tensorcore.OPERANDS_SOURCE])
+def test_mma_sync_and_the_conversions_compile_to_ptx_for_compute_80_without_fp8(source: str) -> None:
+    """What GPUs other than an H100 or H200 load: PTX of compute capability 8.0, which the driver compiles for the
+    device; FP8's conversion (cvt to e4m3 needs 8.9) left out."""
+    expressions = (
+        [config.expression() for config in tensorcore.MMA_SYNC_PORTABLE_CONFIGS.values()]
+        if source == tensorcore.MMA_SYNC_SOURCE
+        else tensorcore.operand_expressions(fp8=False)
+    )
+    ptx, lowered, _ = compile_tensor_core_source(source, expressions, tensorcore.PORTABLE_ARCH)
+    text = ptx.decode()
+    assert ".target sm_80" in text and set(lowered) == set(expressions)
+    assert "e4m3" not in text and all(name in text for name in lowered.values())
+    if source == tensorcore.MMA_SYNC_SOURCE:
+        assert "mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32" in text
+
+
 def test_every_mma_sync_and_dmma_instance_fits_in_shared_memory() -> None:
-    assert set(tensorcore.MMA_SYNC_CONFIGS) == {Precision.TF32, Precision.BF16, Precision.FP16}
+    assert set(tensorcore.MMA_SYNC_CONFIGS) == {Precision.TF32, Precision.BF16, Precision.FP16, Precision.INT8}
+    assert set(tensorcore.MMA_SYNC_PORTABLE_CONFIGS) == set(tensorcore.MMA_SYNC_CONFIGS)
+    for portable in tensorcore.MMA_SYNC_PORTABLE_CONFIGS.values():
+        assert portable.smem_bytes() <= PORTABLE_SMEM and portable.block_n % (4 * 16) == 0
     for mma in tensorcore.MMA_SYNC_CONFIGS.values():
         assert mma.smem_bytes() <= MAX_DYNAMIC_SMEM
         # eight warps of 64 x block_n / 4, each ldmatrix.x4 of B covering two blocks of 8 columns
