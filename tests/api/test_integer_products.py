@@ -346,11 +346,12 @@ async def test_on_the_gpu_int8_inputs_answer_an_int32_output(gpu_client: httpx.A
 
 @pytest.mark.gpu
 async def test_on_the_gpu_auto_has_measured_int8_choices(gpu_client: httpx.AsyncClient) -> None:
-    """auto's start-up probe timed cuBLAS's int8 GEMM against wgmma's int8 instance for every shape class."""
+    """auto's start-up probe timed cuBLAS's int8 GEMM against mma_sync's and wgmma's int8 instances for every shape
+    class."""
     kernels = (await gpu_client.get("/v1/kernels")).json()
     int8 = [choice for choice in kernels["auto"] if choice["precision"] == "int8"]
     assert int8 and all(choice["dtype"] == "int32" for choice in int8)
-    assert all(set(choice["probe_ms"]) == {"cublas", "wgmma"} for choice in int8)
+    assert all(set(choice["probe_ms"]) == {"cublas", "mma_sync", "wgmma"} for choice in int8)
     listing = {k["name"]: k for k in kernels["kernels"]}
-    for name in ("auto", "wgmma", "cublas"):
+    for name in ("auto", "mma_sync", "wgmma", "cublas"):
         assert "int32" in listing[name]["dtypes"] and "int8" in listing[name]["precisions"]
