@@ -13,9 +13,15 @@
      device of the setting in turn (its products computed by that device's engine, never copied across).
    Every answer's first rows are set to NaN before its request and checked against a float64 product of them after
    it (on the device, for CUDA regions): an answer that is not the service's own is counted wrong.
+3. The clients alone: the same client processes against a stand-in that answers at once (matmul_tools/standin.py),
+   for each kind. A cell at or above `--client-bound` of that rate measured the clients, not the service: the
+   script says so and exits with 2. (Until this check, each client's per-answer check called NumPy's BLAS, whose
+   idle threads then spin: a core per client process, which on a 16-core host held system shared memory near 60
+   products/s whatever the service did. The checks now use no BLAS, and the clients start with one BLAS thread.)
 
-Prints a table with each cell over its ceiling (the one-GPU ceiling times the setting's devices), and each kind's
-products/s with every setting over the first; writes OUT/bench-shared-memory.json and each server's log.
+Prints a table with each cell over its ceiling (the one-GPU ceiling times the setting's devices) and over the clients
+alone, and each kind's products/s with every setting over the first; writes OUT/bench-shared-memory.json and each
+server's log.
 
     python scripts/bench_shared_memory.py --backend gpu --size 4096 --clients 8 --duration 10
     python scripts/bench_shared_memory.py --backend gpu --size 4096 --clients 16 --devices 0 0,1
@@ -24,24 +30,32 @@ products/s with every setting over the first; writes OUT/bench-shared-memory.jso
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import multiprocessing
+import os
+import resource
 import sys
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from matmul_tools.service import LocalService, free_port
+from matmul_tools.standin import standing_in
 
 CHECKED_ROWS = 64
 """Rows of C each client checks against a float64 product (all 4096 would take the CPU seconds)."""
 WRONG_ERROR = 1e-3
 """A relative error of those rows above this is a wrong answer (float32 at k = 4096 is near 1e-6; another
 request's product is near 1.4)."""
+CLIENT_BOUND = 0.8
+"""A cell at this share of the clients' own rate (against a stand-in that answers at once) or above measured them."""
+ONE_THREAD = {"OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+"""The client processes' BLAS threads: one, so that no idle pool spins beside the service."""
 
 
 def data_path_ceiling(size: int, seconds: float) -> float:
@@ -162,7 +176,14 @@ def _client(url: str, kind: str, size: int, seconds: float, seed: int, device: i
             errors.append(error())
         elapsed = time.perf_counter() - began
         wrong = sum(not found <= WRONG_ERROR for found in errors)  # NaN is wrong too
-        return {"count": len(errors) - 1, "seconds": elapsed, "relative_error": max(errors), "wrong": wrong}
+        used = resource.getrusage(resource.RUSAGE_SELF)
+        return {
+            "count": len(errors) - 1,
+            "seconds": elapsed,
+            "relative_error": max(errors),
+            "wrong": wrong,
+            "cpu_seconds": used.ru_utime + used.ru_stime,
+        }
     finally:
         unregister = triton.unregister_cuda_shared_memory if kind == "cuda" else triton.unregister_system_shared_memory
         unregister(f"{name}-in")
@@ -205,7 +226,25 @@ def _first_rows_check(
 
 
 def _relative_error(found: np.ndarray, expected: np.ndarray) -> float:
-    return float(np.linalg.norm(found - expected) / np.linalg.norm(expected))
+    """||found - expected|| / ||expected|| with no BLAS call: np.linalg.norm's dot wakes BLAS threads that then spin
+    idle, a core per client process (measured: 0.97 CPU-seconds per second for a check every 100 ms, 0.01 this way)."""
+    difference = found - expected
+    return float(np.sqrt(np.sum(difference * difference)) / np.sqrt(np.sum(expected * expected)))
+
+
+@contextlib.contextmanager
+def _one_blas_thread() -> Iterator[None]:
+    """Client processes started in the block inherit ONE_THREAD (a spawned process reads it as NumPy loads)."""
+    before = {name: os.environ.get(name) for name in ONE_THREAD}
+    os.environ.update(ONE_THREAD)
+    try:
+        yield
+    finally:
+        for name, value in before.items():
+            if value is None:
+                os.environ.pop(name)
+            else:
+                os.environ[name] = value
 
 
 def measure_service(url: str, kind: str, devices: list[int], args: argparse.Namespace) -> dict[str, Any]:
@@ -219,8 +258,9 @@ def measure_service(url: str, kind: str, devices: list[int], args: argparse.Name
         )
         for seed in range(args.clients)
     ]
-    for process in processes:
-        process.start()
+    with _one_blas_thread():
+        for process in processes:
+            process.start()
     found = [results.get(timeout=args.duration + 300) for _ in processes]
     for process in processes:
         process.join()
@@ -236,6 +276,19 @@ def measure_service(url: str, kind: str, devices: list[int], args: argparse.Name
         "answers_checked": sum(one["count"] + 1 for one in found),
         "wrong": sum(one["wrong"] for one in found),
         "worst_relative_error": max(one["relative_error"] for one in found),
+        "client_cpu_seconds_per_s": sum(one["cpu_seconds"] / one["seconds"] for one in found),
+    }
+
+
+def measure_clients_alone(kind: str, args: argparse.Namespace) -> dict[str, Any]:
+    """The same clients against a stand-in that answers at once (their answers unwritten, so none is checked):
+    products/s that no service can be measured above with them."""
+    with standing_in() as url:
+        alone = measure_service(url, kind, [0], args)
+    return {
+        "kind": kind,
+        "products_per_s": alone["products_per_s"],
+        "client_cpu_seconds_per_s": alone["client_cpu_seconds_per_s"],
     }
 
 
@@ -248,6 +301,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--duration", type=float, default=10.0, help="seconds each cell runs")
     parser.add_argument(
         "--devices", nargs="+", default=["0"], help="MATMUL_DEVICES settings, one service each (default: 0)"
+    )
+    parser.add_argument(
+        "--client-bound",
+        type=float,
+        default=CLIENT_BOUND,
+        help="a cell at this share of the clients' rate against the stand-in, or above, fails the run (exit 2)",
     )
     parser.add_argument("--out", type=Path, default=Path("out/bench-shared-memory"))
     args = parser.parse_args(argv)
@@ -267,6 +326,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if gpu
         else {}
     )
+    kinds = ["system", "cuda"] if gpu else ["system"]
+    alone = {kind: measure_clients_alone(kind, args) for kind in kinds}
     cells = []
     for devices in args.devices:
         cells += measure_setting(devices, args, gpu)
@@ -274,24 +335,47 @@ def main(argv: Sequence[str] | None = None) -> int:
         ceiling = ceilings.get("data_path" if cell["kind"] == "system" else "cublas")
         devices = len(cell["devices"].split(","))
         cell["over_ceiling"] = None if ceiling is None else cell["products_per_s"] / (devices * ceiling)
+        cell["over_clients_alone"] = cell["products_per_s"] / alone[cell["kind"]]["products_per_s"]
+        cell["client_bound"] = cell["over_clients_alone"] >= args.client_bound
     first = {cell["kind"]: cell["products_per_s"] for cell in cells if cell["devices"] == cells[0]["devices"]}
     for cell in cells:
         cell["over_first_setting"] = cell["products_per_s"] / first[cell["kind"]] if first[cell["kind"]] else None
-    report = {"settings": {key: str(value) for key, value in vars(args).items()}, "ceilings": ceilings, "cells": cells}
+    report = {
+        "settings": {key: str(value) for key, value in vars(args).items()},
+        "ceilings": ceilings,
+        "clients_alone": list(alone.values()),
+        "cells": cells,
+    }
     print(f"{args.size}^2 float32, {args.clients} clients, {args.workers} HTTP workers, {args.duration:g} s a cell")
     for name, rate in ceilings.items():
         print(f"  ceiling {name:10s} {rate:8.1f} products/s (one GPU)")
+    for kind, clients in alone.items():
+        print(
+            f"  clients alone {kind:6s} {clients['products_per_s']:8.1f} products/s against a stand-in"
+            f" ({clients['client_cpu_seconds_per_s']:.2f} CPU-seconds a second)"
+        )
     for cell in cells:
         over = "" if cell["over_ceiling"] is None else f"  {cell['over_ceiling']:.2f} of its ceiling"
         print(
             f"  devices {cell['devices']:5s} {cell['kind']:8s} {cell['products_per_s']:8.1f} products/s{over}"
             f"  {cell['over_first_setting'] or 0:.2f}x devices {cells[0]['devices']}"
+            f"  {cell['over_clients_alone']:.2f} of the clients alone"
             f"  ({cell['answers_checked']} answers checked, {cell['wrong']} wrong,"
             f" worst relative error {cell['worst_relative_error']:.1e})"
         )
     (args.out / "bench-shared-memory.json").write_text(json.dumps(report, indent=2))
     print(f"wrote {args.out / 'bench-shared-memory.json'}")
-    return 1 if any(cell["wrong"] for cell in cells) else 0
+    if any(cell["wrong"] for cell in cells):
+        return 1
+    bound = [cell for cell in cells if cell["client_bound"]]
+    for cell in bound:
+        print(
+            f"CLIENT-BOUND: devices {cell['devices']} {cell['kind']} reached {cell['over_clients_alone']:.2f} of what"
+            f" the clients alone reach (--client-bound {args.client_bound:g}): it measured the clients, not the"
+            " service; run more --clients",
+            file=sys.stderr,
+        )
+    return 2 if bound else 0
 
 
 def measure_setting(devices: list[int], args: argparse.Namespace, gpu: bool) -> list[dict[str, Any]]:
