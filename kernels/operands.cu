@@ -159,8 +159,8 @@ __global__ void convert_transposed(const typename Source<CONVERSION>::type* __re
 }
 
 // *amax = max(*amax, largest |x[i]| of the `count` elements), as float32 bits (whose order is the magnitudes' for
-// values >= 0; *amax starts at 0). Any block shape and grid: each thread takes every (threads in the grid)th
-// element, 16 bytes at a time where x starts on 16 bytes, then the warp's largest goes to one atomic.
+// values >= 0; *amax starts at 0). Blocks of whole warps, any grid: each thread takes every (threads in the
+// grid)th element, 16 bytes at a time where x starts on 16 bytes, then the warp's largest goes to one atomic.
 __global__ void largest_magnitude(const float* __restrict__ x, size_t count, u32* amax) {
     const size_t stride = static_cast<size_t>(gridDim.x) * blockDim.x;
     const size_t first = static_cast<size_t>(blockIdx.x) * blockDim.x + threadIdx.x;
@@ -175,6 +175,8 @@ __global__ void largest_magnitude(const float* __restrict__ x, size_t count, u32
         done = count / 4 * 4;
     }
     for (size_t i = done + first; i < count; i += stride) largest = fmaxf(largest, fabsf(x[i]));
-    for (int offset = 16; offset > 0; offset /= 2) largest = fmaxf(largest, __shfl_xor_sync(0xffffffffu, largest, offset));
+    for (int offset = 16; offset > 0; offset /= 2) {
+        largest = fmaxf(largest, __shfl_xor_sync(0xffffffffu, largest, offset));
+    }
     if (threadIdx.x % 32 == 0) atomicMax(amax, __float_as_uint(largest));
 }
