@@ -150,6 +150,15 @@ OPERAND_FORMATS: dict[Precision, Format] = {
 format's `overflow` would be infinite there. fp16's range ends at 65504; bf16's and tf32's a sliver below float32's."""
 
 
+UNIT_ROUNDOFFS: dict[Precision, float] = {
+    Precision.TF32: TF32_UNIT_ROUNDOFF,
+    Precision.BF16: BF16_UNIT_ROUNDOFF,
+    Precision.FP16: FP16_UNIT_ROUNDOFF,
+    Precision.FP8: E4M3_UNIT_ROUNDOFF,
+}
+"""u of the format each precision rounds operands into (3xtf32's terms are `input_error`'s own)."""
+
+
 def input_error(precision: Precision) -> float:
     """The most the operands' rounding in `precision` adds to an element, relative to (|A| @ |B|) there."""
     if precision in (Precision.FP32, Precision.INT8):
@@ -159,21 +168,6 @@ def input_error(precision: Precision) -> float:
         return 3 * u * u * (1 + u)
     u = UNIT_ROUNDOFFS[precision]
     return 2 * u + u * u
-
-
-def operand_rounding(precision: Precision) -> float:
-    """The most rounding moves an operand in `precision`, relative to its magnitude (0 where it is not rounded)."""
-    return UNIT_ROUNDOFFS.get(precision, 0.0)
-
-
-UNIT_ROUNDOFFS: dict[Precision, float] = {
-    Precision.TF32: TF32_UNIT_ROUNDOFF,
-    Precision.TF32X3: TF32_UNIT_ROUNDOFF,
-    Precision.BF16: BF16_UNIT_ROUNDOFF,
-    Precision.FP16: FP16_UNIT_ROUNDOFF,
-    Precision.FP8: E4M3_UNIT_ROUNDOFF,
-}
-"""u of the format each precision rounds operands into (3xtf32: its big part)."""
 
 
 def float32_sums(precision: Precision) -> float:
