@@ -249,15 +249,14 @@ KERNEL_NAMES = (MMA_SYNC, WGMMA, DMMA)
 """The kernels a request may name that run only where these compile (compute capability 9.0)."""
 
 
-def conversion_expressions() -> list[str]:
+def conversion_expressions(fp8: bool = True) -> list[str]:
+    """Each conversion kernel of kernels/operands.cu in each conversion (without FP8's where `fp8` is False: e4m3
+    needs compute capability 8.9)."""
     kernels = ("convert_rows", "convert_rows_by_four", "convert_transposed")
-    return [f"{kernel}<{int(c)}>" for kernel in kernels for c in Conversion]
+    conversions = [c for c in Conversion if fp8 or c is not Conversion.TO_E4M3]
+    return [f"{kernel}<{int(c)}>" for kernel in kernels for c in conversions]
 
 
 def operand_expressions(fp8: bool = True) -> list[str]:
-    """Every kernel of kernels/operands.cu: the conversions (without FP8's where `fp8` is False: e4m3 needs compute
-    capability 8.9) and the largest magnitude."""
-    return [
-        *(e for e in conversion_expressions() if fp8 or not e.endswith(f"<{int(Conversion.TO_E4M3)}>")),
-        LARGEST_MAGNITUDE,
-    ]
+    """Every kernel of kernels/operands.cu: the conversions and the largest magnitude."""
+    return [*conversion_expressions(fp8), LARGEST_MAGNITUDE]
