@@ -36,7 +36,8 @@ import orjson
 from app.client import MatmulClient, RequestFormat, encode_payload
 from matmul_tools.bodies import inference_v2_body, load_npy, npz_bytes
 from matmul_tools.triton_grpc import fp32_inputs, grpc_address
-from numerics.reference import Reference
+from numerics.precision import UNIT_ROUNDOFFS, Precision
+from numerics.reference import BOUND_CONSTANT, Reference
 
 Shape = tuple[int, int, int]
 MODEL = "matmul"
@@ -59,6 +60,11 @@ class Tally:
 
     checked: Counter[str] = field(default_factory=Counter)
     """200 answers compared with their own product, by way."""
+    precisions: Counter[str] = field(default_factory=Counter)
+    """The same answers by the precision they were asked in."""
+    rounded: Counter[str] = field(default_factory=Counter)
+    """Answers asked in a precision that rounds the operands (tf32, bf16, fp16, fp8) whose error is beyond float32's
+    own bound, as `way in precision`: they show that the way carried the precision to the service."""
     wrong: list[str] = field(default_factory=list)
     """Each 200 answer that was not its request's product: the way, the shape and how far off it was."""
     other: Counter[str] = field(default_factory=Counter)
@@ -68,6 +74,8 @@ class Tally:
 
     def add(self, other: Tally) -> None:
         self.checked.update(other.checked)
+        self.precisions.update(other.precisions)
+        self.rounded.update(other.rounded)
         self.wrong.extend(other.wrong)
         self.other.update(other.other)
         self.messages.update(other.messages)
@@ -81,6 +89,8 @@ class Tally:
             "wrong": len(self.wrong),
             "checked": self.answers,
             "checked_by_way": dict(self.checked),
+            "checked_by_precision": dict(self.precisions),
+            "rounded_beyond_fp32": dict(self.rounded),
             "other_outcomes": dict(self.other),
             "error_codes": dict(self.messages),
             "wrong_answers": self.wrong,
@@ -231,6 +241,11 @@ class Connections:
         self.stack.close()
 
 
+Send = Callable[[Connections, np.ndarray, np.ndarray, Precision], np.ndarray]
+"""A way of asking for a product in a precision: its answer, or Refused, or Closed."""
+Leave = Callable[[Connections, np.ndarray, np.ndarray], None]
+
+
 def _from_httpx(response: httpx.Response) -> httpx.Response:
     if response.status_code != 200:
         raise _refused(response.status_code, response.content)
@@ -241,40 +256,52 @@ def _json_result(body: dict[str, Any], shape: tuple[int, int]) -> np.ndarray:
     return np.array(body["result"], np.float64).reshape(shape)
 
 
-def matmul_json(conn: Connections, a: np.ndarray, b: np.ndarray) -> np.ndarray:
+def _asked(precision: Precision) -> dict[str, str]:
+    """The request's options for `precision`: none for fp32, the service's default for float32 operands, so that
+    those requests are what a user sends who names nothing."""
+    return {} if precision is Precision.FP32 else {"precision": precision.value}
+
+
+def _matmul_path(precision: Precision) -> str:
+    asked = _asked(precision)
+    return f"/matmul?precision={asked['precision']}" if asked else "/matmul"
+
+
+def matmul_json(conn: Connections, a: np.ndarray, b: np.ndarray, precision: Precision) -> np.ndarray:
     """POST /matmul, a JSON body, a JSON answer."""
-    body = orjson.dumps({"a": a, "b": b}, option=orjson.OPT_SERIALIZE_NUMPY)
+    body = orjson.dumps({"a": a, "b": b, **_asked(precision)}, option=orjson.OPT_SERIALIZE_NUMPY)
     response = _from_httpx(conn.httpx().post("/matmul", content=body, headers={"content-type": "application/json"}))
     return _json_result(response.json(), (a.shape[0], b.shape[1]))
 
 
-def matmul_npy_raw(conn: Connections, a: np.ndarray, b: np.ndarray) -> np.ndarray:
+def matmul_npy_raw(conn: Connections, a: np.ndarray, b: np.ndarray, precision: Precision) -> np.ndarray:
     """POST /matmul, multipart `.npy` parts, an `.npy` answer read slowly over raw HTTP."""
     payload = encode_payload(a, b, "npy")
     head = {"Content-Type": payload.content_type, "Accept": "application/x-npy"}
-    return load_npy(_raw_exchange(conn.url, head, "/matmul", payload.content)[1])
+    return load_npy(_raw_exchange(conn.url, head, _matmul_path(precision), payload.content)[1])
 
 
-def matmul_npy_to_json(conn: Connections, a: np.ndarray, b: np.ndarray) -> np.ndarray:
+def matmul_npy_to_json(conn: Connections, a: np.ndarray, b: np.ndarray, precision: Precision) -> np.ndarray:
     """POST /matmul, multipart `.npy` parts, a JSON answer."""
     payload = encode_payload(a, b, "npy")
     headers = {"content-type": payload.content_type, "accept": "application/json"}
-    response = _from_httpx(conn.httpx().post("/matmul", content=payload.content, headers=headers))
+    response = _from_httpx(conn.httpx().post(_matmul_path(precision), content=payload.content, headers=headers))
     return _json_result(response.json(), (a.shape[0], b.shape[1]))
 
 
-def matmul_npz_raw(conn: Connections, a: np.ndarray, b: np.ndarray) -> np.ndarray:
+def matmul_npz_raw(conn: Connections, a: np.ndarray, b: np.ndarray, precision: Precision) -> np.ndarray:
     """POST /matmul, an `.npz` body, an `.npy` answer read slowly over raw HTTP."""
     head = {"Content-Type": "application/x-npz", "Accept": "application/x-npy"}
-    return load_npy(_raw_exchange(conn.url, head, "/matmul", npz_bytes(a=a, b=b))[1])
+    return load_npy(_raw_exchange(conn.url, head, _matmul_path(precision), npz_bytes(a=a, b=b))[1])
 
 
-def _project_client(format: RequestFormat) -> Callable[[Connections, np.ndarray, np.ndarray], np.ndarray]:
-    def send(conn: Connections, a: np.ndarray, b: np.ndarray) -> np.ndarray:
+def _project_client(format: RequestFormat) -> Send:
+    def send(conn: Connections, a: np.ndarray, b: np.ndarray, precision: Precision) -> np.ndarray:
         from app.client import MatmulServiceError
 
         try:
-            return conn.project_client(format).matmul(a, b)
+            client = conn.project_client(format)
+            return client.matmul(a, b) if precision is Precision.FP32 else client.matmul(a, b, precision=precision)
         except MatmulServiceError as exc:
             raise Refused(exc.status, exc.code) from None
 
@@ -282,20 +309,21 @@ def _project_client(format: RequestFormat) -> Callable[[Connections, np.ndarray,
     return send
 
 
-def v2_json(conn: Connections, a: np.ndarray, b: np.ndarray) -> np.ndarray:
+def v2_json(conn: Connections, a: np.ndarray, b: np.ndarray, precision: Precision) -> np.ndarray:
     """POST /v2/models/matmul/infer with JSON tensors, a JSON answer."""
     inputs = [
         {"name": name, "shape": list(x.shape), "datatype": "FP32", "data": x.ravel().tolist()}
         for name, x in (("A", a), ("B", b))
     ]
-    response = _from_httpx(conn.httpx().post(f"/v2/models/{MODEL}/infer", json={"inputs": inputs}))
+    request = {"inputs": inputs, "parameters": _asked(precision)}
+    response = _from_httpx(conn.httpx().post(f"/v2/models/{MODEL}/infer", json=request))
     output = response.json()["outputs"][0]
     return np.array(output["data"], np.float64).reshape(output["shape"])
 
 
-def v2_binary_raw(conn: Connections, a: np.ndarray, b: np.ndarray) -> np.ndarray:
+def v2_binary_raw(conn: Connections, a: np.ndarray, b: np.ndarray, precision: Precision) -> np.ndarray:
     """POST /v2/models/matmul/infer with binary tensors in and out, the answer read slowly over raw HTTP."""
-    body, header_length = inference_v2_body(a, b)
+    body, header_length = inference_v2_body(a, b, _asked(precision))
     head = {"Content-Type": "application/octet-stream", "Inference-Header-Content-Length": str(header_length)}
     headers, answer = _raw_exchange(conn.url, head, f"/v2/models/{MODEL}/infer", body)
     split = int(headers["inference-header-content-length"])
@@ -335,7 +363,7 @@ GRPC_STATUSES = {
 a tally counts both alike. A server that went away is UNAVAILABLE, so 503."""
 
 
-def tritonclient_binary(conn: Connections, a: np.ndarray, b: np.ndarray) -> np.ndarray:
+def tritonclient_binary(conn: Connections, a: np.ndarray, b: np.ndarray, precision: Precision) -> np.ndarray:
     """Triton's HTTP client: binary tensors in and out."""
     import tritonclient.http as triton
 
@@ -343,20 +371,21 @@ def tritonclient_binary(conn: Connections, a: np.ndarray, b: np.ndarray) -> np.n
     for tensor, x in zip(inputs, (a, b), strict=True):
         tensor.set_data_from_numpy(x, binary_data=True)
     with _triton_errors():
-        result = conn.triton_client().infer(MODEL, inputs, outputs=[triton.InferRequestedOutput("C", binary_data=True)])
+        outputs = [triton.InferRequestedOutput("C", binary_data=True)]
+        result = conn.triton_client().infer(MODEL, inputs, outputs=outputs, parameters=_asked(precision))
     c: np.ndarray = result.as_numpy("C")
     return c
 
 
-def tritonclient_grpc(conn: Connections, a: np.ndarray, b: np.ndarray) -> np.ndarray:
+def tritonclient_grpc(conn: Connections, a: np.ndarray, b: np.ndarray, precision: Precision) -> np.ndarray:
     """Triton's gRPC client: raw contents in and out."""
     with _triton_errors():
-        result = conn.triton_grpc_client().infer(MODEL, fp32_inputs(a, b))
+        result = conn.triton_grpc_client().infer(MODEL, fp32_inputs(a, b), parameters=_asked(precision))
     c: np.ndarray = result.as_numpy("C")
     return c
 
 
-def tritonclient_system_shm(conn: Connections, a: np.ndarray, b: np.ndarray) -> np.ndarray:
+def tritonclient_system_shm(conn: Connections, a: np.ndarray, b: np.ndarray, precision: Precision) -> np.ndarray:
     """Triton's HTTP client with A, B and C in the client's system shared-memory region."""
     import tritonclient.http as triton
     import tritonclient.utils.shared_memory as shm
@@ -374,17 +403,17 @@ def tritonclient_system_shm(conn: Connections, a: np.ndarray, b: np.ndarray) -> 
     output = triton.InferRequestedOutput("C")
     output.set_shared_memory(name, m * n * 4, offset=c_at)
     with _triton_errors():
-        conn.triton_client().infer(MODEL, inputs, outputs=[output])
+        conn.triton_client().infer(MODEL, inputs, outputs=[output], parameters=_asked(precision))
     c: np.ndarray = shm.get_contents_as_numpy(handle, np.float32, [m, n], offset=c_at).copy()
     return c
 
 
-def matmul_npy_hurried(conn: Connections, a: np.ndarray, b: np.ndarray) -> np.ndarray:
+def matmul_npy_hurried(conn: Connections, a: np.ndarray, b: np.ndarray, precision: Precision) -> np.ndarray:
     """POST /matmul, multipart `.npy` parts and a 1 ms deadline (X-Request-Timeout): 504 when the product waited
     longer in the queue, else its `.npy` answer, read slowly."""
     payload = encode_payload(a, b, "npy")
     head = {"Content-Type": payload.content_type, "Accept": "application/x-npy", "X-Request-Timeout": "0.001"}
-    return load_npy(_raw_exchange(conn.url, head, "/matmul", payload.content)[1])
+    return load_npy(_raw_exchange(conn.url, head, _matmul_path(precision), payload.content)[1])
 
 
 def leaves_mid_upload(conn: Connections, a: np.ndarray, b: np.ndarray) -> None:
@@ -404,8 +433,6 @@ def leaves_mid_download(conn: Connections, a: np.ndarray, b: np.ndarray) -> None
         sock.recv(SLOW_RECEIVE_BUFFER)
 
 
-Send = Callable[[Connections, np.ndarray, np.ndarray], np.ndarray]
-Leave = Callable[[Connections, np.ndarray, np.ndarray], None]
 WAYS: dict[str, Send] = {
     "matmul json": matmul_json,
     "matmul npy (raw, read slowly)": matmul_npy_raw,
@@ -440,6 +467,9 @@ REGION_BYTES = 64 << 20
 
 # ---------------------------------------------------------------------------------------------- a client
 
+FLOAT_PRECISIONS = tuple(precision for precision in Precision if precision is not Precision.INT8)
+"""The precisions a float32 product can be asked in: a load may cycle through them (int8 takes int8 operands)."""
+
 
 @dataclass(frozen=True)
 class ClientShare:
@@ -452,6 +482,7 @@ class ClientShare:
     shapes: tuple[Shape, ...]
     pause_s: float = 0.0
     """A pause between requests (0: a closed loop)."""
+    precisions: tuple[Precision, ...] = (Precision.FP32,)
 
 
 def _fits(way: str, shape: Shape) -> bool:
@@ -461,12 +492,15 @@ def _fits(way: str, shape: Shape) -> bool:
     return not (way in SYSTEM_SHM_WAYS and 4 * (m * k + k * n + m * n) > REGION_BYTES)
 
 
-def plan(share: ClientShare) -> Iterator[tuple[str, Shape]]:
-    """The (way, shape) of each request of a client: every way in turn, each with the next shape it can carry."""
+def plan(share: ClientShare) -> Iterator[tuple[str, Shape, Precision]]:
+    """The (way, shape, precision) of each request of a client: every way in turn, each with the next shape it can
+    carry; the precision moves on after each round of the ways, from a place of the client's own (its seed), so
+    that the clients together ask every way in every precision."""
     for index in range(share.requests):
         way = share.ways[(share.seed + index) % len(share.ways)]
         fitting = [shape for shape in share.shapes if _fits(way, shape)] or [min(share.shapes, key=np.prod)]
-        yield way, fitting[(share.seed + index) % len(fitting)]
+        precision = share.precisions[(share.seed + index // len(share.ways)) % len(share.precisions)]
+        yield way, fitting[(share.seed + index) % len(fitting)], precision
 
 
 def run_client(share: ClientShare) -> Tally:
@@ -475,10 +509,10 @@ def run_client(share: ClientShare) -> Tally:
     tally = Tally()
     connections = Connections(share.url)
     try:
-        for way, (m, k, n) in plan(share):
+        for way, (m, k, n), precision in plan(share):
             a = rng.standard_normal((m, k), dtype=np.float32)
             b = rng.standard_normal((k, n), dtype=np.float32)
-            _exchange(connections, way, a, b, tally)
+            _exchange(connections, way, a, b, precision, tally)
             if share.pause_s:
                 time.sleep(share.pause_s)
     finally:
@@ -486,14 +520,17 @@ def run_client(share: ClientShare) -> Tally:
     return tally
 
 
-def _exchange(connections: Connections, way: str, a: np.ndarray, b: np.ndarray, tally: Tally) -> None:
-    """One request the way named, its outcome added to `tally`: its answer checked, or how it went otherwise."""
+def _exchange(
+    connections: Connections, way: str, a: np.ndarray, b: np.ndarray, precision: Precision, tally: Tally
+) -> None:
+    """One request the way named, in `precision`, its outcome added to `tally`: its answer checked against that
+    precision's bound, or how it went otherwise."""
     try:
         if way in LEAVING_WAYS:
             LEAVING_WAYS[way](connections, a, b)
             tally.other[f"{way} {LEFT}"] += 1
             return
-        c = (WAYS | HURRIED_WAYS)[way](connections, a, b)
+        c = (WAYS | HURRIED_WAYS)[way](connections, a, b, precision)
     except Refused as exc:
         tally.other[f"{way} {exc.status}"] += 1
         tally.messages[f"{exc.status} {exc.code}"] += 1
@@ -503,19 +540,33 @@ def _exchange(connections: Connections, way: str, a: np.ndarray, b: np.ndarray, 
         tally.messages[f"closed: {type(exc).__name__}"] += 1
         return
     tally.checked[way] += 1
-    problem = check(c, a, b)
+    tally.precisions[precision.value] += 1
+    problem = check(c, a, b, precision)
     if problem is not None:
         (m, k), n = a.shape, b.shape[1]
-        tally.wrong.append(f"{way}, {m}x{k} @ {k}x{n}: {problem}")
+        tally.wrong.append(f"{way}, {m}x{k} @ {k}x{n} in {precision.value}: {problem}")
+    elif precision in UNIT_ROUNDOFFS and _beyond_fp32(c, a, b):
+        tally.rounded[f"{way} in {precision.value}"] += 1
 
 
-def check(c: np.ndarray, a: np.ndarray, b: np.ndarray) -> str | None:
-    """None when `c` is the product of `a` and `b` in their dtype (float64 if either is) within its stated bound;
-    else what is wrong."""
+ROUNDING_ROWS = 8
+"""The rows of an answer compared with float32's bound, to see its precision's rounding (enough elements, at little
+cost for the 4096^2 answers)."""
+
+
+def _beyond_fp32(c: np.ndarray, a: np.ndarray, b: np.ndarray) -> bool:
+    """Whether the first rows of `c` err beyond float32's own bound: a product computed in float32 would not."""
+    rows = slice(0, ROUNDING_ROWS)
+    return Reference.of(a[rows], b, np.float32).error_ratio(c[rows]) > BOUND_CONSTANT
+
+
+def check(c: np.ndarray, a: np.ndarray, b: np.ndarray, precision: Precision = Precision.FP32) -> str | None:
+    """None when `c` is the product of `a` and `b` in their dtype (float64 if either is), computed in `precision`,
+    within its stated bound; else what is wrong."""
     expected = (a.shape[0], b.shape[1])
     if c.shape != expected:
         return f"the answer is {c.shape[0]}x{c.shape[1]}, not {expected[0]}x{expected[1]}"
-    reference = Reference.of(a, b, np.result_type(a.dtype, b.dtype))
+    reference = Reference.of(a, b, np.result_type(a.dtype, b.dtype), precision)
     problem = reference.mismatch(c)
     if problem is None:
         return None
@@ -542,15 +593,17 @@ def checked_load(
     seed: int = 0,
     pause_s: float = 0.0,
     during: Callable[[], None] | None = None,
+    precisions: Sequence[Precision] = (Precision.FP32,),
 ) -> Tally:
-    """`clients` clients at once in `pool`'s processes, `requests` each over `ways` and `shapes`; `during` runs in
-    this process while they do (a fault to inject). The tallies added up."""
+    """`clients` clients at once in `pool`'s processes, `requests` each over `ways`, `shapes` and `precisions`;
+    `during` runs in this process while they do (a fault to inject). The tallies added up."""
     known = WAYS | HURRIED_WAYS | LEAVING_WAYS
     unknown = sorted(set(ways) - set(known))
     if unknown:
         raise ValueError(f"no such way {unknown}; the ways are {list(known)}")
     shares = [
-        ClientShare(url, seed * 1000 + index, requests, tuple(ways), tuple(shapes), pause_s) for index in range(clients)
+        ClientShare(url, seed * 1000 + index, requests, tuple(ways), tuple(shapes), pause_s, tuple(precisions))
+        for index in range(clients)
     ]
     futures = [pool.submit(run_client, share) for share in shares]
     if during is not None:

@@ -9,13 +9,23 @@ import os
 import signal
 import subprocess
 import time
+from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
 
 import httpx
 import pytest
 
-from matmul_tools.integrity import HURRIED_WAYS, LEAVING_WAYS, LEFT, SYSTEM_SHM_WAYS, WAYS, Tally, checked_load
+from matmul_tools.integrity import (
+    FLOAT_PRECISIONS,
+    HURRIED_WAYS,
+    LEAVING_WAYS,
+    LEFT,
+    SYSTEM_SHM_WAYS,
+    WAYS,
+    Tally,
+    checked_load,
+)
 from matmul_tools.service import LocalService
 from tests.server.conftest import CLIENTS, GPU_SHAPES, Serve
 
@@ -140,9 +150,10 @@ def _gpus() -> int:
 def test_on_two_gpus_a_killed_engine_leaves_the_other_serving_and_comes_back(
     clients: ProcessPoolExecutor, serve: Serve
 ) -> None:
-    """MATMUL_DEVICES=0,1 under mixed sizes from every way: the engine process of device 1 is killed with SIGKILL
-    mid-load. Device 0's engine keeps answering products while device 1's is away, the supervisor starts device 1's
-    again, `/metrics` has each engine's queue depth, and no answer is anyone else's product."""
+    """MATMUL_DEVICES=0,1 under mixed sizes from every way in every float precision: the engine process of device 1
+    is killed with SIGKILL mid-load. Device 0's engine keeps answering products while device 1's is away, the
+    supervisor starts device 1's again, `/metrics` has each engine's queue depth, and no answer is anyone else's
+    product, nor outside its precision's bound."""
     if _gpus() < 2:
         pytest.skip("needs two GPUs")
     env = {**ENV, "MATMUL_BACKEND": "gpu", "MATMUL_DEVICES": "0,1", "MATMUL_SLAB_BYTES": str(512 * MIB)}
@@ -175,7 +186,10 @@ def test_on_two_gpus_a_killed_engine_leaves_the_other_serving_and_comes_back(
         shapes=GPU_SHAPES,
         pause_s=PAUSE_S,
         during=kill_then_multiply_until_it_is_back,
+        precisions=FLOAT_PRECISIONS,
     )
+    away = Counter(f"device 1 {state}, {status}" for state, status in while_away)
+    print(f"two GPUs, device 1's engine killed: {tally.as_dict()}; products asked while it was away: {dict(away)}")
     lost_regions = {f"{way} 400" for way in SYSTEM_SHM_WAYS}
     _only_allowed(tally, {"closed", "503", *lost_regions})
     assert any(state != "ready" and status == 200 for state, status in while_away), while_away

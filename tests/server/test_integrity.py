@@ -14,6 +14,7 @@ tests/server/test_faults.py puts the same load through killed processes, disconn
 
 from __future__ import annotations
 
+import math
 import socket
 import threading
 import time
@@ -26,8 +27,9 @@ import pytest
 
 from app.client import encode_payload
 from matmul_tools.bodies import inference_v2_body, load_npy
-from matmul_tools.integrity import WAYS, checked_load
+from matmul_tools.integrity import FLOAT_PRECISIONS, WAYS, checked_load
 from matmul_tools.raw_http import read_until_closed
+from numerics.precision import UNIT_ROUNDOFFS
 from tests.server.conftest import CLIENTS, GPU_SHAPES, SHAPES, Serve
 
 pytestmark = pytest.mark.timeout(600)
@@ -76,6 +78,25 @@ def test_every_answer_is_its_own_requests_product(
     assert set(tally.checked) == set(WAYS)
 
 
+def test_every_way_carries_every_precision_and_each_answer_holds_its_bound(
+    clients: ProcessPoolExecutor, serve: Serve
+) -> None:
+    """The load in every precision a float32 product can be asked in: each client moves to the next precision after
+    each round of the ways, so that the six clients ask every way in every precision. Each answer is checked
+    against its precision's bound, and an answer asked in a precision that rounds the operands must show that
+    rounding (an error beyond float32's own bound): a way that dropped the precision would be answered in fp32."""
+    service = serve(Configuration(workers=2, batching=True, slab_bytes=256 * MIB).env(), 2)
+    rounds = math.ceil(len(FLOAT_PRECISIONS) / CLIENTS)
+    tally = checked_load(
+        clients, service.url, CLIENTS, rounds * len(WAYS), list(WAYS), SHAPES, precisions=FLOAT_PRECISIONS
+    )
+    assert tally.wrong == [], f"{len(tally.wrong)} wrong answers of {tally.answers}: {tally.wrong[:5]}"
+    assert tally.other == {}, tally.as_dict()
+    assert set(tally.precisions) == {precision.value for precision in FLOAT_PRECISIONS}
+    rounding = {f"{way} in {precision.value}" for way in WAYS for precision in UNIT_ROUNDOFFS}
+    assert rounding <= set(tally.rounded), sorted(rounding - set(tally.rounded))
+
+
 GPU_CONFIGURATIONS = [
     {},  # matmul-service as it starts with no setting
     {"MATMUL_BATCHING": "true", "MATMUL_SLAB_BYTES": str(200 * MIB), "MATMUL_PIPELINE_DEPTH": "1"},
@@ -92,7 +113,9 @@ def test_on_the_gpu_every_answer_is_its_own_requests_product(
     workers = 2 if settings else 1
     env = {"MATMUL_BACKEND": "gpu", "MATMUL_ACCESS_LOG": "false", "MATMUL_SHARED_MEMORY": "system", **settings}
     service = serve(env, workers)
-    tally = checked_load(clients, service.url, CLIENTS, requests=2 * len(WAYS), ways=list(WAYS), shapes=GPU_SHAPES)
+    tally = checked_load(
+        clients, service.url, CLIENTS, 2 * len(WAYS), list(WAYS), GPU_SHAPES, precisions=FLOAT_PRECISIONS
+    )
     assert tally.wrong == [], f"{len(tally.wrong)} wrong answers of {tally.answers}: {tally.wrong[:5]}"
     assert tally.other == {}, tally.as_dict()
     assert tally.answers == CLIENTS * 2 * len(WAYS)
