@@ -1,6 +1,8 @@
 """Triton's shared-memory extensions against what the machine can do without the service, in one run.
 
-1. The ceilings, measured here without the service (`--backend gpu`):
+1. The ceilings, measured here without the service (`--backend gpu`), for each `--devices` setting on all of its
+   devices at once (a process per device, the products/s added up), so that what the devices share (the host's
+   memory and PCIe) caps the ceiling as it caps the service:
    - data path: A and B in POSIX shared memory pinned with cudaHostRegister, copied in, multiplied by cuBLAS and
      C copied back into the shared memory, two products in flight on two streams: products/s;
    - cuBLAS: A, B and C already on the device: products/s.
@@ -19,9 +21,8 @@
    idle threads then spin: a core per client process, which on a 16-core host held system shared memory near 60
    products/s whatever the service did. The checks now use no BLAS, and the clients start with one BLAS thread.)
 
-Prints a table with each cell over its ceiling (the one-GPU ceiling times the setting's devices) and over the clients
-alone, and each kind's products/s with every setting over the first; writes OUT/bench-shared-memory.json and each
-server's log.
+Prints a table with each cell over its setting's ceiling and over the clients alone, and each kind's products/s with
+every setting over the first; writes OUT/bench-shared-memory.json and each server's log.
 
     python scripts/bench_shared_memory.py --backend gpu --size 4096 --clients 8 --duration 10
     python scripts/bench_shared_memory.py --backend gpu --size 4096 --clients 16 --devices 0 0,1
@@ -38,11 +39,14 @@ import resource
 import sys
 import time
 import uuid
+from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+import httpx
 import numpy as np
+from prometheus_client.parser import text_string_to_metric_families
 
 from matmul_tools.service import LocalService, free_port
 from matmul_tools.standin import standing_in
@@ -56,6 +60,29 @@ CLIENT_BOUND = 0.8
 """A cell at this share of the clients' own rate (against a stand-in that answers at once) or above measured them."""
 ONE_THREAD = {"OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 """The client processes' BLAS threads: one, so that no idle pool spins beside the service."""
+
+
+START_TIMEOUT_S = 300.0
+"""How long a client waits for the others to be set up (spawned, regions registered, a first product)."""
+STAGE_METRIC = "matmul_stage_duration_seconds"
+CEILINGS = ("data_path", "cublas")
+CEILING_OF_KIND = {"system": "data_path", "cuda": "cublas"}
+
+
+def setting_ceilings(devices: list[int], size: int, seconds: float) -> dict[str, float]:
+    """Each ceiling of `devices`, measured on all of them at once: the products/s of a process per device, added."""
+    context = multiprocessing.get_context("spawn")
+    with context.Pool(len(devices)) as pool:
+        rates = {name: pool.starmap(device_ceiling, [(name, d, size, seconds) for d in devices]) for name in CEILINGS}
+    return {name: sum(per_device) for name, per_device in rates.items()}
+
+
+def device_ceiling(name: str, device: int, size: int, seconds: float) -> float:
+    """One ceiling (CEILINGS) on one device, in a pool's process."""
+    import cupy as cp
+
+    with cp.cuda.Device(device):
+        return data_path_ceiling(size, seconds) if name == "data_path" else cublas_ceiling(size, seconds)
 
 
 def data_path_ceiling(size: int, seconds: float) -> float:
@@ -124,18 +151,20 @@ def _rate(step: Any, synchronize: Any, seconds: float) -> float:
     return count / (time.perf_counter() - began)
 
 
-def client(url: str, kind: str, size: int, seconds: float, seed: int, device: int, results: Any) -> None:
+def client(url: str, kind: str, size: int, seconds: float, seed: int, device: int, start: Any, results: Any) -> None:
     """One co-located client (a process of its own): its count and checks, or what went wrong."""
     try:
-        results.put(_client(url, kind, size, seconds, seed, device))
+        results.put(_client(url, kind, size, seconds, seed, device, start))
     except Exception as exc:
         results.put({"error": f"{type(exc).__name__}: {exc}"})
         raise
 
 
-def _client(url: str, kind: str, size: int, seconds: float, seed: int, device: int) -> dict[str, Any]:
-    """Its regions, registered (CUDA ones on `device`); one infer at a time for `seconds`, every answer's first
-    rows checked; its count and its worst error."""
+def _client(url: str, kind: str, size: int, seconds: float, seed: int, device: int, start: Any) -> dict[str, Any]:
+    """Its regions, registered (CUDA ones on `device`), and a first product; then, once every client is that far
+    (`start`, a barrier: clients that start measuring while others still set up would each count a share of the
+    service that is not theirs), one infer at a time for `seconds`, every answer's first rows checked; its count,
+    its worst error and the CPU it used meanwhile."""
     import tritonclient.http as httpclient
 
     if kind == "cuda":
@@ -169,6 +198,8 @@ def _client(url: str, kind: str, size: int, seconds: float, seed: int, device: i
         poison()
         triton.infer("matmul", tensors, outputs=[wanted])
         errors = [error()]
+        start.wait(timeout=START_TIMEOUT_S)
+        setup = resource.getrusage(resource.RUSAGE_SELF)
         began = time.perf_counter()
         while time.perf_counter() - began < seconds:
             poison()  # an answer the service did not write is caught, not the last one read again
@@ -182,7 +213,7 @@ def _client(url: str, kind: str, size: int, seconds: float, seed: int, device: i
             "seconds": elapsed,
             "relative_error": max(errors),
             "wrong": wrong,
-            "cpu_seconds": used.ru_utime + used.ru_stime,
+            "cpu_seconds": used.ru_utime + used.ru_stime - setup.ru_utime - setup.ru_stime,
         }
     finally:
         unregister = triton.unregister_cuda_shared_memory if kind == "cuda" else triton.unregister_system_shared_memory
@@ -251,17 +282,18 @@ def measure_service(url: str, kind: str, devices: list[int], args: argparse.Name
     """`args.clients` clients at once for `args.duration` seconds (client i's CUDA regions on devices[i % n]):
     products/s in all, each one's worst error, and the answers found wrong."""
     context = multiprocessing.get_context("spawn")
-    results = context.Queue()
+    results, start = context.Queue(), context.Barrier(args.clients)
     processes = [
         context.Process(
-            target=client, args=(url, kind, args.size, args.duration, seed, devices[seed % len(devices)], results)
+            target=client,
+            args=(url, kind, args.size, args.duration, seed, devices[seed % len(devices)], start, results),
         )
         for seed in range(args.clients)
     ]
     with _one_blas_thread():
         for process in processes:
             process.start()
-    found = [results.get(timeout=args.duration + 300) for _ in processes]
+    found = [results.get(timeout=args.duration + 2 * START_TIMEOUT_S) for _ in processes]
     for process in processes:
         process.join()
     failures = [one["error"] for one in found if "error" in one]
@@ -269,7 +301,7 @@ def measure_service(url: str, kind: str, devices: list[int], args: argparse.Name
         raise RuntimeError(f"{len(failures)} of the {kind} clients failed: {failures[0]}")
     return {
         "kind": kind,
-        "devices": ",".join(map(str, devices)),
+        "devices": _setting(devices),
         "clients": args.clients,
         "products": sum(one["count"] for one in found),
         "products_per_s": sum(one["count"] / one["seconds"] for one in found),
@@ -278,6 +310,11 @@ def measure_service(url: str, kind: str, devices: list[int], args: argparse.Name
         "worst_relative_error": max(one["relative_error"] for one in found),
         "client_cpu_seconds_per_s": sum(one["cpu_seconds"] / one["seconds"] for one in found),
     }
+
+
+def _setting(devices: list[int]) -> str:
+    """A MATMUL_DEVICES setting as it is written: `0,1`."""
+    return ",".join(map(str, devices))
 
 
 def measure_clients_alone(kind: str, args: argparse.Namespace) -> dict[str, Any]:
@@ -322,7 +359,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     gpu = args.backend == "gpu"
     ceilings = (
-        {"data_path": data_path_ceiling(args.size, args.duration), "cublas": cublas_ceiling(args.size, args.duration)}
+        {_setting(devices): setting_ceilings(devices, args.size, args.duration) for devices in args.devices}
         if gpu
         else {}
     )
@@ -332,9 +369,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     for devices in args.devices:
         cells += measure_setting(devices, args, gpu)
     for cell in cells:
-        ceiling = ceilings.get("data_path" if cell["kind"] == "system" else "cublas")
-        devices = len(cell["devices"].split(","))
-        cell["over_ceiling"] = None if ceiling is None else cell["products_per_s"] / (devices * ceiling)
+        ceiling = ceilings[cell["devices"]][CEILING_OF_KIND[cell["kind"]]] if gpu else None
+        cell["over_ceiling"] = None if ceiling is None else cell["products_per_s"] / ceiling
         cell["over_clients_alone"] = cell["products_per_s"] / alone[cell["kind"]]["products_per_s"]
         cell["client_bound"] = cell["over_clients_alone"] >= args.client_bound
     first = {cell["kind"]: cell["products_per_s"] for cell in cells if cell["devices"] == cells[0]["devices"]}
@@ -347,8 +383,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         "cells": cells,
     }
     print(f"{args.size}^2 float32, {args.clients} clients, {args.workers} HTTP workers, {args.duration:g} s a cell")
-    for name, rate in ceilings.items():
-        print(f"  ceiling {name:10s} {rate:8.1f} products/s (one GPU)")
+    for setting, rates in ceilings.items():
+        for name, rate in rates.items():
+            print(f"  ceiling {name:10s} {rate:8.1f} products/s on devices {setting} at once")
     for kind, clients in alone.items():
         print(
             f"  clients alone {kind:6s} {clients['products_per_s']:8.1f} products/s against a stand-in"
@@ -357,7 +394,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     for cell in cells:
         over = "" if cell["over_ceiling"] is None else f"  {cell['over_ceiling']:.2f} of its ceiling"
         print(
-            f"  devices {cell['devices']:5s} {cell['kind']:8s} {cell['products_per_s']:8.1f} products/s{over}"
+            f"  devices {cell['devices']:7s} {cell['kind']:6s} {cell['products_per_s']:7.1f} products/s{over}"
+            f"  ({'/'.join(cell['kernels'])})"
             f"  {cell['over_first_setting'] or 0:.2f}x devices {cells[0]['devices']}"
             f"  {cell['over_clients_alone']:.2f} of the clients alone"
             f"  ({cell['answers_checked']} answers checked, {cell['wrong']} wrong,"
@@ -385,17 +423,32 @@ def measure_setting(devices: list[int], args: argparse.Namespace, gpu: bool) -> 
         "MATMUL_SHARED_MEMORY": "system,cuda",
         "MATMUL_ACCESS_LOG": "false",
         "MATMUL_MAX_DIM": str(max(args.size, 65_536)),
-        "MATMUL_DEVICES": ",".join(map(str, devices)),
+        "MATMUL_DEVICES": _setting(devices),
     }
     log = args.out / f"server-devices-{'-'.join(map(str, devices))}.log"
     service = LocalService.matmul_service(free_port(), env, log, args.workers)
     try:
         service.wait_ready(300)
-        return [
-            measure_service(service.url, kind, devices, args) for kind in (["system", "cuda"] if gpu else ["system"])
-        ]
+        cells = []
+        for kind in ["system", "cuda"] if gpu else ["system"]:
+            before = kernel_counts(service.url)
+            cell = measure_service(service.url, kind, devices, args)
+            cells.append(cell | {"kernels": sorted(kernel_counts(service.url) - before)})
+        return cells
     finally:
         service.stop()
+
+
+def kernel_counts(url: str) -> Counter[str]:
+    """The service's products so far, by the kernel that ran them (its `matmul_stage_duration_seconds` count, stage
+    `kernel`)."""
+    text = httpx.get(f"{url}/metrics", timeout=30).text
+    counts: Counter[str] = Counter()
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == f"{STAGE_METRIC}_count" and sample.labels.get("stage") == "kernel":
+                counts[sample.labels["kernel"]] += int(sample.value)
+    return counts
 
 
 if __name__ == "__main__":

@@ -33,7 +33,8 @@ def test_the_system_cell_is_measured_and_checked(tmp_path: Path) -> None:
     assert cell["products_per_s"] > 0 and cell["over_ceiling"] is None and cell["over_first_setting"] == 1.0
     assert cell["wrong"] == 0 and cell["answers_checked"] == cell["products"] + 2  # each client's first, then all
     assert cell["worst_relative_error"] < 1e-5  # float32 against float64, k = 128
-    assert "devices 0     system" in done.stdout and "0 wrong" in done.stdout
+    assert cell["kernels"] == ["numpy"]  # the service's own metrics, read before and after the cell
+    assert "devices 0       system" in done.stdout and "0 wrong" in done.stdout
     assert not list(Path("/dev/shm").glob("bench-*"))  # every client's regions destroyed
     (alone,) = report["clients_alone"]
     assert alone["kind"] == "system" and alone["products_per_s"] > 0 and alone["client_cpu_seconds_per_s"] > 0
