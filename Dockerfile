@@ -30,11 +30,12 @@ ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
 RUN python3 -m venv /opt/venv
 WORKDIR /src
 COPY pyproject.toml README.md ./
+COPY client client
 COPY app app
 COPY kernels kernels
 COPY numerics numerics
 ARG CUDA_WHEELS=12.8.*
-RUN /opt/venv/bin/pip install ".[gpu]" "nvidia-cuda-runtime-cu12==${CUDA_WHEELS}" \
+RUN /opt/venv/bin/pip install ./client ".[gpu]" "nvidia-cuda-runtime-cu12==${CUDA_WHEELS}" \
     "nvidia-cuda-nvrtc-cu12==${CUDA_WHEELS}" "nvidia-cublas-cu12==${CUDA_WHEELS}"
 
 # ------------------------------------------------------------- loadtest (docker compose --profile loadtest)
@@ -42,6 +43,7 @@ FROM ${PYTHON_IMAGE} AS loadtest
 ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 PYTHONUNBUFFERED=1
 WORKDIR /loadtest
 COPY pyproject.toml README.md ./
+COPY client client
 COPY app app
 COPY kernels kernels
 COPY numerics numerics
@@ -51,7 +53,7 @@ COPY scripts/loadtest.py scripts/loadtest.py
 # a Debian python3 (PEP 668) installs as python:3.12-slim's does.
 # hadolint ignore=DL3013
 RUN python3 -m venv /opt/venv \
- && /opt/venv/bin/pip install ".[loadtest]" \
+ && /opt/venv/bin/pip install ./client ".[loadtest]" \
  && groupadd --system --gid 10002 loadtest \
  && useradd --system --uid 10002 --gid 10002 --create-home loadtest \
  && mkdir /reports && chown 10002:10002 /reports

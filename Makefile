@@ -20,14 +20,15 @@ $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 
+# The service depends on matmul-client, a distribution of its own in client/: installed together, pip takes it from there.
 install-run: $(BIN)/python
-	$(BIN)/python -m pip install --quiet -e ".$(RUN_EXTRAS)"
+	$(BIN)/python -m pip install --quiet -e ./client -e ".$(RUN_EXTRAS)"
 
 install-test: $(BIN)/python
-	$(BIN)/python -m pip install --quiet -e ".[test]"
+	$(BIN)/python -m pip install --quiet -e ./client -e ".[test]"
 
 install-mutation: $(BIN)/python
-	$(BIN)/python -m pip install --quiet -e ".[test,mutation]"
+	$(BIN)/python -m pip install --quiet -e ./client -e ".[test,mutation]"
 
 run: install-run
 	$(BIN)/matmul-service --host $(HOST) --port $(PORT)

@@ -6,7 +6,7 @@
 - `prometheus`: sums of samples read from the Prometheus text of GET /metrics.
 - `loadtest`: traffic drawn from mixes, closed and open loops, latency summaries and the load test's report.
 
-The package talks to the service over HTTP only: it may import `app.client` (the HTTP client, and the media types
+The package talks to the service over HTTP only: it may import `matmul_client` (the HTTP client, and the media types
 it names) and `kernels`, but never the server's internals (`app.api`, `app.engine`, `app.main`), so that a tool
 measures the service as a user sees it and the layers below the API stay free to move.
 """

@@ -33,7 +33,7 @@ import httpx
 import numpy as np
 import orjson
 
-from app.client import MatmulClient, RequestFormat, encode_payload
+from matmul_client.client import MatmulClient, RequestFormat, encode_payload
 from matmul_tools.bodies import inference_v2_body, load_npy, npz_bytes
 from matmul_tools.triton_grpc import fp32_inputs, grpc_address
 from numerics.precision import UNIT_ROUNDOFFS, Precision
@@ -297,7 +297,7 @@ def matmul_npz_raw(conn: Connections, a: np.ndarray, b: np.ndarray, precision: P
 
 def _project_client(format: RequestFormat) -> Send:
     def send(conn: Connections, a: np.ndarray, b: np.ndarray, precision: Precision) -> np.ndarray:
-        from app.client import MatmulServiceError
+        from matmul_client.client import MatmulServiceError
 
         try:
             client = conn.project_client(format)

@@ -30,7 +30,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from app.client import FORMATS, AsyncMatmulClient, MatmulServiceError, Payload, RequestFormat, encode_payload
+from matmul_client.client import FORMATS, AsyncMatmulClient, MatmulServiceError, Payload, RequestFormat, encode_payload
 from matmul_tools.service import NotReady, wait_ready_async
 
 T = TypeVar("T")

@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from app.client import encode_payload
+from matmul_client.client import encode_payload
 from matmul_tools.bodies import inference_v2_body
 
 OPENING_BYTES = 4096

@@ -42,8 +42,8 @@ import httpx
 from rich.console import Console
 from rich.table import Table
 
-from app.client import AsyncMatmulClient, RequestFormat
 from app.config import Settings
+from matmul_client.client import AsyncMatmulClient, RequestFormat
 from matmul_tools import loadtest
 from matmul_tools.service import LocalService, add_server_options, free_port
 from matmul_tools.together import StartSignal, TogetherPool

@@ -72,7 +72,7 @@ import httpx
 import numpy as np
 import orjson
 
-from app.client import MatmulClient, MatmulServiceError
+from matmul_client.client import MatmulClient, MatmulServiceError
 from matmul_tools.bodies import load_npy
 from matmul_tools.raw_load import (
     Answer,

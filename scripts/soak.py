@@ -65,8 +65,8 @@ from typing import Any, Literal
 import httpx
 import numpy as np
 
-from app.client import FORMATS, AsyncMatmulClient, RequestFormat, encode_payload
 from app.codecs import JSON_MEDIA_TYPE, NPY_MEDIA_TYPE, NPZ_MEDIA_TYPE
+from matmul_client.client import FORMATS, AsyncMatmulClient, RequestFormat, encode_payload
 from matmul_tools.bodies import load_npy, npy_bytes, zip_members
 from matmul_tools.integrity import check
 from matmul_tools.loadtest import open_loop, parse_mix, server_arguments, summarize, wait_ready

@@ -34,12 +34,12 @@ from app.api.v2.models import VERSION, ModelCatalogue
 from app.api.v2.shared_memory import check_enabled, shared_memory_enabled
 from app.api.v2.statistics import InferenceStatistics
 from app.codecs import inference_v2
-from app.codecs.npy import data_bytes
 from app.config import Settings, SharedMemoryKind
 from app.dataplane.engine_client import EngineClient
 from app.dataplane.wire import RegionKind
 from app.errors import MalformedPayload, MatmulError, PayloadTooLarge
 from app.service import MatmulService, Product, Stopwatch
+from matmul_client.wire import data_bytes
 
 log = logging.getLogger(__name__)
 

@@ -19,6 +19,7 @@ from app.codecs import inference_v2, json, multipart, npy, npz
 from app.codecs.inference_v2 import InferRequest
 from app.codecs.operands import Body, Limits, Operands, RequestOptions
 from app.errors import MalformedPayload, MatmulError, UnsupportedMediaType
+from matmul_client.wire import npy_parts
 
 __all__ = [
     "JSON_MEDIA_TYPE",
@@ -103,5 +104,5 @@ def encode(media_type: str, array: np.ndarray) -> list[bytes | memoryview]:
     """A product in `media_type`, as the buffers to send in order: a `.npy` file as its header and a view of the
     array's memory, or the JSON matrix alone (the answer's `result`, for encode_json_envelope)."""
     if media_type == NPY_MEDIA_TYPE:
-        return list(npy.npy_parts(array))
+        return list(npy_parts(array))
     return [json.encode_json_matrix(array)]

@@ -17,10 +17,10 @@ import numpy as np
 import orjson
 
 from app.codecs.json import json_type
-from app.codecs.npy import data_bytes
 from app.codecs.operands import Body, Limits, Operands, RequestOptions, check_shape
 from app.errors import BadRequest, InvalidMatrix, InvalidParameter, MalformedPayload, SharedMemoryError
 from app.shared_memory import Matrix, SharedOutput, SharedTensor
+from matmul_client.wire import data_bytes
 from numerics.precision import INT8_PRODUCT, Precision
 
 HEADER_LENGTH = "Inference-Header-Content-Length"

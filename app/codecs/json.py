@@ -11,8 +11,9 @@ import orjson
 
 from app.codecs.operands import OPERANDS, Limits, Operands, RequestOptions, check_matrix, check_shape
 from app.errors import InvalidMatrix, InvalidParameter, MalformedPayload
+from matmul_client.wire import JSON_MEDIA_TYPE
 
-MEDIA_TYPE = "application/json"
+MEDIA_TYPE = JSON_MEDIA_TYPE
 JSON_OPTION_KEYS = ("kernel", "tile", "dtype", "precision")
 
 

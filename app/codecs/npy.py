@@ -4,7 +4,6 @@ zero-copy view of the body; a product written back as its header and a view of i
 
 from __future__ import annotations
 
-import io
 import math
 import re
 from collections.abc import Mapping
@@ -15,8 +14,9 @@ import numpy as np
 
 from app.codecs.operands import SUPPORTED_DTYPES, Limits, Operands, check_dtype, check_shape, require_operands
 from app.errors import InvalidMatrix, MalformedPayload
+from matmul_client.wire import NPY_MEDIA_TYPE, npy_parts
 
-MEDIA_TYPE = "application/x-npy"
+MEDIA_TYPE = NPY_MEDIA_TYPE
 NPY_MAX_HEADER = 10_000
 """The largest header NumPy reads."""
 
@@ -215,32 +215,6 @@ def decode_parts(parts: Mapping[str, bytes | memoryview | bytearray], limits: Li
     """Exactly the members 'a' and 'b', each a `.npy` file, from a multipart body or an `.npz` archive."""
     require_operands(parts, container)
     return Operands(a=decode_npy(parts["a"], "a", limits), b=decode_npy(parts["b"], "b", limits))
-
-
-def data_bytes(array: np.ndarray) -> memoryview:
-    """An array's elements in C order as bytes: a view of a C-ordered array's memory (which it keeps alive until the
-    bytes are sent), a copy of any other; any byte order, empty arrays too."""
-    return np.ascontiguousarray(array).reshape(-1).view(np.uint8).data
-
-
-NPY_ALIGNMENT = 64
-"""Bytes: NumPy pads a `.npy` header with spaces so that the data begins on a multiple of this."""
-
-
-def npy_parts(array: np.ndarray, starts_at: int = 0) -> tuple[bytes, memoryview]:
-    """The `.npy` file of an array, always C-ordered, as its header and its `data_bytes`. The header is padded as
-    NumPy pads it, with spaces before its newline, so that the data begins on a multiple of NPY_ALIGNMENT counted
-    from `starts_at` bytes before the file (where it stands in a larger body: a multipart part's data read into
-    aligned memory is then aligned too)."""
-    contiguous = np.ascontiguousarray(array)
-    head = io.BytesIO()
-    np.lib.format.write_array_header_1_0(head, np.lib.format.header_data_from_array_1_0(contiguous))
-    header = head.getvalue()
-    pad = -(starts_at + len(header)) % NPY_ALIGNMENT
-    if pad:
-        length = int.from_bytes(header[8:10], "little") + pad
-        header = header[:8] + length.to_bytes(2, "little") + header[10:-1] + b" " * pad + b"\n"
-    return header, data_bytes(contiguous)
 
 
 def encode_npy(array: np.ndarray) -> bytes:

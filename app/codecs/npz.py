@@ -12,8 +12,9 @@ from typing import cast
 from app.codecs.npy import NPY_MAX_HEADER, data_size_error, decode_parts, read_npy_header
 from app.codecs.operands import Limits, Operands, require_operands
 from app.errors import InvalidMatrix, MalformedPayload
+from matmul_client.wire import NPZ_MEDIA_TYPE
 
-MEDIA_TYPE = "application/x-npz"
+MEDIA_TYPE = NPZ_MEDIA_TYPE
 
 
 def _read_npz_member(archive: zipfile.ZipFile, info: zipfile.ZipInfo, name: str, limits: Limits) -> bytearray:

@@ -10,7 +10,7 @@ import orjson
 import pytest
 
 from app import codecs
-from app.client import encode_payload
+from matmul_client.client import encode_payload
 from matmul_tools.bodies import load_npy
 from numerics.reference import assert_close_to_reference
 from tests.fakes import record_staging

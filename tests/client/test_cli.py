@@ -11,9 +11,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from app.cli import ENV_PREFIX, client_main
-from app.client import FORMATS
+from app.cli import ENV_PREFIX
 from app.config import Settings
+from matmul_client.cli import main as client_main
+from matmul_client.client import FORMATS
 from matmul_tools.raw_http import status_of_a_large_header
 from matmul_tools.service import free_port, running_server, uvicorn_command
 from numerics.reference import assert_close_to_reference

@@ -1,4 +1,4 @@
-"""app.client against the service running as a real process on the CPU backend: every format, both APIs, errors."""
+"""matmul_client against the service running as a real process on the CPU backend: every format, both APIs, errors."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import numpy as np
 import orjson
 import pytest
 
-from app.client import (
+from matmul_client.client import (
     FORMATS,
     AnswerMemory,
     AsyncMatmulClient,

@@ -8,9 +8,10 @@ import io
 import numpy as np
 import pytest
 
-from app.codecs.npy import NPY_MAX_HEADER, decode_npy, encode_npy, npy_parts
+from app.codecs.npy import NPY_MAX_HEADER, decode_npy, encode_npy
 from app.codecs.operands import Limits
 from app.errors import MatmulError
+from matmul_client.wire import npy_parts
 from matmul_tools.bodies import npy_bytes
 
 LIMITS = Limits(max_dim=8, max_elements=40, max_result_elements=64)

@@ -25,7 +25,7 @@ import numpy as np
 import orjson
 import pytest
 
-from app.client import encode_payload
+from matmul_client.client import encode_payload
 from matmul_tools.bodies import inference_v2_body, load_npy
 from matmul_tools.integrity import FLOAT_PRECISIONS, WAYS, checked_load
 from matmul_tools.raw_http import read_until_closed

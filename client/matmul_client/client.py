@@ -39,6 +39,7 @@ import concurrent.futures
 import contextlib
 import http.client
 import io
+import json
 import mmap
 import re
 import secrets
@@ -55,11 +56,8 @@ from urllib.parse import quote, urlencode, urlsplit
 
 import httpx
 import numpy as np
-import orjson
 
-from app.codecs import JSON_MEDIA_TYPE, NPY_MEDIA_TYPE, NPZ_MEDIA_TYPE
-from app.codecs.json import encode_json_matrix
-from app.codecs.npy import npy_parts
+from matmul_client.wire import JSON_MEDIA_TYPE, NPY_MEDIA_TYPE, NPZ_MEDIA_TYPE, npy_parts
 
 RequestFormat = Literal["npy", "json", "npz"]
 """How the operands travel: `npy` (multipart, one `.npy` part each), `json`, or one `.npz` body."""
@@ -194,6 +192,18 @@ def _npz(a: np.ndarray, b: np.ndarray) -> bytes:
     return buffer.getvalue()
 
 
+def _json_matrix(array: np.ndarray) -> bytes:
+    """A matrix as nested JSON lists. JSON has no NaN or Infinity: those elements are written as null, which the
+    server reads as NaN (the server's answers write them so too)."""
+    if array.dtype.hasobject:
+        raise ValueError("object arrays cannot be sent: the server reads numbers only")
+    values: Any = array
+    if array.dtype.kind == "f" and not np.isfinite(array).all():
+        values = array.astype(np.float64).astype(object)  # Python floats, which None can stand among
+        values[~np.isfinite(array)] = None
+    return json.dumps(values.tolist(), separators=(",", ":")).encode()
+
+
 def encode_payload(
     a: np.ndarray, b: np.ndarray, format: RequestFormat = "npy", answer: AnswerFormat | None = None
 ) -> Payload:
@@ -206,8 +216,7 @@ def encode_payload(
     if format == "npz":
         return Payload((_npz(a, b),), NPZ_MEDIA_TYPE, answer)
     if format == "json":
-        a, b = np.ascontiguousarray(a), np.ascontiguousarray(b)  # what orjson can serialise
-        content = b"".join((b'{"a":', encode_json_matrix(a), b',"b":', encode_json_matrix(b), b"}"))
+        content = b"".join((b'{"a":', _json_matrix(a), b',"b":', _json_matrix(b), b"}"))
         return Payload((content,), JSON_MEDIA_TYPE, answer)
     raise ValueError(f"format {format!r} is not one of {list(FORMATS)}")
 
@@ -231,9 +240,9 @@ class Product:
 
 def _error(status: int, headers: http.client.HTTPMessage, body: bytes) -> MatmulServiceError:
     try:
-        said = orjson.loads(body)
+        said = json.loads(body)
         code, message, location = str(said["code"]), str(said["message"]), said.get("location")
-    except (orjson.JSONDecodeError, KeyError, TypeError):
+    except (ValueError, KeyError, TypeError):  # json's JSONDecodeError and a body that is not UTF-8 are ValueErrors
         text = body[:500].decode("utf-8", "replace")
         code, message, location = "http_error", text or http.client.responses.get(status, ""), None
     if status == 503:
@@ -332,7 +341,7 @@ def _product(memory: AnswerMemory, response: http.client.HTTPResponse) -> Produc
             dtype = np.dtype(headers["x-matmul-dtype"])
             m, n = (int(side) for side in headers["x-matmul-shape"].split("x"))
             # JSON has no NaN: the server writes non-finite elements as null, which NumPy reads back as NaN.
-            c = np.array(orjson.loads(response.read())["result"], dtype=np.float64).reshape(m, n).astype(dtype)
+            c = np.array(json.loads(response.read())["result"], dtype=np.float64).reshape(m, n).astype(dtype)
         tile, gflops = headers.get("x-matmul-tile"), headers.get("x-matmul-gflops")
         return Product(
             c=c,
@@ -345,7 +354,7 @@ def _product(memory: AnswerMemory, response: http.client.HTTPResponse) -> Produc
             batch_size=int(headers.get("x-matmul-batch-size", 1)),
             timing=parse_server_timing(headers.get("server-timing", "")),
         )
-    except (KeyError, ValueError, TypeError) as exc:  # orjson's JSONDecodeError is a ValueError
+    except (KeyError, ValueError, TypeError) as exc:  # json's JSONDecodeError is a ValueError
         raise http.client.HTTPException(f"a 200 answer that is not a product of this service: {exc!r}") from exc
 
 
@@ -354,8 +363,8 @@ def _json_object(response: http.client.HTTPResponse) -> dict[str, Any]:
     if response.status != 200:
         raise _error(response.status, response.headers, body)
     try:
-        said = orjson.loads(body)
-    except orjson.JSONDecodeError as exc:
+        said = json.loads(body)
+    except ValueError as exc:
         raise http.client.HTTPException(f"a 200 answer that is not JSON: {exc}") from exc
     if not isinstance(said, dict):
         raise http.client.HTTPException(f"a 200 answer that is not a JSON object: {body[:100]!r}")

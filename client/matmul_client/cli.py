@@ -1,0 +1,112 @@
+"""`matmul-client`: multiply two .npy files on a matmul-service and save the product.
+
+matmul-client a.npy b.npy -o c.npy --kernel tiled --url http://gpu-box:8000
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+import httpx
+import numpy as np
+
+from matmul_client.client import (
+    DEFAULT_TIMEOUT_S,
+    DEFAULT_URL,
+    FORMATS,
+    MatmulClient,
+    MatmulServiceError,
+    Options,
+    Product,
+)
+
+URL_VARIABLE = "MATMUL_URL"
+API_KEY_VARIABLE = "MATMUL_API_KEY"
+
+
+def _load_operand(path: str, parser: argparse.ArgumentParser) -> np.ndarray:
+    try:  # mapped, not read: the file's pages go to the socket as they are
+        array: np.ndarray = np.load(path, mmap_mode="r", allow_pickle=False)
+    except (OSError, ValueError) as exc:
+        parser.error(f"cannot read {path} as a .npy file: {exc}")
+    return array
+
+
+def _summary(product: Product, output: str) -> str:
+    tile = f" (tile {product.tile})" if product.tile is not None else ""
+    tile += f" in {product.precision}" if product.precision != "fp32" else ""
+    phases = ", ".join(f"{name} {ms:.3f}" for name, ms in product.timing.items() if name != "total")
+    gflops = f", {product.gflops:.1f} GFLOP/s" if product.gflops is not None else ""
+    return (
+        f"{output}: {'x'.join(map(str, product.c.shape))} {product.c.dtype} by kernel {product.kernel}{tile} on "
+        f"{product.backend} ({product.device}){gflops}\n"
+        f"server ms: total {product.timing.get('total', float('nan')):.3f} = {phases}"
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """matmul-client: C = A @ B computed by a matmul-service, from .npy files to a .npy file."""
+    parser = argparse.ArgumentParser(
+        prog="matmul-client", description="Multiply two .npy matrices on a matmul-service and save the product."
+    )
+    parser.add_argument("a", help="the left operand, a 2-D .npy file")
+    parser.add_argument("b", help="the right operand, a 2-D .npy file")
+    parser.add_argument("-o", "--output", required=True, help="where to save the product (.npy)")
+    parser.add_argument(
+        "--url",
+        default=os.environ.get(URL_VARIABLE, DEFAULT_URL),
+        help=f"the server (default: ${URL_VARIABLE}, else {DEFAULT_URL})",
+    )
+    parser.add_argument("--kernel", help="a kernel the server has (GET /v1/kernels); default: the server's auto")
+    parser.add_argument("--tile", type=int, help="tile width, for the tiled kernel")
+    parser.add_argument(
+        "--dtype",
+        choices=["float32", "float64", "int32"],
+        help="working dtype (default: from the operands; two int8 operands: int32, their exact product)",
+    )
+    parser.add_argument(
+        "--precision",
+        choices=["fp32", "tf32", "3xtf32", "bf16", "fp16", "fp8", "int8"],
+        help="how the multiplier rounds float32 operands (default: fp32, as they are; fp8: e4m3, each operand scaled "
+        "by a power of two); int8: int8 operands, exactly",
+    )
+    parser.add_argument(
+        "--format", choices=FORMATS, default="npy", help="request body: npy (multipart, the default), json or npz"
+    )
+    parser.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S, help="seconds to wait for the answer")
+    parser.add_argument(
+        "--api-key",
+        default=os.environ.get(API_KEY_VARIABLE),
+        help=f"sent as a bearer token, for servers with MATMUL_API_KEYS (default: ${API_KEY_VARIABLE})",
+    )
+    parser.add_argument("-q", "--quiet", action="store_true", help="print nothing on success")
+    args = parser.parse_args(argv)
+
+    a, b = _load_operand(args.a, parser), _load_operand(args.b, parser)
+    options = Options()
+    if args.kernel is not None:
+        options["kernel"] = args.kernel
+    if args.tile is not None:
+        options["tile"] = args.tile
+    if args.dtype is not None:
+        options["dtype"] = args.dtype
+    if args.precision is not None:
+        options["precision"] = args.precision
+    try:
+        with MatmulClient(args.url, format=args.format, timeout=args.timeout, api_key=args.api_key) as client:
+            product = client.multiply(a, b, **options)
+    except MatmulServiceError as exc:
+        where = f" (at {exc.location})" if exc.location else ""
+        print(f"matmul-client: the server answered {exc.status} {exc.code}: {exc.message}{where}", file=sys.stderr)
+        return 1
+    except httpx.TransportError as exc:
+        print(f"matmul-client: cannot reach {args.url}: {exc}", file=sys.stderr)
+        return 1
+    np.save(Path(args.output), product.c, allow_pickle=False)
+    if not args.quiet:
+        print(_summary(product, args.output), file=sys.stderr)
+    return 0
