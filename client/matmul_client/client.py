@@ -40,6 +40,7 @@ import contextlib
 import http.client
 import io
 import json
+import math
 import mmap
 import re
 import secrets
@@ -306,20 +307,47 @@ class AnswerMemory:
         return root
 
 
+_NUMPY_HEADER = re.compile(
+    r"\{'descr': '(?P<descr>[<>|=]?[a-zA-Z][0-9]{0,5})', 'fortran_order': (?P<fortran>True|False), "
+    r"'shape': \((?P<shape>[0-9]{1,20}(?:, [0-9]{1,20})*,?)?\), \} *\n"
+)
+"""The header of a plain array exactly as NumPy (and the server) writes it, read without NumPy's parser, which
+evaluates it as a Python literal (tens of microseconds an answer); any other header is NumPy's to read."""
+NPY_MAX_HEADER = 10_000
+"""The largest `.npy` header read (NumPy's own bound)."""
+_NPY_LENGTH_BYTES = {(1, 0): 2, (2, 0): 4}
+"""The width of the header's length for each `.npy` version this client reads."""
+
+
+def _npy_header(response: http.client.HTTPResponse) -> tuple[tuple[int, ...], bool, np.dtype]:
+    """A `.npy` answer's shape, order and dtype, read from the response up to its data."""
+    version = np.lib.format.read_magic(response)
+    if version not in _NPY_LENGTH_BYTES:
+        raise ValueError(f"version {version}, which this client does not read")
+    length = response.read(_NPY_LENGTH_BYTES[version])
+    if int.from_bytes(length, "little") > NPY_MAX_HEADER:
+        raise ValueError(f"a header of {int.from_bytes(length, 'little')} bytes, over NumPy's {NPY_MAX_HEADER}")
+    text = response.read(int.from_bytes(length, "little"))
+    plain = _NUMPY_HEADER.fullmatch(text.decode("latin1"))
+    if plain is None:
+        read = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
+        shape, fortran_order, dtype = read(io.BytesIO(length + text))
+        return shape, fortran_order, dtype
+    sizes = plain["shape"] or ""
+    shape = tuple(int(size) for size in sizes.split(",") if size.strip())
+    return shape, plain["fortran"] == "True", np.dtype(plain["descr"])
+
+
 def _read_npy(response: http.client.HTTPResponse, memory: AnswerMemory) -> np.ndarray:
-    """A `.npy` answer read into memory from `memory`: its header through NumPy's own parser (no pickles, bounded),
-    then its data into the array's memory."""
-    read_header = {(1, 0): np.lib.format.read_array_header_1_0, (2, 0): np.lib.format.read_array_header_2_0}
+    """A `.npy` answer read into memory from `memory`: its header as NumPy writes it, else through NumPy's own parser
+    (no pickles, bounded), then its data into the array's memory."""
     try:
-        version = np.lib.format.read_magic(response)
-        if version not in read_header:
-            raise ValueError(f"version {version}, which this client does not read")
-        shape, fortran_order, dtype = read_header[version](response)
+        shape, fortran_order, dtype = _npy_header(response)
     except ValueError as exc:
         raise http.client.HTTPException(f"the answer is not a .npy file this client reads: {exc}") from exc
     if dtype.hasobject:
         raise http.client.HTTPException("the answer is a .npy array of Python objects")
-    count = int(np.prod(shape))
+    count = math.prod(shape)
     if response.length is not None and response.length != count * dtype.itemsize:
         raise http.client.HTTPException(
             f"the answer's .npy header describes {count * dtype.itemsize} bytes, {response.length} follow it"

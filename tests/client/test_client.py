@@ -246,7 +246,15 @@ def npy_answer(c: np.ndarray, declared_bytes: int | None = None) -> bytes:
     body = io.BytesIO()
     np.save(body, c)
     data = body.getvalue()
-    meta = [
+    answer = http_answer(200, data, *product_headers(c))
+    if declared_bytes is not None:
+        answer = answer.replace(f"content-length: {len(data)}".encode(), f"content-length: {declared_bytes}".encode())
+    return answer
+
+
+def product_headers(c: np.ndarray) -> list[str]:
+    """The headers of a product's `.npy` answer, as the service sends them (a stub's)."""
+    return [
         "content-type: application/x-npy",
         f"x-matmul-dtype: {c.dtype}",
         f"x-matmul-shape: {c.shape[0]}x{c.shape[1]}",
@@ -257,10 +265,6 @@ def npy_answer(c: np.ndarray, declared_bytes: int | None = None) -> bytes:
         "x-matmul-batch-size: 3",
         "server-timing: total;dur=1.5",
     ]
-    answer = http_answer(200, data, *meta)
-    if declared_bytes is not None:
-        answer = answer.replace(f"content-length: {len(data)}".encode(), f"content-length: {declared_bytes}".encode())
-    return answer
 
 
 def test_after_an_answer_that_says_connection_close_the_next_product_goes_on_a_new_connection(
@@ -415,6 +419,44 @@ def test_the_answer_is_read_into_an_array_with_what_the_server_said(stub: Callab
         product = client.multiply(np.ones((2, 1)), np.ones((1, 3)))
     np.testing.assert_array_equal(product.c, c)
     assert (product.batch_size, product.timing, product.device) == (3, {"total": 1.5}, "stub")
+
+
+def npy_file(header: str, data: bytes, version: tuple[int, int] = (1, 0)) -> bytes:
+    """A `.npy` file with the header text given, as a server other than NumPy might write it."""
+    text = header.encode() + b"\n"
+    width = 2 if version == (1, 0) else 4
+    return b"\x93NUMPY" + bytes(version) + len(text).to_bytes(width, "little") + text + data
+
+
+@pytest.mark.parametrize(
+    ("header", "version"),
+    [
+        ("{'descr': '<f8', 'fortran_order': True, 'shape': (2, 3), }", (1, 0)),  # as NumPy writes, in Fortran order
+        ("{'descr': '>f8', 'fortran_order': False, 'shape': (2, 3), }", (2, 0)),  # big-endian, format 2.0
+        ("{'shape':(2,3),'fortran_order':False,'descr':'<f8'}", (1, 0)),  # not as NumPy writes: NumPy reads it
+    ],
+)
+def test_a_npy_answer_is_read_as_numpy_reads_it_whatever_its_header(
+    stub: Callable[..., Stub], header: str, version: tuple[int, int]
+) -> None:
+    """Headers as NumPy writes them are read by the client's own pattern, any other by NumPy's parser: each gives
+    the array NumPy would."""
+    c = np.arange(6, dtype=np.float64).reshape(2, 3)
+    fortran = "'fortran_order': True" in header
+    dtype = np.dtype(">f8" if "'>f8'" in header else "<f8")
+    data = (np.asfortranarray(c) if fortran else c).astype(dtype).tobytes(order="F" if fortran else "C")
+    server = stub(http_answer(200, npy_file(header, data, version), *product_headers(c)))
+    with MatmulClient(server.url) as client:
+        got = client.matmul(np.ones((2, 1)), np.ones((1, 3)))
+    assert got.dtype == dtype and got.flags.f_contiguous == fortran
+    np.testing.assert_array_equal(got, c)
+
+
+def test_a_npy_answer_whose_header_claims_more_than_numpy_reads_is_refused(stub: Callable[..., Stub]) -> None:
+    body = b"\x93NUMPY\x02\x00" + (1 << 30).to_bytes(4, "little") + b"{" * 64
+    server = stub(http_answer(200, body, "content-type: application/x-npy"), close_after=True)
+    with MatmulClient(server.url) as client, pytest.raises(httpx.RemoteProtocolError, match="over NumPy's 10000"):
+        client.matmul(np.ones((1, 1)), np.ones((1, 1)))
 
 
 def test_an_answers_memory_serves_the_next_answer_only_once_its_last_view_is_gone() -> None:
