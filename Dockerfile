@@ -37,6 +37,11 @@ COPY numerics numerics
 ARG CUDA_WHEELS=12.8.*
 RUN /opt/venv/bin/pip install ./client ".[gpu]" "nvidia-cuda-runtime-cu12==${CUDA_WHEELS}" \
     "nvidia-cuda-nvrtc-cu12==${CUDA_WHEELS}" "nvidia-cublas-cu12==${CUDA_WHEELS}"
+# Every kernel compiled here, for the devices of KERNEL_DEVICES (compute capabilities: A100, A10, L4/L40S, H100/H200),
+# into the package (kernels/prebuilt): a container's first start on them loads machine code instead of compiling it
+# (NVRTC needs no GPU). Another device compiles its kernels at start-up, into MATMUL_KERNEL_CACHE_DIR.
+ARG KERNEL_DEVICES="8.0 8.6 8.9 9.0"
+RUN /opt/venv/bin/python -m kernels.prebuild ${KERNEL_DEVICES}
 
 # ------------------------------------------------------------- loadtest (docker compose --profile loadtest)
 FROM ${PYTHON_IMAGE} AS loadtest

@@ -2,57 +2,32 @@
 GPU tests share, launches every rung of kernels/catalogue.py by name.
 
 `compile_ptx` needs only NVRTC (no driver, no GPU), so CI can check every source. `Launcher` needs a device and CuPy:
-when it is built it compiles, once, the FMA ladder (`KernelLibrary`, CuPy's `RawModule`) and, where the device runs
-them, the tensor-core kernels (`TensorCoreLibrary`, sm_90a cubins); cuBLAS is kernels/cublas.py. `device_attributes`
+when it is built it loads the FMA ladder (`KernelLibrary`) and, where the device runs them, the tensor-core kernels
+(`TensorCoreLibrary`, sm_90a cubins), from binaries compiled ahead or compiled then (kernels/binaries.py;
+`programs_on` says which a device loads); cuBLAS is kernels/cublas.py. `device_attributes`
 reads what the roofline's peaks are computed from (numerics/roofline.py).
 """
 
 from __future__ import annotations
 
-import tempfile
-from collections.abc import Callable, Iterable, Mapping
-from pathlib import Path
+from collections.abc import Iterable, Mapping, Sequence
 from types import MappingProxyType
-from typing import Any, Protocol, TypeVar
+from typing import Any, Protocol
 
 import numpy as np
 
 from kernels import tensorcore, tma
+from kernels.binaries import COMPILE_OPTIONS, Binary, KernelBinaries, Program, nvrtc_compile
 from kernels.catalogue import RUNGS, Rung, rungs_on
 from kernels.cublas import cublas_product
 from kernels.registry import KERNELS, STATIC_SMEM_LIMIT, KernelSpec, LaunchConfig, cdiv, read_kernel_source
 from numerics.precision import INT8_MAX_K, Precision, int8_fits, operand_dtype
 
-COMPILE_OPTIONS = ("-std=c++17",)
-Key = TypeVar("Key")
 DEVICE_ATTRIBUTES = MappingProxyType(
     {"multiprocessors": 16, "clock_khz": 13, "memory_clock_khz": 36, "memory_bus_width_bits": 37}
 )
 """What the roofline needs of a device, as cudaDeviceAttr numbers (cudaDevAttrMultiProcessorCount, ClockRate,
 MemoryClockRate, GlobalMemoryBusWidth) for cudaDeviceGetAttribute: CUDA 13's cudaDeviceProp has no clock rates."""
-
-
-def _nvrtc(
-    name: str, text: str, expressions: list[str], options: list[str], output: Callable[[Any, Any], bytes]
-) -> tuple[bytes, dict[str, str], str]:
-    """Compile `text` with NVRTC: `output` of the program (its PTX or cubin), each name expression's lowered
-    name, and the log. Raises RuntimeError with the log when the source does not compile."""
-    from cupy.cuda import nvrtc
-
-    program = nvrtc.createProgram(text, name, [], [])
-    try:
-        for expression in expressions:
-            nvrtc.addNameExpression(program, expression)
-        try:
-            nvrtc.compileProgram(program, options)
-        except nvrtc.NVRTCError as exc:
-            raise RuntimeError(
-                f"{name} does not compile ({' '.join(options)}):\n{nvrtc.getProgramLog(program)}"
-            ) from exc
-        lowered = {expression: nvrtc.getLoweredName(program, expression) for expression in expressions}
-        return output(nvrtc, program), lowered, nvrtc.getProgramLog(program)
-    finally:
-        nvrtc.destroyProgram(program)
 
 
 def compile_ptx(spec: KernelSpec, arch: str = "compute_90") -> tuple[str, dict[str, str]]:
@@ -61,7 +36,7 @@ def compile_ptx(spec: KernelSpec, arch: str = "compute_90") -> tuple[str, dict[s
     Raises RuntimeError with NVRTC's log when the source does not compile.
     """
     options = [f"--gpu-architecture={arch}", *COMPILE_OPTIONS]
-    ptx, lowered, _ = _nvrtc(
+    ptx, lowered, _ = nvrtc_compile(
         spec.source, spec.read_source(), spec.name_expressions(), options, lambda nvrtc, p: nvrtc.getPTX(p)
     )
     return ptx.decode(), lowered
@@ -76,9 +51,9 @@ def compile_tensor_core_source(
     and the log."""
     if arch.startswith("compute_"):
         options = [f"--gpu-architecture={arch}", *COMPILE_OPTIONS]
-        return _nvrtc(source, read_kernel_source(source), expressions, options, lambda nvrtc, p: nvrtc.getPTX(p))
+        return nvrtc_compile(source, read_kernel_source(source), expressions, options, lambda nvrtc, p: nvrtc.getPTX(p))
     options = [f"--gpu-architecture={arch}", *COMPILE_OPTIONS, "--ptxas-options=-v"]
-    return _nvrtc(source, read_kernel_source(source), expressions, options, lambda nvrtc, p: nvrtc.getCUBIN(p))
+    return nvrtc_compile(source, read_kernel_source(source), expressions, options, lambda nvrtc, p: nvrtc.getCUBIN(p))
 
 
 def device_attributes(cupy: Any, device: int) -> dict[str, int | None]:
@@ -97,16 +72,18 @@ class Launcher:
     """Every rung of the catalogue that the current CuPy device runs, compiled once when this is built, launched by
     its name on the current stream."""
 
-    def __init__(self) -> None:
+    def __init__(self, binaries: KernelBinaries | None = None) -> None:
         import cupy
 
         major, minor = divmod(int(cupy.cuda.Device().compute_capability), 10)
         self.rungs: list[Rung] = rungs_on((major, minor))
         """What this device runs, in the catalogue's order."""
         self._names = frozenset(rung.name for rung in self.rungs)
-        self._fma = KernelLibrary()
+        self.binaries = binaries or KernelBinaries()
+        """Where the kernels were loaded from, and how many of them had to be compiled."""
+        self._fma = KernelLibrary(self.binaries, (major, minor))
         runs_tensor_cores = any(rung.launcher == "tensor_core" for rung in self.rungs)
-        self.tensor_cores = TensorCoreLibrary((major, minor)) if runs_tensor_cores else None
+        self.tensor_cores = TensorCoreLibrary((major, minor), self.binaries) if runs_tensor_cores else None
         """The tensor-core kernels' library, where the device runs them (its operand conversions are tested alone)."""
 
     def runs(self, kernel: str) -> bool:
@@ -149,23 +126,94 @@ class Launcher:
             self.tensor_cores.launch(kernel, a, b, c, precision)
 
 
-class KernelLibrary:
-    """The FMA ladder's kernels (kernels/registry.py), every instance in both dtypes, compiled with NVRTC for the
-    current CuPy device."""
+class _Instance(Protocol):
+    """What loading a kernel instance needs of its config."""
 
-    def __init__(self, specs: Iterable[KernelSpec] = KERNELS.values()) -> None:
+    def expression(self) -> str: ...
+
+    def smem_bytes(self) -> int: ...
+
+
+def machine_arch(compute_capability: tuple[int, int]) -> str:
+    """What the FMA kernels are compiled for on a device of `compute_capability`: its machine code where this NVRTC
+    knows the architecture, else PTX of the newest one it knows below it, which the driver compiles at load."""
+    from cupy.cuda import nvrtc
+
+    major, minor = compute_capability
+    known = [int(arch) for arch in nvrtc.getSupportedArchs()]
+    arch = 10 * major + minor
+    return f"sm_{arch}" if arch in known else f"compute_{max(a for a in known if a <= arch)}"
+
+
+def fma_programs(compute_capability: tuple[int, int], specs: Iterable[KernelSpec] = KERNELS.values()) -> list[Program]:
+    """The FMA ladder's instances, one program each (so that a cold start compiles them side by side)."""
+    arch = machine_arch(compute_capability)
+    return [Program(spec.source, (expression,), arch) for spec in specs for expression in spec.name_expressions()]
+
+
+def tensor_core_instances(compute_capability: tuple[int, int]) -> dict[str, Mapping[Any, _Instance]]:
+    """The instances of each tensor-core source that a device of `compute_capability` runs: on 9.0 every one (int8's
+    among wgmma's), elsewhere mma.sync's portable ones."""
+    if compute_capability != tensorcore.COMPUTE_CAPABILITY:
+        return {tensorcore.MMA_SYNC_SOURCE: tensorcore.MMA_SYNC_PORTABLE_CONFIGS}
+    return {
+        tensorcore.WGMMA_SOURCE: {**tensorcore.WGMMA_CONFIGS, Precision.INT8: tensorcore.WGMMA_INT8},
+        tensorcore.DMMA_SOURCE: tensorcore.DMMA_CONFIGS,
+        tensorcore.MMA_SYNC_SOURCE: tensorcore.MMA_SYNC_CONFIGS,
+    }
+
+
+def tensor_core_programs(compute_capability: tuple[int, int]) -> list[Program]:
+    """The tensor-core kernels of a device of `compute_capability` (see TensorCoreLibrary): each instance a program,
+    the operand conversions one."""
+    hopper = compute_capability == tensorcore.COMPUTE_CAPABILITY
+    arch = tensorcore.ARCH if hopper else tensorcore.PORTABLE_ARCH
+    instances = [
+        Program(source, (config.expression(),), arch)
+        for source, configs in tensor_core_instances(compute_capability).items()
+        for config in configs.values()
+    ]
+    return [*instances, Program(tensorcore.OPERANDS_SOURCE, tuple(tensorcore.operand_expressions(hopper)), arch)]
+
+
+def programs_on(compute_capability: tuple[int, int]) -> list[Program]:
+    """Every program a Launcher on a device of `compute_capability` loads: what an image compiles ahead."""
+    runs_tensor_cores = any(rung.launcher == "tensor_core" for rung in rungs_on(compute_capability))
+    tensor_core = tensor_core_programs(compute_capability) if runs_tensor_cores else []
+    return [*fma_programs(compute_capability), *tensor_core]
+
+
+def _loaded(binaries: Sequence[Binary]) -> dict[str, Any]:
+    """Each instance of `binaries` (name expression -> CuPy kernel), loaded on the current device."""
+    import cupy
+
+    functions = {}
+    for binary in binaries:
+        module = cupy.RawModule(path=str(binary.path))
+        functions.update({expression: module.get_function(name) for expression, name in binary.lowered.items()})
+    return functions
+
+
+class KernelLibrary:
+    """The FMA ladder's kernels (kernels/registry.py), every instance in both dtypes, loaded on the current CuPy
+    device, of `compute_capability`."""
+
+    def __init__(
+        self,
+        binaries: KernelBinaries,
+        compute_capability: tuple[int, int],
+        specs: Iterable[KernelSpec] = KERNELS.values(),
+    ) -> None:
         import cupy
 
-        device = cupy.cuda.Device()
-        smem_limit = int(device.attributes["MaxSharedMemoryPerBlockOptin"])
+        specs = list(specs)
+        smem_limit = int(cupy.cuda.Device().attributes["MaxSharedMemoryPerBlockOptin"])
+        loaded = _loaded(binaries.of(fma_programs(compute_capability, specs)))
         self._functions: dict[tuple[str, str, str], Any] = {}
         for spec in specs:
-            module = cupy.RawModule(
-                code=spec.read_source(), options=COMPILE_OPTIONS, name_expressions=spec.name_expressions()
-            )
             for dtype in ("float32", "float64"):
                 for config in spec.configs:
-                    function = module.get_function(spec.name_expression(dtype, config))
+                    function = loaded[spec.name_expression(dtype, config)]
                     smem = config.smem_bytes(np.dtype(dtype).itemsize)
                     if smem > smem_limit:
                         raise ValueError(
@@ -198,14 +246,6 @@ class KernelLibrary:
         )
 
 
-class _Instance(Protocol):
-    """What loading a kernel instance needs of its config."""
-
-    def expression(self) -> str: ...
-
-    def smem_bytes(self) -> int: ...
-
-
 STORED_DTYPES = MappingProxyType(
     {
         tensorcore.OperandKind.BF16: np.dtype(np.uint16),
@@ -227,31 +267,35 @@ class TensorCoreLibrary:
     through wgmma and mma.sync, float64 products on the FP64 tensor cores); from 8.0 on elsewhere, mma.sync's
     portable instances and the operand conversions but FP8's, as PTX for compute_80."""
 
-    def __init__(self, compute_capability: tuple[int, int] = tensorcore.COMPUTE_CAPABILITY) -> None:
+    def __init__(
+        self,
+        compute_capability: tuple[int, int] = tensorcore.COMPUTE_CAPABILITY,
+        binaries: KernelBinaries | None = None,
+    ) -> None:
         import cupy
 
         self._cp = cupy
         hopper = compute_capability == tensorcore.COMPUTE_CAPABILITY
-        arch = tensorcore.ARCH if hopper else tensorcore.PORTABLE_ARCH
         self.mma_sync_configs = tensorcore.MMA_SYNC_CONFIGS if hopper else tensorcore.MMA_SYNC_PORTABLE_CONFIGS
         """The mma.sync instance of each precision on this device."""
-        self._wgmma: dict[Precision, Any] = {}
-        self._mma_sync: dict[Precision, Any] = {}
-        self._dmma: dict[bool, Any] = {}
+        binaries = binaries or KernelBinaries()
+        loaded = _loaded(binaries.of(tensor_core_programs(compute_capability)))
+
+        def instances(source: str) -> dict[Any, Any]:
+            """Each instance of `source`, allowed the dynamic shared memory it asks for."""
+            configs = tensor_core_instances(compute_capability).get(source, {})
+            for config in configs.values():
+                loaded[config.expression()].max_dynamic_shared_size_bytes = config.smem_bytes()
+            return {key: loaded[config.expression()] for key, config in configs.items()}
+
+        self._wgmma: dict[Precision, Any] = instances(tensorcore.WGMMA_SOURCE)
+        self._dmma: dict[bool, Any] = instances(tensorcore.DMMA_SOURCE)
+        self._mma_sync: dict[Precision, Any] = instances(tensorcore.MMA_SYNC_SOURCE)
+        self._largest_magnitude = loaded[tensorcore.LARGEST_MAGNITUDE]
         self._conversions: dict[tuple[str, int], Any] = {}
-        with tempfile.TemporaryDirectory(prefix="matmul-tensorcore-") as folder:
-            place = Path(folder)
-            if hopper:
-                # one compilation for every instance of a source, int8's among wgmma's
-                configs = {**tensorcore.WGMMA_CONFIGS, Precision.INT8: tensorcore.WGMMA_INT8}
-                self._wgmma = self._load_instances(place, tensorcore.WGMMA_SOURCE, configs, arch)
-                self._dmma = self._load_instances(place, tensorcore.DMMA_SOURCE, tensorcore.DMMA_CONFIGS, arch)
-            self._mma_sync = self._load_instances(place, tensorcore.MMA_SYNC_SOURCE, self.mma_sync_configs, arch)
-            operands = self._load(place, tensorcore.OPERANDS_SOURCE, tensorcore.operand_expressions(hopper), arch)
-            self._largest_magnitude = operands.pop(tensorcore.LARGEST_MAGNITUDE)
-            for expression, function in operands.items():
-                kernel, conversion = expression.removesuffix(">").split("<")
-                self._conversions[(kernel, int(conversion))] = function
+        for expression in tensorcore.conversion_expressions(hopper):
+            kernel, conversion = expression.removesuffix(">").split("<")
+            self._conversions[(kernel, int(conversion))] = loaded[expression]
         self.instances = len(self._wgmma) + len(self._mma_sync) + len(self._dmma)
 
     def launch(self, kernel: str, a: Any, b: Any, c: Any, precision: Precision) -> None:
@@ -266,24 +310,6 @@ class TensorCoreLibrary:
             self.dmma(a, b, c)
         else:
             raise ValueError(f"'{kernel}' is not a tensor-core kernel")
-
-    def _load(self, folder: Path, source: str, expressions: list[str], arch: str) -> dict[str, Any]:
-        """Each expression's kernel, from the source's cubin or PTX for `arch` (CuPy loads a module from a file)."""
-        code, lowered, _ = compile_tensor_core_source(source, expressions, arch)
-        path = folder / f"{source}.{'ptx' if arch.startswith('compute_') else 'cubin'}"
-        path.write_bytes(code)
-        module = self._cp.RawModule(path=str(path))
-        return {expression: module.get_function(name) for expression, name in lowered.items()}
-
-    def _load_instances(self, folder: Path, source: str, configs: Mapping[Key, _Instance], arch: str) -> dict[Key, Any]:
-        """Each config's kernel, allowed the dynamic shared memory it asks for."""
-        functions = self._load(folder, source, [config.expression() for config in configs.values()], arch)
-        loaded = {}
-        for key, config in configs.items():
-            function = functions[config.expression()]
-            function.max_dynamic_shared_size_bytes = config.smem_bytes()
-            loaded[key] = function
-        return loaded
 
     def largest_magnitudes(self, *operands: Any) -> Any:
         """A device array of uint32, the float32 bits of each operand's largest magnitude (CuPy float32 arrays,

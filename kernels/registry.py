@@ -32,8 +32,8 @@ STATIC_SMEM_LIMIT = 48 * 1024
 def read_kernel_source(source: str) -> str:
     """kernels/<source> with each `#include "<name>.cuh"` of this folder replaced by that header's text, between
     `#line` directives so that compiler messages still name the right file and line. NVRTC then needs no include
-    path, and the text CuPy keys its kernel cache on (a volume that outlives images) changes when a header does,
-    which an include path would hide from it."""
+    path, and the text kept binaries are keyed on (kernels/binaries.py) changes when a header does, which an include
+    path would hide."""
     text = (KERNEL_DIR / source).read_text(encoding="utf-8")
 
     def header_text(include: re.Match[str]) -> str:

@@ -22,7 +22,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from kernels.cuda import COMPILE_OPTIONS, compile_ptx
+from kernels.binaries import COMPILE_OPTIONS
+from kernels.cuda import compile_ptx
 from kernels.registry import CTYPES, KERNELS, KernelSpec
 
 ENTRY = re.compile(r"Compiling entry function '(?P<name>[^']+)' for")

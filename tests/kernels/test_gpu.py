@@ -484,3 +484,30 @@ def test_the_precisions_device_conversions_round_as_the_array_ones() -> None:
     np.testing.assert_array_equal(cp.asnumpy(big), expected_big)
     subnormal = np.abs(expected_small) < np.finfo(np.float32).tiny  # the device flushes these to zero
     np.testing.assert_array_equal(cp.asnumpy(small), np.where(subnormal, np.float32(0), expected_small))
+
+
+def test_a_launcher_compiles_once_and_the_next_loads_what_it_kept(tmp_path: Any) -> None:
+    """The first Launcher on an empty cache compiles every program its device loads; a second one, on the same
+    cache, compiles none, and what it loaded computes the same products."""
+    import cupy
+
+    from kernels.binaries import KernelBinaries
+    from kernels.cuda import Launcher, programs_on
+
+    major, minor = divmod(int(cupy.cuda.Device().compute_capability), 10)
+    cold = Launcher(KernelBinaries(cache=tmp_path, shipped=tmp_path / "none"))
+    assert cold.binaries.compiled == len(programs_on((major, minor)))
+    warm = Launcher(KernelBinaries(cache=tmp_path, shipped=tmp_path / "none"))
+    assert warm.binaries.compiled == 0
+    a, b = operands(67, 48, 40, seed=3)
+    modes = [(r.name, p) for r in warm.rungs for p in FLOAT_PRECISIONS if r.computes("float32", p)]
+    assert {rung.launcher for rung in warm.rungs if rung.name in dict(modes)} >= {"fma", "cublas"}
+    for kernel, precision in modes:
+        products = []
+        for launcher in (cold, warm):
+            c = cupy.empty((67, 40), np.float32)
+            a_device, b_device = cupy.asarray(a, np.float32), cupy.asarray(b, np.float32)
+            launcher.launch(kernel, a_device, b_device, c, precision=precision)
+            products.append(c.get())
+        assert_close_to_reference(products[1], a, b, "float32", precision)
+        np.testing.assert_array_equal(products[0], products[1], err_msg=f"{kernel} in {precision}")
