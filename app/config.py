@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from enum import StrEnum
+from pathlib import Path
 from typing import Annotated, Any
 
 from pydantic import Field, SecretStr, field_validator
@@ -162,6 +163,11 @@ class Settings(BaseSettings):
         default_factory=list,
         description="Comma-separated keys; when set, every route but the health probes needs one "
         "(Authorization: Bearer <key> or X-API-Key).",
+    )
+    kernel_cache_dir: Path | None = Field(
+        None,
+        description="Where kernels compiled at start-up are kept for the next start (kernels the image compiled "
+        "when it was built are not compiled again). By default $XDG_CACHE_HOME/matmul-service/kernels.",
     )
     fault_injection: bool = Field(
         False, description="Tests only: accept kernel=fault_trap, which poisons the CUDA context on purpose."

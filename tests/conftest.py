@@ -11,7 +11,7 @@ from fastapi import FastAPI
 from hypothesis import settings
 
 from app.config import Settings
-from app.engine.gpu import gpu_unavailable
+from app.dataplane.devices import gpu_unavailable
 from app.main import create_app
 from matmul_tools.service import free_port, running_server, uvicorn_command, wait_ready_async
 

@@ -16,8 +16,6 @@ unpinned and unmapped. When the device is lost (a sticky CUDA error), the proces
 with DEVICE_LOST_EXIT_CODE; the supervisor starts a fresh one. SIGTERM and SIGINT drain: no new products are
 taken, those held are finished and answered, and the process exits once its HTTP workers have gone (or after
 `DRAIN_S`). End of file on stdin (the supervisor is gone) drains it too.
-
-`--probe` prints which engines the settings ask for, as JSON: `{"devices": [0, 1]}` or `{"cpu": "why"}`.
 """
 
 from __future__ import annotations
@@ -27,7 +25,6 @@ import asyncio
 import base64
 import binascii
 import contextlib
-import json
 import logging
 import mmap
 import os
@@ -42,7 +39,7 @@ import numpy as np
 
 from app.allocator import cap_malloc_arenas
 from app.awaiting import in_thread
-from app.config import BackendChoice, Settings, SharedMemoryKind
+from app.config import Settings, SharedMemoryKind
 from app.dataplane import wire
 from app.dataplane.regions import CudaRegion, Region, Regions, SystemRegion
 from app.dataplane.slab import Placement, view
@@ -65,24 +62,6 @@ DRAIN_S = 60.0
 """Longest a draining engine waits for its HTTP workers to go."""
 
 
-def probe(settings: Settings) -> dict[str, Any]:
-    """The engines these settings ask for: the devices of MATMUL_DEVICES, else every visible one; the CPU when
-    MATMUL_BACKEND=cpu or, with auto, when no GPU can be used. Raises when MATMUL_BACKEND=gpu cannot be."""
-    if settings.backend is BackendChoice.CPU:
-        return {"cpu": "MATMUL_BACKEND=cpu"}
-    from app.engine import gpu
-
-    devices = settings.devices or list(range(gpu.device_count())) or [0]
-    missing = next((m for m in map(gpu.gpu_unavailable, devices) if m is not None), None)
-    if missing is None:
-        return {"devices": devices}
-    said = f" ({missing.detail})" if missing.detail else ""
-    if settings.backend is BackendChoice.GPU:
-        raise RuntimeError(f"MATMUL_BACKEND=gpu, but the GPU backend cannot start: {missing.reason}{said}")
-    log.warning("%s: running on the CPU backend%s", missing.reason, said)
-    return {"cpu": missing.reason}
-
-
 def build_backend(settings: Settings, device: int | None, why_cpu: str) -> Backend:
     if device is None:
         return CpuBackend(reason=why_cpu)
@@ -94,6 +73,7 @@ def build_backend(settings: Settings, device: int | None, why_cpu: str) -> Backe
         settings.fault_injection,
         settings.pipeline_depth,
         auto_batch=settings.max_batch_size if settings.batching else 1,
+        kernel_cache=settings.kernel_cache_dir,
     )
 
 
@@ -530,7 +510,6 @@ def _event_loop() -> asyncio.AbstractEventLoop:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m app.dataplane.engine_process", description=__doc__)
-    parser.add_argument("--probe", action="store_true", help="print the engines the settings ask for, and exit")
     parser.add_argument("--device", help="a CUDA device ordinal, or cpu")
     parser.add_argument("--why-cpu", default="", help="with --device cpu: why the CPU backend runs")
     parser.add_argument("--socket", help="the Unix socket to serve on")
@@ -539,11 +518,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         level=logging.INFO, format="%(asctime)s engine[%(process)d] %(levelname)s %(name)s: %(message)s"
     )
     settings = Settings()
-    if args.probe:
-        print(json.dumps(probe(settings)))
-        return 0
     if args.device is None or args.socket is None:
-        parser.error("--device and --socket are needed (or --probe)")
+        parser.error("--device and --socket are needed")
     cap_malloc_arenas()
     device = None if args.device == "cpu" else int(args.device)
     with asyncio.Runner(loop_factory=_event_loop) as runner:

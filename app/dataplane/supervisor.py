@@ -2,7 +2,7 @@
 
 The supervisor runs in the process that starts the server: `matmul-service` (which also starts the HTTP workers,
 under uvicorn) or, under plain `uvicorn app.main:create_app --factory`, the one HTTP worker's lifespan. It asks
-`app.dataplane.engine_process --probe` which engines the settings need (so that it never imports CuPy itself),
+`app.dataplane.devices` which engines the settings need (so that it never imports CuPy itself),
 starts one engine process per device, each in a session of its own (a terminal's Ctrl-C reaches only the
 supervisor, which stops everything in order) with a pipe on its stdin (if the supervisor dies, the engines see end
 of file and drain), and restarts any that exits while the server runs: the exit code 75 of a lost device, a
@@ -45,13 +45,16 @@ STOP_TIMEOUT_S = 90.0
 
 def engine_environment(settings: Settings) -> dict[str, str]:
     """The environment of an engine process: this one's, with `settings` as the MATMUL_* variables that give them
-    (settings passed to create_app in code reach the engines too). API keys stay out: engines take no HTTP."""
+    (settings passed to create_app in code reach the engines too); a setting left unset (None) is unset there too. API
+    keys stay out: engines take no HTTP."""
     variables = dict(os.environ)
     for name, value in settings.model_dump().items():
         if name == "api_keys":
             continue
         variable = f"MATMUL_{name.upper()}"
-        if isinstance(value, list):
+        if value is None:  # unset: the engine's default, whatever this environment says
+            variables.pop(variable, None)
+        elif isinstance(value, list):
             variables[variable] = ",".join(map(str, value))
         elif isinstance(value, bool):
             variables[variable] = "true" if value else "false"
@@ -75,6 +78,7 @@ class _Engine:
 
 class EngineSupervisor:
     def __init__(self, settings: Settings) -> None:
+        self.settings = settings
         self.environment = engine_environment(settings)
         self.directory = tempfile.mkdtemp(prefix="matmul-engines-")
         self.engines: list[_Engine] = []
@@ -108,8 +112,9 @@ class EngineSupervisor:
         self._watcher.start()
 
     def _probe(self) -> dict[str, object]:
+        backend, devices = self.settings.backend.value, ",".join(map(str, self.settings.devices))
         done = subprocess.run(
-            [sys.executable, "-m", "app.dataplane.engine_process", "--probe"],
+            [sys.executable, "-m", "app.dataplane.devices", "--backend", backend, "--devices", devices],
             env=self.environment,
             capture_output=True,
             text=True,

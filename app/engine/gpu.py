@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import logging
 import math
 import threading
 from collections.abc import Callable, Iterator
@@ -31,7 +32,7 @@ from typing import Any, Final
 import numpy as np
 
 import kernels
-from app.engine.autotune import AUTO_REPEATS, SHAPE_CLASSES, AutoChoice, pick_auto
+from app.engine.autotune import AUTO_BEATEN, AUTO_REPEATS, SHAPE_CLASSES, AutoChoice, pick_auto
 from app.engine.base import (
     ALL_DTYPES,
     ALL_PRECISIONS,
@@ -55,6 +56,7 @@ from app.errors import (
     SharedMemoryError,
     UnknownKernel,
 )
+from kernels.binaries import KernelBinaries
 from kernels.catalogue import CUBLAS, DTYPES, RUNGS, TENSOR_CORE_PRECISIONS, Rung, rungs_on
 from kernels.cublas import INT8_K_MULTIPLE
 from kernels.cuda import Launcher, device_attributes
@@ -64,68 +66,14 @@ from numerics.reference import Reference
 from numerics.roofline import DevicePeaks, gpu_peaks
 
 # Self-test shape at start-up: no side a multiple of any tile, so every edge guard is exercised.
+log = logging.getLogger(__name__)
+
 SELF_TEST_SHAPE = (67, 45, 39)
 # A kernel that executes `trap`, for tests of device loss; exists only with MATMUL_FAULT_INJECTION=1.
 FAULT_TRAP = "fault_trap"
 CUDA_ERROR_MEMORY_ALLOCATION = 2
-CUDA_ERROR_INSUFFICIENT_DRIVER = 35
-CUDA_ERROR_NO_DEVICE = 100
 STAGING_THREADS = 4
 """Threads that copy large operands into pinned memory, each a band of rows."""
-
-
-def device_count() -> int:
-    """CUDA devices CuPy sees here (0 without CuPy or a driver)."""
-    try:
-        import cupy
-
-        return int(cupy.cuda.runtime.getDeviceCount())
-    except Exception:
-        return 0
-
-
-@dataclass(frozen=True)
-class GpuUnavailable:
-    """Why the GPU backend cannot run here: `reason` in plain words, `detail` as CuPy or CUDA put it."""
-
-    reason: str
-    detail: str = ""
-
-
-NO_GPU = "No NVIDIA GPU or driver found"
-
-
-def _driver_installed() -> bool:
-    """Whether the NVIDIA driver's CUDA library can be loaded (CuPy's runtime reports its absence as a version
-    problem: cudaErrorInsufficientDriver)."""
-    try:
-        ctypes.CDLL("libcuda.so.1")
-    except OSError:
-        return False
-    return True
-
-
-def gpu_unavailable(device: int) -> GpuUnavailable | None:
-    """Why the GPU backend cannot run on `device` (None when it can): no CuPy, no GPU or driver, no such device."""
-    try:
-        import cupy
-    except ImportError:
-        return GpuUnavailable("CuPy is not installed (pip install 'matmul-service[gpu]')")
-    try:
-        count = cupy.cuda.runtime.getDeviceCount()
-    except cupy.cuda.runtime.CUDARuntimeError as exc:
-        if exc.status == CUDA_ERROR_NO_DEVICE or (
-            exc.status == CUDA_ERROR_INSUFFICIENT_DRIVER and not _driver_installed()
-        ):
-            return GpuUnavailable(NO_GPU, detail=str(exc))
-        if exc.status == CUDA_ERROR_INSUFFICIENT_DRIVER:
-            return GpuUnavailable("The NVIDIA driver is older than CuPy's CUDA runtime needs", detail=str(exc))
-        return GpuUnavailable("CUDA is not usable", detail=str(exc))
-    if count == 0:
-        return GpuUnavailable(NO_GPU, detail="CUDA sees no device")
-    if device >= count:
-        return GpuUnavailable(f"device {device} was asked for, but {count} CUDA device(s) are visible")
-    return None
 
 
 def _fitted(shape: tuple[int, int, int], config: LaunchConfig | None) -> tuple[int, int, int]:
@@ -260,6 +208,37 @@ AUTO_PROBE_ELEMENTS = 1 << 24
 probe, 16 of 1024^2, 4 of 2048^2, one of 4096^2."""
 
 
+RANDOM_BLOCK = 1 << 20
+"""Random values drawn on the host for each dtype of auto's probe, repeated on the device to fill its operands."""
+
+
+class _DeviceRandom:
+    """Operands for auto's probe: a block of random values per dtype (normal for floats, all of int8's range), drawn
+    once by NumPy and repeated on the device by copies. No CuPy kernel (its random generators are CuPy kernels that a
+    first start compiles, and cuRAND's, which the image does not ship), and the timings need no fresh values."""
+
+    def __init__(self, cupy: Any) -> None:
+        self._cp = cupy
+        self._rng = np.random.default_rng(0)
+        self._blocks: dict[np.dtype, Any] = {}
+
+    def array(self, shape: tuple[int, ...], dtype: np.dtype) -> Any:
+        """A new device array of `shape` and `dtype` (float32, float64 or int8) filled with the dtype's block, by
+        copies on the current stream."""
+        block = self._blocks.get(dtype)
+        if block is None:
+            if dtype == INT8_OPERAND:
+                values = self._rng.integers(-128, 128, RANDOM_BLOCK, dtype=np.int8)
+            else:
+                values = self._rng.standard_normal(RANDOM_BLOCK, dtype=dtype)
+            block = self._blocks[dtype] = self._cp.asarray(values)
+        filled = self._cp.empty(math.prod(shape), dtype)
+        for start in range(0, filled.size, block.size):
+            part = filled[start : start + block.size]
+            part.data.copy_from_device_async(block.data, part.nbytes)
+        return filled.reshape(shape)
+
+
 class GpuBackend:
     name: Final = "gpu"
     _launcher: Launcher
@@ -274,6 +253,7 @@ class GpuBackend:
         *,
         auto_batch: int = 1,
         poison_outputs: bool = False,
+        kernel_cache: Path | None = None,
     ) -> None:
         import cupy
 
@@ -285,6 +265,8 @@ class GpuBackend:
         self._auto_batch = auto_batch
         """Products per launch in auto's probe of the kernels that batch (MATMUL_MAX_BATCH_SIZE with batching on)."""
         """Fill C with NaN before each launch (see the module's docstring): for tests, never in the service."""
+        self._kernel_cache = kernel_cache
+        """The folder compiled kernels are kept in (None: kernels/binaries.py's default)."""
         self._trap: Any = None
         properties = cupy.cuda.runtime.getDeviceProperties(device)
         self.device_name: str = properties["name"].decode()
@@ -394,8 +376,16 @@ class GpuBackend:
             self._trap = cp.RawKernel(source, "fault_trap")
             self._trap.compile()
         self._copy_in, self._compute, self._copy_out = (cp.cuda.Stream(non_blocking=True) for _ in range(3))
-        self._launcher = Launcher()
+        self._launcher = Launcher(KernelBinaries(self._kernel_cache))
         self._compiled_instances = self._launcher.compiled_instances()
+        binaries = self._launcher.binaries
+        log.info(
+            "kernels loaded on device %d: %d compiled now, the rest from %s or %s",
+            self._device_id,
+            binaries.compiled,
+            binaries.shipped,
+            binaries.cache,
+        )
         self._self_test()
         self._tune_auto()
 
@@ -476,14 +466,16 @@ class GpuBackend:
                 *(rung.name for rung in tensor_core if rung.computes(INT8_PRODUCT, Precision.INT8)),
             ]
         choices = []
+        random = _DeviceRandom(self._cp)
         for (precision, dtype), names in candidates.items():
             for shape_class in SHAPE_CLASSES:
                 size = shape_class.probe
-                timings = {}
+                timings: dict[str, float] = {}
                 for name in names:
                     plan = self.plan(ProductRequest(size, size, size, dtype, name, None, precision))
                     try:
-                        timings[name] = self._probe_ms(plan, size, dtype)
+                        fastest_ms = min(timings.values(), default=math.inf)
+                        timings[name] = self._probe_ms(plan, size, dtype, fastest_ms, random)
                     except self._cp.cuda.memory.OutOfMemoryError:
                         # the probe and its conversions do not fit in the memory the engine may use (a device
                         # memory limit): the kernel is no candidate for this class
@@ -499,25 +491,33 @@ class GpuBackend:
         self._auto = choices
         self._cp.get_default_memory_pool().free_all_blocks()
 
-    def _probe_ms(self, plan: Plan, size: int, dtype: str) -> float:
-        """Milliseconds per size^3 product of `plan` in `dtype`, over AUTO_REPEATS launches after a warm-up one."""
+    def _probe_ms(self, plan: Plan, size: int, dtype: str, fastest_ms: float, random: _DeviceRandom) -> float:
+        """Milliseconds per size^3 product of `plan` in `dtype` on operands from `random`, after a warm-up launch:
+        of one launch where that takes AUTO_BEATEN times `fastest_ms` (the fastest of the class so far), else of
+        AUTO_REPEATS more."""
         cp = self._cp
-        start, stop = cp.cuda.Event(), cp.cuda.Event()
         batch = min(self._auto_batch, max(1, AUTO_PROBE_ELEMENTS // size**2)) if self.batchable(plan) else 1
         shape = (batch, size, size) if batch > 1 else (size, size)
-        if dtype == INT8_PRODUCT:
-            a, b = (cp.random.randint(-128, 128, shape).astype(INT8_OPERAND) for _ in range(2))
-        else:
-            a, b = (cp.random.standard_normal(shape, dtype=dtype) for _ in range(2))
+        with self._compute:  # the operands are written in the order of the launches that read them
+            a, b = (random.array(shape, operand_dtype(np.dtype(dtype))) for _ in range(2))
         c = cp.empty(shape, dtype=dtype)
-        with self._compute as stream:
+
+        def per_product_ms(launches: int) -> float:
+            start, stop = cp.cuda.Event(), cp.cuda.Event()
+            with self._compute as stream:
+                start.record(stream)
+                for _ in range(launches):
+                    self._launch(plan, a, b, c)
+                stop.record(stream)
+            stop.synchronize()
+            return float(cp.cuda.get_elapsed_time(start, stop)) / (launches * batch)
+
+        with self._compute:
             self._launch(plan, a, b, c)
-            start.record(stream)
-            for _ in range(AUTO_REPEATS):
-                self._launch(plan, a, b, c)
-            stop.record(stream)
-        stop.synchronize()
-        return float(cp.cuda.get_elapsed_time(start, stop)) / (AUTO_REPEATS * batch)
+        first = per_product_ms(1)
+        if first > AUTO_BEATEN * fastest_ms:
+            return first
+        return per_product_ms(AUTO_REPEATS)
 
     def auto_choices(self) -> list[AutoChoice]:
         return list(self._auto)

@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import json
 import logging
+import subprocess
+import sys
 
 import httpx
 import pytest
 
 from app.config import BackendChoice, Settings
-from app.dataplane import engine_process
-from app.engine import gpu
+from app.dataplane import devices
+from app.dataplane.supervisor import EngineSupervisor
 
 pytestmark = pytest.mark.anyio
 
@@ -75,15 +78,15 @@ def _cuda_fails(monkeypatch: pytest.MonkeyPatch, status: int, driver_installed: 
         raise cupy.cuda.runtime.CUDARuntimeError(status)
 
     monkeypatch.setattr(cupy.cuda.runtime, "getDeviceCount", get_device_count)
-    monkeypatch.setattr(gpu, "_driver_installed", lambda: driver_installed)
+    monkeypatch.setattr(devices, "_driver_installed", lambda: driver_installed)
 
 
 @pytest.mark.parametrize(
     ("status", "driver_installed", "reason"),
     [
-        (gpu.CUDA_ERROR_INSUFFICIENT_DRIVER, False, gpu.NO_GPU),
-        (gpu.CUDA_ERROR_NO_DEVICE, True, gpu.NO_GPU),
-        (gpu.CUDA_ERROR_INSUFFICIENT_DRIVER, True, "The NVIDIA driver is older than CuPy's CUDA runtime needs"),
+        (devices.CUDA_ERROR_INSUFFICIENT_DRIVER, False, devices.NO_GPU),
+        (devices.CUDA_ERROR_NO_DEVICE, True, devices.NO_GPU),
+        (devices.CUDA_ERROR_INSUFFICIENT_DRIVER, True, "The NVIDIA driver is older than CuPy's CUDA runtime needs"),
     ],
 )
 def test_why_there_is_no_gpu_in_plain_words_with_cupys_own_in_the_detail(
@@ -92,17 +95,51 @@ def test_why_there_is_no_gpu_in_plain_words_with_cupys_own_in_the_detail(
     import cupy
 
     _cuda_fails(monkeypatch, status, driver_installed)
-    assert gpu.gpu_unavailable(0) == gpu.GpuUnavailable(reason, str(cupy.cuda.runtime.CUDARuntimeError(status)))
-    assert gpu.NO_GPU == "No NVIDIA GPU or driver found"
+    assert devices.gpu_unavailable(0) == devices.GpuUnavailable(reason, str(cupy.cuda.runtime.CUDARuntimeError(status)))
+    assert devices.NO_GPU == "No NVIDIA GPU or driver found"
 
 
 def test_without_a_driver_the_probe_says_so_and_the_log_says_why(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    _cuda_fails(monkeypatch, gpu.CUDA_ERROR_INSUFFICIENT_DRIVER, driver_installed=False)
-    assert engine_process.probe(Settings(backend=BackendChoice.AUTO)) == {"cpu": "No NVIDIA GPU or driver found"}
+    _cuda_fails(monkeypatch, devices.CUDA_ERROR_INSUFFICIENT_DRIVER, driver_installed=False)
+    assert devices.engines("auto", []) == {"cpu": "No NVIDIA GPU or driver found"}
     (warning,) = [record.getMessage() for record in caplog.records if record.levelno == logging.WARNING]
     assert warning == (
         "No NVIDIA GPU or driver found: running on the CPU backend "
         "(cudaErrorInsufficientDriver: CUDA driver version is insufficient for CUDA runtime version)"
     )
+
+
+def probe_devices(*arguments: str) -> subprocess.CompletedProcess[str]:
+    """`python -m app.dataplane.devices` as the supervisor runs it, on this machine (no GPU in CI)."""
+    command = [sys.executable, "-m", "app.dataplane.devices", *arguments]
+    return subprocess.run(command, capture_output=True, text=True, timeout=60, check=False)
+
+
+def test_the_device_probe_answers_in_json_and_refuses_gpu_without_one() -> None:
+    assert json.loads(probe_devices("--backend", "cpu", "--devices", "0,1").stdout) == {"cpu": "MATMUL_BACKEND=cpu"}
+    if devices.gpu_unavailable(0) is None:
+        pytest.skip("this machine has a GPU: the refusals below need one missing")
+    auto = probe_devices("--backend", "auto")
+    assert auto.returncode == 0 and json.loads(auto.stdout) == {"cpu": devices.NO_GPU}
+    assert f"{devices.NO_GPU}: running on the CPU backend" in auto.stderr
+    gpu = probe_devices("--backend", "gpu")
+    assert gpu.returncode == 1 and gpu.stdout == ""
+    assert gpu.stderr.strip().splitlines()[-1].startswith(
+        "RuntimeError: MATMUL_BACKEND=gpu, but the GPU backend cannot start: No NVIDIA GPU or driver found"
+    )
+    wrong = probe_devices("--backend", "tpu")
+    assert wrong.returncode == 2 and "invalid choice: 'tpu'" in wrong.stderr
+
+
+def test_the_supervisor_says_why_the_gpu_backend_cannot_start() -> None:
+    if devices.gpu_unavailable(0) is None:
+        pytest.skip("this machine has a GPU")
+    supervisor = EngineSupervisor(Settings(backend=BackendChoice.GPU))
+    try:
+        with pytest.raises(RuntimeError, match=r"^the engine cannot start: RuntimeError: MATMUL_BACKEND=gpu, but"):
+            supervisor.start()
+        assert supervisor.engines == []
+    finally:
+        supervisor.stop()
