@@ -28,8 +28,11 @@ GRACEFUL_SHUTDOWN_VARIABLE = "UVICORN_TIMEOUT_GRACEFUL_SHUTDOWN"
 
 
 def _default_text(field: FieldInfo) -> str:
-    """A setting's default as --help shows it: `false`, `auto` as the variable spells them; `none` for an empty list."""
+    """A setting's default as --help shows it: `false`, `auto` as the variable spells them; `none` for an empty list
+    or no value (the variable set empty)."""
     value = field.get_default(call_default_factory=True, validated_data={})
+    if value is None:
+        return "none"
     if isinstance(value, bool):
         return str(value).lower()
     if isinstance(value, Enum):

@@ -167,7 +167,8 @@ class Settings(BaseSettings):
     kernel_cache_dir: Path | None = Field(
         None,
         description="Where kernels compiled at start-up are kept for the next start (kernels the image compiled "
-        "when it was built are not compiled again). By default $XDG_CACHE_HOME/matmul-service/kernels.",
+        "when it was built are not compiled again); none: $XDG_CACHE_HOME/matmul-service/kernels (by default "
+        "~/.cache/matmul-service/kernels).",
     )
     fault_injection: bool = Field(
         False, description="Tests only: accept kernel=fault_trap, which poisons the CUDA context on purpose."
@@ -210,6 +211,12 @@ class Settings(BaseSettings):
         "Anyone who can reach the port can then read and write any region they can name: enable them only behind "
         "API keys or on loopback.",
     )
+
+    @field_validator("kernel_cache_dir", mode="before")
+    @classmethod
+    def _empty_is_unset(cls, value: Any) -> Any:
+        """MATMUL_KERNEL_CACHE_DIR set empty is the default folder, not the current directory."""
+        return None if value == "" else value
 
     @field_validator("api_keys", "devices", "shared_memory", mode="before")
     @classmethod

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -19,6 +20,7 @@ from app.config import (
     default_http_workers,
     default_slab_bytes,
 )
+from app.dataplane.supervisor import engine_environment
 from app.engine import BatchPolicy, DeviceWorker, EngineState, LocalEngine
 from tests.fakes import GATE_TIMEOUT_S, SteeredBackend, multiply, until
 
@@ -31,6 +33,7 @@ def unset(monkeypatch: pytest.MonkeyPatch) -> None:
     """None of the variables these tests read is set, whatever this process's environment holds."""
     for name in ("HTTP_WORKERS", "SLAB_BYTES", "BATCHING", "MAX_QUEUE_DELAY_US", "DEVICES", "API_KEYS"):
         monkeypatch.delenv(f"MATMUL_{name}", raising=False)
+    monkeypatch.delenv("MATMUL_KERNEL_CACHE_DIR", raising=False)
 
 
 @pytest.fixture
@@ -120,7 +123,16 @@ def test_an_empty_variable_is_the_default(host_of: Host, monkeypatch: pytest.Mon
     defaults = settings()
     for name in ("HTTP_WORKERS", "SLAB_BYTES", "BATCHING", "MAX_QUEUE_DELAY_US", "DEVICES", "API_KEYS"):
         monkeypatch.setenv(f"MATMUL_{name}", "")
-    assert settings() == defaults and settings().http_workers == 8
+    monkeypatch.setenv("MATMUL_KERNEL_CACHE_DIR", "")
+    assert settings() == defaults and settings().http_workers == 8 and settings().kernel_cache_dir is None
+
+
+def test_the_kernel_cache_reaches_the_engines_only_where_it_is_set(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("MATMUL_KERNEL_CACHE_DIR", "/srv/kernels")
+    assert settings().kernel_cache_dir == Path("/srv/kernels")
+    assert engine_environment(settings())["MATMUL_KERNEL_CACHE_DIR"] == "/srv/kernels"
+    unset = engine_environment(Settings(_env_file=None, kernel_cache_dir=None))
+    assert "MATMUL_KERNEL_CACHE_DIR" not in unset, "the engine takes its own default, not the text None"
 
 
 def test_the_lists_still_split() -> None:
