@@ -23,7 +23,7 @@ What it costs: a 4096x4096 float32 product moves 192 MiB, and a client that copi
 multipart body, out of a socket's chunks, into an array) spends more than the server does. This one writes a
 request's head and the operands' own memory (`.npy` parts are a small header and the array's buffer) with one
 scatter-gather `sendmsg`, and reads a `.npy` answer's bytes straight into the result array (`readinto`), on
-keep-alive connections kept in a pool; answers' heads are parsed by the standard library's `http.client`. Each
+keep-alive connections kept in a pool; answers' heads are read into a dict (matmul_client/http11.py). Each
 `.npy` part's data begins on a multiple of 64 bytes of the body, so that the server, which reads a large body into
 its shared memory, hands the operands to the engine where they lie; an answer of 1 MiB or more is read into memory
 an earlier answer of its size used, once nothing views that one any more (`AnswerMemory`).
@@ -58,6 +58,7 @@ from urllib.parse import quote, urlencode, urlsplit
 import httpx
 import numpy as np
 
+from matmul_client.http11 import Answer
 from matmul_client.wire import JSON_MEDIA_TYPE, NPY_MEDIA_TYPE, NPZ_MEDIA_TYPE, npy_parts
 
 RequestFormat = Literal["npy", "json", "npz"]
@@ -124,16 +125,14 @@ class Unavailable(ServerError):
         self.retry_after_s = retry_after_s
 
 
+_DURATION = re.compile(r'([^\s,;]+)\s*(?:;[^,]*?)?;\s*dur\s*=\s*"?([^\s,;"]*)', re.IGNORECASE)
+"""A Server-Timing metric's name and its `dur` parameter's value, wherever that stands among its parameters."""
+
+
 def parse_server_timing(header: str) -> dict[str, float]:
-    """A W3C `Server-Timing` header -> milliseconds by metric name (`queue;dur=0.05` -> {"queue": 0.05})."""
-    durations: dict[str, float] = {}
-    for metric in header.split(","):
-        name, *params = (part.strip() for part in metric.split(";"))
-        for param in params:
-            key, _, value = param.partition("=")
-            if name and key.strip().lower() == "dur":
-                durations[name] = float(value.strip().strip('"'))
-    return durations
+    """A W3C `Server-Timing` header -> milliseconds by metric name (`queue;dur=0.05` -> {"queue": 0.05}); metrics
+    without a duration are left out. ValueError for a duration that is not a number."""
+    return {name: float(value) for name, value in _DURATION.findall(header)}
 
 
 class Options(TypedDict, total=False):
@@ -239,7 +238,7 @@ class Product:
     """Milliseconds by phase, as the server measured them: read, decode, queue, h2d, kernel, d2h, encode, total."""
 
 
-def _error(status: int, headers: http.client.HTTPMessage, body: bytes) -> MatmulServiceError:
+def _error(status: int, headers: Mapping[str, str], body: bytes) -> MatmulServiceError:
     try:
         said = json.loads(body)
         code, message, location = str(said["code"]), str(said["message"]), said.get("location")
@@ -254,7 +253,7 @@ def _error(status: int, headers: http.client.HTTPMessage, body: bytes) -> Matmul
     return family(status, code, message, location)
 
 
-def _read_exactly(response: http.client.HTTPResponse, into: memoryview) -> None:
+def _read_exactly(response: Answer, into: memoryview) -> None:
     """Fill `into` from the answer's body, straight from the socket for all but what was already buffered."""
     done = 0
     while done < into.nbytes:
@@ -319,7 +318,7 @@ _NPY_LENGTH_BYTES = {(1, 0): 2, (2, 0): 4}
 """The width of the header's length for each `.npy` version this client reads."""
 
 
-def _npy_header(response: http.client.HTTPResponse) -> tuple[tuple[int, ...], bool, np.dtype]:
+def _npy_header(response: Answer) -> tuple[tuple[int, ...], bool, np.dtype]:
     """A `.npy` answer's shape, order and dtype, read from the response up to its data."""
     version = np.lib.format.read_magic(response)
     if version not in _NPY_LENGTH_BYTES:
@@ -338,7 +337,7 @@ def _npy_header(response: http.client.HTTPResponse) -> tuple[tuple[int, ...], bo
     return shape, plain["fortran"] == "True", np.dtype(plain["descr"])
 
 
-def _read_npy(response: http.client.HTTPResponse, memory: AnswerMemory) -> np.ndarray:
+def _read_npy(response: Answer, memory: AnswerMemory) -> np.ndarray:
     """A `.npy` answer read into memory from `memory`: its header as NumPy writes it, else through NumPy's own parser
     (no pickles, bounded), then its data into the array's memory."""
     try:
@@ -357,11 +356,10 @@ def _read_npy(response: http.client.HTTPResponse, memory: AnswerMemory) -> np.nd
     return data.view(dtype).reshape(shape, order="F" if fortran_order else "C")
 
 
-def _product(memory: AnswerMemory, response: http.client.HTTPResponse) -> Product:
+def _product(memory: AnswerMemory, response: Answer) -> Product:
     if response.status != 200:
         raise _error(response.status, response.headers, response.read())
-    # one pass over the two dozen X-Matmul-* headers (each lookup in the message object is another pass)
-    headers = {name.lower(): value for name, value in response.getheaders()}
+    headers = response.headers
     try:
         if headers.get("content-type", "").startswith(NPY_MEDIA_TYPE):
             c = _read_npy(response, memory)
@@ -386,7 +384,7 @@ def _product(memory: AnswerMemory, response: http.client.HTTPResponse) -> Produc
         raise http.client.HTTPException(f"a 200 answer that is not a product of this service: {exc!r}") from exc
 
 
-def _json_object(response: http.client.HTTPResponse) -> dict[str, Any]:
+def _json_object(response: Answer) -> dict[str, Any]:
     body = response.read()
     if response.status != 200:
         raise _error(response.status, response.headers, body)
@@ -399,7 +397,7 @@ def _json_object(response: http.client.HTTPResponse) -> dict[str, Any]:
     return said
 
 
-def _status(response: http.client.HTTPResponse) -> int:
+def _status(response: Answer) -> int:
     response.read()
     return response.status
 
@@ -427,13 +425,13 @@ class _Closed(Exception):
 
 class _Connection:
     """One keep-alive connection: requests written with scatter-gather `sendmsg` (a request's head and every
-    buffer of its body in one system call, none of them joined), answers parsed by `http.client.HTTPResponse`."""
+    buffer of its body in one system call, none of them joined), answers read through one buffered reader."""
 
     def __init__(self, sock: socket.socket) -> None:
         self.sock = sock
+        self._reader = sock.makefile("rb")
         self.served = 0
         """Answers read to their end on this connection, which may serve the next request while this is not 0."""
-        self._response: http.client.HTTPResponse | None = None
 
     def _write(self, head: bytes, body: Sequence[Buffer]) -> None:
         pending = [view for view in (memoryview(head), *(memoryview(part).cast("B") for part in body)) if view.nbytes]
@@ -448,19 +446,14 @@ class _Connection:
             if sent:
                 pending[0] = pending[0][sent:]
 
-    def _read_head(self, method: str) -> http.client.HTTPResponse:
-        self._response = http.client.HTTPResponse(self.sock, method=method)
-        self._response.begin()
-        return self._response
-
-    def exchange(self, method: str, head: bytes, body: Sequence[Buffer]) -> http.client.HTTPResponse:
+    def exchange(self, method: str, head: bytes, body: Sequence[Buffer]) -> Answer:
         """Send a request and read its answer's head. A server may answer before it has read the whole body (a
         proxy's 413) and close: that answer is returned, and the connection serves no other."""
         try:
             self._write(head, body)
         except OSError as exc:
             try:
-                early = self._read_head(method)
+                early = Answer(self._reader, method)
             except (OSError, http.client.HTTPException):
                 early = None
             if early is None:
@@ -470,7 +463,7 @@ class _Connection:
             early.will_close = True
             return early
         try:
-            return self._read_head(method)
+            return Answer(self._reader, method)
         except _STALE as exc:
             raise _Closed(exc, "read") from exc
         except (OSError, http.client.HTTPException) as exc:
@@ -479,12 +472,10 @@ class _Connection:
     def reconnect(self, sock: socket.socket) -> None:
         """Go on over a new socket (the server closed the old one)."""
         self.close()
-        self.sock, self.served = sock, 0
+        self.sock, self._reader, self.served = sock, sock.makefile("rb"), 0
 
     def close(self) -> None:
-        if self._response is not None:
-            self._response.close()  # its file holds the socket open until closed
-            self._response = None
+        self._reader.close()  # it holds the socket open until closed
         self.sock.close()
 
 
@@ -549,7 +540,7 @@ class _Connections:
         self,
         method: str,
         path: str,
-        read: Callable[[http.client.HTTPResponse], T],
+        read: Callable[[Answer], T],
         body: Sequence[Buffer] = (),
         headers: Mapping[str, str] | None = None,
     ) -> T:
@@ -583,9 +574,9 @@ class _Connections:
             return answer
 
     @staticmethod
-    def _count(connection: _Connection, response: http.client.HTTPResponse) -> None:
+    def _count(connection: _Connection, response: Answer) -> None:
         """An answer read to its end leaves the connection ready for the next request, unless the server closes it."""
-        connection.served = 0 if response.will_close or not response.isclosed() else connection.served + 1
+        connection.served = 0 if response.will_close or not response.finished() else connection.served + 1
 
     def close(self) -> None:
         """Close the idle connections now, and those in use once their exchange ends."""
