@@ -69,8 +69,8 @@ def device_attributes(cupy: Any, device: int) -> dict[str, int | None]:
 
 
 class Launcher:
-    """Every rung of the catalogue that the current CuPy device runs, compiled once when this is built, launched by
-    its name on the current stream."""
+    """Every rung of the catalogue that the current CuPy device runs, loaded when this is built (from `binaries`,
+    which compiles what it has not kept), launched by its name on the current stream."""
 
     def __init__(self, binaries: KernelBinaries | None = None) -> None:
         import cupy

@@ -65,9 +65,9 @@ from numerics.precision import INT8_OPERAND, INT8_PRODUCT, Precision, operand_dt
 from numerics.reference import Reference
 from numerics.roofline import DevicePeaks, gpu_peaks
 
-# Self-test shape at start-up: no side a multiple of any tile, so every edge guard is exercised.
 log = logging.getLogger(__name__)
 
+# Self-test shape at start-up: no side a multiple of any tile, so every edge guard is exercised.
 SELF_TEST_SHAPE = (67, 45, 39)
 # A kernel that executes `trap`, for tests of device loss; exists only with MATMUL_FAULT_INJECTION=1.
 FAULT_TRAP = "fault_trap"
