@@ -41,7 +41,8 @@ RUN /opt/venv/bin/pip install ./client ".[gpu]" "nvidia-cuda-runtime-cu12==${CUD
 # into the package (kernels/prebuilt): a container's first start on them loads machine code instead of compiling it
 # (NVRTC needs no GPU). Another device compiles its kernels at start-up, into MATMUL_KERNEL_CACHE_DIR.
 ARG KERNEL_DEVICES="8.0 8.6 8.9 9.0"
-RUN /opt/venv/bin/python -m kernels.prebuild ${KERNEL_DEVICES}
+# -P: the installed package's kernels/prebuilt, not this folder's copy of the sources, which the image leaves behind
+RUN /opt/venv/bin/python -P -m kernels.prebuild ${KERNEL_DEVICES}
 
 # ------------------------------------------------------------- loadtest (docker compose --profile loadtest)
 FROM ${PYTHON_IMAGE} AS loadtest

@@ -171,10 +171,16 @@ class KernelBinaries:
         return Binary(path, lowered)
 
 
+BINARY_MODE = 0o644
+"""Every user may read a kept binary (mkstemp makes files its owner's alone): the image's are written by root at build
+and read by the service's own user."""
+
+
 def _write_whole(path: Path, data: bytes) -> None:
     """`data` at `path`, by renaming a complete file there."""
     descriptor, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
     try:
+        os.fchmod(descriptor, BINARY_MODE)
         with os.fdopen(descriptor, "wb") as file:
             file.write(data)
         os.replace(temporary, path)

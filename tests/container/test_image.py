@@ -133,6 +133,26 @@ def test_nvrtc_compiles_every_kernel_inside_the_image_without_a_driver(engine: E
     assert int(done.stdout.split()[-1]) >= 10, done.stdout
 
 
+def test_the_image_carries_every_kernel_of_the_devices_it_was_built_for(engine: Engine, images: Images) -> None:
+    """The build compiled the kernels of KERNEL_DEVICES into the package: a first start on those devices finds every
+    program its Launcher loads there and compiles none (a cache folder of its own stays empty)."""
+    program = (
+        "from pathlib import Path\n"
+        "from kernels.binaries import SHIPPED, KernelBinaries\n"
+        "from kernels.cuda import programs_on\n"
+        "binaries = KernelBinaries(cache=Path('/tmp/kernels'), shipped=SHIPPED)\n"
+        "for device in ((8, 0), (8, 6), (8, 9), (9, 0)):\n"
+        "    binaries.of(programs_on(device))\n"
+        "print(binaries.compiled, len(list(SHIPPED.glob('*.json'))), Path('/tmp/kernels').exists())\n"
+    )
+    done = engine.run(
+        "run", "--rm", *AS_THE_CHART_RUNS_IT, "--entrypoint", "python3", images.service, "-c", program, timeout_s=120
+    )
+    compiled, shipped, cache_made = done.stdout.split()[-3:]
+    assert (compiled, cache_made) == ("0", "False"), done.stdout + done.stderr
+    assert int(shipped) >= 43, "the H100's 43 programs at least"
+
+
 def test_without_a_gpu_the_image_as_shipped_exits_at_once_saying_why(engine: Engine, images: Images) -> None:
     """Its default MATMUL_BACKEND=gpu: on a host without a GPU, exit 1 with the reason, not a CPU fallback."""
     started = time.monotonic()

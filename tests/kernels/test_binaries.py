@@ -28,6 +28,8 @@ def test_a_program_is_compiled_once_then_found_in_the_cache(tmp_path: Path) -> N
         NAIVE.source, read_kernel_source(NAIVE.source), NAIVE.expressions, NAIVE.options, lambda n, p: n.getCUBIN(p)
     )
     assert binary.path.parent == tmp_path / "cache" and binary.path.suffix == ".cubin"
+    kept = [binary.path, binary.path.with_suffix(".json")]
+    assert [path.stat().st_mode & 0o777 for path in kept] == [0o644, 0o644], "readable by the service's user"
     assert binary.path.read_bytes()[:4] == code[:4] == b"\x7fELF"
     assert dict(binary.lowered) == lowered
 
