@@ -123,11 +123,12 @@ def read_whole_answer(sock: socket.socket) -> tuple[Answer, bytearray]:
 
 @dataclass
 class Tally:
-    """What some connections did: answers by status, bytes moved both ways, and a figure read from each 200."""
+    """What some connections did: answers by status, bytes moved both ways, and the figures read from each 200
+    (by name: each figure's values, one from every answer that had it)."""
 
     answers: dict[int, int] = field(default_factory=dict)
     moved_bytes: int = 0
-    figures: list[float] = field(default_factory=list)
+    figures: dict[str, list[float]] = field(default_factory=dict)
 
     @property
     def ok(self) -> int:
@@ -137,11 +138,17 @@ class Tally:
         for status, count in other.answers.items():
             self.answers[status] = self.answers.get(status, 0) + count
         self.moved_bytes += other.moved_bytes
-        self.figures += other.figures
+        for name, values in other.figures.items():
+            self.figures.setdefault(name, []).extend(values)
+
+    def mean(self, figure: str) -> float | None:
+        """The mean of a figure over the answers that had it, None where none had."""
+        values = self.figures.get(figure)
+        return sum(values) / len(values) if values else None
 
 
-Figure = Callable[[Answer], float | None]
-"""Reads a figure from a 200 answer (the batch size it ran in, say), or None where it has none."""
+Figures = Callable[[Answer], Mapping[str, float]]
+"""Reads figures from a 200 answer by name (the batch size it ran in, say): those it has."""
 
 
 @dataclass(frozen=True)
@@ -153,7 +160,7 @@ class Share:
     request: str
     connections: int
     until: float
-    figure: Figure | None = None
+    figures: Figures | None = None
 
 
 _requests: dict[str, bytes] = {}
@@ -179,9 +186,9 @@ def _drive(share: Share) -> Tally:
                 answer = read_answer(sock, buffer)
                 tally.answers[answer.status] = tally.answers.get(answer.status, 0) + 1
                 tally.moved_bytes += len(request) + answer.size
-                figure = share.figure(answer) if share.figure is not None and answer.status == 200 else None
-                if figure is not None:
-                    tally.figures.append(figure)
+                if share.figures is not None and answer.status == 200:
+                    for name, value in share.figures(answer).items():
+                        tally.figures.setdefault(name, []).append(value)
                 if answer.header(b"connection") == b"close":
                     break
         with lock:
@@ -205,7 +212,7 @@ class LoadPool:
         self._pool = Pool(processes, initializer=_build, initargs=(make_requests, args))
 
     def run(
-        self, port: int, request: str, connections: int, duration_s: float, figure: Figure | None = None
+        self, port: int, request: str, connections: int, duration_s: float, figures: Figures | None = None
     ) -> tuple[Tally, float]:
         """Send `request` on `connections` connections, spread over the processes, for `duration_s`; the tally of
         every answer and the seconds it took (the last answer may end after the deadline)."""
@@ -213,7 +220,7 @@ class LoadPool:
             connections // self.processes + (i < connections % self.processes) for i in range(self.processes)
         ]
         until = time.time() + duration_s
-        shares = [Share(port, request, count, until, figure) for count in per_process if count]
+        shares = [Share(port, request, count, until, figures) for count in per_process if count]
         started = time.perf_counter()
         tallies = self._pool.map(_drive, shares)
         elapsed = time.perf_counter() - started

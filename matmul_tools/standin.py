@@ -1,77 +1,220 @@
-"""A stand-in for the service's inference-protocol routes that answers at once: what a benchmark's own clients reach
-when the service costs nothing, so that a benchmark can tell its clients' limit from the service's.
+"""A stand-in for the service that answers at once: what a benchmark's own clients reach when the service costs
+nothing, so that a benchmark can tell its clients' limit from the service's.
 
-It takes the shared-memory extensions' register and unregister calls and answers `POST /v2/models/<model>/infer`
-with C's shape and the output parameters the request asked for, computing nothing and touching no region: a client
-that checks its answers finds them unwritten, which is expected here. One thread per connection, HTTP/1.1
-keep-alive, in the benchmark's own process (the clients are processes of their own).
+It answers, computing nothing, with answers of the size the service's would have:
+
+- `POST /matmul` of two `.npy` parts: a `.npy` answer of zeros, C's shape, A's dtype, and the headers
+  `MatmulClient` reads (X-Matmul-Kernel `stand-in` and so on);
+- `POST /v2/models/<model>/infer`: C's shape and the output parameters the request asked for; C's bytes (zeros)
+  after the JSON header where the output asks for binary data (Triton's binary tensor data extension), none where
+  it names a shared-memory region (which is not touched: a client that checks finds it unwritten), JSON data else;
+- the shared-memory extensions' register and unregister calls: 200;
+- `POST /v1/echo`: the body back.
+
+Requests are framed by Content-Length (what every client of the benchmarks sends). `processes` processes of their
+own (`python -m matmul_tools.standin PORT`) accept on one port (SO_REUSEPORT), a thread per connection, each body
+read into memory its connection keeps and each answer's zeros made once: a stand-in that costs a `recv_into` and a
+`sendall` per byte, never the benchmark's limit.
 """
 
 from __future__ import annotations
 
+import ast
+import functools
 import json
 import re
+import socket
+import subprocess
+import sys
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-REGION_CALL = re.compile(r"^/v2/(system|cuda)sharedmemory/region/[^/]+/(register|unregister)$")
-INFER = re.compile(r"^/v2/models/(?P<model>[^/]+)/infer$")
+from matmul_tools.service import free_port
+
+REGION_CALL = re.compile(rb"^/v2/(system|cuda)sharedmemory/region/[^/]+/(register|unregister)$")
+INFER = re.compile(rb"^/v2/models/(?P<model>[^/]+)(/versions/[^/]+)?/infer$")
+NPY_MAGIC = b"\x93NUMPY"
+HEAD_LIMIT = 65536
+"""A request head longer than this is refused (the stand-in's clients send a few hundred bytes)."""
 
 
-class _Handler(BaseHTTPRequestHandler):
-    protocol_version = "HTTP/1.1"  # keep the connection: the clients send one request after another
-    disable_nagle_algorithm = True  # the head and the body go in two writes: no 40 ms wait for an ACK between them
+class _Request:
+    """One request's path, lower-cased headers and body (a view of its connection's memory)."""
 
-    def do_POST(self) -> None:
-        body = self.rfile.read(int(self.headers.get("content-length", 0)))
-        if REGION_CALL.match(self.path):
-            self._answer(200, b"")
-        elif found := INFER.match(self.path):
-            # the JSON header alone, before any binary tensors (Triton's binary tensor data extension)
-            header = body[: int(self.headers.get("inference-header-content-length", len(body)))]
-            self._answer(200, json.dumps(_inference_answer(found["model"], json.loads(header))).encode())
-        else:
-            self._answer(404, b'{"error": "not a route of the stand-in"}')
-
-    def _answer(self, status: int, body: bytes) -> None:
-        self.send_response(status)
-        self.send_header("content-type", "application/json")
-        self.send_header("content-length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-
-    def log_message(self, format: str, *args: Any) -> None:
-        """Quiet: a line per request would cost more than the answer."""
+    def __init__(self, path: bytes, headers: dict[bytes, bytes], body: memoryview) -> None:
+        self.path = path
+        self.headers = headers
+        self.body = body
 
 
-def _inference_answer(model: str, request: dict[str, Any]) -> dict[str, Any]:
-    """The answer the service gives an infer request of A (m x k) and B (k x n) with outputs in shared memory: each
-    requested output with C's shape and the request's own parameters (its region, offset and size)."""
-    shapes = {tensor["name"]: tensor["shape"] for tensor in request.get("inputs", [])}
-    m, n = shapes.get("A", [0, 0])[0], shapes.get("B", [0, 0])[-1]
-    outputs = request.get("outputs") or [{"name": "C"}]
-    return {
-        "model_name": model,
-        "outputs": [
-            {"name": output["name"], "datatype": "FP32", "shape": [m, n], "parameters": output.get("parameters", {})}
-            for output in outputs
-        ],
+def _npy_header(body: memoryview, start: int) -> tuple[tuple[int, ...], str, int]:
+    """The shape and dtype of the `.npy` array that begins at `start`, and where its data begins."""
+    version = body[start + 6]
+    size_bytes = 2 if version == 1 else 4
+    length = int.from_bytes(body[start + 8 : start + 8 + size_bytes], "little")
+    data_at = start + 8 + size_bytes + length
+    header = ast.literal_eval(bytes(body[start + 8 + size_bytes : data_at]).decode("latin1"))
+    return tuple(header["shape"]), header["descr"], data_at
+
+
+Answer = list[bytes | memoryview]
+"""What answers a request: its head and the pieces of its body, sent in turn."""
+
+
+@functools.lru_cache(maxsize=4)
+def _zeros(nbytes: int) -> bytes:
+    """C's data (kept: the next request is likely of the same shapes)."""
+    return bytes(nbytes)
+
+
+@functools.lru_cache(maxsize=16)
+def _npy_answer(a_shape: tuple[int, ...], b_shape: tuple[int, ...], descr: str) -> Answer:
+    """The answer to A @ B: a `.npy` of zeros, C's shape, A's dtype."""
+    shape = (a_shape[0], b_shape[1])
+    header = f"{{'descr': '{descr}', 'fortran_order': False, 'shape': {shape}, }}".encode("latin1")
+    header += b" " * (-(len(header) + 11) % 64) + b"\n"
+    opening = NPY_MAGIC + b"\x01\x00" + len(header).to_bytes(2, "little") + header
+    data = _zeros(int(descr[2:]) * shape[0] * shape[1])  # '<f4', '<f8', '<f2'
+    headers = {
+        "Content-Type": "application/x-npy",
+        "X-Matmul-Kernel": "stand-in",
+        "X-Matmul-Precision": "fp32",
+        "X-Matmul-Backend": "stand-in",
+        "X-Matmul-Device": "stand-in",
+        "Server-Timing": "total;dur=0",
     }
+    return [_head(200, headers, len(opening) + len(data)), opening, data]
+
+
+def _matmul_answer(request: _Request) -> Answer:
+    """The answer to a body of A's and B's `.npy` parts."""
+    body = request.body
+    a_shape, descr, a_data = _npy_header(body, bytes(body[:4096]).find(NPY_MAGIC))
+    a_end = a_data + int(descr[2:]) * a_shape[0] * a_shape[1]
+    b_shape, _, _ = _npy_header(body, a_end + bytes(body[a_end : a_end + 4096]).find(NPY_MAGIC))
+    return _npy_answer(a_shape, b_shape, descr)
+
+
+def _inference_answer(model: str, request: dict[str, Any]) -> tuple[dict[str, Any], list[bytes]]:
+    """The answer to an infer request of A (m x k) and B (k x n): each requested output with C's shape and the
+    request's own parameters, and the binary data that follows the JSON header (none where none is asked for)."""
+    shapes = {tensor["name"]: tensor["shape"] for tensor in request.get("inputs", [])}
+    datatypes = {tensor["name"]: tensor.get("datatype", "FP32") for tensor in request.get("inputs", [])}
+    m, n = shapes.get("A", [0, 0])[0], shapes.get("B", [0, 0])[-1]
+    datatype = datatypes.get("A", "FP32")
+    itemsize = {"FP16": 2, "FP64": 8}.get(datatype, 4)
+    binary_default = bool(request.get("parameters", {}).get("binary_data_output", False))
+    outputs, data = [], []
+    for output in request.get("outputs") or [{"name": "C"}]:
+        parameters = dict(output.get("parameters", {}))
+        answered: dict[str, Any] = {"name": output["name"], "datatype": datatype, "shape": [m, n]}
+        if "shared_memory_region" not in parameters and parameters.get("binary_data", binary_default):
+            parameters["binary_data_size"] = itemsize * m * n
+            data.append(_zeros(itemsize * m * n))
+        elif "shared_memory_region" not in parameters:
+            answered["data"] = [0] * (m * n)
+        outputs.append(answered | {"parameters": parameters})
+    return {"model_name": model, "outputs": outputs}, data
+
+
+def _infer_answer(model: str, request: _Request) -> Answer:
+    header_length = int(request.headers.get(b"inference-header-content-length", len(request.body)))
+    answer, data = _inference_answer(model, json.loads(bytes(request.body[:header_length])))
+    header = json.dumps(answer).encode()
+    headers = {"Content-Type": "application/octet-stream" if data else "application/json"}
+    if data:
+        headers["Inference-Header-Content-Length"] = str(len(header))
+    return [_head(200, headers, len(header) + sum(map(len, data))), header, *data]
+
+
+def _answer(request: _Request) -> Answer:
+    """The head and body answering `request`."""
+    if request.path == b"/v1/echo":
+        return [_head(200, {"Content-Type": "application/octet-stream"}, len(request.body)), request.body]
+    if request.path == b"/matmul":
+        return _matmul_answer(request)
+    if REGION_CALL.match(request.path):
+        return [_head(200, {"Content-Type": "application/json"}, 0)]
+    if found := INFER.match(request.path):
+        return _infer_answer(found["model"].decode(), request)
+    body = b'{"error": "not a route of the stand-in"}'
+    return [_head(404, {"Content-Type": "application/json"}, len(body)), body]
+
+
+def _head(status: int, headers: dict[str, str], length: int) -> bytes:
+    lines = [f"HTTP/1.1 {status} {'OK' if status == 200 else 'Not Found'}"]
+    lines += [f"{name}: {value}" for name, value in headers.items()] + [f"Content-Length: {length}", "", ""]
+    return "\r\n".join(lines).encode("latin1")
+
+
+def _serve_connection(sock: socket.socket) -> None:
+    """Answer the requests of one keep-alive connection until the client closes it."""
+    memory = bytearray()
+    received = b""
+    with sock:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        while True:
+            while b"\r\n\r\n" not in received:
+                chunk = sock.recv(HEAD_LIMIT)
+                if not chunk or len(received) > HEAD_LIMIT:
+                    return
+                received += chunk
+            head, _, received = received.partition(b"\r\n\r\n")
+            request_line, *header_lines = head.split(b"\r\n")
+            headers = {}
+            for line in header_lines:
+                name, _, value = line.partition(b":")
+                headers[name.strip().lower()] = value.strip()
+            length = int(headers.get(b"content-length", b"0"))
+            if len(memory) < length:
+                memory = bytearray(length)
+            body = memoryview(memory)[:length]
+            got = min(len(received), length)
+            body[:got] = received[:got]
+            received = received[got:]
+            while got < length:
+                count = sock.recv_into(body[got:])
+                if not count:
+                    return
+                got += count
+            for piece in _answer(_Request(request_line.split(b" ")[1], headers, body)):
+                sock.sendall(piece)
+
+
+def serve(port: int) -> None:
+    """One process of the stand-in: accept on `port` beside the others, a thread per connection; says `ready` on
+    stdout once it listens."""
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    listener.bind(("127.0.0.1", port))
+    listener.listen(1024)
+    print("ready", flush=True)
+    while True:
+        sock, _ = listener.accept()
+        threading.Thread(target=_serve_connection, args=(sock,), daemon=True).start()
 
 
 @contextmanager
-def standing_in() -> Iterator[str]:
-    """A stand-in listening on a free port of 127.0.0.1 while the block runs: its URL."""
-    server = ThreadingHTTPServer(("127.0.0.1", 0), _Handler)
-    server.daemon_threads = True
-    thread = threading.Thread(target=server.serve_forever, name="stand-in", daemon=True)
-    thread.start()
+def standing_in(processes: int = 1) -> Iterator[str]:
+    """A stand-in in `processes` processes listening on a free port of 127.0.0.1 while the block runs: its URL."""
+    port = free_port()
+    command = [sys.executable, "-m", "matmul_tools.standin", str(port)]
+    servers = [subprocess.Popen(command, stdout=subprocess.PIPE, text=True) for _ in range(processes)]
     try:
-        yield f"http://127.0.0.1:{server.server_address[1]}"
+        for server in servers:
+            assert server.stdout is not None
+            if server.stdout.readline().strip() != "ready":
+                raise RuntimeError(f"the stand-in exited with {server.wait()} before listening on port {port}")
+        yield f"http://127.0.0.1:{port}"
     finally:
-        server.shutdown()
-        server.server_close()
-        thread.join()
+        for server in servers:
+            server.kill()
+            server.wait()
+            if server.stdout is not None:
+                server.stdout.close()
+
+
+if __name__ == "__main__":
+    serve(int(sys.argv[1]))

@@ -10,10 +10,17 @@ cell runs `--duration` seconds after a warm-up of `--warmup` seconds.
 1. This checkout, `matmul-service --workers N` (`--workers`, default 8):
    - big: two 4096^2 float32 `.npy` parts to /matmul (a `.npy` answer) and the same body to /v1/echo, at
      `--big-concurrency` (16): products/s, echo requests/s, and payload GB/s (request + answer bytes) of each;
-     then the same operands as v2 binary tensors to /v2/models/matmul/infer (binary answer): products/s;
+   - big-v2: the same operands as v2 binary tensors to /v2/models/matmul/infer (binary answer), and its echo
+     (echo-v2): /v1/echo of a body half the v2 exchange's bytes, so that it moves what a product moves (128 MiB in
+     and 64 MiB out against 96 MiB each way), `--rounds` times in turn (the order swapped every other round):
+     products/s over echoes/s, and payload GB/s over the echo's, in each round;
    - v2: two 64^2 float32 binary tensors to /v2/models/matmul/infer (binary answer) at `--v2-concurrency` (128):
      requests/s and the mean batch (the answer's `batch_size` parameter);
    - json: the same product as a JSON body to /matmul at `--json-concurrency` (64): requests/s, mean batch.
+
+   Each cell also reads the server's side: the mean milliseconds a request of the cell's route spent in the server
+   from its start to its last byte sent (its /metrics, read before and after), the mean of each stage its answers'
+   Server-Timing names (read, decode, ..., total), beside the client's mean latency (connections over the rate).
 2. `--baseline DIR`: that checkout as it starts itself (`--baseline-workers` uvicorn workers, default 4), the big
    /matmul cell: products/s, and this checkout's over it.
 3. `--litserve`: scripts/litserve_matmul.py (LitServe 0.2) with each of `--litserve-api-servers` (default 1,8),
@@ -21,6 +28,10 @@ cell runs `--duration` seconds after a warm-up of `--warmup` seconds.
 4. `--ready-workers` (default 1,8): seconds from starting `matmul-service --workers N` until /readyz began the
    run of 200s, each over a new connection, that showed every HTTP worker ready; after a first start left out
    (it fills CuPy's kernel cache).
+
+5. The clients alone (`--no-clients-alone` skips it): the big cells' requests sent by the same client processes
+   to a stand-in that answers at once with answers of the same size (matmul_tools.standin): a cell of this
+   checkout at CLIENT_BOUND of that rate or above measured its clients, and the run exits 2 once every cell has run.
 
 Prints a table; writes OUT/bench-dataplane.json and every server's log.
 
@@ -41,12 +52,24 @@ from typing import Any
 import httpx
 import numpy as np
 import orjson
+from prometheus_client.parser import text_string_to_metric_families
 
+from matmul_client.client import parse_server_timing
+from matmul_tools.bodies import inference_v2_body
 from matmul_tools.raw_load import Answer, LoadPool, Tally, npy_matmul_body, post_request, v2_infer_request
 from matmul_tools.service import ROOT, LocalService, add_server_options, free_port, start_checkout
+from matmul_tools.standin import standing_in
 
 BIG, SMALL = 4096, 64
 V2_BATCH_SIZE = re.compile(rb'"batch_size":(\d+)')
+TIMING = "timing "
+"""The prefix of the figures read from an answer's Server-Timing."""
+CLIENT_BOUND = 0.8
+"""A cell at this share of its clients' own rate (against the stand-in) or above measured its clients."""
+ALONE = ("big", "echo", "big-v2", "echo-v2")
+"""The cells whose requests are also sent to the stand-in."""
+REQUEST_SECONDS = "matmul_request_duration_seconds"
+"""The service's histogram of its requests' time, from start to last byte sent, by route."""
 
 
 def requests_for(big: int, small: int) -> dict[str, bytes]:
@@ -56,30 +79,68 @@ def requests_for(big: int, small: int) -> dict[str, bytes]:
     big_body, big_content_type = npy_matmul_body(a, b)
     x, y = (rng.standard_normal((small, small), dtype=np.float32) for _ in range(2))
     json_body = orjson.dumps({"a": x, "b": y}, option=orjson.OPT_SERIALIZE_NUMPY)
+    v2_body, _ = inference_v2_body(a, b)
+    v2_exchange = len(v2_body) + a.shape[0] * b.shape[1] * a.itemsize  # the answer's JSON header aside: <1 KiB
     return {
         "big": post_request("/matmul", big_content_type, big_body, accept="application/x-npy"),
         "echo": post_request("/v1/echo", "application/octet-stream", big_body),
         "v2": v2_infer_request(x, y),
         "big-v2": v2_infer_request(a, b),
+        "echo-v2": post_request("/v1/echo", "application/octet-stream", bytes(v2_exchange // 2)),
         "json": post_request("/matmul", "application/json", json_body),
         "litserve": post_request("/predict", "application/json", json_body),
     }
 
 
-def batch_size(answer: Answer) -> float | None:
-    """The batch a product ran in: X-Matmul-Batch-Size, or the v2 answer's `batch_size` parameter."""
+def answer_figures(answer: Answer) -> dict[str, float]:
+    """The batch a product ran in (X-Matmul-Batch-Size, or the v2 answer's `batch_size` parameter) and the
+    server's timing of it (Server-Timing, ms by stage), where the answer has them."""
+    timing = parse_server_timing((answer.header(b"server-timing") or b"").decode("latin1"))
+    figures = {f"{TIMING}{name}": ms for name, ms in timing.items()}
     header = answer.header(b"x-matmul-batch-size")
     if header is not None:
-        return float(header)
-    found = V2_BATCH_SIZE.search(answer.opening)
-    return float(found.group(1)) if found else None
+        figures["batch_size"] = float(header)
+    elif (found := V2_BATCH_SIZE.search(answer.opening)) is not None:
+        figures["batch_size"] = float(found.group(1))
+    return figures
 
 
-def cell(pool: LoadPool, port: int, request: str, connections: int, args: argparse.Namespace) -> dict[str, Any]:
-    """One request at `connections` for `args.duration` seconds after a warm-up: its figures."""
+def request_seconds(url: str) -> dict[tuple[str, str], float]:
+    """The sum and count of REQUEST_SECONDS by route, from the server's /metrics: {("sum", "/matmul"): ...}."""
+    found: dict[tuple[str, str], float] = {}
+    for family in text_string_to_metric_families(httpx.get(f"{url}/metrics", timeout=30).text):
+        for sample in family.samples:
+            name, _, part = sample.name.rpartition("_")
+            if name == REQUEST_SECONDS and part in ("sum", "count"):
+                key = (part, sample.labels["route"])
+                found[key] = found.get(key, 0.0) + sample.value
+    return found
+
+
+def request_means_ms(before: dict[tuple[str, str], float], after: dict[tuple[str, str], float]) -> dict[str, float]:
+    """The mean milliseconds of each route's requests between two reads of request_seconds (/metrics's own reads
+    left out)."""
+    means = {}
+    for (part, route), total in after.items():
+        count = after[("count", route)] - before.get(("count", route), 0.0)
+        if part == "sum" and count > 0 and route != "/metrics":
+            means[route] = (total - before.get((part, route), 0.0)) / count * 1e3
+    return means
+
+
+def cell(
+    pool: LoadPool, url: str, request: str, connections: int, args: argparse.Namespace, service: bool = True
+) -> dict[str, Any]:
+    """One request at `connections` for `args.duration` seconds after a warm-up: its figures; with the server's
+    side of it where `service` (the stand-in has no /metrics)."""
+    port = int(url.rsplit(":", 1)[1])
     pool.run(port, request, connections, args.warmup)
-    tally, elapsed = pool.run(port, request, connections, args.duration, figure=batch_size)
-    return summary(request, connections, tally, elapsed)
+    before = request_seconds(url) if service else {}
+    tally, elapsed = pool.run(port, request, connections, args.duration, figures=answer_figures)
+    found = summary(request, connections, tally, elapsed)
+    if service:
+        found["request_ms"] = request_means_ms(before, request_seconds(url))
+    return found
 
 
 def summary(request: str, connections: int, tally: Tally, elapsed: float) -> dict[str, Any]:
@@ -90,7 +151,11 @@ def summary(request: str, connections: int, tally: Tally, elapsed: float) -> dic
         "answers": {str(status): count for status, count in sorted(tally.answers.items())},
         "ok_per_s": tally.ok / elapsed,
         "payload_gb_per_s": tally.moved_bytes / elapsed / 1e9,
-        "mean_batch_size": sum(tally.figures) / len(tally.figures) if tally.figures else None,
+        "mean_latency_ms": connections / tally.ok * elapsed * 1e3 if tally.ok else None,
+        "mean_batch_size": tally.mean("batch_size"),
+        "server_timing_ms": {
+            name.removeprefix(TIMING): tally.mean(name) for name in tally.figures if name.startswith(TIMING)
+        },
     }
 
 
@@ -109,16 +174,29 @@ def measure_this(pool: LoadPool, args: argparse.Namespace) -> dict[str, Any]:
     service = LocalService.matmul_service(free_port(), server_env(args), args.out / "server-this.log", args.workers)
     try:
         service.wait_ready(args.ready_timeout)
-        return {
+        this: dict[str, Any] = {
             "auto": httpx.get(f"{service.url}/v1/kernels", timeout=30).json()["auto"],
-            "big": cell(pool, service.port, "big", args.big_concurrency, args),
-            "echo": cell(pool, service.port, "echo", args.big_concurrency, args),
-            "big-v2": cell(pool, service.port, "big-v2", args.big_concurrency, args),
-            "v2": cell(pool, service.port, "v2", args.v2_concurrency, args),
-            "json": cell(pool, service.port, "json", args.json_concurrency, args),
+            "big": cell(pool, service.url, "big", args.big_concurrency, args),
+            "echo": cell(pool, service.url, "echo", args.big_concurrency, args),
+            "v2_rounds": [],
         }
+        for round_ in range(args.rounds):
+            order = ("echo-v2", "big-v2") if round_ % 2 == 0 else ("big-v2", "echo-v2")
+            found: dict[str, Any] = {name: cell(pool, service.url, name, args.big_concurrency, args) for name in order}
+            found["products_per_s_over_echoes_per_s"] = ratio(found["big-v2"], found["echo-v2"])
+            found["payload_over_echo"] = ratio(found["big-v2"], found["echo-v2"], "payload_gb_per_s")
+            this["v2_rounds"].append(found)
+        this["v2"] = cell(pool, service.url, "v2", args.v2_concurrency, args)
+        this["json"] = cell(pool, service.url, "json", args.json_concurrency, args)
+        return this
     finally:
         service.stop()
+
+
+def measure_clients_alone(pool: LoadPool, args: argparse.Namespace) -> dict[str, Any]:
+    """The big cells' requests from the same client processes to a stand-in that answers at once."""
+    with standing_in(args.standin_processes) as url:
+        return {name: cell(pool, url, name, args.big_concurrency, args, service=False) for name in ALONE}
 
 
 def measure_baseline(pool: LoadPool, args: argparse.Namespace) -> dict[str, Any]:
@@ -126,7 +204,7 @@ def measure_baseline(pool: LoadPool, args: argparse.Namespace) -> dict[str, Any]
     service = start_checkout(args.baseline.resolve(), server_env(args), log, args.baseline_workers)
     try:
         service.wait_ready(args.ready_timeout)
-        return cell(pool, service.port, "big", args.big_concurrency, args)
+        return cell(pool, service.url, "big", args.big_concurrency, args)
     finally:
         service.stop()
 
@@ -140,7 +218,7 @@ def measure_litserve(pool: LoadPool, api_servers: int, args: argparse.Namespace)
     server = LocalService(command, port, {}, args.out / f"server-litserve-{api_servers}.log", api_servers)
     try:
         server.wait_ready(args.ready_timeout, probe="/health")
-        return cell(pool, port, "litserve", args.json_concurrency, args)
+        return cell(pool, f"http://127.0.0.1:{port}", "litserve", args.json_concurrency, args, service=False)
     finally:
         server.stop()
 
@@ -166,20 +244,34 @@ def ratio(numerator: dict[str, Any] | None, denominator: dict[str, Any] | None, 
 
 def print_report(report: dict[str, Any]) -> None:
     this = report["this"]
-    rows = [(f"this, {name}", this[name]) for name in ("big", "echo", "big-v2", "v2", "json")]
+    rows = [(f"this, {name}", this[name]) for name in ("big", "echo")]
+    for round_, found in enumerate(this["v2_rounds"]):
+        rows += [(f"this, {name}, round {round_}", found[name]) for name in ("big-v2", "echo-v2")]
+    rows += [(f"this, {name}", this[name]) for name in ("v2", "json")]
     if report["baseline"] is not None:
         rows.append(("baseline, big", report["baseline"]))
     rows += [(f"LitServe, {servers} API servers", found) for servers, found in report["litserve"].items()]
-    print(f"{'cell':32s} {'conns':>5s} {'ok/s':>10s} {'GB/s':>7s} {'batch':>6s}  answers")
+    rows += [(f"clients alone, {name}", found) for name, found in report["clients_alone"].items()]
+    print(f"{'cell':32s} {'conns':>5s} {'ok/s':>10s} {'GB/s':>7s} {'batch':>6s} {'ms':>8s}  answers")
     for name, found in rows:
         batch = f"{found['mean_batch_size']:.2f}" if found["mean_batch_size"] is not None else "-"
+        latency = f"{found['mean_latency_ms']:.1f}" if found["mean_latency_ms"] is not None else "-"
         print(
             f"{name:32s} {found['connections']:5d} {found['ok_per_s']:10.1f} {found['payload_gb_per_s']:7.2f} "
-            f"{batch:>6s}  {found['answers']}"
+            f"{batch:>6s} {latency:>8s}  {found['answers']}"
         )
+    print("\nThe server's side of each cell of this checkout, mean ms: its route's requests from their start to their")
+    print("last byte sent (/metrics), then the answers' Server-Timing")
+    for name, found in rows:
+        if "request_ms" in found:
+            said = {**found["request_ms"], **found["server_timing_ms"]}
+            print(f"{name:32s} " + ", ".join(f"{key} {ms:.2f}" for key, ms in said.items()))
     print()
     for name, value in report["ratios"].items():
-        print(f"{name:48s} {value:.2f}" if value is not None else f"{name:48s} -")
+        if isinstance(value, list):
+            print(f"{name:48s} " + " / ".join(f"{v:.2f}" if v is not None else "-" for v in value))
+        else:
+            print(f"{name:48s} {value:.2f}" if value is not None else f"{name:48s} -")
     for workers, seconds in report["ready_s"].items():
         print(f"ready with {workers} HTTP workers: {seconds:.1f} s")
 
@@ -196,6 +288,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--small", type=int, default=SMALL, help=f"the small products' size (default: {SMALL})")
     parser.add_argument("--big-concurrency", type=int, default=16)
     parser.add_argument("--v2-concurrency", type=int, default=128)
+    parser.add_argument("--rounds", type=int, default=2, help="big-v2 and its echo, in turn (default: 2)")
+    parser.add_argument(
+        "--no-clients-alone", dest="clients_alone", action="store_false", help="measure no client against the stand-in"
+    )
+    parser.add_argument("--standin-processes", type=int, default=8, help="the stand-in's processes (default: 8)")
     parser.add_argument("--json-concurrency", type=int, default=64)
     parser.add_argument(
         "--queue-size", type=int, default=1024, help="MATMUL_QUEUE_SIZE, above every cell's connections (1024)"
@@ -219,6 +316,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         time_to_ready(args.ready_workers[0], args)
     ready_s = {workers: time_to_ready(workers, args) for workers in args.ready_workers}
     with LoadPool(args.client_processes, requests_for, (args.big, args.small)) as pool:
+        alone = measure_clients_alone(pool, args) if args.clients_alone else {}
         this = measure_this(pool, args)
         baseline = measure_baseline(pool, args) if args.baseline is not None else None
         litserve = (
@@ -226,12 +324,24 @@ def main(argv: Sequence[str] | None = None) -> int:
             if args.litserve
             else {}
         )
-    ratios = {
+    v2_rounds = this["v2_rounds"]
+    ratios: dict[str, float | list[float | None] | None] = {
         "big /matmul products/s over /v1/echo req/s": ratio(this["big"], this["echo"]),
-        "big v2 binary products/s over /v1/echo req/s": ratio(this["big-v2"], this["echo"]),
         "big payload GB/s, /matmul over /v1/echo": ratio(this["big"], this["echo"], "payload_gb_per_s"),
+        "big v2 products/s over echoes/s of its bytes, by round": [
+            found["products_per_s_over_echoes_per_s"] for found in v2_rounds
+        ],
+        "big v2 payload GB/s over its echo's, by round": [found["payload_over_echo"] for found in v2_rounds],
         "big /matmul, this over the baseline": ratio(this["big"], baseline),
     }
+    big_cells = [("big", this["big"]), ("echo", this["echo"])]
+    big_cells += [(name, found[name]) for found in v2_rounds for name in ("big-v2", "echo-v2")]
+    bound = []
+    for name, found in big_cells:
+        found["over_clients_alone"] = ratio(found, alone.get(name))
+        if found["over_clients_alone"] is not None and found["over_clients_alone"] >= CLIENT_BOUND:
+            bound.append(f"{name} reached {found['over_clients_alone']:.2f} of its clients' own rate")
+    ratios["each big cell over its clients alone"] = [found["over_clients_alone"] for _, found in big_cells]
     for servers, found in litserve.items():
         ratios[f"json req/s, this over LitServe with {servers} API servers"] = ratio(this["json"], found)
     report = {
@@ -240,13 +350,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         "this": this,
         "baseline": baseline,
         "litserve": litserve,
+        "clients_alone": alone,
         "ratios": ratios,
         "ready_s": ready_s,
     }
     print_report(report)
     (args.out / "bench-dataplane.json").write_text(json.dumps(report, indent=2))
     print(f"\nwrote {args.out / 'bench-dataplane.json'}")
-    return 0
+    for said in bound:
+        print(f"CLIENT-BOUND: {said}: run more --client-processes", file=sys.stderr)
+    return 2 if bound else 0
 
 
 if __name__ == "__main__":

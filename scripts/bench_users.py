@@ -16,6 +16,11 @@ Against each, every size (square float32 n x n) is sent by every client kind:
 - `raw-npy`, `raw-v2`: raw keep-alive sockets sending the same two requests prebuilt as whole HTTP requests
   (matmul_tools.raw_load), the floor a client library is measured against.
 
+Before the servers, every size is sent by every HTTP client kind to a stand-in that answers at once with answers
+of the right size (matmul_tools.standin, `--standin-processes` processes; `--no-clients-alone` skips it): the rate
+each client reaches when the service costs nothing. A server's cell at CLIENT_BOUND of that rate or above measured
+its clients, not the server: it is marked client-bound, and the run exits 2 once every cell has run.
+
 A cell is closed-loop load from `--processes` client processes sharing the size's connections (`--concurrency`,
 size:connections; each connection a thread with its own client object or socket). Every connection checks its first
 answer against the float64 product of its own operands (numerics.reference's bound); once all have, `--warmup`
@@ -83,6 +88,7 @@ from matmul_tools.raw_load import (
     v2_infer_request,
 )
 from matmul_tools.service import ROOT, LocalService, NotReady, add_server_options, free_port, service_command
+from matmul_tools.standin import standing_in
 from matmul_tools.together import CLOSED, StartSignal, TogetherPool
 from matmul_tools.triton_grpc import fp32_inputs, grpc_address
 from numerics.reference import Reference
@@ -98,6 +104,10 @@ TUNED = MappingProxyType({"MATMUL_HTTP_WORKERS": "8", "MATMUL_BATCHING": "true",
 MODEL = "matmul"
 ANSWER_BUFFER_BYTES = 1 << 20
 """What a raw connection reads each answer into, piece after piece, once its first answer has been checked."""
+STANDIN = "stand-in"
+"""The server name of the cells measured against matmul_tools.standin."""
+CLIENT_BOUND = 0.8
+"""A server's cell at this share of its clients' own rate (against the stand-in) or above measured its clients."""
 
 
 # ---------------------------------------------------------------------------------------------- the servers
@@ -362,6 +372,8 @@ class Share:
     connections: int
     seconds: float
     timeout_s: float
+    check: bool = True
+    """Check each connection's first answer (not against the stand-in, whose answers are zeros)."""
 
 
 @dataclass
@@ -439,12 +451,12 @@ def _connect(share: Share, operands: Operands) -> Connection:
 
 
 def _closed_loop(
-    connection: Connection, operands: Operands, where: str, window: Window, warmed: threading.Barrier
+    connection: Connection, operands: Operands, where: str, window: Window, warmed: threading.Barrier, check: bool
 ) -> Tally:
-    """Send until the window closes: the first 200 answer checked, then (once every connection of the process has
-    had an answer) the warm-up, then the window's answers tallied."""
+    """Send until the window closes: the first 200 answer checked (where `check`), then (once every connection of
+    the process has had an answer) the warm-up, then the window's answers tallied."""
     tally = Tally()
-    first, unchecked = True, True
+    first, unchecked = True, check
     while time.time() < window.end:
         began = time.perf_counter()
         exchange = connection.exchange(keep=unchecked)
@@ -491,7 +503,7 @@ def _run_share(share: Share) -> Tally:
             operands = _operands(child.index, share.n, index)
             connected = _connect(share, operands)
             try:
-                tallies.append(_closed_loop(connected, operands, where, window, warmed))
+                tallies.append(_closed_loop(connected, operands, where, window, warmed, share.check))
             finally:
                 connected.close()
         except BaseException as exc:  # re-raised by the process, after the others have stopped
@@ -550,16 +562,17 @@ def measure_cell(
     kind: ClientKind,
     n: int,
     args: argparse.Namespace,
+    check: bool = True,
 ) -> dict[str, Any]:
     """Cell `number` of the run against the server at `url`: its figures, with `failure` set where it could not run
-    or an answer was wrong."""
+    or an answer was wrong (each connection's first answer checked where `check`)."""
     concurrency = args.concurrency[n]
     connections = split(concurrency, clients.processes)
     cell: dict[str, Any] = {
         "server": server, "size": n, "concurrency": concurrency, "client": kind, "processes": len(connections),
         "seconds": args.seconds, "failure": None,
     }  # fmt: skip
-    shares = [Share(number, url, kind, n, count, args.seconds, args.timeout) for count in connections]
+    shares = [Share(number, url, kind, n, count, args.seconds, args.timeout, check) for count in connections]
     try:
         tallies = clients.run(_run_share, shares, args.warmup, args.timeout, tag=number)
     except Exception as exc:  # a cell that cannot run is reported as failed; the others still run
@@ -586,7 +599,7 @@ def measure_cell(
         cell["failure"] = f"{len(total.wrong)} wrong answers"
     elif not latencies.size:
         cell["failure"] = "no product answered in the measured window"
-    elif total.unchecked:
+    elif check and total.unchecked:
         cell["failure"] = f"{total.unchecked} of {concurrency} connections had no product to check"
     if kind == "client":
         cell["client_cost"] = {
@@ -614,6 +627,22 @@ def add_ratios(cells: list[dict[str, Any]]) -> None:
         found = cell.get("products_per_s")
         floor = products.get((cell["server"], cell["size"], cell.get("round", 0), RAW_OF.get(cell["client"])))
         cell["ratio_to_raw"] = found / floor if found is not None and floor else None
+
+
+def add_clients_alone(cells: list[dict[str, Any]]) -> None:
+    """Each server's cell over the products/s of the same client and size against the stand-in, and whether that is
+    CLIENT_BOUND or more."""
+    alone = {
+        (size, kind): found
+        for (server, size, kind), found in mean_products(cells).items()
+        if server == STANDIN and found is not None
+    }
+    for cell in cells:
+        ceiling = alone.get((cell["size"], cell["client"]))
+        if cell["server"] == STANDIN or ceiling is None or cell.get("products_per_s") is None:
+            continue
+        cell["over_clients_alone"] = cell["products_per_s"] / ceiling
+        cell["client_bound"] = cell["over_clients_alone"] >= CLIENT_BOUND
 
 
 def mean_products(cells: list[dict[str, Any]]) -> dict[tuple[str, int, str], float | None]:
@@ -693,6 +722,20 @@ def print_report(report: dict[str, Any]) -> None:
     print("## Products/s and latency (ms), closed loop\n")
     headers = ["server", "size", "conc", *(["round"] * several), "client", "products/s", "p50", "p99", "vs raw"]
     print(markdown([*headers, "errors"], rows))
+    measured = [cell for cell in cells if "over_clients_alone" in cell]
+    if measured:
+        print(f"\n## Each cell over its clients alone (the same clients against the {STANDIN}; {CLIENT_BOUND} or more: "
+              "client-bound)\n")  # fmt: skip
+        rows = [
+            [
+                cell["server"], str(cell["size"]), str(cell["concurrency"]), cell["client"],
+                _figure(cell["products_per_s"], 1), _figure(cell["products_per_s"] / cell["over_clients_alone"], 1),
+                _figure(cell["over_clients_alone"]), "CLIENT-BOUND" if cell["client_bound"] else "no",
+            ]
+            for cell in measured
+        ]  # fmt: skip
+        headers = ["server", "size", "conc", "client", "products/s", "clients alone", "share", "client-bound"]
+        print(markdown(headers, rows))
     if several:
         print("\n## Each library over its raw sender, round by round, and the mean of the rounds' products/s\n")
         mean = mean_products(cells)
@@ -797,6 +840,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--rounds", type=int, default=1, help="times each size's clients are measured, every other in reverse (1)"
     )
+    parser.add_argument(
+        "--no-clients-alone", dest="clients_alone", action="store_false", help="measure no client against the stand-in"
+    )
+    parser.add_argument(
+        "--standin-processes", type=int, default=8, help="the stand-in's processes (default: %(default)s)"
+    )
     add_server_options(parser, backend=None)
     parser.add_argument(
         "--timeout",
@@ -830,6 +879,30 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def run_clients_alone(
+    clients: Clients, kinds: list[ClientKind], args: argparse.Namespace, report: dict[str, Any]
+) -> None:
+    """Every size with every HTTP client kind against the stand-in (none checked: its answers are zeros)."""
+    alone: list[ClientKind] = [kind for kind in kinds if kind != "triton-grpc"]
+    if len(alone) < len(kinds):
+        report["notes"].append(f"triton-grpc is not measured alone: the {STANDIN} speaks HTTP only")
+    with standing_in(args.standin_processes) as url:
+        for n, _, kind in _schedule(args.sizes, alone, 1):
+            cell = measure_cell(clients, len(report["cells"]), url, STANDIN, kind, n, args, check=False)
+            report["cells"].append(cell | {"round": 0})
+            _say(cell, f"{STANDIN} {n}x{n} c={cell['concurrency']} {kind}:")
+
+
+def _say(cell: dict[str, Any], said: str) -> None:
+    """A cell's line on stderr as it finishes."""
+    if cell["failure"] is None:
+        print(f"{said} {cell['products_per_s']:.1f} products/s, errors {cell['errors']}", file=sys.stderr)
+        return
+    print(f"{said} FAILED: {cell['failure']}", file=sys.stderr)
+    for wrong in cell.get("wrong", []):
+        print(f"  WRONG ANSWER {wrong}", file=sys.stderr)
+
+
 def run_server(
     clients: Clients,
     config: ServerConfig,
@@ -853,13 +926,7 @@ def run_server(
             cell = measure_cell(clients, number, started.service.url, config.name, kind, n, args) | {"round": round_}
             report["cells"].append(cell)
             said = f"{config.name} {n}x{n} c={cell['concurrency']} {kind}" + (f" (round {round_})" if round_ else "")
-            said += ":"
-            if cell["failure"] is None:
-                print(f"{said} {cell['products_per_s']:.1f} products/s, errors {cell['errors']}", file=sys.stderr)
-                continue
-            print(f"{said} FAILED: {cell['failure']}", file=sys.stderr)
-            for wrong in cell.get("wrong", []):
-                print(f"  WRONG ANSWER {wrong}", file=sys.stderr)
+            _say(cell, said + ":")
     finally:
         started.service.stop()
 
@@ -892,11 +959,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     args.logs.mkdir(parents=True, exist_ok=True)
     clients = client_pool(args.processes)
     try:
+        if args.clients_alone:
+            run_clients_alone(clients, kinds, args, report)
         for config in args.servers:
             run_server(clients, config, kinds, args, report)
     finally:
         clients.close()
     add_ratios(report["cells"])
+    add_clients_alone(report["cells"])
     report["finished"] = datetime.now(UTC).isoformat(timespec="seconds")
     report["elapsed_s"] = time.monotonic() - began
     print_report(report)
@@ -908,7 +978,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     if failed or report["server_failures"]:
         print(f"{len(failed)} cells and {len(report['server_failures'])} servers failed: see above", file=sys.stderr)
         return 1
-    return 0
+    bound = [cell for cell in report["cells"] if cell.get("client_bound")]
+    for cell in bound:
+        print(
+            f"CLIENT-BOUND: {cell['server']} {cell['size']}x{cell['size']} {cell['client']} reached "
+            f"{cell['over_clients_alone']:.2f} of its clients' own rate: run more --processes",
+            file=sys.stderr,
+        )
+    return 2 if bound else 0
 
 
 if __name__ == "__main__":

@@ -29,10 +29,26 @@ def test_every_cell_of_the_smallest_grid_answers_right(tmp_path: Path) -> None:
         timeout_s=150,
     )
     report = json.loads(out.read_text())
-    cells = report["cells"]
+    alone = [cell for cell in report["cells"] if cell["server"] == "stand-in"]
+    cells = [cell for cell in report["cells"] if cell["server"] != "stand-in"]
+    assert [(cell["size"], cell["client"]) for cell in alone] == [
+        (n, kind) for n in (16, 64) for kind in ("client", "triton", "raw-npy", "raw-v2")
+    ]  # first, and with no triton-grpc: the stand-in speaks HTTP only
+    assert "triton-grpc is not measured alone: the stand-in speaks HTTP only" in report["notes"]
+    for cell in alone:  # the stand-in's answers are zeros: taken, not checked
+        assert cell["failure"] is None and cell["errors"] == {} and cell["products_per_s"] > 0, cell
+        assert cell["checked_connections"] == 0 and cell["unchecked_connections"] == 0
     assert [(cell["size"], cell["client"]) for cell in cells] == [
         (n, kind) for n in (16, 64) for kind in ("client", "triton", "triton-grpc", "raw-npy", "raw-v2")
     ]
+    ceilings = {(cell["size"], cell["client"]): cell["products_per_s"] for cell in alone}
+    for cell in cells:
+        if cell["client"] == "triton-grpc":
+            assert "over_clients_alone" not in cell
+        else:
+            ceiling = ceilings[cell["size"], cell["client"]]
+            assert cell["over_clients_alone"] == cell["products_per_s"] / ceiling
+            assert cell["client_bound"] == (cell["over_clients_alone"] >= bench.CLIENT_BOUND)
     for cell in cells:
         assert cell["failure"] is None and cell["wrong"] == [] and cell["errors"] == {}, cell
         assert cell["products_per_s"] > 0 and cell["products_per_s"] == cell["products"] / cell["seconds"]
@@ -57,6 +73,7 @@ def test_every_cell_of_the_smallest_grid_answers_right(tmp_path: Path) -> None:
     assert report["host"]["cpu_count"] >= 1 and report["server_failures"] == {}
     assert "| workers=1 |   64 |    3 | triton-grpc |" in done.stdout
     assert "MatmulClient: its own cost per product" in done.stdout
+    assert "| workers=1 |   64 |    3 | raw-v2  |" in done.stdout.split("over its clients alone")[1]
     assert out.with_suffix(".png").read_bytes().startswith(PNG_MAGIC)
 
     again = tmp_path / "again.png"
@@ -82,6 +99,23 @@ def test_rounds_reverse_the_clients_every_other_time_and_ratios_stay_within_thei
     assert bench.mean_products(cells) == {("default", 64, "client"): 105.0, ("default", 64, "raw-npy"): 100.0}
     bench.print_report({"cells": cells, "servers": {"default": {}}, "notes": []})
     assert "| default |   64 | client | 0.90 / 1.20     |          1.05 |" in capsys.readouterr().out
+
+
+def test_a_cell_at_its_clients_own_rate_is_client_bound_and_the_stand_in_cells_are_not_judged() -> None:
+    def cell(server: str, client: str, products_per_s: float) -> dict[str, object]:
+        return {"server": server, "size": 64, "client": client, "products_per_s": products_per_s}
+
+    cells = [
+        cell("stand-in", "client", 1000.0),
+        cell("stand-in", "raw-npy", 4000.0),
+        cell("default", "client", 800.0),
+        cell("default", "raw-npy", 1000.0),
+        cell("default", "triton", 500.0),  # no stand-in cell of its kind: not judged
+    ]
+    bench.add_clients_alone(cells)
+    assert cells[2]["over_clients_alone"] == 0.8 and cells[2]["client_bound"] is True
+    assert cells[3]["over_clients_alone"] == 0.25 and cells[3]["client_bound"] is False
+    assert "over_clients_alone" not in cells[0] and "over_clients_alone" not in cells[4]
 
 
 def test_servers_and_sizes_are_parsed_with_their_settings() -> None:
