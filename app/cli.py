@@ -153,7 +153,7 @@ def service_main(argv: Sequence[str] | None = None) -> int:
             port=args.port,
             log_level=args.log_level,
             access_log=False,
-            http=GuardedHttpProtocol,
+            http=GuardedHttpProtocol,  # type: ignore[arg-type]  # a BufferedProtocol: uvicorn calls what it is given
             timeout_graceful_shutdown=args.timeout_graceful_shutdown,
             workers=settings.http_workers,
         )

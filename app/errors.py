@@ -102,6 +102,10 @@ class Unauthorized(MatmulError):
 class BodyTimeout(MatmulError):
     code = "body_timeout"
 
+    @classmethod
+    def after(cls, timeout_s: float, received: int) -> BodyTimeout:
+        return cls(f"the body stopped arriving: nothing for {timeout_s:g} s after {received} bytes")
+
 
 class HeaderTimeout(MatmulError):
     code = "header_timeout"

@@ -18,6 +18,7 @@ from fastapi import Request
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import ClientDisconnect
 
+from app.api.connection import DIRECT_BODY, DirectBody
 from app.api.limits import BodyLimit
 from app.awaiting import settled
 from app.codecs import Body
@@ -106,7 +107,15 @@ async def read_body(request: Request, limit: BodyLimit, buffers: BodyBuffers) ->
 
 
 async def _read_into(request: Request, target: memoryview, what: str) -> None:
-    """The body into `target`, whose length its Content-Length declared (uvicorn holds the client to it)."""
+    """The body into `target`, whose length its Content-Length declared (uvicorn holds the client to it): received
+    straight into it where the connection offers that (app.api.connection.DirectBody), else piece by piece."""
+    direct: DirectBody | None = request.scope.get("state", {}).get(DIRECT_BODY)
+    if direct is not None and direct.length == len(target):
+        try:
+            await direct.read_into(target, request.app.state.settings.body_timeout_s)
+        except ClientDisconnect:
+            raise ClientGone(f"the client disconnected after sending {direct.received} bytes of the {what}") from None
+        return
     received = 0
     try:
         async for chunk in request.stream():

@@ -113,9 +113,7 @@ class BodyLimitMiddleware(HttpMiddleware):
             try:
                 message = await asyncio.wait_for(receive(), timeout_s)
             except TimeoutError:
-                raise BodyTimeout(
-                    f"the body stopped arriving: nothing for {timeout_s:g} s after {received} bytes"
-                ) from None
+                raise BodyTimeout.after(timeout_s, received) from None
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))
                 body_done = not message.get("more_body", False)

@@ -11,6 +11,7 @@ from typing import Any
 import orjson
 from starlette.types import Message, Receive, Scope, Send
 
+from app.api.connection import DIRECT_BODY, DirectBody
 from app.api.middleware import HttpMiddleware
 from app.metrics import ServiceMetrics
 from app.product import MatmulMetadata
@@ -55,6 +56,9 @@ class RequestObserver(HttpMiddleware):
         finally:
             metrics.in_flight.dec()
             seconds = perf_counter() - started
+            direct: DirectBody | None = scope.get("state", {}).get(DIRECT_BODY)
+            if direct is not None:  # the body's bytes the app read without receive()
+                seen["in"] += direct.received
             route = getattr(scope.get("route"), "path", "unmatched")
             product: MatmulMetadata | None = scope.get("state", {}).get("product")
             kernel = product.kernel if product is not None else ""
