@@ -9,9 +9,8 @@ given back only once it has ended, so a caller that lends memory to it waits for
 from __future__ import annotations
 
 import asyncio
-import functools
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any, Generic, TypeVar
 
 T = TypeVar("T")
 
@@ -29,9 +28,25 @@ async def settled(future: asyncio.Future[Any]) -> None:
         raise asyncio.CancelledError
 
 
+class _Call(Generic[T]):
+    """function(*args, **kwargs), run once, letting go of its arguments as it returns: the executor keeps its work
+    item (this call) a moment after the caller has the result, and an argument viewing lent memory would keep that
+    memory in use past the caller's giving it back (a mapping would not close)."""
+
+    def __init__(self, function: Callable[..., T], args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        self.parts: tuple[Callable[..., T], tuple[Any, ...], dict[str, Any]] | None = (function, args, kwargs)
+
+    def __call__(self) -> T:
+        assert self.parts is not None, "a call runs once"
+        function, args, kwargs = self.parts
+        self.parts = None
+        return function(*args, **kwargs)
+
+
 async def in_thread(function: Callable[..., T], *args: Any, **kwargs: Any) -> T:
     """function(*args, **kwargs) in a worker thread of the loop's executor, waited for to its end (`settled`)
-    even when the caller is cancelled: whatever it reads or writes stays in use until this returns or raises."""
-    thread = asyncio.get_running_loop().run_in_executor(None, functools.partial(function, *args, **kwargs))
+    even when the caller is cancelled: whatever it reads or writes stays in use until this returns or raises, and
+    no longer (the thread holds none of its arguments after)."""
+    thread: asyncio.Future[T] = asyncio.get_running_loop().run_in_executor(None, _Call(function, args, kwargs))
     await settled(thread)
     return thread.result()

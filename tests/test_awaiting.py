@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import weakref
 
 import pytest
 
-from app.awaiting import in_thread, settled
+from app.awaiting import _Call, in_thread, settled
 
 pytestmark = pytest.mark.anyio
 GUARD_S = 10
@@ -74,3 +75,27 @@ async def test_in_thread_returns_the_functions_result_and_raises_its_exception()
 
     with pytest.raises(ValueError, match="own failure"):
         await in_thread(failing)
+
+
+class Lent:
+    """Stands for an argument that views lent memory."""
+
+
+def test_a_threads_call_lets_go_of_its_arguments_as_it_returns() -> None:
+    """The executor keeps its work item (the call) a moment after the caller has the result: the call must not keep
+    the arguments alive with it."""
+    lent = Lent()
+    gone = weakref.ref(lent)
+    call = _Call(lambda x, y: (type(x).__name__, y), (lent,), {"y": 2})
+    del lent
+    assert call() == ("Lent", 2) and gone() is None
+    with pytest.raises(AssertionError, match="runs once"):
+        call()
+
+
+async def test_in_thread_returns_what_the_function_returns_and_holds_no_argument_after() -> None:
+    lent = Lent()
+    gone = weakref.ref(lent)
+    assert await in_thread(lambda x, y: (x is not None, y), lent, y=3) == (True, 3)
+    del lent
+    assert gone() is None
