@@ -200,8 +200,10 @@ async def infer(
             lend = partial(service.engine.lend, data_at=int(header_length))
         async with reading_body(request, infer_body_limit(settings, request.headers), lend) as body:
             clock.mark_read()
+            # the codec parses the JSON: the whole body, or the header before binary tensors (views of the rest)
+            parsed_bytes = len(body) if lend is None else min(int(header_length or 0), len(body))
             decoded = await off_loop_if_large(
-                len(body), settings, codecs.decode_infer, body, header_length, service.limits
+                parsed_bytes, settings, codecs.decode_infer, body, header_length, service.limits
             )
             clock.mark_decoded()
             options = catalogue.options_for(model, decoded.operands.options)
