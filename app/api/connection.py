@@ -28,6 +28,7 @@ the container, the scripts and tests). Its limits are the app's settings, handed
 from __future__ import annotations
 
 import asyncio
+import threading
 from dataclasses import dataclass
 from typing import Any
 
@@ -73,6 +74,18 @@ DEFAULT_LIMITS = ConnectionLimits(
     keep_alive_timeout_s=Settings.model_fields["keep_alive_timeout_s"].default,
 )
 """Where no lifespan handed limits over (uvicorn --lifespan off): the settings' defaults."""
+
+
+_read_buffers = threading.local()
+
+
+def _read_buffer() -> memoryview:
+    """The buffer every connection served by this thread's event loop receives into outside direct bodies: a read's
+    bytes are parsed (copied) before the loop reads again."""
+    buffer: memoryview | None = getattr(_read_buffers, "buffer", None)
+    if buffer is None:
+        buffer = _read_buffers.buffer = memoryview(bytearray(READ_BYTES))
+    return buffer
 
 
 class DirectBody:
@@ -173,9 +186,6 @@ class HttpConnection(HttpToolsProtocol):
     (`get_buffer`): one buffer per process for heads and bodies the app reads in pieces, a route's memory for a
     direct body."""
 
-    read_buffer = memoryview(bytearray(READ_BYTES))
-    """Shared by every connection of the process: a read's bytes are parsed (copied) before the next read."""
-
     def __init__(
         self,
         config: Config,
@@ -197,6 +207,7 @@ class HttpConnection(HttpToolsProtocol):
         """Answered 431 or 408: what the client still sends is read and dropped until it closes."""
         self.direct: DirectBody | None = None
         """The body being received straight into a route's memory, if one is."""
+        self.read_buffer = _read_buffer()
 
     def new_parser(self) -> httptools.HttpRequestParser:
         """A parser for the next request, set up as uvicorn sets up its own."""
