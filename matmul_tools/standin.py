@@ -19,8 +19,8 @@ read into memory its connection keeps and each answer's zeros made once: a stand
 
 from __future__ import annotations
 
-import ast
 import functools
+import io
 import json
 import re
 import socket
@@ -31,6 +31,9 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
+import numpy as np
+
+from matmul_client.wire import npy_parts
 from matmul_tools.service import free_port
 
 REGION_CALL = re.compile(rb"^/v2/(system|cuda)sharedmemory/region/[^/]+/(register|unregister)$")
@@ -49,14 +52,13 @@ class _Request:
         self.body = body
 
 
-def _npy_header(body: memoryview, start: int) -> tuple[tuple[int, ...], str, int]:
-    """The shape and dtype of the `.npy` array that begins at `start`, and where its data begins."""
-    version = body[start + 6]
-    size_bytes = 2 if version == 1 else 4
-    length = int.from_bytes(body[start + 8 : start + 8 + size_bytes], "little")
-    data_at = start + 8 + size_bytes + length
-    header = ast.literal_eval(bytes(body[start + 8 + size_bytes : data_at]).decode("latin1"))
-    return tuple(header["shape"]), header["descr"], data_at
+def _npy_header(body: memoryview, start: int) -> tuple[tuple[int, ...], np.dtype, int]:
+    """The shape and dtype of the `.npy` array that begins at `start` (NumPy's reader), and where its data begins."""
+    opening = io.BytesIO(body[start : start + HEAD_LIMIT])
+    version = np.lib.format.read_magic(opening)
+    read = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
+    shape, _, dtype = read(opening)
+    return shape, dtype, start + opening.tell()
 
 
 Answer = list[bytes | memoryview]
@@ -70,13 +72,9 @@ def _zeros(nbytes: int) -> bytes:
 
 
 @functools.lru_cache(maxsize=16)
-def _npy_answer(a_shape: tuple[int, ...], b_shape: tuple[int, ...], descr: str) -> Answer:
-    """The answer to A @ B: a `.npy` of zeros, C's shape, A's dtype."""
-    shape = (a_shape[0], b_shape[1])
-    header = f"{{'descr': '{descr}', 'fortran_order': False, 'shape': {shape}, }}".encode("latin1")
-    header += b" " * (-(len(header) + 11) % 64) + b"\n"
-    opening = NPY_MAGIC + b"\x01\x00" + len(header).to_bytes(2, "little") + header
-    data = _zeros(int(descr[2:]) * shape[0] * shape[1])  # '<f4', '<f8', '<f2'
+def _npy_answer(a_shape: tuple[int, ...], b_shape: tuple[int, ...], dtype: np.dtype) -> Answer:
+    """The answer to A @ B: a `.npy` of zeros, C's shape, A's dtype, written as the client writes its operands."""
+    opening, data = npy_parts(np.zeros((a_shape[0], b_shape[1]), dtype))
     headers = {
         "Content-Type": "application/x-npy",
         "X-Matmul-Kernel": "stand-in",
@@ -91,10 +89,10 @@ def _npy_answer(a_shape: tuple[int, ...], b_shape: tuple[int, ...], descr: str) 
 def _matmul_answer(request: _Request) -> Answer:
     """The answer to a body of A's and B's `.npy` parts."""
     body = request.body
-    a_shape, descr, a_data = _npy_header(body, bytes(body[:4096]).find(NPY_MAGIC))
-    a_end = a_data + int(descr[2:]) * a_shape[0] * a_shape[1]
+    a_shape, dtype, a_data = _npy_header(body, bytes(body[:4096]).find(NPY_MAGIC))
+    a_end = a_data + dtype.itemsize * a_shape[0] * a_shape[1]
     b_shape, _, _ = _npy_header(body, a_end + bytes(body[a_end : a_end + 4096]).find(NPY_MAGIC))
-    return _npy_answer(a_shape, b_shape, descr)
+    return _npy_answer(a_shape, b_shape, dtype)
 
 
 def _inference_answer(model: str, request: dict[str, Any]) -> tuple[dict[str, Any], list[bytes]]:
