@@ -99,6 +99,12 @@ def _overflow(precision: Precision) -> float:
     return math.inf if operand_format is None else operand_format.overflow
 
 
+def reads_elements(precision: Precision) -> bool:
+    """Whether check_in_format reads the elements of an operand in `precision`; where it does not (float32 and
+    float64 sums of operands as they are, 3xTF32) it returns at once."""
+    return precision in (Precision.INT8, Precision.FP8) or not math.isinf(_overflow(precision))
+
+
 def check_in_format(x: Any, name: str, precision: Precision, first_row: int = 0) -> None:
     """InvalidMatrix when a finite element of `x` (a NumPy or a CuPy array) would be infinite once rounded into the
     format `precision` rounds operands into (7e4 in fp16), the first of those being named. Two reductions when every

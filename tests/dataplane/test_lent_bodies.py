@@ -5,15 +5,20 @@ memory, every product checked; a cancelled product keeps its body's bytes until 
 from __future__ import annotations
 
 import asyncio
+import gc
 import os
 import signal
+import threading
 from typing import Any
 
 import numpy as np
 import pytest
 
 from app.config import Settings
+from app.dataplane import engine_client
 from app.dataplane.engine_client import EngineClient
+from app.errors import InvalidMatrix
+from numerics.precision import Precision
 from numerics.reference import assert_close_to_reference
 from tests.fakes import multiply, record_staging, until
 
@@ -126,3 +131,38 @@ async def test_a_cancelled_product_keeps_its_lent_body_until_the_engine_lets_go(
         os.kill(engine_pid, signal.SIGCONT)
     await until(lambda: engine.arena.used_bytes == 0, guard_s=10)
     assert engine.arena.lent_bytes == 0
+
+
+async def test_an_operand_read_where_it_lies_is_checked_off_the_loop_only_where_the_check_reads_it(
+    engine: EngineClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Past the inline size, an fp16 product's range check reads every element of an operand, in a thread, and
+    refuses one beyond fp16's range by name; a float32 product's check reads nothing and stays on the loop."""
+    checked_in: list[tuple[str, int]] = []
+    check = engine_client.check_in_format
+
+    def spied(x: np.ndarray, name: str, precision: Precision) -> None:
+        checked_in.append((precision, threading.get_ident()))
+        check(x, name, precision)
+
+    monkeypatch.setattr(engine_client, "check_in_format", spied)
+    engine.inline_bytes = 64 << 10  # each operand is 256 KiB
+    lent, a, b = _body(engine, seed=3)
+    assert lent is not None
+    outcome = await multiply(engine, a, b, np.dtype(np.float32), timeout_s=30)
+    assert_close_to_reference(outcome.c, a.astype(np.float64), b, np.dtype(np.float32))
+    outcome.release()
+    b[7, 9] = 1e5  # finite, and infinite once rounded to fp16
+    with pytest.raises(InvalidMatrix, match=r"\bb\b.*out of range for precision fp16") as refused:
+        await multiply(engine, a, b, np.dtype(np.float32), timeout_s=30, precision=Precision.FP16)
+    lent.release()
+    loop = threading.get_ident()
+    assert [(precision, thread == loop) for precision, thread in checked_in] == [
+        (Precision.FP32, True),
+        (Precision.FP32, True),
+        (Precision.FP16, False),
+        (Precision.FP16, False),
+    ]
+    del lent, a, b, outcome, refused  # what views the arena, the refusal's frames included
+    gc.collect()  # the refusal's traceback and its frames are a cycle
+    await until(lambda: engine.arena.used_bytes == 0)
