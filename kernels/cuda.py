@@ -152,12 +152,12 @@ def fma_programs(compute_capability: tuple[int, int], specs: Iterable[KernelSpec
 
 
 def tensor_core_instances(compute_capability: tuple[int, int]) -> dict[str, Mapping[Any, _Instance]]:
-    """The instances of each tensor-core source that a device of `compute_capability` runs: on 9.0 every one (wgmma's
-    by their configs), elsewhere mma.sync's portable ones."""
+    """The instances of each tensor-core source that a device of `compute_capability` runs: on 9.0 every one (int8's
+    among wgmma's), elsewhere mma.sync's portable ones."""
     if compute_capability != tensorcore.COMPUTE_CAPABILITY:
         return {tensorcore.MMA_SYNC_SOURCE: tensorcore.MMA_SYNC_PORTABLE_CONFIGS}
     return {
-        tensorcore.WGMMA_SOURCE: {config: config for config in tensorcore.WGMMA_INSTANCES},
+        tensorcore.WGMMA_SOURCE: {**tensorcore.WGMMA_CONFIGS, Precision.INT8: tensorcore.WGMMA_INT8},
         tensorcore.DMMA_SOURCE: tensorcore.DMMA_CONFIGS,
         tensorcore.MMA_SYNC_SOURCE: tensorcore.MMA_SYNC_CONFIGS,
     }
@@ -288,7 +288,7 @@ class TensorCoreLibrary:
                 loaded[config.expression()].max_dynamic_shared_size_bytes = config.smem_bytes()
             return {key: loaded[config.expression()] for key, config in configs.items()}
 
-        self._wgmma: dict[tensorcore.WgmmaConfig, Any] = instances(tensorcore.WGMMA_SOURCE)
+        self._wgmma: dict[Precision, Any] = instances(tensorcore.WGMMA_SOURCE)
         self._dmma: dict[bool, Any] = instances(tensorcore.DMMA_SOURCE)
         self._mma_sync: dict[Precision, Any] = instances(tensorcore.MMA_SYNC_SOURCE)
         self._largest_magnitude = loaded[tensorcore.LARGEST_MAGNITUDE]
@@ -349,18 +349,14 @@ class TensorCoreLibrary:
         if precision is Precision.FP8:
             self.wgmma_e4m3(*self.e4m3_operands(a, b), a.shape[1], c)
             return
-        if precision is Precision.TF32 and _rows_of_16_bytes(a):
+        if precision is Precision.TF32 and a.shape[1] % 4 == 0 and a.data.ptr % tensorcore.STRIDE_ALIGNMENT == 0:
             # read as it is: the tensor cores take a float32's top 19 bits, TF32 truncated (numerics/precision.py's
-            # tf32 bound is the truncation's); B too where its rows allow
-            if _rows_of_16_bytes(b):
-                b_rows = tensorcore.WGMMA_TF32_B_ROWS
-                self._launch_wgmma(self._wgmma[b_rows], b_rows, [a], [b], c, a.shape[1])
-                return
+            # tf32 bound is the truncation's)
             a_parts = [a]
         else:
             a_parts = self.converted(config, a, transposed=False)
         b_parts = self.converted(config, b, transposed=True)
-        self._launch_wgmma(self._wgmma[config], config, a_parts, b_parts, c, a.shape[1])
+        self._launch_wgmma(self._wgmma[precision], config, a_parts, b_parts, c, a.shape[1])
 
     def wgmma_int8(self, a: Any, b: Any, c: Any, *, b_transposed: bool = False) -> None:
         """c = a @ b, exactly, on the current stream through kernels/wgmma.cu's int8 instance: a and b 2-D
@@ -379,7 +375,7 @@ class TensorCoreLibrary:
             return self.converted(config, x, transposed=False)
 
         b_parts = k_major(b) if b_transposed else self.converted(config, b, transposed=True)
-        self._launch_wgmma(self._wgmma[config], config, k_major(a), b_parts, c, k)
+        self._launch_wgmma(self._wgmma[Precision.INT8], config, k_major(a), b_parts, c, k)
 
     def e4m3_operands(self, a: Any, b: Any) -> tuple[Any, Any, Any]:
         """A and B^T as kernels/wgmma.cu's FP8 instance reads them (uint8 e4m3 bits, K-major, rows padded to the
@@ -395,7 +391,7 @@ class TensorCoreLibrary:
         """c (M x N, float32) = A @ B on the current stream through kernels/wgmma.cu's FP8 instance, from
         `e4m3_operands` (A, M x k, and B^T, N x k) and the largest magnitudes their scales came from."""
         config = tensorcore.WGMMA_CONFIGS[Precision.FP8]
-        self._launch_wgmma(self._wgmma[config], config, [a_e4m3], [b_t_e4m3], c, k, amax)
+        self._launch_wgmma(self._wgmma[Precision.FP8], config, [a_e4m3], [b_t_e4m3], c, k, amax)
 
     def _launch_wgmma(
         self,
@@ -408,27 +404,22 @@ class TensorCoreLibrary:
         amax: Any = None,
     ) -> None:
         """Launch a wgmma instance on operands as it reads them: A's parts M x K and B^T's N x K, K-major (their
-        rows padded past k), into c, M x N; `amax` the largest magnitudes of A and B for FP8's scales. An instance
-        reading B's rows takes B itself, K x N, as its b part."""
+        rows padded past k), into c, M x N; `amax` the largest magnitudes of A and B for FP8's scales."""
         m, n = c.shape
 
-        def matrix(part: Any, rows: int, columns: int, box_rows: int) -> tma.Matrix2d:
+        def matrix(part: Any, rows: int, box_rows: int) -> tma.Matrix2d:
             return tma.Matrix2d(
                 address=part.data.ptr,
                 element_bytes=config.element_bytes,
                 rows=rows,
-                columns=columns,
+                columns=k,
                 row_bytes=part.shape[1] * config.element_bytes,
                 box_rows=box_rows,
-                box_columns=tensorcore.ROW_BYTES // config.element_bytes,
+                box_columns=config.tile_k,
             )
 
-        if config.b_rows:  # B's rows, tile_k a stage; then A's tile, read as B^T's is otherwise
-            matrices = [matrix(b_parts[0], k, n, config.tile_k), matrix(a_parts[0], m, k, config.block_n)]
-        else:
-            matrices = [matrix(part, m, k, tensorcore.BLOCK_M) for part in a_parts]
-            matrices += [matrix(part, n, k, config.block_n) for part in b_parts]
-        maps = [tma.encode(each) for each in matrices]
+        maps = [tma.encode(matrix(part, m, tensorcore.BLOCK_M)) for part in a_parts]
+        maps += [tma.encode(matrix(part, n, config.block_n)) for part in b_parts]
         device_maps = self._cp.asarray(np.frombuffer(b"".join(maps), np.uint8))
         function(
             (config.blocks(m, n), 1, 1),
@@ -470,13 +461,6 @@ class TensorCoreLibrary:
             (a, b, c, np.int32(m), np.int32(n), np.int32(k)),
             shared_mem=config.smem_bytes(),
         )
-
-
-def _rows_of_16_bytes(x: Any) -> bool:
-    """Whether the copy engine can read x's rows where they lie: whole 16-byte units from a 16-byte boundary."""
-    return bool(
-        x.shape[1] * x.itemsize % tensorcore.STRIDE_ALIGNMENT == 0 and x.data.ptr % tensorcore.STRIDE_ALIGNMENT == 0
-    )
 
 
 def _check_int8_sums_fit(k: int) -> None:

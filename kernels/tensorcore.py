@@ -23,8 +23,8 @@ from numerics.precision import Precision
 WGMMA = "wgmma"
 WGMMA_SUMMARY = (
     "Tensor cores (Hopper wgmma, sm_90a), fed by TMA bulk copies through a 4-stage mbarrier pipeline; operands "
-    "converted on the device first (TF32 reads them as they are where their rows allow). Precisions tf32, "
-    "3xtf32, bf16, fp16, fp8 (e4m3, a power-of-two scale per operand); int8 operands into exact int32."
+    "converted on the device first. Precisions tf32, 3xtf32, bf16, fp16, fp8 (e4m3, a power-of-two scale per "
+    "operand); int8 operands into exact int32."
 )
 WGMMA_SOURCE = "wgmma.cu"
 OPERANDS_SOURCE = "operands.cu"
@@ -87,9 +87,6 @@ class WgmmaConfig:
     stages: int
     split: bool
     conversion: Conversion
-    b_rows: bool = False
-    """B read as it is (K x N, row-major) rather than converted into B^T: each block computes a tile of C^T, BLOCK_M
-    of N by block_n of M (kernels/wgmma.cu's B_ROWS)."""
 
     @property
     def element_bytes(self) -> int:
@@ -105,8 +102,8 @@ class WgmmaConfig:
         return ROW_BYTES // self.element_bytes
 
     def expression(self) -> str:
-        split, b_rows = ("true" if flag else "false" for flag in (self.split, self.b_rows))
-        return f"matmul_wgmma<{int(self.kind)}, {self.block_n}, {self.stages}, {split}, {b_rows}>"
+        split = "true" if self.split else "false"
+        return f"matmul_wgmma<{int(self.kind)}, {self.block_n}, {self.stages}, {split}>"
 
     def smem_bytes(self) -> int:
         """The tiles of every stage, a full and an empty mbarrier per stage, and the alignment slack."""
@@ -119,8 +116,6 @@ class WgmmaConfig:
         return cdiv(k, per_unit) * per_unit
 
     def blocks(self, m: int, n: int) -> int:
-        if self.b_rows:
-            return cdiv(n, BLOCK_M) * cdiv(m, self.block_n)
         return cdiv(m, BLOCK_M) * cdiv(n, self.block_n)
 
 
@@ -136,18 +131,9 @@ WGMMA_CONFIGS: MappingProxyType[Precision, WgmmaConfig] = MappingProxyType(
     }
 )
 
-WGMMA_TF32_B_ROWS = WgmmaConfig(OperandKind.TF32, 256, 4, False, Conversion.TO_TF32, b_rows=True)
-"""TF32 from A and B as they are, where both are rows of whole 16-byte units: B^T's fragments loaded into registers
-from B's rows, no pass over B first (the pass transposing and rounding B was 0.054 of 0.401 ms at 4096^3 on an
-H100)."""
-
 WGMMA_INT8 = WgmmaConfig(OperandKind.S8, 256, 4, False, Conversion.COPY_S8)
 """int8 operands, int32 sums and C: 128-element rows of K, four stages of 128 x 256 tiles (the BF16 instance's
 bytes)."""
-
-
-WGMMA_INSTANCES = (*WGMMA_CONFIGS.values(), WGMMA_TF32_B_ROWS, WGMMA_INT8)
-"""Every instance of kernels/wgmma.cu."""
 
 
 def operand_config(precision: Precision) -> WgmmaConfig:

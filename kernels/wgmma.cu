@@ -29,12 +29,6 @@
 // each tile's products are summed apart and added to the float32 total here, and the sum is scaled back by
 // 2^-(e_A + e_B) as it is stored (exact, but where it leaves float32's range).
 //
-// B_ROWS (TF32 only): B is read as it is, K x N row-major, instead of transposed into B^T first (a pass over B as
-// long as a sixth of the product at 4096^3). wgmma takes TF32 operands from shared memory K-major only, but its
-// first operand may come from registers, in any layout: so the block computes a 128 x BN tile of C^T = B^T A^T, B^T's
-// fragments loaded by each thread from B's rows in shared memory (n contiguous), A's tile the shared-memory operand
-// (K-major as A is), and stores the sums transposed, into C.
-//
 // SPLIT (3xTF32): each operand comes as a big and a small TF32 part, x = big + small. Per tile the consumers
 // compute big*big into one accumulator and big*small + small*big into another, and add the two at the end: the
 // small products' float32 sums do not round against the big ones' magnitude.
@@ -195,16 +189,6 @@ __device__ __forceinline__ void wgmma(typename Operand<KIND>::Sum (&d)[N / 2], u
     }
 }
 
-// d = A (64 x 8, four TF32 registers a thread in wgmma's fragment layout) @ B (8 x 256, descriptor b, K-major) + d:
-// TF32's instruction with its first operand from registers.
-__device__ __forceinline__ void wgmma_tf32_from_registers(float (&d)[128], const u32 (&a)[4], u64 b) {
-    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
-                 "wgmma.mma_async.sync.aligned.m64n256k8.f32.tf32.tf32 {" WGMMA_D128 "}, "
-                 "{%128, %129, %130, %131}, %132, p, 1, 1;\n}\n"
-                 : WGMMA_F128
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b));
-}
-
 __device__ __forceinline__ void store_pair(float* out, float first, float second) {
     *reinterpret_cast<float2*>(out) = make_float2(first, second);
 }
@@ -214,49 +198,22 @@ __device__ __forceinline__ void store_pair(int* out, int first, int second) {
 
 // ------------------------------------------------------------------------------------------------ the kernel
 
-// B_ROWS: where thread (g = lane / 4, t = lane % 4) of warp w in a consumer warpgroup finds B^T's rows, the rows
-// g and g + 8 of its warp's 16 in wgmma's register fragment: B's columns n and n + 1 of the block's 128, one 8-byte
-// load a row of B. The fragment's rows may be any of the warpgroup's 64 columns of B (its sums' rows then are those
-// columns of C), so they are chosen for the banks: B's tile lies in boxes of 32 columns, a row of 128 bytes each,
-// whose 16-byte units are swizzled by the row (k % 8); the four threads of a quarter-warp that read one row of B
-// take units u and u + 4, which no two rows' swizzles (k ^ k' < 4) bring together: a half-warp's 16 loads of 8
-// bytes then fall in 32 distinct banks.
-struct RowsOfB {
-    int box;       // of the block's four
-    int unit;      // 16-byte unit in the box's rows, before the swizzle
-    int word;      // 4-byte word in the unit: 0 or 2
-    __device__ __forceinline__ int column() const { return 32 * box + 4 * unit + word; }
-};
-
-__device__ __forceinline__ RowsOfB rows_of_b(int consumer, int warp, int g) {
-    RowsOfB at;
-    at.box = 2 * consumer + warp / 2;
-    at.unit = 2 * (warp % 2) + g / 4 + 4 * ((g / 2) % 2);
-    at.word = 2 * (g % 2);
-    return at;
-}
-
 // maps: the TMA tensor maps in global memory, 128 bytes each: A and B^T, or (SPLIT) A's big and small parts and
-// B^T's, or (B_ROWS) B and A. amax (E4M3 only, else null): the float32 bits of A's and B^T's largest magnitudes,
-// which their scales come from. Launched with THREADS threads, one block per tile of C (of C^T for B_ROWS; 1-D
-// grid), and `smem_bytes<...>()` bytes of dynamic shared memory.
-template <int KIND, int BN, int STAGES, bool SPLIT, bool B_ROWS>
+// B^T's. amax (E4M3 only, else null): the float32 bits of A's and B^T's largest magnitudes, which their scales
+// come from. Launched with THREADS threads, one block per tile of C (1-D grid), and `smem_bytes<...>()` bytes of
+// dynamic shared memory.
+template <int KIND, int BN, int STAGES, bool SPLIT>
 __global__ void __launch_bounds__(THREADS, 1) matmul_wgmma(const unsigned char* __restrict__ maps,
                                                            typename Operand<KIND>::Sum* __restrict__ C, int M, int N,
                                                            int K, const u32* __restrict__ amax) {
-    static_assert(!B_ROWS || (KIND == TF32 && !SPLIT && BN == 256), "B is read as it is by the TF32 instance alone");
     using Op = Operand<KIND>;
     using Sum = typename Op::Sum;
     constexpr int PARTS = SPLIT ? 2 : 1;
     constexpr bool TILE_SUMS = SPLIT || KIND == E4M3;  // each tile's products summed apart, then added here
-    // a stage: the tile of the consumers' BM rows (A's; B_ROWS: B's tile_k rows, BM columns wide, in boxes of 32
-    // columns), then that of the BN columns (B^T's; B_ROWS: A's)
     constexpr int A_BYTES = BM * ROW_BYTES;
     constexpr int B_BYTES = BN * ROW_BYTES;
     constexpr int STAGE_BYTES = PARTS * (A_BYTES + B_BYTES);
     constexpr int MMAS = Op::tile_k / Op::mma_k;
-    constexpr int BOX_BYTES = Op::tile_k * ROW_BYTES;  // B_ROWS: 32 columns of B's tile_k rows
-    static_assert(!B_ROWS || (BM / 32) * BOX_BYTES == A_BYTES, "B's tile fills the consumers' part of a stage");
 
     extern __shared__ unsigned char shared_raw[];
     // the 128-byte swizzle repeats every 1024 bytes, and the tensor cores expect each tile to start on it
@@ -264,11 +221,9 @@ __global__ void __launch_bounds__(THREADS, 1) matmul_wgmma(const unsigned char* 
     u64* full = reinterpret_cast<u64*>(shared + STAGES * STAGE_BYTES);
     u64* empty = full + STAGES;
 
-    // the block's tile: BM rows (the consumers' halves) by BN columns, of C, or of C^T (rows n, columns m)
-    const int rows = B_ROWS ? N : M, columns = B_ROWS ? M : N;
-    int tile_r, tile_c;
-    tile_of(blockIdx.x, (rows + BM - 1) / BM, (columns + BN - 1) / BN, tile_r, tile_c);
-    const int r0 = tile_r * BM, c0 = tile_c * BN;
+    int tile_m, tile_n;
+    tile_of(blockIdx.x, (M + BM - 1) / BM, (N + BN - 1) / BN, tile_m, tile_n);
+    const int m0 = tile_m * BM, n0 = tile_n * BN;
     const int k_tiles = (K + Op::tile_k - 1) / Op::tile_k;
     const int warpgroup = threadIdx.x / 128;
 
@@ -290,16 +245,10 @@ __global__ void __launch_bounds__(THREADS, 1) matmul_wgmma(const unsigned char* 
                 unsigned char* stage = shared + s * STAGE_BYTES;
                 barrier_expect_bytes(&full[s], STAGE_BYTES);
                 const int k0 = kt * Op::tile_k;
-                if constexpr (B_ROWS) {
-                    for (int box = 0; box < BM / 32; ++box)
-                        tma_load(stage + box * BOX_BYTES, maps, &full[s], r0 + 32 * box, k0);
-                    tma_load(stage + A_BYTES, maps + TENSOR_MAP_BYTES, &full[s], k0, c0);
-                } else {
-                    for (int part = 0; part < PARTS; ++part) {
-                        tma_load(stage + part * A_BYTES, maps + part * TENSOR_MAP_BYTES, &full[s], k0, r0);
-                        tma_load(stage + PARTS * A_BYTES + part * B_BYTES,
-                                 maps + (PARTS + part) * TENSOR_MAP_BYTES, &full[s], k0, c0);
-                    }
+                for (int part = 0; part < PARTS; ++part) {
+                    tma_load(stage + part * A_BYTES, maps + part * TENSOR_MAP_BYTES, &full[s], k0, m0);
+                    tma_load(stage + PARTS * A_BYTES + part * B_BYTES, maps + (PARTS + part) * TENSOR_MAP_BYTES,
+                             &full[s], k0, n0);
                 }
             }
         }
@@ -317,92 +266,51 @@ __global__ void __launch_bounds__(THREADS, 1) matmul_wgmma(const unsigned char* 
 #pragma unroll
     for (int i = 0; i < SPLIT_REGISTERS; ++i) d_small[i] = 0;
 
-    const int lane = threadIdx.x % 32, warp = (threadIdx.x % 128) / 32;
     const int half = (warpgroup - 1) * 64 * ROW_BYTES;  // this warpgroup's 64 rows of the A tile
-    if constexpr (B_ROWS) {
-        // The fragments are loaded once the last tile's products are done: ptxas serializes every wgmma of a
-        // kernel that writes a wgmma's input registers while any wgmma runs. The other consumer's products keep
-        // the tensor cores busy meanwhile.
-        const RowsOfB at = rows_of_b(warpgroup - 1, warp, lane / 4);
-        const int t = lane % 4;
-        int fragment_at[2];  // B's rows t and t + 4 of the tile (k % 8 = t + 4q): where the pair lies in the stage
+    for (int kt = 0; kt < k_tiles; ++kt) {
+        const int s = kt % STAGES;
+        barrier_wait(&full[s], (kt / STAGES) & 1);
+        const unsigned char* stage = shared + s * STAGE_BYTES;
+        const u64 a_big = tile_descriptor(stage + half);
+        const u64 b_big = tile_descriptor(stage + PARTS * A_BYTES);
+        fence_registers(d);
+        if constexpr (SPLIT) fence_registers(d_small);
+        if constexpr (TILE_SUMS) fence_registers(d_tile);
+        wgmma_fence();
 #pragma unroll
-        for (int q = 0; q < 2; ++q) {
-            const int k = t + 4 * q;
-            fragment_at[q] = at.box * BOX_BYTES + k * ROW_BYTES + ((at.unit ^ k) << 4) + 4 * at.word;
-        }
-        u32 fragments[MMAS][4];
-        for (int kt = 0; kt < k_tiles; ++kt) {
-            const int s = kt % STAGES;
-            barrier_wait(&full[s], (kt / STAGES) & 1);
-            const unsigned char* stage = shared + s * STAGE_BYTES;
-#pragma unroll
-            for (int step = 0; step < MMAS; ++step) {
-#pragma unroll
-                for (int q = 0; q < 2; ++q) {
-                    // a step is 8 rows of B (k), 8 * 128 bytes of each box
-                    const uint2 pair = *reinterpret_cast<const uint2*>(stage + fragment_at[q] + step * 8 * ROW_BYTES);
-                    fragments[step][2 * q] = pair.x;      // row g: B's column n
-                    fragments[step][2 * q + 1] = pair.y;  // row g + 8: column n + 1
-                }
-            }
-            const u64 a_tile = tile_descriptor(stage + A_BYTES);
-            fence_registers(d);
-            wgmma_fence();
-#pragma unroll
-            for (int step = 0; step < MMAS; ++step) wgmma_tf32_from_registers(d, fragments[step], a_tile + 2 * step);
-            wgmma_commit();
-            fence_registers(d);
-            wgmma_wait<0>();
-            fence_registers(d);
-            barrier_arrive(&empty[s]);
-        }
-    } else {
-        for (int kt = 0; kt < k_tiles; ++kt) {
-            const int s = kt % STAGES;
-            barrier_wait(&full[s], (kt / STAGES) & 1);
-            const unsigned char* stage = shared + s * STAGE_BYTES;
-            const u64 a_big = tile_descriptor(stage + half);
-            const u64 b_big = tile_descriptor(stage + PARTS * A_BYTES);
-            fence_registers(d);
-            if constexpr (SPLIT) fence_registers(d_small);
-            if constexpr (TILE_SUMS) fence_registers(d_tile);
-            wgmma_fence();
-#pragma unroll
-            for (int step = 0; step < MMAS; ++step) {
-                // a step is 32 bytes along K: 2 in the descriptor's address, which counts 16-byte units
-                if constexpr (SPLIT) {
-                    const u64 a_small = tile_descriptor(stage + A_BYTES + half);
-                    const u64 b_small = tile_descriptor(stage + 2 * A_BYTES + B_BYTES);
-                    wgmma<KIND, BN>(d_small, a_big + 2 * step, b_small + 2 * step, 1);
-                    wgmma<KIND, BN>(d_small, a_small + 2 * step, b_big + 2 * step, 1);
-                    wgmma<KIND, BN>(d_tile, a_big + 2 * step, b_big + 2 * step, step > 0);
-                } else if constexpr (TILE_SUMS) {
-                    wgmma<KIND, BN>(d_tile, a_big + 2 * step, b_big + 2 * step, step > 0);
-                } else {
-                    wgmma<KIND, BN>(d, a_big + 2 * step, b_big + 2 * step, 1);
-                }
-            }
-            wgmma_commit();
-            fence_registers(d);
-            if constexpr (TILE_SUMS) {
-                // The tensor cores round their sums toward zero (TF32), or keep fewer bits than float32 (FP8): over
-                // all of K that error grows with K (9.6e-6 relative at 4096^3 for 3xTF32, 9x SGEMM's error). So each
-                // tile's (big) products are summed apart and added here, rounded to nearest, and the tensor cores'
-                // sums stay one tile long. SPLIT's small products' sum is 2^-11 of the big one's, so its bias is not
-                // worth the registers.
-                if constexpr (SPLIT) fence_registers(d_small);
-                fence_registers(d_tile);
-                wgmma_wait<0>();
-                fence_registers(d_tile);
-#pragma unroll
-                for (int i = 0; i < BN / 2; ++i) d[i] += d_tile[i];
-                barrier_arrive(&empty[s]);
+        for (int step = 0; step < MMAS; ++step) {
+            // a step is 32 bytes along K: 2 in the descriptor's address, which counts 16-byte units
+            if constexpr (SPLIT) {
+                const u64 a_small = tile_descriptor(stage + A_BYTES + half);
+                const u64 b_small = tile_descriptor(stage + 2 * A_BYTES + B_BYTES);
+                wgmma<KIND, BN>(d_small, a_big + 2 * step, b_small + 2 * step, 1);
+                wgmma<KIND, BN>(d_small, a_small + 2 * step, b_big + 2 * step, 1);
+                wgmma<KIND, BN>(d_tile, a_big + 2 * step, b_big + 2 * step, step > 0);
+            } else if constexpr (TILE_SUMS) {
+                wgmma<KIND, BN>(d_tile, a_big + 2 * step, b_big + 2 * step, step > 0);
             } else {
-                // keep this tile's products running; the previous tile's are done, so its stage may be refilled
-                wgmma_wait<1>();
-                if (kt > 0) barrier_arrive(&empty[(kt - 1) % STAGES]);
+                wgmma<KIND, BN>(d, a_big + 2 * step, b_big + 2 * step, 1);
             }
+        }
+        wgmma_commit();
+        fence_registers(d);
+        if constexpr (TILE_SUMS) {
+            // The tensor cores round their sums toward zero (TF32), or keep fewer bits than float32 (FP8): over all
+            // of K that error grows with K (9.6e-6 relative at 4096^3 for 3xTF32, 9x SGEMM's error). So each
+            // tile's (big) products are summed apart and added here, rounded to nearest, and the tensor cores'
+            // sums stay one tile long. SPLIT's small products' sum is 2^-11 of the big one's, so its bias is not
+            // worth the registers.
+            if constexpr (SPLIT) fence_registers(d_small);
+            fence_registers(d_tile);
+            wgmma_wait<0>();
+            fence_registers(d_tile);
+#pragma unroll
+            for (int i = 0; i < BN / 2; ++i) d[i] += d_tile[i];
+            barrier_arrive(&empty[s]);
+        } else {
+            // keep this tile's products running; the previous tile's are done, so its stage may be refilled
+            wgmma_wait<1>();
+            if (kt > 0) barrier_arrive(&empty[(kt - 1) % STAGES]);
         }
     }
     wgmma_wait<0>();
@@ -417,21 +325,9 @@ __global__ void __launch_bounds__(THREADS, 1) matmul_wgmma(const unsigned char* 
     // The accumulator layout of a 64 x BN wgmma: warp w of the warpgroup holds rows 16w..16w+15; lane l holds, for
     // each 8 columns j, columns 8j + 2(l % 4) and the next, in rows l / 4 (registers 4j, 4j + 1) and l / 4 + 8
     // (registers 4j + 2, 4j + 3).
-    if constexpr (B_ROWS) {
-        // rows l / 4 and l / 4 + 8 are C's columns n and n + 1 (rows_of_b), columns of the tile C's rows
-        const int n = r0 + rows_of_b(warpgroup - 1, warp, lane / 4).column();
-#pragma unroll
-        for (int j = 0; j < BN / 8; ++j) {
-#pragma unroll
-            for (int v = 0; v < 2; ++v) {
-                const int m = c0 + 8 * j + 2 * (lane % 4) + v;
-                if (m < M && n < N) store_pair(C + static_cast<size_t>(m) * N + n, d[4 * j + v], d[4 * j + 2 + v]);
-            }
-        }
-        return;
-    }
-    const int row0 = r0 + (warpgroup - 1) * 64 + warp * 16 + lane / 4;
-    const int column0 = c0 + 2 * (lane % 4);
+    const int lane = threadIdx.x % 32, warp = (threadIdx.x % 128) / 32;
+    const int row0 = m0 + (warpgroup - 1) * 64 + warp * 16 + lane / 4;
+    const int column0 = n0 + 2 * (lane % 4);
     const bool pairs = (N % 2) == 0;  // rows of C start on 8 bytes: two sums per store
 #pragma unroll
     for (int j = 0; j < BN / 8; ++j) {

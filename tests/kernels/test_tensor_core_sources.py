@@ -16,7 +16,10 @@ from tests.kernels.test_kernel_sources import _nvrtc_missing
 
 SPILLS = re.compile(r"(?P<stores>\d+) bytes spill stores, (?P<loads>\d+) bytes spill loads")
 SOURCES = {
-    tensorcore.WGMMA_SOURCE: [config.expression() for config in tensorcore.WGMMA_INSTANCES],
+    tensorcore.WGMMA_SOURCE: [
+        *(config.expression() for config in tensorcore.WGMMA_CONFIGS.values()),
+        tensorcore.WGMMA_INT8.expression(),
+    ],
     tensorcore.MMA_SYNC_SOURCE: [config.expression() for config in tensorcore.MMA_SYNC_CONFIGS.values()],
     tensorcore.DMMA_SOURCE: [config.expression() for config in tensorcore.DMMA_CONFIGS.values()],
     tensorcore.OPERANDS_SOURCE: tensorcore.operand_expressions(),
@@ -37,7 +40,7 @@ def test_compiles_for_sm90a_without_spilling(source: str) -> None:
 
 def test_every_tensor_core_precision_has_an_instance_that_fits_in_shared_memory() -> None:
     assert set(tensorcore.WGMMA_CONFIGS) == set(TENSOR_CORE_PRECISIONS)
-    for config in tensorcore.WGMMA_INSTANCES:
+    for config in (*tensorcore.WGMMA_CONFIGS.values(), tensorcore.WGMMA_INT8):
         assert config.smem_bytes() <= MAX_DYNAMIC_SMEM
         # a tile row is one 128-byte swizzle span, and a TMA box has at most 256 rows
         assert config.tile_k * config.element_bytes == tensorcore.ROW_BYTES
@@ -59,20 +62,16 @@ def test_rows_are_padded_to_the_copy_engines_16_bytes(precision: Precision, k: i
 def test_int8_rows_are_padded_to_16_elements(k: int, padded: int) -> None:
     assert tensorcore.WGMMA_INT8.padded_k(k) == padded
     assert tensorcore.WGMMA_INT8.tile_k == 128
-    assert tensorcore.WGMMA_INT8.expression() == "matmul_wgmma<3, 256, 4, false, false>"
+    assert tensorcore.WGMMA_INT8.expression() == "matmul_wgmma<3, 256, 4, false>"
 
 
-def test_one_block_per_tile_of_c_or_of_c_transposed_where_b_is_read_as_it_is() -> None:
+def test_one_block_per_tile_of_c() -> None:
     bf16, split = tensorcore.WGMMA_CONFIGS[Precision.BF16], tensorcore.WGMMA_CONFIGS[Precision.TF32X3]
-    b_rows = tensorcore.WGMMA_TF32_B_ROWS
     assert bf16.blocks(4096, 4096) == 32 * 16
     assert bf16.blocks(129, 257) == 2 * 2
     assert split.blocks(4093, 4099) == 32 * 33
-    assert b_rows.blocks(257, 129) == 2 * 2  # 128 columns of C by 256 of its rows
-    assert b_rows.blocks(4100, 260) == 3 * 17
-    assert bf16.expression() == "matmul_wgmma<0, 256, 4, false, false>"
-    assert split.expression() == "matmul_wgmma<2, 128, 3, true, false>"
-    assert b_rows.expression() == "matmul_wgmma<2, 256, 4, false, true>"
+    assert bf16.expression() == "matmul_wgmma<0, 256, 4, false>"
+    assert split.expression() == "matmul_wgmma<2, 128, 3, true>"
 
 
 PORTABLE_SMEM = 99 * 1024
