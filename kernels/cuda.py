@@ -349,12 +349,9 @@ class TensorCoreLibrary:
         if precision is Precision.FP8:
             self.wgmma_e4m3(*self.e4m3_operands(a, b), a.shape[1], c)
             return
-        if precision is Precision.TF32 and a.shape[1] % 4 == 0 and a.data.ptr % tensorcore.STRIDE_ALIGNMENT == 0:
-            # read as it is: the tensor cores take a float32's top 19 bits, TF32 truncated (numerics/precision.py's
-            # tf32 bound is the truncation's)
-            a_parts = [a]
-        else:
-            a_parts = self.converted(config, a, transposed=False)
+        # Every operand is converted, TF32's too, which the tensor cores could read as it is: they would truncate it,
+        # an error of one sign that grows with k, past the bound (numerics/precision.py) for operands of one sign.
+        a_parts = self.converted(config, a, transposed=False)
         b_parts = self.converted(config, b, transposed=True)
         self._launch_wgmma(self._wgmma[precision], config, a_parts, b_parts, c, a.shape[1])
 

@@ -65,6 +65,20 @@ def test_every_element_is_within_the_precisions_bound(
 
 
 @pytest.mark.parametrize(("kernel", "precision"), KERNEL_PRECISIONS, ids=str)
+def test_operands_of_one_sign_hold_the_bound_at_a_long_k(launcher: Any, kernel: str, precision: Precision) -> None:
+    """Uniform [0, 1) operands: an operand truncated rather than rounded errs one way, by an error that grows with
+    k past the bound (4.35 at k = 1024 and 7.8 at 4096 with A truncated, emulated; the bound allows 4)."""
+    import cupy as cp
+
+    rng = cp.random.default_rng(4)
+    a, b = rng.random((64, 4096), dtype=cp.float32), rng.random((4096, 96), dtype=cp.float32)
+    c = cp.full((64, 96), cp.nan, dtype=cp.float32)
+    launcher.launch(kernel, a, b, c, precision=precision)
+    problem = Reference.of(a, b, np.float32, precision).mismatch(c)
+    assert problem is None, problem
+
+
+@pytest.mark.parametrize(("kernel", "precision"), KERNEL_PRECISIONS, ids=str)
 def test_a_product_missing_one_term_fails_the_bound(launcher: Any, kernel: str, precision: Precision) -> None:
     """The bound is tight enough to catch a kernel that skips one k step: the check above can fail. An FP8 step is
     one instruction's 32 terms: its bound, 4 * 0.129 * sqrt(sum of squared terms), is wider than one term."""
