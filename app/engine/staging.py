@@ -100,8 +100,8 @@ def _overflow(precision: Precision) -> float:
 
 
 def reads_elements(precision: Precision) -> bool:
-    """Whether check_in_format reads the elements of an operand in `precision`; where it does not (float32 and
-    float64 sums of operands as they are, 3xTF32) it returns at once."""
+    """Whether check_in_format reads the elements of an operand in `precision`; where it does not (fp32: float32
+    and float64 products of the operands as they are) it returns at once."""
     return precision in (Precision.INT8, Precision.FP8) or not math.isinf(_overflow(precision))
 
 
