@@ -183,8 +183,8 @@ class GuardedHttpProtocol(asyncio.BufferedProtocol):
 class HttpConnection(HttpToolsProtocol):
     """HttpToolsProtocol with a bounded request head (431), a header timeout, the service's keep-alive, and bodies
     received straight into a route's memory (DirectBody). It receives into memory it gives the event loop
-    (`get_buffer`): one buffer per process for heads and bodies the app reads in pieces, a route's memory for a
-    direct body."""
+    (`get_buffer`): one buffer per event-loop thread for heads and bodies the app reads in pieces, a route's memory
+    for a direct body."""
 
     def __init__(
         self,
