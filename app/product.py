@@ -85,7 +85,9 @@ class ErrorBound(BaseModel):
 class MatmulMetadata(BaseModel):
     """What a product answer says about itself; `.npy` answers carry it in X-Matmul-* headers instead."""
 
-    shape: tuple[int, int] = Field(description="Shape of the result, [m, n].")
+    shape: tuple[int, int] | tuple[int, int, int] = Field(
+        description="Shape of the result: [m, n], or [batch, m, n] for a stack of products."
+    )
     dtype: DtypeName
     precision: PrecisionName = Field(
         description="How the multiplier saw the operands: fp32 (as they are, also for float64), or rounded for the "

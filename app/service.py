@@ -21,6 +21,7 @@ from app.engine import EngineFront, Outcome, ProductRequest
 from app.engine.base import AUTO
 from app.errors import InvalidParameter, ShapeMismatch
 from app.product import BackendName, DtypeName, ErrorBound, MatmulMetadata, RooflineModel, Timing
+from app.shapes import ProductShape, product_shape
 from app.shared_memory import Matrix, SharedOutput
 from numerics.precision import (
     INT8_MAX_K,
@@ -78,16 +79,12 @@ def requested_precision(requested: str | None, working: np.dtype, operands: Oper
     return precision
 
 
-def check_product(a: Matrix, b: Matrix, limits: Limits) -> None:
-    """Inner dimensions agree and the result fits the limits."""
-    (m, k), (k2, n) = a.shape, b.shape
-    if k != k2:
-        raise ShapeMismatch(
-            f"inner dimensions differ: 'a' is {m}x{k} and 'b' is {k2}x{n}; a's columns ({k}) must equal "
-            f"b's rows ({k2})",
-            location=["b", 0],
-        )
-    check_shape((m, n), "result", limits, max_elements=limits.max_result_elements)
+def check_product(a: Matrix, b: Matrix, limits: Limits) -> ProductShape:
+    """What a @ b computes (app/shapes.py: inner dimensions that agree, stacks that pair up), its result within the
+    limits."""
+    shape = product_shape(tuple(a.shape), tuple(b.shape))
+    check_shape(shape.result, "result", limits, max_elements=limits.max_result_elements)
+    return shape
 
 
 def check_sums_fit(k: int, working: np.dtype) -> None:
@@ -145,9 +142,7 @@ class Product:
 
     outcome: Outcome
     dtype: np.dtype
-    m: int
-    k: int
-    n: int
+    shape: ProductShape
     backend: BackendName
     clock: Stopwatch
     roofline: RooflineModel
@@ -183,11 +178,11 @@ class Product:
         """The product's metadata, its answer encoded now."""
         clock, device = self.clock, self.outcome.device
         finished = perf_counter()
-        flops = 2 * self.m * self.n * self.k
+        flops = 2 * self.shape.m * self.shape.n * self.shape.k
         read_ms = (clock.read - clock.received) * 1e3
         precision = self.outcome.plan.precision
         return MatmulMetadata(
-            shape=(self.m, self.n),
+            shape=self.shape.result,
             dtype=cast(DtypeName, self.dtype.name),
             precision=precision.value,
             error_bound=ErrorBound(
@@ -250,11 +245,11 @@ class MatmulService:
         client's shared memory when `into` says where); it may wait in the queue for `deadline_s` (at most the
         settings' request timeout, which is also the default)."""
         a, b = operands.a, operands.b
-        check_product(a, b, self.limits)
+        shape = check_product(a, b, self.limits)
         working = working_dtype(options.dtype, options.precision, operands)
-        check_sums_fit(a.shape[1], working)
+        check_sums_fit(shape.k, working)
         precision = requested_precision(options.precision, working, operands)
-        (m, k), n = a.shape, b.shape[1]
+        m, k, n = shape.m, shape.k, shape.n
         queue_s = self.max_queue_s if deadline_s is None else min(deadline_s, self.max_queue_s)
         request = ProductRequest.of(a, b, working, options.kernel or AUTO, options.tile, precision)
         outcome = await self.engine.matmul(a, b, request, queue_s, into=into)
@@ -271,9 +266,7 @@ class MatmulService:
         return Product(
             outcome=outcome,
             dtype=working,
-            m=m,
-            k=k,
-            n=n,
+            shape=shape,
             backend=self.engine.backend_name,
             clock=clock,
             roofline=RooflineModel.model_validate(line, from_attributes=True),

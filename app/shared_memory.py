@@ -15,7 +15,8 @@ class SharedTensor:
 
     region: str
     offset: int
-    shape: tuple[int, int]
+    shape: tuple[int, ...]
+    """A matrix's, or a stack's (app/shapes.py)."""
     dtype: np.dtype
 
 

@@ -17,6 +17,7 @@ from app.engine import DeviceTiming, EngineState, Outcome, Plan, ProductRequest
 from app.engine.device_worker import DeviceWorker
 from app.errors import InvalidParameter, ShapeMismatch
 from app.product import RooflineModel
+from app.shapes import ProductShape
 from kernels.registry import KERNELS
 from numerics.precision import Precision
 from numerics.roofline import DevicePeaks
@@ -41,7 +42,7 @@ def _product(m: int, k: int, n: int, kernel_ms: float, batch_size: int = 1) -> s
         handoff_ms=0.0625,
     )
     clock = service.Stopwatch(received=100.0, read=100.5, decoded=101.25, computed=102.0)
-    return service.Product(outcome, np.dtype(np.float32), m, k, n, "cpu", clock, ROOFLINE)
+    return service.Product(outcome, np.dtype(np.float32), ProductShape(m, k, n), "cpu", clock, ROOFLINE)
 
 
 def test_each_stage_is_reported_in_milliseconds(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -183,7 +184,7 @@ async def test_run_hands_the_engine_its_options_and_the_capped_deadline(
     monkeypatch.setattr(service, "perf_counter", lambda: 4.0)
     product = await matmul.run(Operands(a=a, b=b), RequestOptions(kernel="tiled", tile=8), deadline_s, clock)
     assert engine.calls == [(ProductRequest(2, 4, 3, "float64", "tiled", 8, Precision.FP32), queue_s)]
-    assert (product.m, product.k, product.n, product.dtype, product.backend) == (2, 3, 4, np.dtype(np.float64), "cpu")
+    assert (product.shape, product.dtype, product.backend) == (ProductShape(2, 3, 4), np.dtype(np.float64), "cpu")
     assert clock.computed == 4.0 and product.clock is clock
     np.testing.assert_array_equal(product.c, a @ b)
     # the product's work, and the traffic of `tiled` with 8x8 tiles (float64), moved in 2 ms

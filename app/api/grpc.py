@@ -19,6 +19,7 @@ from __future__ import annotations
 import base64
 import functools
 import logging
+import math
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
@@ -331,7 +332,7 @@ def _infer_response(product: Product, model: str, decoded: inference_v2.InferReq
     output = pb.ModelInferResponse.InferOutputTensor(
         name=inference_v2.OUTPUT,
         datatype=inference_v2.DATATYPE_OF[product.dtype.name],
-        shape=[product.m, product.n],
+        shape=list(product.shape.result),
     )
     response = pb.ModelInferResponse(
         model_name=model,
@@ -344,7 +345,7 @@ def _infer_response(product: Product, model: str, decoded: inference_v2.InferReq
         placed = {
             "shared_memory_region": region.region,
             "shared_memory_offset": region.offset,
-            "shared_memory_byte_size": product.m * product.n * product.dtype.itemsize,
+            "shared_memory_byte_size": math.prod(product.shape.result) * product.dtype.itemsize,
         }
         for name, value in placed.items():
             output.parameters[name].CopyFrom(_parameter(value))

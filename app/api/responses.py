@@ -55,7 +55,7 @@ def product_headers(meta: MatmulMetadata) -> dict[str, str]:
         "X-Matmul-Kernel": meta.kernel,
         "X-Matmul-Backend": meta.backend,
         "X-Matmul-Device": meta.device,
-        "X-Matmul-Shape": f"{meta.shape[0]}x{meta.shape[1]}",
+        "X-Matmul-Shape": "x".join(map(str, meta.shape)),
         "X-Matmul-Dtype": meta.dtype,
         "X-Matmul-Precision": meta.precision,
         "X-Matmul-Batch-Size": str(meta.batch_size),

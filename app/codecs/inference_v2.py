@@ -19,6 +19,7 @@ import orjson
 from app.codecs.json import json_type
 from app.codecs.operands import Body, Limits, Operands, RequestOptions, check_shape
 from app.errors import BadRequest, InvalidMatrix, InvalidParameter, MalformedPayload, SharedMemoryError
+from app.shapes import OPERAND_DIMENSIONS
 from app.shared_memory import Matrix, SharedOutput, SharedTensor
 from matmul_client.wire import data_bytes
 from numerics.precision import INT8_PRODUCT, Precision
@@ -71,21 +72,25 @@ def _options(parameters: Mapping[str, Any], declared: list[str]) -> RequestOptio
     return RequestOptions(kernel=kernel, tile=tile, dtype=dtype, precision=precision)
 
 
-def _shape(tensor: Mapping[str, Any], name: str, limits: Limits) -> tuple[int, int]:
+def _shape(tensor: Mapping[str, Any], name: str, limits: Limits) -> tuple[int, ...]:
+    """An input's shape: two non-negative integers (a matrix), or three (a stack of matrices, its leading
+    dimension the batch)."""
     shape = tensor.get("shape")
     if (
         not isinstance(shape, list)
-        or len(shape) != 2
+        or len(shape) not in OPERAND_DIMENSIONS
         or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape)
     ):
         raise InvalidMatrix(
-            f"input '{name}' must have a shape of two non-negative integers, got {shape!r}", location=[name]
+            f"input '{name}' must have a shape of two non-negative integers (a matrix) or three (a stack of "
+            f"matrices, the batch first), got {shape!r}",
+            location=[name],
         )
-    check_shape((shape[0], shape[1]), name, limits)
-    return shape[0], shape[1]
+    check_shape(tuple(shape), name, limits)
+    return tuple(shape)
 
 
-def _json_tensor(data: Any, shape: tuple[int, int], name: str, may_hold_booleans: bool) -> np.ndarray:
+def _json_tensor(data: Any, shape: tuple[int, ...], name: str, may_hold_booleans: bool) -> np.ndarray:
     try:
         array = np.array(data)
     except ValueError:
@@ -230,14 +235,14 @@ def decode_infer_document(
     )
 
 
-def _tensor_bytes(shape: tuple[int, int], datatype: str) -> int:
+def _tensor_bytes(shape: tuple[int, ...], datatype: str) -> int:
     return math.prod(shape) * DATATYPES[datatype].itemsize
 
 
-def _size_mismatch(name: str, shape: tuple[int, int], datatype: str, parameter: str, given: Any) -> str:
+def _size_mismatch(name: str, shape: tuple[int, ...], datatype: str, parameter: str, given: Any) -> str:
     return (
-        f"input '{name}' is {shape[0]}x{shape[1]} {datatype} ({_tensor_bytes(shape, datatype)} bytes), but its "
-        f"{parameter} is {given!r}"
+        f"input '{name}' is {'x'.join(map(str, shape))} {datatype} ({_tensor_bytes(shape, datatype)} bytes), but "
+        f"its {parameter} is {given!r}"
     )
 
 
@@ -280,7 +285,7 @@ def encode_infer(
 
 
 def encode_infer_in_region(
-    shape: tuple[int, int],
+    shape: tuple[int, ...],
     dtype: np.dtype,
     region: SharedOutput,
     model: str,

@@ -1,5 +1,5 @@
-"""JSON bodies: `{"a": [[...]], "b": [[...]], "dtype"?, "kernel"?, "tile"?, "precision"?}` in, a matrix as nested
-lists out."""
+"""JSON bodies: `{"a": [[...]], "b": [[...]], "dtype"?, "kernel"?, "tile"?, "precision"?}` in (each operand a matrix,
+or a stack of matrices: `[[[...]], ...]`), a matrix or a stack as nested lists out."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import orjson
 
 from app.codecs.operands import OPERANDS, Limits, Operands, RequestOptions, check_matrix, check_shape
 from app.errors import InvalidMatrix, InvalidParameter, MalformedPayload
+from app.shapes import OPERAND_DIMENSIONS, check_dimensions
 from matmul_client.wire import JSON_MEDIA_TYPE
 
 MEDIA_TYPE = JSON_MEDIA_TYPE
@@ -32,25 +33,69 @@ def json_type(value: object) -> str:
     return "a number"
 
 
-def _locate_json_problem(value: list[Any], name: str) -> InvalidMatrix | None:
-    """The first element that keeps `value` from being a numeric matrix (error path only: a Python loop)."""
+def _locate_json_problem(value: list[Any], name: str, path: tuple[int, ...] = ()) -> InvalidMatrix | None:
+    """The first element that keeps `value` from being a numeric matrix, or a stack of them when its first row's
+    first element is a list (error path only: a Python loop). `path` is where `value` lies in the operand."""
+    if path == () and value and isinstance(value[0], list) and value[0] and isinstance(value[0][0], list):
+        return _locate_stack_problem(value, name)
+    where = "".join(f"[{index}]" for index in path)
     width: int | None = None
     for i, row in enumerate(value):
         if not isinstance(row, list):
             return InvalidMatrix(
-                f"{name}[{i}] is {json_type(row)}; '{name}' must be a list of rows, each a list of numbers",
-                location=[name, i],
+                f"{name}{where}[{i}] is {json_type(row)}; '{name}{where}' must be a list of rows, each a list of "
+                "numbers",
+                location=[name, *path, i],
             )
         if width is None:
             width = len(row)
         elif len(row) != width:
             return InvalidMatrix(
-                f"'{name}' is ragged: row {i} has {len(row)} elements but row 0 has {width}", location=[name, i]
+                f"'{name}{where}' is ragged: row {i} has {len(row)} elements but row 0 has {width}",
+                location=[name, *path, i],
             )
         for j, x in enumerate(row):
             if isinstance(x, bool) or not isinstance(x, int | float):
-                return InvalidMatrix(f"{name}[{i}][{j}] is {json_type(x)}, expected a number", location=[name, i, j])
+                return InvalidMatrix(
+                    f"{name}{where}[{i}][{j}] is {json_type(x)}, expected a number", location=[name, *path, i, j]
+                )
     return None
+
+
+def _locate_stack_problem(value: list[Any], name: str) -> InvalidMatrix | None:
+    """The first matrix of a stack that is not a numeric matrix, or that differs in shape from the first."""
+    first: tuple[int, int] | None = None
+    for index, matrix in enumerate(value):
+        if not isinstance(matrix, list) or not matrix:
+            return InvalidMatrix(
+                f"{name}[{index}] is {json_type(matrix)}{' with no rows' if matrix == [] else ''}; a stack "
+                f"'{name}' must be a list of matrices, each a non-empty list of rows",
+                location=[name, index],
+            )
+        problem = _locate_json_problem(matrix, name, (index,))
+        if problem is not None:
+            return problem
+        shape = (len(matrix), len(matrix[0]))
+        if first is None:
+            first = shape
+        elif shape != first:
+            return InvalidMatrix(
+                f"the stack '{name}' is ragged: matrix {index} is {shape[0]}x{shape[1]} but matrix 0 is "
+                f"{first[0]}x{first[1]}",
+                location=[name, index],
+            )
+    return None
+
+
+def _claimed_shape(value: list[Any]) -> tuple[int, ...]:
+    """The shape the first element at each depth claims (a matrix's, or a stack's): what the limits see before
+    NumPy builds anything."""
+    shape = [len(value)]
+    first = value[0]
+    while isinstance(first, list) and len(shape) < 3:
+        shape.append(len(first))
+        first = first[0] if first else None
+    return tuple(shape)
 
 
 def _json_matrix(doc: Mapping[str, Any], name: str, may_hold_booleans: bool, limits: Limits) -> np.ndarray:
@@ -59,24 +104,25 @@ def _json_matrix(doc: Mapping[str, Any], name: str, may_hold_booleans: bool, lim
     value = doc[name]
     if not isinstance(value, list) or not value:
         raise InvalidMatrix(
-            f"'{name}' must be a non-empty list of rows (a 2-D array of numbers), got {json_type(value)}"
-            + (" with no rows" if isinstance(value, list) else ""),
+            f"'{name}' must be a non-empty list of rows (a 2-D array of numbers, or a 3-D stack of them), got "
+            f"{json_type(value)}" + (" with no rows" if isinstance(value, list) else ""),
             location=[name],
         )
-    if isinstance(value[0], list):  # the size its rows claim, checked before NumPy builds anything
-        check_shape((len(value), len(value[0])), name, limits)
+    check_shape(_claimed_shape(value), name, limits)
     try:
         array = np.array(value)
-        numeric = array.ndim == 2 and array.dtype.kind in "iuf"
     except ValueError:
-        numeric = False
+        array = None
+    if array is not None and array.dtype.kind in "iuf" and array.ndim > max(OPERAND_DIMENSIONS):
+        check_dimensions(tuple(array.shape), name)  # numbers, nested too deep
+    numeric = array is not None and array.ndim in OPERAND_DIMENSIONS and array.dtype.kind in "iuf"
     # np.array turns [1, true] into int64 silently: a body with a boolean token gets the exact check too.
     if not numeric or may_hold_booleans:
         problem = _locate_json_problem(value, name)
         if problem is not None:
             raise problem
-        if not numeric:
-            raise InvalidMatrix(f"'{name}' is not a matrix of numbers", location=[name])
+    if array is None or not numeric:
+        raise InvalidMatrix(f"'{name}' is not a matrix of numbers, nor a stack of them", location=[name])
     return check_matrix(array, name, limits)
 
 

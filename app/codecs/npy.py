@@ -14,6 +14,7 @@ import numpy as np
 
 from app.codecs.operands import SUPPORTED_DTYPES, Limits, Operands, check_dtype, check_shape, require_operands
 from app.errors import InvalidMatrix, MalformedPayload
+from app.shapes import check_dimensions
 from matmul_client.wire import NPY_MEDIA_TYPE, npy_parts
 
 MEDIA_TYPE = NPY_MEDIA_TYPE
@@ -23,7 +24,7 @@ NPY_MAX_HEADER = 10_000
 
 @dataclass(frozen=True)
 class _NpyHeader:
-    shape: tuple[int, int]
+    shape: tuple[int, ...]
     fortran_order: bool
     dtype: np.dtype
     offset: int
@@ -178,14 +179,12 @@ def _npy_dtype(descr: str, name: str) -> np.dtype:
 
 def read_npy_header(head: bytes | memoryview | bytearray, name: str, limits: Limits) -> _NpyHeader:
     """The header at the start of a `.npy` file (`head` holds at least its first NPY_MAX_HEADER + 16 bytes, or
-    the whole file), read by the grammar NumPy writes and checked: a numeric dtype, a 2-D shape within the limits."""
+    the whole file), read by the grammar NumPy writes and checked: a numeric dtype, the shape of a matrix or a stack
+    of matrices (app/shapes.py) within the limits."""
     text, offset = _npy_header_text(memoryview(head), name)
     fields = _NpyHeaderText(text, name).parse()
     dtype, shape = _npy_dtype(fields["descr"], name), fields["shape"]
-    if len(shape) != 2:
-        raise InvalidMatrix(
-            f"matrix '{name}' must be 2-D, got {len(shape)}-D with shape {list(shape)}", location=[name]
-        )
+    check_dimensions(shape, name)
     check_dtype(dtype, name)
     check_shape(shape, name, limits)
     return _NpyHeader(shape=shape, fortran_order=fields["fortran_order"], dtype=dtype, offset=offset)
@@ -193,9 +192,9 @@ def read_npy_header(head: bytes | memoryview | bytearray, name: str, limits: Lim
 
 def data_size_error(header: _NpyHeader, name: str, present: int) -> MalformedPayload:
     expected = header.file_bytes - header.offset
-    (m, n), dtype = header.shape, header.dtype
+    sides, dtype = "x".join(map(str, header.shape)), header.dtype
     return MalformedPayload(
-        f"'{name}' is a {m}x{n} {dtype} .npy whose data should be {expected} bytes, "
+        f"'{name}' is a {sides} {dtype} .npy whose data should be {expected} bytes, "
         f"but {present} bytes follow the header" + (" (truncated)" if present < expected else ""),
         location=[name],
     )

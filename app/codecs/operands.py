@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 
 from app.errors import InvalidMatrix, InvalidParameter, ShapeMismatch
+from app.shapes import check_dimensions
 from app.shared_memory import Matrix
 
 OPERANDS = ("a", "b")
@@ -70,11 +71,9 @@ def _kind_name(dtype: np.dtype) -> str:
 
 
 def check_matrix(array: np.ndarray, name: str, limits: Limits) -> np.ndarray:
-    """A 2-D matrix of integers or float16/32/64 within the limits, or InvalidMatrix/ShapeMismatch."""
-    if array.ndim != 2:
-        raise InvalidMatrix(
-            f"matrix '{name}' must be 2-D, got {array.ndim}-D with shape {list(array.shape)}", location=[name]
-        )
+    """A matrix, or a stack of matrices (app/shapes.py), of integers or float16/32/64 within the limits, or
+    InvalidMatrix/ShapeMismatch."""
+    check_dimensions(tuple(array.shape), name)
     check_dtype(array.dtype, name)
     check_shape(tuple(array.shape), name, limits)
     return array

@@ -21,6 +21,7 @@ import asyncio
 import contextlib
 import itertools
 import logging
+import math
 import os
 import socket
 from collections.abc import Callable
@@ -387,10 +388,11 @@ class EngineClient:
         dtype, precision = np.dtype(request.dtype), request.precision
         named = frozenset(where.region for where in (a, b, into) if isinstance(where, SharedTensor | SharedOutput))
         self._least_loaded(named)  # NotReady now rather than after a wait for shared memory
-        (m, k), n = a.shape, b.shape[1]
-        if into is not None and into.byte_size < m * n * dtype.itemsize:
+        result = request.shape.result
+        result_bytes = math.prod(result) * dtype.itemsize
+        if into is not None and into.byte_size < result_bytes:
             raise SharedMemoryError(
-                f"output 'C' is {m}x{n} {dtype} ({m * n * dtype.itemsize} bytes), more than the "
+                f"output 'C' is {'x'.join(map(str, result))} {dtype} ({result_bytes} bytes), more than the "
                 f"{into.byte_size} bytes its shared_memory_byte_size gives",
                 location=["outputs", 0],
             )
@@ -402,12 +404,12 @@ class EngineClient:
             if isinstance(operand, np.ndarray) and (offset := self._offset_as_is(operand, operands_in)) is not None
         }
         staged_bytes = [
-            rows * cols * operands_in.itemsize
-            for name, operand, (rows, cols) in (("a", a, (m, k)), ("b", b, (k, n)))
+            math.prod(operand.shape) * operands_in.itemsize
+            for name, operand in (("a", a), ("b", b))
             if isinstance(operand, np.ndarray) and name not in in_arena
         ]
         if into is None:
-            staged_bytes.append(m * n * dtype.itemsize)
+            staged_bytes.append(result_bytes)
         nbytes = sum(aligned(size) for size in staged_bytes)
         held = sum(self.arena.bytes_in(operand) for operand in (a, b) if isinstance(operand, np.ndarray))
         slab = await self.arena.reserve(nbytes, budget_s, holding=held)
@@ -416,10 +418,10 @@ class EngineClient:
             b_at = await self._place(b, slab, operands_in, "b", precision, in_arena.get("b"))
             c_at = None
             if into is None:
-                c_at = slab.place((m, n), dtype)
-                c_place: wire.Place = wire.InArena(c_at.offset, m, n)
+                c_at = slab.place(result, dtype)
+                c_place: wire.Place = wire.InArena(c_at.offset, c_at.shape)
             else:
-                c_place = _in_region(into, (m, n), dtype)
+                c_place = _in_region(into, result, dtype)
             staged = perf_counter()
             left_s = max(budget_s - (staged - began), 1e-3)
             link = self._least_loaded(named)  # chosen when sent: one may have gone, or come back, meanwhile
@@ -461,10 +463,10 @@ class EngineClient:
                 check_in_format(operand, name, precision)
             else:
                 await in_thread(check_in_format, operand, name, precision)
-            return wire.InArena(offset, *operand.shape)
+            return wire.InArena(offset, operand.shape)
         at = slab.place(operand.shape, dtype)
         await self._stage(operand, slab.array(at), name, precision)
-        return wire.InArena(at.offset, *at.shape)
+        return wire.InArena(at.offset, at.shape)
 
     # ------------------------------------------------------------------- clients' shared memory regions
 
@@ -613,8 +615,8 @@ class EngineClient:
         )
 
 
-def _in_region(where: SharedTensor | SharedOutput, shape: tuple[int, int], dtype: np.dtype) -> wire.InRegion:
-    return wire.InRegion(where.region, where.offset, *shape, dtype.name)
+def _in_region(where: SharedTensor | SharedOutput, shape: tuple[int, ...], dtype: np.dtype) -> wire.InRegion:
+    return wire.InRegion(where.region, where.offset, shape, dtype.name)
 
 
 def _release_after_reply(slab: Slab, read_in_place: tuple[np.ndarray, ...], reply: asyncio.Future[wire.Reply]) -> None:

@@ -106,7 +106,7 @@ class _Peer:
 
     def array(self, where: wire.InArena, dtype: str) -> np.ndarray:
         try:
-            return view(self.memory, Placement(where.offset, (where.rows, where.cols), dtype))
+            return view(self.memory, Placement(where.offset, where.shape, dtype))
         except ValueError as exc:
             raise InvalidParameter(str(exc)) from None
 
@@ -276,7 +276,7 @@ class EngineServer:
         if not self.shared_memory:
             raise SharedMemoryError("shared memory is off: MATMUL_SHARED_MEMORY does not enable it")
         region = self.regions.get(where.region)
-        tensor = region.tensor(where.offset, (where.rows, where.cols), np.dtype(where.dtype), name)
+        tensor = region.tensor(where.offset, where.shape, np.dtype(where.dtype), name)
         self.regions.lend(region)
         lent.append(region)
         return tensor

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import mmap
 import os
 import re
@@ -93,12 +94,12 @@ class SystemRegion(Region):
     def status(self) -> dict[str, Any]:
         return {"name": self.name, "key": self.key, "offset": self.offset, "byte_size": self.byte_size}
 
-    def tensor(self, offset: int, shape: tuple[int, int], dtype: np.dtype, what: str) -> np.ndarray:
+    def tensor(self, offset: int, shape: tuple[int, ...], dtype: np.dtype, what: str) -> np.ndarray:
         """The tensor at `offset` of this region, or SharedMemoryError when it does not lie inside it."""
         try:
             return view(self.memory, Placement(offset, shape, dtype.name))
         except ValueError:
-            raise self._outside(offset, shape[0] * shape[1] * dtype.itemsize, what) from None
+            raise self._outside(offset, math.prod(shape) * dtype.itemsize, what) from None
 
 
 @dataclass(kw_only=True)
@@ -112,10 +113,10 @@ class CudaRegion(Region):
     def status(self) -> dict[str, Any]:
         return {"name": self.name, "device_id": self.device_id, "byte_size": self.byte_size}
 
-    def tensor(self, offset: int, shape: tuple[int, int], dtype: np.dtype, what: str) -> Any:
+    def tensor(self, offset: int, shape: tuple[int, ...], dtype: np.dtype, what: str) -> Any:
         """The tensor at `offset` of this region, on the device, or SharedMemoryError when it does not lie inside
         it."""
-        nbytes = shape[0] * shape[1] * dtype.itemsize
+        nbytes = math.prod(shape) * dtype.itemsize
         if offset < 0 or offset + nbytes > self.byte_size:
             raise self._outside(offset, nbytes, what)
         if (self.memory.data.ptr + offset) % dtype.itemsize:  # the device traps a misaligned load: the context dies

@@ -39,6 +39,7 @@ import asyncio
 import bisect
 import collections
 import contextlib
+import math
 import mmap
 import os
 import weakref
@@ -47,6 +48,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from app.errors import Overloaded, PayloadTooLarge
+from app.shapes import OPERAND_DIMENSIONS
 
 ALIGNMENT = 256
 """Bytes; every operand starts on a multiple of this (CUDA's copies and NumPy's SIMD loops prefer aligned data)."""
@@ -62,21 +64,23 @@ def aligned(nbytes: int) -> int:
 
 @dataclass(frozen=True)
 class Placement:
-    """Where one matrix lies in an arena."""
+    """Where one matrix, or a stack of them, lies in an arena."""
 
     offset: int
-    shape: tuple[int, int]
+    shape: tuple[int, ...]
     dtype: str
 
     @property
     def nbytes(self) -> int:
-        return self.shape[0] * self.shape[1] * np.dtype(self.dtype).itemsize
+        return math.prod(self.shape) * np.dtype(self.dtype).itemsize
 
 
 def view(memory: np.ndarray, placement: Placement) -> np.ndarray:
     """The matrix `placement` describes, as a view of `memory` (bytes of an arena, mapped in this process), which
     it keeps alive; ValueError when it does not lie wholly inside."""
     offset, nbytes = placement.offset, placement.nbytes
+    if len(placement.shape) not in OPERAND_DIMENSIONS:
+        raise ValueError(f"a {placement.shape} shape is neither a matrix's nor a stack's")
     if offset < 0 or min(placement.shape) < 0 or offset + nbytes > memory.nbytes:
         raise ValueError(f"a {placement.shape} {placement.dtype} matrix at {offset} is outside the arena")
     matrix: np.ndarray = memory[offset : offset + nbytes].view(placement.dtype).reshape(placement.shape)
@@ -265,8 +269,8 @@ class Slab:
         returned = weakref.finalize(self._memory, arena._unviewed, offset, size)
         returned.atexit = False
 
-    def place(self, shape: tuple[int, int], dtype: np.dtype) -> Placement:
-        """The next matrix of the slab: where it lies (its view is `array(placement)`)."""
+    def place(self, shape: tuple[int, ...], dtype: np.dtype) -> Placement:
+        """The next matrix (or stack) of the slab: where it lies (its view is `array(placement)`)."""
         placement = Placement(self._end, shape, dtype.name)
         if self._end + placement.nbytes > self.offset + self.size:
             raise ValueError(f"a {shape} {dtype} matrix does not fit in the rest of a {self.size}-byte slab")

@@ -36,7 +36,7 @@ import msgspec
 from app.engine.base import KernelInfo, ProductRequest
 from numerics.roofline import DevicePeaks
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 """Raised whenever a message changes in a way an older reader could not decode."""
 LENGTH = struct.Struct("!I")
 MAX_MESSAGE_BYTES = 64 << 20
@@ -75,20 +75,20 @@ class _Reply(_Message, frozen=True):
 
 
 class InArena(msgspec.Struct, frozen=True, tag="arena", tag_field="in"):
-    """A matrix at `offset` of the HTTP worker's arena, C-ordered, in the product's dtype."""
+    """A matrix, or a stack of matrices (app/shapes.py), at `offset` of the HTTP worker's arena, C-ordered, in the
+    product's dtype."""
 
     offset: int
-    rows: int
-    cols: int
+    shape: tuple[int, ...]
 
 
 class InRegion(msgspec.Struct, frozen=True, tag="region", tag_field="in"):
-    """A matrix at `offset` of a client's registered region (system or CUDA shared memory)."""
+    """A matrix, or a stack of matrices, at `offset` of a client's registered region (system or CUDA shared
+    memory)."""
 
     region: str
     offset: int
-    rows: int
-    cols: int
+    shape: tuple[int, ...]
     dtype: str
 
 

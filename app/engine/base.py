@@ -10,6 +10,7 @@ import numpy as np
 
 from app.engine.autotune import AutoChoice
 from app.errors import InvalidParameter, ShapeMismatch
+from app.shapes import ProductShape, product_shape
 from kernels.catalogue import DTYPES, Rung
 from kernels.registry import KERNELS, LaunchConfig
 from numerics.precision import INT8_PRODUCT, Precision
@@ -65,8 +66,8 @@ def kernel_info(rung: Rung, kind: Literal["cuda", "emulation"] = "cuda", summary
 @dataclass(frozen=True)
 class ProductRequest:
     """One product as the service asks the engine for it, from the route to the backend's planning: its shape, the
-    working dtype, the kernel (`auto`, or one a client named) with its tile, and the precision. The deadline travels
-    beside it."""
+    working dtype, the kernel (`auto`, or one a client named) with its tile, and the precision; a stack of `batch`
+    products of that shape (app/shapes.py) where it is not None. The deadline travels beside it."""
 
     m: int
     n: int
@@ -75,6 +76,7 @@ class ProductRequest:
     kernel: str = AUTO
     tile: int | None = None
     precision: Precision = Precision.FP32
+    batch: int | None = None
 
     @classmethod
     def of(
@@ -86,9 +88,13 @@ class ProductRequest:
         tile: int | None = None,
         precision: Precision = Precision.FP32,
     ) -> ProductRequest:
-        """The request for a @ b (arrays, or anything with a 2-D `shape`)."""
-        (m, k), n = a.shape, b.shape[1]
-        return cls(m, n, k, np.dtype(dtype).name, kernel, tile, precision)
+        """The request for a @ b (arrays, or anything with the `shape` of a matrix or a stack of them)."""
+        shape = product_shape(tuple(a.shape), tuple(b.shape))
+        return cls(shape.m, shape.n, shape.k, np.dtype(dtype).name, kernel, tile, precision, shape.batch)
+
+    @property
+    def shape(self) -> ProductShape:
+        return ProductShape(self.m, self.k, self.n, self.batch)
 
 
 @dataclass(frozen=True)
@@ -153,7 +159,8 @@ class Outcome:
     global_elements: int
     """The elements the kernel moved to and from global memory (`Plan.global_elements`), for the roofline."""
     batch_size: int = 1
-    """Products in the launch that computed this one (dynamic batching); its timings are the launch's."""
+    """Products in the launch that computed this one (dynamic batching, and a stack's products); its timings are
+    the launch's."""
     stage_ms: float = 0.0
     """Copying the operands into the shared memory the engine process reads (0 inside the engine process)."""
     handoff_ms: float = 0.0

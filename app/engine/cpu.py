@@ -29,6 +29,7 @@ from app.engine.base import (
 )
 from app.engine.staging import cast_into, check_in_format
 from app.errors import InvalidParameter, SharedMemoryError, UnknownKernel
+from app.shapes import matrix_of, result_shape
 from kernels.catalogue import RUNGS
 from kernels.emulation import EMULATIONS
 from numerics.precision import Precision, exact_int8_product, float32_emulation, operand_dtype
@@ -97,22 +98,14 @@ class CpuBackend:
         self, pairs: Pairs, dtype: np.dtype, plan: Plan, on_done: Callable[[], None], outputs: Outputs = None
     ) -> Finished:
         start = perf_counter()
-        (m, _), n = pairs[0][0].shape, pairs[0][1].shape[1]
         operands_in = operand_dtype(dtype)
         staged_pairs = [(_in_dtype(a, operands_in, "a"), _in_dtype(b, operands_in, "b")) for a, b in pairs]
         staged = perf_counter()
-        products = list(outputs) if outputs is not None else [np.empty((m, n), dtype) for _ in pairs]
+        products = list(outputs) if outputs is not None else [np.empty(result_shape(a, b), dtype) for a, b in pairs]
         # NaN and infinities propagate as docs/api.md says; NumPy's RuntimeWarnings about them are log noise.
         with np.errstate(invalid="ignore", over="ignore"):
             for (a, b), c in zip(staged_pairs, products, strict=True):
-                if plan.precision is Precision.INT8:
-                    exact_int8_product(a, b, c)
-                elif plan.precision is not Precision.FP32:
-                    np.copyto(c, float32_emulation(a, b, plan.precision))
-                elif plan.config is None:
-                    np.matmul(a, b, out=c)
-                else:
-                    np.copyto(c, EMULATIONS[plan.kernel](a, b, plan.config))
+                _compute(a, b, c, plan)
         done = perf_counter()
         return Finished(
             products, DeviceTiming(h2d_ms=(staged - start) * 1e3, kernel_ms=(done - staged) * 1e3, d2h_ms=0.0)
@@ -164,3 +157,21 @@ def _in_dtype(operand: np.ndarray, dtype: np.dtype, name: str) -> np.ndarray:
     converted = np.empty(operand.shape, dtype)
     cast_into(converted, operand, name)
     return converted
+
+
+def _compute(a: np.ndarray, b: np.ndarray, c: np.ndarray, plan: Plan) -> None:
+    """c = a @ b as `plan` computes it: a stack in one NumPy call where NumPy computes it as planned, else matrix by
+    matrix (the teaching rungs' emulations take matrices, and fp8 scales each matrix by its own largest magnitude,
+    as the product of that matrix alone would be)."""
+    if c.ndim == 3 and (plan.config is not None or plan.precision is Precision.FP8):
+        for index in range(c.shape[0]):
+            _compute(matrix_of(a, index), matrix_of(b, index), c[index], plan)
+        return
+    if plan.precision is Precision.INT8:
+        exact_int8_product(a, b, c)
+    elif plan.precision is not Precision.FP32:
+        np.copyto(c, float32_emulation(a, b, plan.precision))
+    elif plan.config is None:
+        np.matmul(a, b, out=c)
+    else:
+        np.copyto(c, EMULATIONS[plan.kernel](a, b, plan.config))

@@ -46,6 +46,7 @@ from app.errors import (
     NotReady,
     Overloaded,
 )
+from app.shapes import products_in
 
 log = logging.getLogger(__name__)
 
@@ -375,8 +376,9 @@ class DeviceWorker:
         try:
             products, device = submitted.launch.result()
             a, b = jobs[0].operands()
-            (m, k), n = a.shape, b.shape[1]
+            (m, k), n = a.shape[-2:], b.shape[-1]
             elements = jobs[0].plan.global_elements(m, n, k)  # one launch: one shape, one kernel
+            launched = len(jobs) * products_in(a, b)
             settled = [
                 Outcome(
                     c=c,
@@ -386,7 +388,7 @@ class DeviceWorker:
                     device_name=self.backend.device_name,
                     peaks=self.backend.peaks,
                     global_elements=elements,
-                    batch_size=len(jobs),
+                    batch_size=launched,
                 )
                 for j, c in zip(jobs, products, strict=True)
             ]

@@ -312,6 +312,11 @@ class GpuBackend:
     def plan(self, request: ProductRequest) -> Plan:
         kernel, tile, precision, dtype = request.kernel, request.tile, request.precision, request.dtype
         m, n, k = request.m, request.n, request.k
+        if request.batch is not None:  # the launches of a stack are issue 48's next step, measured on a GPU
+            raise InvalidParameter(
+                "stacks of products are computed on the CPU backend only so far; send the GPU one product a request",
+                location=["a"],
+            )
         if kernel == FAULT_TRAP and self._fault_injection:
             return Plan(kernel=FAULT_TRAP)
         # the int8 kernels here that take any k (cuBLAS's takes multiples of 4)

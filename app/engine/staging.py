@@ -86,12 +86,13 @@ def check_finite(x: Any, name: str, first_row: int = 0) -> None:
 
 
 def _refusal(x: Any, flags: Any, name: str, first_row: int, says: str) -> InvalidMatrix:
-    """The InvalidMatrix naming the first element of `x` (NumPy or CuPy, a band of rows from `first_row`) where
-    `flags` is True, in row-major order, its value, and what `says` is wrong with it."""
-    row, col = (int(i) for i in np.unravel_index(int(np.argmax(flags)), flags.shape))
-    return InvalidMatrix(
-        f"{name}[{row + first_row}][{col}] = {x[row, col].item()!r} {says}", location=[name, row + first_row, col]
-    )
+    """The InvalidMatrix naming the first element of `x` (NumPy or CuPy: a matrix or a stack of them, or a band of
+    its first axis from `first_row`, rows of a matrix or matrices of a stack) where `flags` is True, in C order,
+    its value, and what `says` is wrong with it."""
+    index = tuple(int(i) for i in np.unravel_index(int(np.argmax(flags)), flags.shape))
+    whole = (index[0] + first_row, *index[1:])
+    where = "".join(f"[{i}]" for i in whole)
+    return InvalidMatrix(f"{name}{where} = {x[index].item()!r} {says}", location=[name, *whole])
 
 
 def _overflow(precision: Precision) -> float:

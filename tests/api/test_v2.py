@@ -178,7 +178,7 @@ async def test_a_model_of_one_kernel_keeps_the_requests_other_parameters(client:
             "/v2/models/matmul/infer",
             {"json": {"inputs": [raw("A", [1], "FP32", [1]), tensor("B", np.ones((1, 1)))]}},
             422,
-            "shape of two non-negative integers",
+            "shape of two non-negative integers (a matrix) or three",
         ),
         ("/v2/models/matmul/infer", {"json": ab(parameters={"kernel": "fast"})}, 422, "needs the GPU"),
         ("/v2/models/matmul_numpy/infer", {"json": ab(parameters={"kernel": "auto"})}, 422, "runs kernel 'numpy'"),

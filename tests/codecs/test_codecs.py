@@ -51,7 +51,13 @@ class TestJson:
             (json_body(a=[[1, True]], b=[[1]]), InvalidMatrix, ["a", 0, 1], "a[0][1] is a boolean"),
             (json_body(a=[[None]], b=[[1]]), InvalidMatrix, ["a", 0, 0], "is null"),
             (json_body(a=[[{"x": 1}]], b=[[1]]), InvalidMatrix, ["a", 0, 0], "is an object"),
-            (json_body(a=[[[1]]], b=[[1]]), InvalidMatrix, ["a", 0, 0], "is a list"),
+            (json_body(a=[[[[1]]]], b=[[1]]), InvalidMatrix, ["a"], "got 4-D with shape [1, 1, 1, 1]"),
+            (
+                json_body(a=[[[1]], [[1, 2]]], b=[[1]]),
+                InvalidMatrix,
+                ["a", 1],
+                "the stack 'a' is ragged: matrix 1 is 1x2",
+            ),
             (json_body(a=[[1]], b=[[1]], c=1), InvalidParameter, ["c"], "unknown keys"),
             (json_body(a=[[1]], b=[[1]], tile="8"), InvalidParameter, ["tile"], "must be an integer"),
             (json_body(a=[[1]], b=[[1]], tile=True), InvalidParameter, ["tile"], "must be an integer"),
@@ -100,9 +106,9 @@ class TestNpy:
     @pytest.mark.parametrize(
         ("array", "words"),
         [
-            (np.ones(3), "must be 2-D, got 1-D"),
-            (np.ones((2, 2, 2)), "must be 2-D, got 3-D"),
-            (np.array(1.0), "must be 2-D, got 0-D"),
+            (np.ones(3), r"or 3-D \(a stack of matrices, one leading batch dimension\), got 1-D"),
+            (np.ones((2, 1, 2, 2)), r"or 3-D \(a stack of matrices, one leading batch dimension\), got 4-D"),
+            (np.array(1.0), r"or 3-D \(a stack of matrices, one leading batch dimension\), got 0-D"),
             (np.ones((2, 2), np.complex64), "dtype complex64"),
             (np.ones((2, 2), np.bool_), "dtype bool"),
             (np.array([["ab"]]), "dtype <U2"),

@@ -121,11 +121,14 @@ def test_option_types(parameters: dict[str, Any], expected: tuple[str, str, list
     assert refusal(doc(parameters=parameters)) == expected
 
 
-@pytest.mark.parametrize("shape", [[2, -3], [True, 3], [2, 3.0], [2], [2, 3, 1], "2x3", None, [2, False]])
-def test_a_shape_must_be_two_non_negative_integers(shape: Any) -> None:
+@pytest.mark.parametrize(
+    "shape", [[2, -3], [True, 3], [2, 3.0], [2], [1, 2, 3, 1], "2x3", None, [2, False], [2, 2, -1]]
+)
+def test_a_shape_must_be_two_or_three_non_negative_integers(shape: Any) -> None:
     assert refusal(doc({**A, "shape": shape}, B)) == (
         "invalid_matrix",
-        f"input 'A' must have a shape of two non-negative integers, got {shape!r}",
+        "input 'A' must have a shape of two non-negative integers (a matrix) or three (a stack of matrices, the "
+        f"batch first), got {shape!r}",
         ["A"],
     )
 

@@ -61,7 +61,7 @@ def test_json_body_refusals() -> None:
 def test_json_types_are_named(value: object, said: str) -> None:
     assert json_refusal(a=value, b=[[1]]) == (
         "invalid_matrix",
-        f"'a' must be a non-empty list of rows (a 2-D array of numbers), got {said}",
+        f"'a' must be a non-empty list of rows (a 2-D array of numbers, or a 3-D stack of them), got {said}",
         ["a"],
     )
     if value is not None and not isinstance(value, str):
@@ -79,7 +79,8 @@ def test_json_types_are_named(value: object, said: str) -> None:
             {"a": [], "b": [[1]]},
             (
                 "invalid_matrix",
-                "'a' must be a non-empty list of rows (a 2-D array of numbers), got a list with no rows",
+                "'a' must be a non-empty list of rows (a 2-D array of numbers, or a 3-D stack of them), got a list "
+                "with no rows",
                 ["a"],
             ),
         ),
@@ -128,13 +129,14 @@ def test_json_matrix_refusals(doc: dict[str, object], expected: tuple[str, str, 
         assert json_refusal(**doc) == expected
 
 
-def test_a_json_matrix_of_three_dimensions_with_a_boolean_elsewhere_names_the_list() -> None:
-    """With 'true' in the body every element is looked at, and a list where a number goes is named."""
-    assert json_refusal(a=[[[1]]], b=[[1]], kernel="true") == (
-        "invalid_matrix",
-        "a[0][0] is a list, expected a number",
-        ["a", 0, 0],
-    )
+def test_a_json_operand_of_four_dimensions_is_refused_for_its_dimensions_with_a_boolean_elsewhere_too() -> None:
+    for kernel in ("auto", "true"):  # with 'true' in the body every element is looked at first
+        assert json_refusal(a=[[[[1]]]], b=[[1]], kernel=kernel) == (
+            "invalid_matrix",
+            "matrix 'a' must be 2-D (a matrix) or 3-D (a stack of matrices, one leading batch dimension), got 4-D "
+            "with shape [1, 1, 1, 1]",
+            ["a"],
+        )
 
 
 def test_json_options_are_kept() -> None:

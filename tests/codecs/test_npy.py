@@ -111,11 +111,15 @@ def test_a_descr_that_is_not_a_dtype(descr: str) -> None:
 
 @pytest.mark.parametrize(
     ("shape", "dims"),
-    [("(2,)", "1-D with shape [2]"), ("(1, 2, 3)", "3-D with shape [1, 2, 3]"), ("()", "0-D with shape []")],
+    [("(2,)", "1-D with shape [2]"), ("(1, 2, 3, 4)", "4-D with shape [1, 2, 3, 4]"), ("()", "0-D with shape []")],
 )
-def test_a_shape_that_is_not_2d(shape: str, dims: str) -> None:
+def test_a_shape_that_is_neither_a_matrix_nor_a_stack(shape: str, dims: str) -> None:
     text = f"{{'descr': '<f4', 'fortran_order': False, 'shape': {shape}}}"
-    assert refusal(npy_with_header(text)) == ("invalid_matrix", f"matrix 'b' must be 2-D, got {dims}", ["b"])
+    assert refusal(npy_with_header(text)) == (
+        "invalid_matrix",
+        f"matrix 'b' must be 2-D (a matrix) or 3-D (a stack of matrices, one leading batch dimension), got {dims}",
+        ["b"],
+    )
 
 
 @pytest.mark.parametrize(

@@ -215,7 +215,7 @@ async def infer(
         try:
             if decoded.output_region is not None:
                 header = codecs.inference_v2.encode_infer_in_region(
-                    (product.m, product.n), product.dtype, decoded.output_region, model, decoded.id, parameters
+                    product.shape.result, product.dtype, decoded.output_region, model, decoded.id, parameters
                 )
                 data = None
             else:
