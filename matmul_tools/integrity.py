@@ -16,6 +16,7 @@ connection ended without a whole answer.
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import socket
 import time
@@ -39,7 +40,9 @@ from matmul_tools.triton_grpc import fp32_inputs, grpc_address
 from numerics.precision import UNIT_ROUNDOFFS, Precision
 from numerics.reference import BOUND_CONSTANT, Reference
 
-Shape = tuple[int, int, int]
+Shape = tuple[int, int, int] | tuple[int, int, int, int]
+"""(m, k, n): a product of two matrices; (batch, m, k, n): a stack of `batch` of them, B a stack too or, every other
+request, one matrix broadcast against A's stack."""
 MODEL = "matmul"
 SLOW_RECEIVE_BUFFER = 16 << 10
 """The receive buffer of a slow raw reader: small, so that the server cannot hand the answer to the kernel at once."""
@@ -252,8 +255,17 @@ def _from_httpx(response: httpx.Response) -> httpx.Response:
     return response
 
 
-def _json_result(body: dict[str, Any], shape: tuple[int, int]) -> np.ndarray:
+def _json_result(body: dict[str, Any], shape: tuple[int, ...]) -> np.ndarray:
     return np.array(body["result"], np.float64).reshape(shape)
+
+
+def result_shape(a: np.ndarray, b: np.ndarray) -> tuple[int, ...]:
+    """The shape of np.matmul(a, b): a matrix, or a stack with its batch first."""
+    return (*np.broadcast_shapes(a.shape[:-2], b.shape[:-2]), a.shape[-2], b.shape[-1])
+
+
+def _sides(x: np.ndarray | tuple[int, ...]) -> str:
+    return "x".join(map(str, x.shape if isinstance(x, np.ndarray) else x))
 
 
 def _asked(precision: Precision) -> dict[str, str]:
@@ -271,7 +283,7 @@ def matmul_json(conn: Connections, a: np.ndarray, b: np.ndarray, precision: Prec
     """POST /matmul, a JSON body, a JSON answer."""
     body = orjson.dumps({"a": a, "b": b, **_asked(precision)}, option=orjson.OPT_SERIALIZE_NUMPY)
     response = _from_httpx(conn.httpx().post("/matmul", content=body, headers={"content-type": "application/json"}))
-    return _json_result(response.json(), (a.shape[0], b.shape[1]))
+    return _json_result(response.json(), result_shape(a, b))
 
 
 def matmul_npy_raw(conn: Connections, a: np.ndarray, b: np.ndarray, precision: Precision) -> np.ndarray:
@@ -286,7 +298,7 @@ def matmul_npy_to_json(conn: Connections, a: np.ndarray, b: np.ndarray, precisio
     payload = encode_payload(a, b, "npy")
     headers = {"content-type": payload.content_type, "accept": "application/json"}
     response = _from_httpx(conn.httpx().post(_matmul_path(precision), content=payload.content, headers=headers))
-    return _json_result(response.json(), (a.shape[0], b.shape[1]))
+    return _json_result(response.json(), result_shape(a, b))
 
 
 def matmul_npz_raw(conn: Connections, a: np.ndarray, b: np.ndarray, precision: Precision) -> np.ndarray:
@@ -390,21 +402,21 @@ def tritonclient_system_shm(conn: Connections, a: np.ndarray, b: np.ndarray, pre
     import tritonclient.http as triton
     import tritonclient.utils.shared_memory as shm
 
-    (m, k), n = a.shape, b.shape[1]
+    answer = result_shape(a, b)
     b_at, c_at = a.nbytes, a.nbytes + b.nbytes
     with _triton_errors():
         name, handle = conn.system_region(REGION_BYTES)
     shm.set_shared_memory_region(handle, [a])
     shm.set_shared_memory_region(handle, [b], offset=b_at)
-    shm.set_shared_memory_region(handle, [np.full((m, n), np.nan, np.float32)], offset=c_at)
-    inputs = [triton.InferInput("A", [m, k], "FP32"), triton.InferInput("B", [k, n], "FP32")]
+    shm.set_shared_memory_region(handle, [np.full(answer, np.nan, np.float32)], offset=c_at)
+    inputs = [triton.InferInput("A", list(a.shape), "FP32"), triton.InferInput("B", list(b.shape), "FP32")]
     inputs[0].set_shared_memory(name, a.nbytes, offset=0)
     inputs[1].set_shared_memory(name, b.nbytes, offset=b_at)
     output = triton.InferRequestedOutput("C")
-    output.set_shared_memory(name, m * n * 4, offset=c_at)
+    output.set_shared_memory(name, math.prod(answer) * 4, offset=c_at)
     with _triton_errors():
         conn.triton_client().infer(MODEL, inputs, outputs=[output], parameters=_asked(precision))
-    c: np.ndarray = shm.get_contents_as_numpy(handle, np.float32, [m, n], offset=c_at).copy()
+    c: np.ndarray = shm.get_contents_as_numpy(handle, np.float32, list(answer), offset=c_at).copy()
     return c
 
 
@@ -486,10 +498,22 @@ class ClientShare:
 
 
 def _fits(way: str, shape: Shape) -> bool:
-    m, k, n = shape
-    if way in JSON_WAYS and max(m * k, k * n, m * n) > JSON_MAX_ELEMENTS:
+    *batch, m, k, n = shape
+    products = math.prod(batch)
+    if way in JSON_WAYS and products * max(m * k, k * n, m * n) > JSON_MAX_ELEMENTS:
         return False
-    return not (way in SYSTEM_SHM_WAYS and 4 * (m * k + k * n + m * n) > REGION_BYTES)
+    return not (way in SYSTEM_SHM_WAYS and 4 * products * (m * k + k * n + m * n) > REGION_BYTES)
+
+
+def operands(rng: np.random.Generator, shape: Shape, index: int) -> tuple[np.ndarray, np.ndarray]:
+    """Fresh float32 operands of a request of `shape`, the `index`th of its client: for a stack, B a stack of its
+    own on even requests and one matrix, broadcast against A's stack, on odd ones."""
+    *batch, m, k, n = shape
+    b_batch = batch if index % 2 == 0 else []
+    return (
+        rng.standard_normal((*batch, m, k), dtype=np.float32),
+        rng.standard_normal((*b_batch, k, n), dtype=np.float32),
+    )
 
 
 def plan(share: ClientShare) -> Iterator[tuple[str, Shape, Precision]]:
@@ -509,9 +533,8 @@ def run_client(share: ClientShare) -> Tally:
     tally = Tally()
     connections = Connections(share.url)
     try:
-        for way, (m, k, n), precision in plan(share):
-            a = rng.standard_normal((m, k), dtype=np.float32)
-            b = rng.standard_normal((k, n), dtype=np.float32)
+        for index, (way, shape, precision) in enumerate(plan(share)):
+            a, b = operands(rng, shape, index)
             _exchange(connections, way, a, b, precision, tally)
             if share.pause_s:
                 time.sleep(share.pause_s)
@@ -543,8 +566,7 @@ def _exchange(
     tally.precisions[precision.value] += 1
     problem = check(c, a, b, precision)
     if problem is not None:
-        (m, k), n = a.shape, b.shape[1]
-        tally.wrong.append(f"{way}, {m}x{k} @ {k}x{n} in {precision.value}: {problem}")
+        tally.wrong.append(f"{way}, {_sides(a)} @ {_sides(b)} in {precision.value}: {problem}")
     elif precision in UNIT_ROUNDOFFS and _beyond_fp32(c, a, b):
         tally.rounded[f"{way} in {precision.value}"] += 1
 
@@ -555,7 +577,10 @@ cost for the 4096^2 answers)."""
 
 
 def _beyond_fp32(c: np.ndarray, a: np.ndarray, b: np.ndarray) -> bool:
-    """Whether the first rows of `c` err beyond float32's own bound: a product computed in float32 would not."""
+    """Whether the first rows of `c` (of its first matrix, for a stack) err beyond float32's own bound: a product
+    computed in float32 would not."""
+    if c.ndim == 3:
+        c, a, b = c[0], a[0], (b[0] if b.ndim == 3 else b)
     rows = slice(0, ROUNDING_ROWS)
     return Reference.of(a[rows], b, np.float32).error_ratio(c[rows]) > BOUND_CONSTANT
 
@@ -563,9 +588,9 @@ def _beyond_fp32(c: np.ndarray, a: np.ndarray, b: np.ndarray) -> bool:
 def check(c: np.ndarray, a: np.ndarray, b: np.ndarray, precision: Precision = Precision.FP32) -> str | None:
     """None when `c` is the product of `a` and `b` in their dtype (float64 if either is), computed in `precision`,
     within its stated bound; else what is wrong."""
-    expected = (a.shape[0], b.shape[1])
+    expected = result_shape(a, b)
     if c.shape != expected:
-        return f"the answer is {c.shape[0]}x{c.shape[1]}, not {expected[0]}x{expected[1]}"
+        return f"the answer is {_sides(c)}, not {_sides(expected)}"
     reference = Reference.of(a, b, np.result_type(a.dtype, b.dtype), precision)
     problem = reference.mismatch(c)
     if problem is None:

@@ -53,8 +53,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="matmul-client", description="Multiply two .npy matrices on a matmul-service and save the product."
     )
-    parser.add_argument("a", help="the left operand, a 2-D .npy file")
-    parser.add_argument("b", help="the right operand, a 2-D .npy file")
+    parser.add_argument("a", help="the left operand, a .npy file: a matrix, or a stack of them (3-D)")
+    parser.add_argument("b", help="the right operand, a .npy file: a matrix, or a stack of them (3-D)")
     parser.add_argument("-o", "--output", required=True, help="where to save the product (.npy)")
     parser.add_argument(
         "--url",

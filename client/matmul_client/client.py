@@ -365,9 +365,9 @@ def _product(memory: AnswerMemory, response: Answer) -> Product:
             c = _read_npy(response, memory)
         else:
             dtype = np.dtype(headers["x-matmul-dtype"])
-            m, n = (int(side) for side in headers["x-matmul-shape"].split("x"))
+            shape = tuple(int(side) for side in headers["x-matmul-shape"].split("x"))  # a matrix's, or a stack's
             # JSON has no NaN: the server writes non-finite elements as null, which NumPy reads back as NaN.
-            c = np.array(json.loads(response.read())["result"], dtype=np.float64).reshape(m, n).astype(dtype)
+            c = np.array(json.loads(response.read())["result"], dtype=np.float64).reshape(shape).astype(dtype)
         tile, gflops = headers.get("x-matmul-tile"), headers.get("x-matmul-gflops")
         return Product(
             c=c,

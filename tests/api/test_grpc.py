@@ -112,6 +112,17 @@ def test_infer_with_raw_contents_and_its_statistics(triton: grpcclient.Inference
     assert stats.inference_stats.success.count == before + 1 and stats.inference_stats.success.ns > 0
 
 
+def test_a_stack_keeps_its_batch_dimension(triton: grpcclient.InferenceServerClient) -> None:
+    """A (1, k, n) B, a stack of one, is broadcast against A's stack of 4, as numpy.matmul does."""
+    rng = np.random.default_rng(12)
+    a, b = rng.standard_normal((4, 6, 5), np.float32), rng.standard_normal((1, 5, 3), np.float32)
+    result = triton.infer("matmul", _inputs(a, b), outputs=[grpcclient.InferRequestedOutput("C")])
+    c = result.as_numpy("C")
+    assert c.shape == (4, 6, 3) and result.get_response().outputs[0].shape == [4, 6, 3]
+    assert_close_to_reference(c, a, b, np.float32)
+    assert result.get_response().parameters["batch_size"].int64_param == 4
+
+
 def test_parameters_choose_the_kernel_and_fp16_inputs_run_in_fp16(triton: grpcclient.InferenceServerClient) -> None:
     a, b = _operands(5)
     tiled = triton.infer("matmul", _inputs(a, b), parameters={"kernel": "tiled", "tile": 8})

@@ -186,6 +186,32 @@ def test_infer_reads_and_writes_shared_memory(server: Server, big_region: tuple[
         server.client.unregister_system_shared_memory(name)
 
 
+def test_a_stack_in_shared_memory_is_multiplied_into_a_stack_there(
+    server: Server, big_region: tuple[str, str, object]
+) -> None:
+    """A, a stack of 3 in the region; B, one matrix as binary data, broadcast against it; C, a stack, written back
+    into the region."""
+    name, key, handle = big_region
+    rng = np.random.default_rng(32)
+    a, b = rng.standard_normal((3, 8, 5)).astype(np.float32), rng.standard_normal((5, 4)).astype(np.float32)
+    c_at = 4096
+    shm.set_shared_memory_region(handle, [a])
+    shm.set_shared_memory_region(handle, [np.full((3, 8, 4), np.nan, np.float32)], offset=c_at)
+    server.client.register_system_shared_memory(name, key, 1 << 20)
+    try:
+        output = httpclient.InferRequestedOutput("C")
+        output.set_shared_memory(name, 3 * 8 * 4 * 4, offset=c_at)
+        result = server.client.infer(
+            "matmul_numpy", [_infer_input("A", a, (name, 0)), _infer_input("B", b)], outputs=[output]
+        )
+        described = result.get_output("C")
+        assert described["shape"] == [3, 8, 4] and described["parameters"]["shared_memory_byte_size"] == 3 * 8 * 4 * 4
+        c = shm.get_contents_as_numpy(handle, np.float32, [3, 8, 4], offset=c_at)
+        assert_close_to_reference(c, a, b, np.float32)
+    finally:
+        server.client.unregister_system_shared_memory(name)
+
+
 def test_shared_memory_mixes_with_binary_tensors(server: Server, big_region: tuple[str, str, object]) -> None:
     """A from shared memory, B as binary data, C back as binary data; then B from shared memory, A as binary data,
     C into shared memory."""

@@ -62,6 +62,17 @@ def test_every_format_gives_the_product_and_its_metadata(
     assert product.timing["total"] >= product.timing["kernel"]
 
 
+@pytest.mark.parametrize("format", FORMATS)
+def test_a_stack_comes_back_as_numpy_matmul_gives_it_in_every_format(
+    client: MatmulClient, format: RequestFormat
+) -> None:
+    rng = np.random.default_rng(9)
+    a, b = rng.standard_normal((6, 5, 4)), rng.standard_normal((4, 3))  # a matrix broadcast against the stack
+    product = client.multiply(a, b, format=format, dtype="float64")
+    assert product.c.shape == (6, 5, 3) and product.batch_size == 6
+    assert_close_to_reference(product.c, a, b, np.float64)
+
+
 def test_npy_keeps_the_operands_dtype_and_json_works_in_float32(client: MatmulClient) -> None:
     a, b = operands(4, 3, 2, "float64")
     assert client.matmul(a, b).dtype == np.float64

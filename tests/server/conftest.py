@@ -30,6 +30,8 @@ SHAPES = (
 shared memory, and a 16 MiB one is more than the kernel's socket buffers take from the server at once); binary
 bodies of 1.5 MiB, read into the shared memory itself where it has room (operands the engine reads in place); and
 shapes small enough for the JSON ways."""
+STACK_SHAPES = ((64, 32, 16, 24), (8, 256, 64, 128))
+"""(batch, m, k, n): a stack of 64 small products that the JSON ways carry too, and one of 8 of 1 MiB each."""
 GPU_SHAPES = ((4096, 4096, 4096), (512, 1024, 512), *SHAPES, (64, 64, 64))
 """(m, k, n) of the GPU loads: a 4096^2 product (192 MiB moved) among the CPU loads' shapes, 64^2 to 2048^2."""
 Serve = Callable[[Mapping[str, str], int], LocalService]

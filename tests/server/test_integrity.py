@@ -30,7 +30,7 @@ from matmul_tools.bodies import inference_v2_body, load_npy
 from matmul_tools.integrity import FLOAT_PRECISIONS, WAYS, checked_load
 from matmul_tools.raw_http import read_until_closed
 from numerics.precision import UNIT_ROUNDOFFS
-from tests.server.conftest import CLIENTS, GPU_SHAPES, SHAPES, Serve
+from tests.server.conftest import CLIENTS, GPU_SHAPES, SHAPES, STACK_SHAPES, Serve
 
 pytestmark = pytest.mark.timeout(600)
 MIB = 1 << 20
@@ -71,7 +71,8 @@ def test_every_answer_is_its_own_requests_product(
     clients: ProcessPoolExecutor, serve: Serve, configuration: Configuration
 ) -> None:
     service = serve(configuration.env(), configuration.workers)
-    tally = checked_load(clients, service.url, CLIENTS, requests=len(WAYS), ways=list(WAYS), shapes=SHAPES)
+    shapes = (*SHAPES, *STACK_SHAPES)
+    tally = checked_load(clients, service.url, CLIENTS, requests=len(WAYS), ways=list(WAYS), shapes=shapes)
     assert tally.wrong == [], f"{len(tally.wrong)} wrong answers of {tally.answers}, under {configuration}"
     assert tally.other == {}, f"answers that were not 200 under {configuration}: {tally.as_dict()}"
     assert tally.answers == CLIENTS * len(WAYS)
@@ -88,7 +89,13 @@ def test_every_way_carries_every_precision_and_each_answer_holds_its_bound(
     service = serve(Configuration(workers=2, batching=True, slab_bytes=256 * MIB).env(), 2)
     rounds = math.ceil(len(FLOAT_PRECISIONS) / CLIENTS)
     tally = checked_load(
-        clients, service.url, CLIENTS, rounds * len(WAYS), list(WAYS), SHAPES, precisions=FLOAT_PRECISIONS
+        clients,
+        service.url,
+        CLIENTS,
+        rounds * len(WAYS),
+        list(WAYS),
+        (*SHAPES, *STACK_SHAPES),
+        precisions=FLOAT_PRECISIONS,
     )
     assert tally.wrong == [], f"{len(tally.wrong)} wrong answers of {tally.answers}: {tally.wrong[:5]}"
     assert tally.other == {}, tally.as_dict()
