@@ -155,8 +155,8 @@ async def test_a_product_cancelled_in_the_same_read_as_it_is_still_answered_once
         return came
 
     try:
-        place = wire.InArena(0, 4, 4)
-        matmul = wire.Matmul(place, place, wire.InArena(64, 4, 4), ProductRequest(4, 4, 4), 30.0, id=7)
+        place = wire.InArena(0, (4, 4))
+        matmul = wire.Matmul(place, place, wire.InArena(64, (4, 4)), ProductRequest(4, 4, 4), 30.0, id=7)
         writer.write(wire.frame(matmul) + wire.frame(wire.Cancel(id=7)))
         came = await replies(within_s=WINDOW_US / 1e6 + 1)  # a product run would be answered after the window
         assert [(reply.id, type(reply)) for reply in came] == [(7, wire.Failed)]
