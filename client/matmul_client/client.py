@@ -601,6 +601,31 @@ def _product_path(options: Options) -> str:
     return "/matmul" + (f"?{urlencode(params)}" if params else "")
 
 
+STACK_OPERAND_BYTES = 4 << 20
+"""The most operand bytes `multiply_stacked` puts in one stack: a request's own cost (its round trip, and the
+server's work for a request, a fraction of a millisecond) is then small beside carrying its bytes."""
+
+
+def stacked_pairs(
+    pairs: Sequence[tuple[np.ndarray, np.ndarray]], stack_bytes: int, connections: int
+) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Pairs of matrices of one shape and dtype as stacks, in their order: as many pairs a stack as `stack_bytes` of
+    operands hold, but no fewer stacks than `connections` while there are pairs enough. ValueError for pairs of
+    different shapes or dtypes, or for operands that are not matrices."""
+    kinds = {(a.shape, a.dtype.str, b.shape, b.dtype.str) for a, b in pairs}
+    if len(kinds) > 1 or any(a.ndim != 2 or b.ndim != 2 for a, b in pairs[:1]):
+        raise ValueError(f"stacked pairs must be matrices of one shape and dtype; got {len(kinds)} kinds: {kinds}")
+    if not pairs:
+        return []
+    first_a, first_b = pairs[0]
+    by_bytes = stack_bytes // max(first_a.nbytes + first_b.nbytes, 1)
+    size = max(1, min(by_bytes, math.ceil(len(pairs) / connections)))
+    return [
+        (np.stack([a for a, _ in pairs[i : i + size]]), np.stack([b for _, b in pairs[i : i + size]]))
+        for i in range(0, len(pairs), size)
+    ]
+
+
 class MatmulClient:
     """A blocking client, safe to share between threads: each call takes a pooled keep-alive connection.
 
@@ -655,6 +680,20 @@ class MatmulClient:
         running = [self.threads().submit(self.multiply, a, b, format=chosen, **options) for a, b in pairs]
         concurrent.futures.wait(running)
         return [product.result() for product in running]
+
+    def multiply_stacked(
+        self,
+        pairs: Sequence[tuple[np.ndarray, np.ndarray]],
+        *,
+        stack_bytes: int = STACK_OPERAND_BYTES,
+        format: RequestFormat | None = None,
+        **options: Unpack[Options],
+    ) -> list[np.ndarray]:
+        """The products of many pairs of matrices of one shape and dtype, in their order, sent as stacks of them (one
+        request a stack, `stacked_pairs`), `connections` at a time: what each pair's own exchange would cost is paid
+        once a stack. The first error met in order is raised once every stack has ended."""
+        stacks = stacked_pairs(pairs, stack_bytes, self.connections)
+        return [c for product in self.multiply_many(stacks, format=format, **options) for c in product.c]
 
     def send(self, payload: Payload, **options: Unpack[Options]) -> Product:
         """Send a body encoded beforehand with `encode_payload` (to send the same operands many times)."""
@@ -745,6 +784,20 @@ class AsyncMatmulClient:
             if isinstance(outcome, BaseException):
                 raise outcome
         return [outcome for outcome in settled if isinstance(outcome, Product)]
+
+    async def multiply_stacked(
+        self,
+        pairs: Sequence[tuple[np.ndarray, np.ndarray]],
+        *,
+        stack_bytes: int = STACK_OPERAND_BYTES,
+        format: RequestFormat | None = None,
+        **options: Unpack[Options],
+    ) -> list[np.ndarray]:
+        """The products of many pairs of matrices of one shape and dtype, in their order, sent as stacks of them
+        (`MatmulClient.multiply_stacked`)."""
+        stacks = stacked_pairs(pairs, stack_bytes, self._client.connections)
+        products = await self.multiply_many(stacks, format=format, **options)
+        return [c for product in products for c in product.c]
 
     async def send(self, payload: Payload, **options: Unpack[Options]) -> Product:
         """Send a body encoded beforehand with `encode_payload` (to send the same operands many times)."""

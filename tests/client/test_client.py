@@ -18,6 +18,7 @@ import pytest
 
 from matmul_client.client import (
     FORMATS,
+    STACK_OPERAND_BYTES,
     AnswerMemory,
     AsyncMatmulClient,
     MatmulClient,
@@ -28,6 +29,7 @@ from matmul_client.client import (
     Unavailable,
     encode_payload,
     parse_server_timing,
+    stacked_pairs,
 )
 from numerics.reference import assert_close_to_reference
 from tests.conftest import SERVED_MAX_BODY_BYTES, SERVED_MAX_JSON_BYTES
@@ -71,6 +73,45 @@ def test_a_stack_comes_back_as_numpy_matmul_gives_it_in_every_format(
     product = client.multiply(a, b, format=format, dtype="float64")
     assert product.c.shape == (6, 5, 3) and product.batch_size == 6
     assert_close_to_reference(product.c, a, b, np.float64)
+
+
+@pytest.mark.parametrize("format", FORMATS)
+def test_many_pairs_of_one_shape_go_as_stacks_and_come_back_in_their_order(
+    client: MatmulClient, format: RequestFormat, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    rng = np.random.default_rng(10)
+    pairs = [(rng.standard_normal((6, 5)), rng.standard_normal((5, 4))) for _ in range(300)]
+    sent: list[tuple[int, ...]] = []
+    multiply = client.multiply
+
+    def spied(a: np.ndarray, b: np.ndarray, **kwargs: Any) -> Any:
+        sent.append(a.shape)
+        return multiply(a, b, **kwargs)
+
+    monkeypatch.setattr(client, "multiply", spied)
+    products = client.multiply_stacked(pairs, stack_bytes=50 * (30 + 20) * 8, format=format, dtype="float64")
+    assert sorted(sent) == [(34, 6, 5)] + [(38, 6, 5)] * 7  # 50 pairs' bytes, but a stack for each connection
+    sent.clear()
+    client.multiply_stacked(pairs[:100], stack_bytes=10 * (30 + 20) * 8, format=format, dtype="float64")
+    assert sent == [(10, 6, 5)] * 10  # 10 pairs' bytes a stack
+    assert len(products) == 300
+    for (a, b), c in zip(pairs, products, strict=True):
+        assert_close_to_reference(c, a, b, np.float64)
+
+
+def test_stacked_pairs_fill_the_connections_and_refuse_mixed_shapes() -> None:
+    pairs = [(np.ones((2, 3)), np.ones((3, 4)))] * 20
+    assert [a.shape[0] for a, _ in stacked_pairs(pairs, STACK_OPERAND_BYTES, connections=8)] == [3] * 6 + [2]
+    assert [a.shape[0] for a, _ in stacked_pairs(pairs, 5 * 20 * 8, connections=1)] == [5] * 4
+    assert stacked_pairs([], STACK_OPERAND_BYTES, connections=8) == []
+    for mixed in (
+        [*pairs, (np.ones((2, 3)), np.ones((3, 5)))],
+        [*pairs, (np.ones((2, 3), np.float32), np.ones((3, 4)))],
+    ):
+        with pytest.raises(ValueError, match="one shape and dtype"):
+            stacked_pairs(mixed, STACK_OPERAND_BYTES, connections=8)
+    with pytest.raises(ValueError, match="matrices"):
+        stacked_pairs([(np.ones((2, 2, 3)), np.ones((2, 3, 4)))], STACK_OPERAND_BYTES, connections=8)
 
 
 def test_npy_keeps_the_operands_dtype_and_json_works_in_float32(client: MatmulClient) -> None:
@@ -597,6 +638,17 @@ def test_many_products_in_their_order_on_a_bounded_number_of_connections(served_
         assert len(client._pool._idle) <= 3
     for (a, b), product in zip(pairs, products, strict=True):
         assert_close_to_reference(product.c, a, b, np.dtype(np.float64))
+
+
+@pytest.mark.anyio
+async def test_async_many_pairs_of_one_shape_go_as_stacks(served_url: str) -> None:
+    rng = np.random.default_rng(11)
+    pairs = [(rng.standard_normal((3, 9)), rng.standard_normal((9, 4))) for _ in range(40)]
+    async with AsyncMatmulClient(served_url, connections=4) as client:
+        products = await client.multiply_stacked(pairs, dtype="float64")
+    assert len(products) == 40
+    for (a, b), c in zip(pairs, products, strict=True):
+        assert_close_to_reference(c, a, b, np.dtype(np.float64))
 
 
 def test_many_products_raise_the_first_error_in_their_order(served_url: str) -> None:
