@@ -61,6 +61,9 @@ class Rung:
     from_compute_capability: tuple[int, int] | None = None
     """The first device generation it runs on, and every later one (PTX the driver compiles); None with
     `compute_capability` None: every CUDA GPU the service runs on."""
+    stacks: bool = False
+    """Whether it computes a stack of products (numpy.matmul's (B, m, k) @ (B, k, n), either side a matrix
+    broadcast) in one launch: cuBLAS strided-batched, the FMA kernels that take a batch over gridDim.z."""
 
     def runs_on(self, compute_capability: tuple[int, int]) -> bool:
         if self.compute_capability is not None:
@@ -98,7 +101,14 @@ RUNGS: MappingProxyType[str, Rung] = MappingProxyType(
         rung.name: rung
         for rung in (
             *(
-                Rung(spec.name, spec.summary, "fma", tiles=spec.tiles, default_tile=spec.default_tile)
+                Rung(
+                    spec.name,
+                    spec.summary,
+                    "fma",
+                    tiles=spec.tiles,
+                    default_tile=spec.default_tile,
+                    stacks=spec.batched,
+                )
                 for spec in KERNELS.values()
             ),
             Rung(
@@ -123,6 +133,7 @@ RUNGS: MappingProxyType[str, Rung] = MappingProxyType(
                 "cublas",
                 dtypes=(*DTYPES, INT8_PRODUCT),
                 precisions=CUBLAS_PRECISIONS,
+                stacks=True,
             ),
         )
     }

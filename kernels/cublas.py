@@ -49,11 +49,35 @@ def _device_conversion(name: str) -> Any:
     return _DEVICE_CONVERSIONS[name]
 
 
+def _stride(x: Any) -> int:
+    """Elements between the matrices of operand `x` in a strided-batched call: 0 for a matrix, or a stack of one,
+    which every product of the stack reads (numpy.matmul's broadcasting)."""
+    return x.shape[-2] * x.shape[-1] if x.ndim == 3 and x.shape[0] > 1 else 0
+
+
+def _gemm(b_op: int, x: Any, y: Any, kind: int, c: Any, c_kind: int, compute: int, beta: np.ndarray) -> None:
+    """c = x @ y (row-major CuPy arrays: matrices, or stacks of them, c's leading dimension the batch) as one
+    strided-batched GemmEx on the current stream: row-major C = X @ Y is column-major C^T = Y^T @ X^T. `y` is Y
+    (b_op N) or Y^T as stored (b_op T, n x k, as IMMA takes it); alpha is 1 in beta's type."""
+    import cupy as cp
+    from cupy_backends.cuda.libs import cublas  # loads libcublas: on first use, not where there is no GPU
+
+    m, k = x.shape[-2:]
+    n = y.shape[-2] if b_op == CUBLAS_OP_T else y.shape[-1]
+    one = np.ones(1, beta.dtype)
+    cublas.gemmStridedBatchedEx(
+        cp.cuda.device.get_cublas_handle(), b_op, CUBLAS_OP_N, n, m, k,
+        one.ctypes.data, y.data.ptr, kind, y.shape[-1], _stride(y), x.data.ptr, kind, k, _stride(x),
+        beta.ctypes.data, c.data.ptr, c_kind, n, m * n, c.shape[0] if c.ndim == 3 else 1, compute, CUBLAS_GEMM_DEFAULT,
+    )  # fmt: skip
+
+
 def cublas_product(a: Any, b: Any, c: Any, precision: Precision) -> None:
-    """c = a @ b by cuBLAS in `precision` (CuPy float32 arrays, 2-D, C-contiguous), on the current stream: GemmEx
-    with the precision's operand types and compute type, float32 sums and C; 3xtf32 as three TF32 products of the
-    split operands, the two small ones first; int8 `cublas_int8_product`. The reference each own kernel is measured
-    against, in its mode."""
+    """c = a @ b by cuBLAS in `precision` (CuPy float32 arrays, C-contiguous: matrices, or stacks of them as
+    numpy.matmul takes them, a matrix or a stack of one on either side broadcast), on the current stream: one
+    strided-batched GemmEx with the precision's operand types and compute type, float32 sums and C; 3xtf32 as three
+    TF32 products of the split operands, the two small ones first; int8 `cublas_int8_product`. The reference each
+    own kernel is measured against, in its mode."""
     import cupy as cp
 
     if precision is Precision.INT8:
@@ -62,32 +86,21 @@ def cublas_product(a: Any, b: Any, c: Any, precision: Precision) -> None:
     if precision is Precision.FP32:
         cp.matmul(a, b, out=c)
         return
-    from cupy_backends.cuda.libs import cublas  # loads libcublas: on first use, not where there is no GPU
-
-    handle = cp.cuda.device.get_cublas_handle()
-    (m, k), n = a.shape, b.shape[1]
-    one, zero = np.ones(1, np.float32), np.zeros(1, np.float32)
-
-    def gemm(x: Any, y: Any, kind: int, compute: int, beta: np.ndarray) -> None:
-        # row-major C = X @ Y is column-major C^T = Y^T @ X^T
-        cublas.gemmEx(
-            handle, CUBLAS_OP_N, CUBLAS_OP_N, n, m, k,
-            one.ctypes.data, y.data.ptr, kind, n, x.data.ptr, kind, k,
-            beta.ctypes.data, c.data.ptr, CUDA_R_32F, n, compute, CUBLAS_GEMM_DEFAULT,
-        )  # fmt: skip
-
+    zero, one = np.zeros(1, np.float32), np.ones(1, np.float32)
     if precision is Precision.TF32:
-        gemm(a, b, CUDA_R_32F, CUBLAS_COMPUTE_32F_FAST_TF32, zero)
+        _gemm(CUBLAS_OP_N, a, b, CUDA_R_32F, c, CUDA_R_32F, CUBLAS_COMPUTE_32F_FAST_TF32, zero)
     elif precision is Precision.TF32X3:
         split = _device_conversion("split_tf32")
         (a_big, a_small), (b_big, b_small) = split(a), split(b)
         for x, y, beta in ((a_big, b_small, zero), (a_small, b_big, one), (a_big, b_big, one)):
-            gemm(x, y, CUDA_R_32F, CUBLAS_COMPUTE_32F_FAST_TF32, beta)
+            _gemm(CUBLAS_OP_N, x, y, CUDA_R_32F, c, CUDA_R_32F, CUBLAS_COMPUTE_32F_FAST_TF32, beta)
     elif precision is Precision.BF16:
         convert = _device_conversion("bf16_bits")
-        gemm(convert(a), convert(b), CUDA_R_16BF, CUBLAS_COMPUTE_32F, zero)
+        _gemm(CUBLAS_OP_N, convert(a), convert(b), CUDA_R_16BF, c, CUDA_R_32F, CUBLAS_COMPUTE_32F, zero)
     else:
-        gemm(a.astype(cp.float16), b.astype(cp.float16), CUDA_R_16F, CUBLAS_COMPUTE_32F, zero)
+        _gemm(
+            CUBLAS_OP_N, a.astype(cp.float16), b.astype(cp.float16), CUDA_R_16F, c, CUDA_R_32F, CUBLAS_COMPUTE_32F, zero
+        )
 
 
 INT8_K_MULTIPLE = 4
@@ -95,20 +108,11 @@ INT8_K_MULTIPLE = 4
 
 
 def cublas_int8_product(a: Any, b: Any, c: Any, *, b_transposed: bool = False) -> None:
-    """c = a @ b by cuBLAS on the integer tensor cores (IMMA), exactly: CuPy int8 arrays a and b (2-D,
-    C-contiguous; b given as B^T, N x K, when `b_transposed`), int32 c, on the current stream. IMMA takes the
-    operands "TN" (both K-major, as kernels/wgmma.cu's int8 instance does): B is transposed first where it is not,
-    then GemmEx runs with int8 operands, int32 sums and C (CUBLAS_COMPUTE_32I)."""
+    """c = a @ b by cuBLAS on the integer tensor cores (IMMA), exactly: CuPy int8 arrays a and b (C-contiguous,
+    matrices or stacks as `cublas_product` takes them; b given as B^T, N x K, when `b_transposed`), int32 c, on the
+    current stream. IMMA takes the operands "TN" (both K-major, as kernels/wgmma.cu's int8 instance does): B is
+    transposed first where it is not, then GemmEx runs with int8 operands, int32 sums and C (CUBLAS_COMPUTE_32I)."""
     import cupy as cp
-    from cupy_backends.cuda.libs import cublas
 
-    m, k = a.shape
-    b_t = b if b_transposed else cp.ascontiguousarray(b.T)
-    n = b_t.shape[0]
-    one, zero = np.ones(1, np.int32), np.zeros(1, np.int32)
-    # row-major C = A @ B is column-major C^T = (B^T)^T-as-stored @ A: B^T's rows and A's rows are both K long
-    cublas.gemmEx(
-        cp.cuda.device.get_cublas_handle(), CUBLAS_OP_T, CUBLAS_OP_N, n, m, k,
-        one.ctypes.data, b_t.data.ptr, CUDA_R_8I, k, a.data.ptr, CUDA_R_8I, k,
-        zero.ctypes.data, c.data.ptr, CUDA_R_32I, n, CUBLAS_COMPUTE_32I, CUBLAS_GEMM_DEFAULT,
-    )  # fmt: skip
+    b_t = b if b_transposed else cp.ascontiguousarray(b.swapaxes(-1, -2))
+    _gemm(CUBLAS_OP_T, a, b_t, CUDA_R_8I, c, CUDA_R_32I, CUBLAS_COMPUTE_32I, np.zeros(1, np.int32))

@@ -104,10 +104,11 @@ class Launcher:
         precision: Precision = Precision.FP32,
         config: LaunchConfig | None = None,
     ) -> None:
-        """c = a @ b by the rung `kernel` in `precision` on the current stream: CuPy arrays, 2-D and C-contiguous
-        (3-D stacks for the FMA kernels that batch), a and b in the operand dtype of c's (int8 for int32, else c's
-        own). `config` is the FMA kernel's instance (by default the one its spec picks for the shape); the other rungs
-        choose their own."""
+        """c = a @ b by the rung `kernel` in `precision` on the current stream: CuPy arrays, C-contiguous, matrices
+        or, for the rungs that take `stacks`, stacks of them as numpy.matmul takes them (3-D, a matrix or a stack of
+        one on either side broadcast), a and b in the operand dtype of c's (int8 for int32, else c's own). `config` is
+        the FMA kernel's instance (by default the one its spec picks for the shape); the other rungs choose their
+        own."""
         if not self.runs(kernel):
             raise ValueError(f"kernel '{kernel}' does not run on this device; it runs {[r.name for r in self.rungs]}")
         rung = RUNGS[kernel]
@@ -115,6 +116,8 @@ class Launcher:
             raise ValueError(f"kernel '{kernel}' does not compute {c.dtype} in precision {precision}")
         if not a.dtype == b.dtype == operand_dtype(c.dtype):
             raise ValueError(f"{c.dtype} products take {operand_dtype(c.dtype)} operands, not {a.dtype}, {b.dtype}")
+        if c.ndim > 2 and not rung.stacks:
+            raise ValueError(f"kernel '{kernel}' computes one product a launch, not a stack")
         if rung.launcher == "cublas":
             cublas_product(a, b, c, precision)
         elif rung.launcher == "fma":
@@ -194,6 +197,16 @@ def _loaded(binaries: Sequence[Binary]) -> dict[str, Any]:
     return functions
 
 
+def _as_stack(x: Any, batch: int) -> Any:
+    """Operand `x` as `batch` matrices back to back: itself when it is such a stack, else its one matrix repeated
+    (a copy on the device, on the current stream)."""
+    import cupy
+
+    if x.ndim == 3 and x.shape[0] == batch:
+        return x
+    return cupy.ascontiguousarray(cupy.broadcast_to(x, (batch, *x.shape[-2:])))
+
+
 class KernelLibrary:
     """The FMA ladder's kernels (kernels/registry.py), every instance in both dtypes, loaded on the current CuPy
     device, of `compute_capability`."""
@@ -226,9 +239,13 @@ class KernelLibrary:
         self.instances = len(self._functions)
 
     def launch(self, spec: KernelSpec, config: LaunchConfig, a: Any, b: Any, c: Any) -> None:
-        """c = a @ b on the current stream: 2-D C-contiguous CuPy arrays of one dtype, or 3-D stacks of a
-        batch of products of one shape (one launch, gridDim.z = batch) for kernels that are `batched`."""
-        batch = a.shape[0] if a.ndim == 3 else 1
+        """c = a @ b on the current stream: 2-D C-contiguous CuPy arrays of one dtype, or, for kernels that are
+        `batched`, a stack c of a batch of products of one shape (one launch, gridDim.z = batch), from stacks of as
+        many matrices or a matrix (or stack of one) broadcast, which is copied into a stack first: the kernels find
+        product z's operands z matrices in."""
+        batch = c.shape[0] if c.ndim == 3 else 1
+        if c.ndim == 3:
+            a, b = _as_stack(a, batch), _as_stack(b, batch)
         (m, k), n = a.shape[-2:], b.shape[-1]
         if batch > 1 and not spec.batched:
             raise ValueError(f"{spec.name} runs one product per launch, not a batch of {batch}")

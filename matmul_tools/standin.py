@@ -22,12 +22,13 @@ from __future__ import annotations
 import functools
 import io
 import json
+import math
 import re
 import socket
 import subprocess
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -71,10 +72,15 @@ def _zeros(nbytes: int) -> bytes:
     return bytes(nbytes)
 
 
+def _answer_shape(a_shape: Sequence[int], b_shape: Sequence[int]) -> tuple[int, ...]:
+    """The shape of A @ B as numpy.matmul gives it: matrices, or stacks whose leading dimensions broadcast."""
+    return (*np.broadcast_shapes(tuple(a_shape[:-2]), tuple(b_shape[:-2])), a_shape[-2], b_shape[-1])
+
+
 @functools.lru_cache(maxsize=16)
 def _npy_answer(a_shape: tuple[int, ...], b_shape: tuple[int, ...], dtype: np.dtype) -> Answer:
     """The answer to A @ B: a `.npy` of zeros, C's shape, A's dtype, written as the client writes its operands."""
-    opening, data = npy_parts(np.zeros((a_shape[0], b_shape[1]), dtype))
+    opening, data = npy_parts(np.zeros(_answer_shape(a_shape, b_shape), dtype))
     headers = {
         "Content-Type": "application/x-npy",
         "X-Matmul-Kernel": "stand-in",
@@ -90,29 +96,31 @@ def _matmul_answer(request: _Request) -> Answer:
     """The answer to a body of A's and B's `.npy` parts."""
     body = request.body
     a_shape, dtype, a_data = _npy_header(body, bytes(body[:4096]).find(NPY_MAGIC))
-    a_end = a_data + dtype.itemsize * a_shape[0] * a_shape[1]
+    a_end = a_data + dtype.itemsize * math.prod(a_shape)
     b_shape, _, _ = _npy_header(body, a_end + bytes(body[a_end : a_end + 4096]).find(NPY_MAGIC))
     return _npy_answer(a_shape, b_shape, dtype)
 
 
 def _inference_answer(model: str, request: dict[str, Any]) -> tuple[dict[str, Any], list[bytes]]:
-    """The answer to an infer request of A (m x k) and B (k x n): each requested output with C's shape and the
-    request's own parameters, and the binary data that follows the JSON header (none where none is asked for)."""
+    """The answer to an infer request of A (m x k) and B (k x n), or stacks of them: each requested output with C's
+    shape and the request's own parameters, and the binary data that follows the JSON header (none where none is
+    asked for)."""
     shapes = {tensor["name"]: tensor["shape"] for tensor in request.get("inputs", [])}
     datatypes = {tensor["name"]: tensor.get("datatype", "FP32") for tensor in request.get("inputs", [])}
-    m, n = shapes.get("A", [0, 0])[0], shapes.get("B", [0, 0])[-1]
+    shape = _answer_shape(shapes.get("A", [0, 0]), shapes.get("B", [0, 0]))
+    elements = math.prod(shape)
     datatype = datatypes.get("A", "FP32")
     itemsize = {"FP16": 2, "FP64": 8}.get(datatype, 4)
     binary_default = bool(request.get("parameters", {}).get("binary_data_output", False))
     outputs, data = [], []
     for output in request.get("outputs") or [{"name": "C"}]:
         parameters = dict(output.get("parameters", {}))
-        answered: dict[str, Any] = {"name": output["name"], "datatype": datatype, "shape": [m, n]}
+        answered: dict[str, Any] = {"name": output["name"], "datatype": datatype, "shape": list(shape)}
         if "shared_memory_region" not in parameters and parameters.get("binary_data", binary_default):
-            parameters["binary_data_size"] = itemsize * m * n
-            data.append(_zeros(itemsize * m * n))
+            parameters["binary_data_size"] = itemsize * elements
+            data.append(_zeros(itemsize * elements))
         elif "shared_memory_region" not in parameters:
-            answered["data"] = [0] * (m * n)
+            answered["data"] = [0] * elements
         outputs.append(answered | {"parameters": parameters})
     return {"model_name": model, "outputs": outputs}, data
 

@@ -19,6 +19,7 @@ compute and memory roofs; see docs/roofline.md) under --out.
         --precisions tf32,3xtf32,bf16,fp16                # the tensor-core ladder against cuBLAS in each mode
     python scripts/bench_kernels.py --kernels mma_sync,wgmma --sizes 4096,8192 --dtypes int8   # exact int8 products
     python scripts/bench_kernels.py --kernels wgmma --sizes 4096,8192 --dtypes float32 --precisions fp8 --no-odd
+    python scripts/bench_kernels.py --stack 10000 --sizes 64,256 --dtypes float32   # stacks of products, one launch
 
 fp8 (--precisions fp8) has no cuBLAS row: cuBLAS's GemmEx has no FP8 types. Its reference is cuBLASLt through
 PyTorch, where PyTorch is installed: `torch._scaled_mm` with per-tensor scales and float32 C (row "cublaslt"),
@@ -31,6 +32,10 @@ difference, on an output poisoned with a value no element of it has), then timed
 B as the others, cuBLAS transposing B for its integer tensor cores (GemmEx, TN, CUBLAS_COMPUTE_32I) and `wgmma`'s and
 `mma_sync`'s int8 instances transposing it with kernels/operands.cu; and cuBLAS and `wgmma` again from A and B^T as
 both read them (config "B^T given"), each ratio to cuBLAS timed the same way.
+
+--stack B times stacks of B products of each square size, (B, m, k) @ (B, k, n) in one launch, as the service
+computes a stack: cuBLAS (cupy.matmul, strided-batched), the FMA kernels that take stacks, and `torch.bmm` where
+PyTorch is installed; GFLOP/s count every product of the stack, and each ratio is to cuBLAS's.
 """
 
 from __future__ import annotations
@@ -93,10 +98,17 @@ class Result:
     """cuBLAS SGEMM's time (the float32 product in fp32) over this row's; None for float64."""
     relative_error: float | None = None
     """||C - R|| / ||R|| (Frobenius) against the float64 product of the float32 operands."""
+    batch: int = 1
+    """Products in the launch: --stack's B, each m x k by k x n."""
+
+    @property
+    def flop(self) -> int:
+        return 2 * self.batch * self.m * self.n * self.k
 
 
-def shape_name(m: int, n: int, k: int) -> str:
-    return f"{m}^3" if m == n == k else f"{m}x{k}@{k}x{n}"
+def shape_name(m: int, n: int, k: int, batch: int = 1) -> str:
+    matrices = f"{m}^3" if m == n == k else f"{m}x{k}@{k}x{n}"
+    return matrices if batch == 1 else f"{batch}x {matrices}"
 
 
 class Bench:
@@ -110,14 +122,19 @@ class Bench:
         self.flush = cupy.empty(2 * l2 // 4, dtype=cupy.float32)
         self.launcher = Launcher()
 
-    def inputs(self, m: int, n: int, k: int, dtype: str) -> tuple[list[tuple[Any, Any]], Reference]:
-        """Fresh random input sets (standard normal) and the reference of the first, computed on the device."""
+    def inputs(self, m: int, n: int, k: int, dtype: str, batch: int = 1) -> tuple[list[tuple[Any, Any]], Reference]:
+        """Fresh random input sets (standard normal; stacks of `batch` matrices where it is over 1) and the
+        reference of the first, computed on the device."""
         cp = self.cp
         itemsize = 4 if dtype == "float32" else 8
-        per_set = (m * k + k * n) * itemsize
+        per_set = batch * (m * k + k * n) * itemsize
         count = max(1, min(4, INPUT_BYTES_BUDGET // max(per_set, 1)))
+        lead = (batch,) if batch > 1 else ()
         sets = [
-            (cp.random.standard_normal((m, k)).astype(dtype), cp.random.standard_normal((k, n)).astype(dtype))
+            (
+                cp.random.standard_normal((*lead, m, k)).astype(dtype),
+                cp.random.standard_normal((*lead, k, n)).astype(dtype),
+            )
             for _ in range(count)
         ]
         a, b = sets[0]
@@ -173,8 +190,9 @@ class Bench:
         return int(cp.count_nonzero(c.astype(cp.float64) != exact))
 
 
-def _c_shape(operands: tuple[Any, ...], n: int | None) -> tuple[int, int]:
-    return operands[0].shape[0], operands[1].shape[1] if n is None else n
+def _c_shape(operands: tuple[Any, ...], n: int | None) -> tuple[int, ...]:
+    """C's shape: the first operand's but its last side, n or the second operand's (a stack's too)."""
+    return (*operands[0].shape[:-1], operands[1].shape[-1] if n is None else n)
 
 
 def plan(kernels: list[str], all_configs: bool, m: int, n: int, k: int) -> list[tuple[KernelSpec, LaunchConfig]]:
@@ -193,6 +211,9 @@ def run_sweep(args: argparse.Namespace) -> tuple[list[Result], dict[str, Any]]:
     shapes = [(s, s, s) for s in args.sizes] + ([] if args.no_odd else list(ODD_SHAPES))
     results: list[Result] = []
     for dtype in args.dtypes:
+        if args.stack:
+            results += [row for size in args.sizes for row in stack_rows(bench, args, size, dtype)]
+            continue
         if dtype == INT8:
             results += [row for m, n, k in shapes for row in int8_rows(bench, args, m, n, k)]
             continue
@@ -257,6 +278,44 @@ def run_sweep(args: argparse.Namespace) -> tuple[list[Result], dict[str, Any]]:
         "timing": "CUDA events around each launch, L2 flushed before each, inputs rotated; median",
     }
     return results, meta
+
+
+def stack_rows(bench: Bench, args: argparse.Namespace, size: int, dtype: str) -> list[Result]:
+    """A stack of --stack size^3 products in one launch: cuBLAS (cupy.matmul, strided-batched), `torch.bmm` where
+    PyTorch is installed, and each FMA kernel that takes stacks, each ratio to cuBLAS."""
+    sets, reference = bench.inputs(size, size, size, dtype, args.stack)
+    cublas = Result(CUBLAS, "", dtype, size, size, size, None, None, None, batch=args.stack)
+    measure(bench, args, cublas, bench.run(CUBLAS), sets, reference, None)
+    rows = [cublas]
+    bmm = _torch_bmm()
+    if bmm is not None:
+        rows.append(Result("torch.bmm", "", dtype, size, size, size, None, None, None, batch=args.stack))
+        measure(bench, args, rows[-1], bmm, sets, reference, cublas.ms)
+    stacking = [name for name in args.kernels if name in KERNELS and KERNELS[name].batched]
+    for spec, config in plan(stacking, args.configs == "all", size, size, size):
+        rows.append(Result(spec.name, config.label, dtype, size, size, size, None, None, None, batch=args.stack))
+        measure(bench, args, rows[-1], bench.run(spec.name, config=config), sets, reference, cublas.ms)
+    print_rows(rows)
+    bench.cp.get_default_memory_pool().free_all_blocks()
+    return rows
+
+
+def _torch_bmm() -> Callable[[Any, Any, Any], Any] | None:
+    """c = a @ b by `torch.bmm` (cuBLAS's batched GEMM through PyTorch, TF32 off) on CuPy stacks, each viewed as a
+    tensor once (DLPack, no copy) so that the timed launches are bmm's alone; None without PyTorch."""
+    try:
+        import torch
+    except ImportError:
+        return None
+    torch.backends.cuda.matmul.allow_tf32 = False
+    tensors: dict[int, Any] = {}
+
+    def tensor(x: Any) -> Any:
+        if x.data.ptr not in tensors:
+            tensors[x.data.ptr] = torch.from_dlpack(x)
+        return tensors[x.data.ptr]
+
+    return lambda a, b, c: torch.bmm(tensor(a), tensor(b), out=tensor(c))
 
 
 def int8_rows(bench: Bench, args: argparse.Namespace, m: int, n: int, k: int) -> list[Result]:
@@ -407,7 +466,7 @@ def measure(
         row.note = "WRONG"
     elif not args.check_only:
         row.ms = bench.time(run, sets, row.dtype, n)
-        row.gflops = 2 * row.m * row.n * row.k / row.ms / 1e6
+        row.gflops = row.flop / row.ms / 1e6
         row.ratio = 1.0 if library_ms is None else library_ms / row.ms
 
 
@@ -417,7 +476,7 @@ def format_row(r: Result) -> str:
 
     kernel = label(f"{r.kernel}/{r.config}" if r.config else r.kernel, r)
     return (
-        f"{kernel:<40} {shape_name(r.m, r.n, r.k):<20} {r.dtype:<8} {number(r.ms, '10.3f')} "
+        f"{kernel:<40} {shape_name(r.m, r.n, r.k, r.batch):<20} {r.dtype:<8} {number(r.ms, '10.3f')} "
         f"{number(r.gflops, '10.1f')} {number(r.ratio, '7.2f')} {number(r.sgemm_ratio, '7.2f')} "
         f"{number(r.error_ratio, '9.3f')} "
         f"{number(r.relative_error, '9.1e')}  {r.note}"
@@ -577,6 +636,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="float32 only: cuBLAS (and wgmma) also in these modes, comma-separated, of "
         f"{[str(p) for p in TENSOR_CORE_PRECISIONS]}",
     )
+    parser.add_argument(
+        "--stack",
+        type=int,
+        default=0,
+        metavar="B",
+        help="time stacks of B products of each size in one launch (cuBLAS, torch.bmm, the FMA kernels that take "
+        "stacks; float32 and float64)",
+    )
     parser.add_argument("--check-only", action="store_true", help="check against the reference, time nothing")
     parser.add_argument("--include-slow", action="store_true", help="time the teaching kernels at every size")
     parser.add_argument("--repeats", type=int, default=10, help="timed launches per measurement (median; >= 10)")
@@ -596,6 +663,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.dtypes = [d for d in args.dtypes.split(",") if d]
     if any(d not in BENCH_DTYPES for d in args.dtypes):
         parser.error(f"dtypes must be among {list(BENCH_DTYPES)}")
+    if args.stack and INT8 in args.dtypes:
+        parser.error("--stack times float32 and float64 stacks")
     if args.repeats < 10:
         parser.error("--repeats must be at least 10: the median of fewer is noise")
     return args

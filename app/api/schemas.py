@@ -38,6 +38,11 @@ class KernelModel(BaseModel):
     tiles: list[int] = Field(description="Tile widths the request may choose with `tile`; empty if none.")
     default_tile: int | None
     precisions: list[PrecisionName] = Field(description="The `precision`s it computes in.")
+    stacks: bool = Field(
+        description="Whether it computes stacks of products (operands of shape (B, m, k) and (B, k, n), either "
+        "side a matrix broadcast), in one launch on the GPU. A stack asking for a kernel that does not is refused "
+        "with 422 naming those that do."
+    )
 
 
 class AutoChoiceModel(BaseModel):

@@ -8,7 +8,7 @@ as many multiply-adds).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 
 from numerics.precision import Precision
@@ -62,13 +62,20 @@ def pick_auto(
     fallback: str,
     precision: Precision = Precision.FP32,
     dtype: str = "float32",
+    among: Collection[str] | None = None,
 ) -> str:
     """The kernel `auto` runs for an m x k @ k x n product in `precision` and `dtype`: the one measured fastest for
-    the shape's class in that dtype, else in float32 (where float64 was not measured apart), else `fallback`."""
+    the shape's class in that dtype, else in float32 (where float64 was not measured apart), else `fallback`; for a
+    stack, `among` the kernels that take stacks (the fastest per product of them measured, a kernel that batches
+    timed on a batch, as a stack runs it), else `fallback`."""
     wanted = shape_class_of(m, n, k)
     measured = {
-        choice.dtype: choice.kernel
-        for choice in choices
-        if choice.shape_class == wanted and choice.precision is precision
+        choice.dtype: choice for choice in choices if choice.shape_class == wanted and choice.precision is precision
     }
-    return measured.get(dtype, measured.get("float32", fallback))
+    choice = measured.get(dtype, measured.get("float32"))
+    if choice is None:
+        return fallback
+    if among is None:
+        return choice.kernel
+    timed = {name: ms for name, ms in choice.probe_ms.items() if name in among}
+    return min(timed, key=timed.__getitem__, default=fallback)

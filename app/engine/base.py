@@ -43,6 +43,8 @@ class KernelInfo:
     default_tile: int | None = None
     precisions: tuple[str, ...] = (Precision.FP32,)
     """The precisions it computes in (numerics/precision.py)."""
+    stacks: bool = True
+    """Whether it computes stacks of products (app/shapes.py), in one launch on the GPU."""
 
 
 ALL_PRECISIONS = tuple(Precision)
@@ -51,7 +53,8 @@ ALL_DTYPES = (*DTYPES, INT8_PRODUCT)
 
 
 def kernel_info(rung: Rung, kind: Literal["cuda", "emulation"] = "cuda", summary_prefix: str = "") -> KernelInfo:
-    """How `GET /v1/kernels` lists a rung of the catalogue (cuBLAS as a library; an emulation of it, as such)."""
+    """How `GET /v1/kernels` lists a rung of the catalogue (cuBLAS as a library; an emulation of it, as such: one
+    that computes stacks, matrix by matrix where its kernel would not take them)."""
     return KernelInfo(
         name=rung.name,
         kind="library" if rung.launcher == "cublas" else kind,
@@ -60,6 +63,7 @@ def kernel_info(rung: Rung, kind: Literal["cuda", "emulation"] = "cuda", summary
         tiles=rung.tiles,
         default_tile=rung.default_tile,
         precisions=rung.precisions,
+        stacks=rung.stacks or kind == "emulation",
     )
 
 
@@ -129,9 +133,11 @@ def ladder_plan(kernel: str, request: ProductRequest, library: str) -> Plan:
     except ValueError as exc:
         raise InvalidParameter(str(exc), location=["tile"]) from exc
     try:
-        config.grid(request.m, request.n)
+        config.grid(request.m, request.n, request.shape.products)
     except ValueError as exc:
-        raise ShapeMismatch(f"kernel '{kernel}' cannot cover this shape: {exc}", location=["a"]) from exc
+        raise ShapeMismatch(
+            f"kernel '{kernel}' cannot cover this shape: {exc}; '{library}' can", location=["a"]
+        ) from exc
     return Plan(kernel=kernel, tile=int(config.label) if spec.tiles else None, config=config)
 
 

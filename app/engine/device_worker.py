@@ -331,9 +331,11 @@ class DeviceWorker:
     def _gather(self, first: _Job, device_idle: bool) -> list[_Job]:
         """`first` and the jobs of the same shape, dtype and kernel that arrive within the batching delay (none
         while the device is busy: the batch takes what is queued), up to the batch size; other jobs pulled
-        meanwhile are held, in order, for the next rounds."""
+        meanwhile are held, in order, for the next rounds. A stack is a launch of its own: it is never merged."""
         policy = self.batching
-        if policy is None or policy.max_size == 1 or not self.backend.batchable(first.plan):
+        pair = first.pair  # read once: the event loop may drop the job meanwhile
+        stack = pair is not None and any(operand.ndim > 2 for operand in pair)
+        if policy is None or policy.max_size == 1 or stack or not self.backend.batchable(first.plan):
             return [first]
         batch = [first]
         deadline = perf_counter() + (policy.max_delay_s if device_idle else 0.0)

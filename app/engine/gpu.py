@@ -56,6 +56,7 @@ from app.errors import (
     SharedMemoryError,
     UnknownKernel,
 )
+from app.shapes import products_in, result_shape
 from kernels.binaries import KernelBinaries
 from kernels.catalogue import CUBLAS, DTYPES, RUNGS, TENSOR_CORE_PRECISIONS, Rung, rungs_on
 from kernels.cublas import INT8_K_MULTIPLE
@@ -312,23 +313,26 @@ class GpuBackend:
     def plan(self, request: ProductRequest) -> Plan:
         kernel, tile, precision, dtype = request.kernel, request.tile, request.precision, request.dtype
         m, n, k = request.m, request.n, request.k
-        if request.batch is not None:  # the launches of a stack are issue 48's next step, measured on a GPU
-            raise InvalidParameter(
-                "stacks of products are computed on the CPU backend only so far; send the GPU one product a request",
-                location=["a"],
-            )
+        stack = request.batch is not None
         if kernel == FAULT_TRAP and self._fault_injection:
             return Plan(kernel=FAULT_TRAP)
-        # the int8 kernels here that take any k (cuBLAS's takes multiples of 4)
-        any_k = [r.name for r in self._tensor_core_rungs() if r.computes(INT8_PRODUCT, Precision.INT8)]
+        stackers = self._stack_rungs(dtype, precision) if stack else None
+        # the int8 kernels here that take any k (cuBLAS's takes multiples of 4; none of them takes stacks)
+        any_k = [] if stack else [r.name for r in self._tensor_core_rungs() if r.computes(INT8_PRODUCT, Precision.INT8)]
         if kernel == AUTO:
-            kernel = pick_auto(self._auto, m, n, k, fallback=CUBLAS, precision=precision, dtype=dtype)
+            kernel = pick_auto(self._auto, m, n, k, fallback=CUBLAS, precision=precision, dtype=dtype, among=stackers)
             if kernel == CUBLAS and dtype == INT8_PRODUCT and any_k and k % INT8_K_MULTIPLE:
                 kernel = any_k[-1]  # the last in the ladder's order: wgmma where it runs
         rung = RUNGS.get(kernel)
         if rung is None or not rung.runs_on(self._compute_capability):
             offered = [info.name for info in self.kernels()]
             raise UnknownKernel(f"kernel '{kernel}' does not exist; this server has {offered}", location=["kernel"])
+        if stackers is not None and not rung.stacks:
+            raise InvalidParameter(
+                f"kernel '{kernel}' computes one product a launch, not a stack: kernel {' or '.join(stackers)} does "
+                "(GET /v1/kernels says which take stacks)",
+                location=["kernel"],
+            )
         if rung.launcher == "tensor_core":
             return self._tensor_core_plan(rung, tile, precision, dtype)
         if rung.launcher == "cublas":
@@ -337,13 +341,30 @@ class GpuBackend:
             if not rung.computes(dtype, precision):
                 raise InvalidParameter(self._not_computed_by(rung, dtype, precision), location=["precision"])
             if dtype == INT8_PRODUCT and k % INT8_K_MULTIPLE and m and n:  # (no elements: no call, nothing to refuse)
-                instead = f"ask for kernel {' or '.join([*any_k, 'auto'])}" if any_k else "no other kernel here does"
+                if stack:
+                    instead = "no kernel here computes int8 stacks of other k (zero columns of a and rows of b added "
+                    "to reach a multiple leave the product as it is)"
+                elif any_k:
+                    instead = f"ask for kernel {' or '.join([*any_k, 'auto'])}"
+                else:
+                    instead = "no other kernel here does"
                 raise InvalidParameter(
                     f"cuBLAS's int8 GEMM takes k a multiple of {INT8_K_MULTIPLE}, and k is {k}: {instead}",
                     location=["kernel"],
                 )
             return Plan(kernel=kernel, precision=precision)
         return ladder_plan(kernel, request, CUBLAS)
+
+    def _stack_rungs(self, dtype: str, precision: Precision) -> list[str]:
+        """The kernels here that compute a stack of `dtype` products in `precision`; InvalidParameter if none does."""
+        names = [r.name for r in rungs_on(self._compute_capability) if r.stacks and r.computes(dtype, precision)]
+        if not names:
+            raise InvalidParameter(
+                f"no kernel on this device computes a stack of {dtype} products in precision {precision}; send its "
+                "products one a request",
+                location=["precision"],
+            )
+        return names
 
     def _not_computed_by(self, rung: Rung, dtype: str, precision: Precision) -> str:
         """Why `rung` cannot run a product of `dtype` in `precision`, naming the kernels here that can."""
@@ -578,12 +599,13 @@ class GpuBackend:
     ) -> Launch:
         """All pairs (one shape) copied to the device, one launch (gridDim.z = len(pairs) when more than one),
         the products copied back into `outputs` (or pinned buffers of the backend's); queued on the streams, not
-        waited for. Operands in pinned memory already (`pin`), in `dtype` and C-contiguous, are copied from where
-        they are; others are staged first into one pinned buffer each for A and B. `on_done` runs on the watcher
-        thread once the copy out is done."""
-        (m, k), n = pairs[0][0].shape, pairs[0][1].shape[1]
+        waited for. A pair may be a stack (app/shapes.py), alone in its launch. Operands in pinned memory already
+        (`pin`), in `dtype` and C-contiguous, are copied from where they are; others are staged first into one
+        pinned buffer each for A and B. `on_done` runs on the watcher thread once the copy out is done."""
+        a, b = pairs[0]
+        (m, k), n = a.shape[-2:], b.shape[-1]
         with self._cuda_errors():
-            if m == 0 or n == 0 or k == 0:
+            if m == 0 or n == 0 or k == 0 or products_in(a, b) == 0:
                 return self._empty_sums(pairs, dtype, outputs)
             try:
                 return self._enqueue(pairs, dtype, plan, on_done, outputs)
@@ -599,11 +621,11 @@ class GpuBackend:
                 stream.synchronize()
 
     def _empty_sums(self, pairs: Pairs, dtype: np.dtype, outputs: Outputs) -> Finished:
-        """Products with nothing to sum (k = 0) are zero matrices; those with no elements (m or n = 0) have
-        nothing to write. No copy, no launch, no library call (cuBLAS refuses k = 0 in its tensor-core modes)."""
-        (m, _), n = pairs[0][0].shape, pairs[0][1].shape[1]
+        """Products with nothing to sum (k = 0) are zero matrices; those with no elements (m or n = 0, or an empty
+        stack) have nothing to write. No copy, no launch, no library call (cuBLAS refuses k = 0 in its tensor-core
+        modes)."""
         if outputs is None:
-            products = [np.zeros((m, n), dtype) for _ in pairs]
+            products = [np.zeros(result_shape(a, b), dtype) for a, b in pairs]
         else:
             products = list(outputs)
             for output in products:
@@ -706,12 +728,14 @@ class GpuBackend:
         self, pairs: Pairs, dtype: np.dtype, plan: Plan, on_done: Callable[[], None], outputs: Outputs
     ) -> _GpuLaunch:
         cp = self._cp
-        (m, k), n = pairs[0][0].shape, pairs[0][1].shape[1]
+        a, b = pairs[0]
+        answer = result_shape(a, b)
+        # several pairs: single products merged into one launch (a stack is never merged: it is one already)
         stack: tuple[int, ...] = (len(pairs),) if len(pairs) > 1 else ()
         if outputs is not None and not all(
-            out.shape == (m, n) and out.dtype == dtype and out.flags.c_contiguous for out in outputs
+            out.shape == answer and out.dtype == dtype and out.flags.c_contiguous for out in outputs
         ):
-            raise ValueError(f"each output must be a C-contiguous {dtype} array of shape {(m, n)}")
+            raise ValueError(f"each output must be a C-contiguous {dtype} array of shape {answer}")
         a_operands, b_operands = [a for a, _ in pairs], [b for _, b in pairs]
         on_device = [_is_device_array(operands[0]) for operands in (a_operands, b_operands)]
         into_device = outputs is not None and _is_device_array(outputs[0])
@@ -723,14 +747,18 @@ class GpuBackend:
         events = self._spare_events.pop() if self._spare_events else _LaunchEvents.create(cp)
         with self._copy_in as stream:
             events.copy_in.record(stream)
-            a_dev = self._on_device(a_operands, operands_in) if on_device[0] else cp.empty((*stack, m, k), operands_in)
-            b_dev = self._on_device(b_operands, operands_in) if on_device[1] else cp.empty((*stack, k, n), operands_in)
+            a_dev = (
+                self._on_device(a_operands, operands_in) if on_device[0] else cp.empty((*stack, *a.shape), operands_in)
+            )
+            b_dev = (
+                self._on_device(b_operands, operands_in) if on_device[1] else cp.empty((*stack, *b.shape), operands_in)
+            )
             _copy_between(cp.cuda.runtime, a_dev, a_hosts, CUDA_MEMCPY_HOST_TO_DEVICE, stream)
             _copy_between(cp.cuda.runtime, b_dev, b_hosts, CUDA_MEMCPY_HOST_TO_DEVICE, stream)
             events.copied_in.record(stream)
         with self._compute as stream:
             direct = into_device and not stack and outputs is not None and _launchable(outputs[0], dtype)
-            c_dev = outputs[0] if direct and outputs is not None else cp.empty((*stack, m, n), dtype)
+            c_dev = outputs[0] if direct and outputs is not None else cp.empty((*stack, *answer), dtype)
             if self._poison_outputs:
                 c_dev.fill(_poison(dtype))
             stream.wait_event(events.copied_in)

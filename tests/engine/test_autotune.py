@@ -39,3 +39,14 @@ def test_float64_takes_its_own_choices_where_measured_and_float32_s_where_not() 
     assert pick_auto([float32, bf16], 1024, 1024, 1024, "cublas", dtype="float64") == "fast"
     assert pick_auto([float32, float64, bf16], 1024, 1024, 1024, "cublas", precision=Precision.BF16) == "wgmma"
     assert pick_auto([float64], 1024, 1024, 1024, "cublas", precision=Precision.TF32, dtype="float64") == "cublas"
+
+
+def test_a_stack_gets_the_fastest_measured_of_the_kernels_that_take_stacks() -> None:
+    """`fast` won the class but does not take stacks: a stack gets the fastest of those that do, and the fallback
+    where none of them was measured."""
+    small = SHAPE_CLASSES[0]
+    choice = AutoChoice(shape_class=small, kernel="fast", probe_ms={"fast": 0.01, "tiled": 0.03, "cublas": 0.02})
+    assert pick_auto([choice], 64, 64, 64, "cublas") == "fast"
+    assert pick_auto([choice], 64, 64, 64, "cublas", among=["tiled", "cublas"]) == "cublas"
+    assert pick_auto([choice], 64, 64, 64, "cublas", among=["tiled"]) == "tiled"
+    assert pick_auto([choice], 64, 64, 64, "naive", among=["blocktile1d"]) == "naive"

@@ -133,6 +133,23 @@ async def test_a_batch_takes_no_more_than_its_size_and_only_a_batchable_kernel(
         np.testing.assert_array_equal(outcome.c, np.full((2, 1), 3.0 * (i + 1)))
 
 
+async def test_a_stack_is_a_launch_of_its_own_never_merged_with_other_requests() -> None:
+    """Two stacks of one shape, and single products of their matrices' shape, queued together: each stack runs
+    alone, answered with exactly its own products (batch_size: its matrices), and the single products still share
+    a launch."""
+    backend = SteeredBackend()
+    rng = np.random.default_rng(3)
+    stacks = [(rng.standard_normal((4, 2, 3)), rng.standard_normal((3, 1))) for _ in range(2)]
+    singles = [(rng.standard_normal((2, 3)), rng.standard_normal((3, 1))) for _ in range(2)]
+    async with _engine(backend, BatchPolicy(max_size=8, max_delay_s=0.01)) as engine:
+        outcomes = await _queued_together(backend, engine, [*stacks, *singles])
+    assert [s.products for s in backend.submitted] == [1, 1, 1, 2]
+    for (a, b), outcome in zip([*stacks, *singles], outcomes, strict=True):
+        assert isinstance(outcome, Outcome)
+        assert outcome.batch_size == (4 if a.ndim == 3 else 2)
+        assert_close_to_reference(outcome.c, a, b, F64)
+
+
 async def test_a_product_given_its_memory_is_computed_there_and_answered_with_that_memory() -> None:
     backend = SteeredBackend()
     rng = np.random.default_rng(2)

@@ -26,6 +26,7 @@ def _kernel_models(engine: EngineFront) -> list[KernelModel]:
             tiles=list(k.tiles),
             default_tile=k.default_tile,
             precisions=list(k.precisions),
+            stacks=k.stacks,
         )
         for k in engine.kernels()
     ]

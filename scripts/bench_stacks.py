@@ -1,0 +1,306 @@
+"""Stacks of products against single ones: n x n products per second sent one a request and as stacks of B a request,
+by raw sockets and by the project's client, and each stack route against /v1/echo moving the same bytes.
+
+One server, `matmul-service` on 127.0.0.1 with `--backend` and MATMUL_ECHO_ROUTE=true, nothing else set (the
+service's defaults: the echo route does not change the others). For each size n (`--sizes`) and stack size B
+(`--stacks`; 1 is a single product, two matrices, else A and B of B x n x n), closed-loop cells of `--duration`
+seconds after `--warmup`, each at `--connections` connections over `--client-processes` processes:
+
+- raw-npy: raw keep-alive sockets (matmul_tools.raw_load) sending one prebuilt request, A and B as `.npy` parts to
+  /matmul, an `.npy` answer;
+- raw-v2: the same operands as v2 binary tensors to /v2/models/matmul/infer, a binary answer;
+- echo: /v1/echo of a body half the raw-npy exchange's bytes (request and answer), so that it moves what the
+  product moves;
+- client: `MatmulClient(url).matmul(a, b)` (multipart `.npy`, an `.npy` answer), a thread per connection, each with
+  its own client, as a user calls it.
+
+Every connection's first answer of a product is checked against the float64 product of its operands
+(numerics.reference's bound). Products/s are answers/s times B. The ratios: a stack's products/s over single
+products' (same size and client), and each product cell's answers/s over the echo's of its bytes.
+
+Before the server, every cell runs against a stand-in that answers at once with answers of the right size
+(matmul_tools.standin; `--no-clients-alone` skips it): a server cell at CLIENT_BOUND of its clients' own rate or
+above measured its clients, not the service; it is marked, and the run exits 2 once every cell has run.
+
+Prints a Markdown table; writes `--out` (JSON) and the server's log beside it.
+
+    python scripts/bench_stacks.py --backend gpu
+    python scripts/bench_stacks.py --backend cpu --sizes 64 --stacks 1,100 --duration 1 --warmup 0.5 \\
+        --client-processes 2 --connections 4 --out out/bench-stacks/bench-stacks.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing
+import socket
+import sys
+import threading
+import time
+from concurrent.futures import ProcessPoolExecutor
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+import httpx
+import numpy as np
+
+from matmul_client.client import MatmulClient, MatmulServiceError
+from matmul_tools.bodies import load_npy
+from matmul_tools.raw_load import LoadPool, npy_matmul_body, post_request, read_whole_answer, v2_infer_request
+from matmul_tools.service import LocalService, free_port, service_command
+from matmul_tools.standin import standing_in
+from numerics.reference import Reference
+
+CLIENT_BOUND = 0.8
+"""A server cell at this share of its clients' rate against the stand-in, or above, measured its clients."""
+RAW = ("raw-npy", "raw-v2", "echo")
+CLIENTS = (*RAW, "client")
+
+
+def operands(n: int, batch: int) -> tuple[np.ndarray, np.ndarray]:
+    """The operands of a cell: two n x n float32 matrices, or two stacks of `batch` of them."""
+    rng = np.random.default_rng(n * 100_003 + batch)
+    lead = (batch,) if batch > 1 else ()
+    return rng.standard_normal((*lead, n, n), np.float32), rng.standard_normal((*lead, n, n), np.float32)
+
+
+def cell_name(kind: str, n: int, batch: int) -> str:
+    return f"{kind} {n} {batch}"
+
+
+def requests_for(sizes: list[int], stacks: list[int]) -> dict[str, bytes]:
+    """Every raw request of the run, built once in each client process."""
+    built = {}
+    for n in sizes:
+        for batch in stacks:
+            a, b = operands(n, batch)
+            body, content_type = npy_matmul_body(a, b)
+            exchange = len(body) + a.nbytes  # C, square as A, as many bytes
+            built[cell_name("raw-npy", n, batch)] = post_request(
+                "/matmul", content_type, body, accept="application/x-npy"
+            )
+            built[cell_name("raw-v2", n, batch)] = v2_infer_request(a, b)
+            built[cell_name("echo", n, batch)] = post_request(
+                "/v1/echo", "application/octet-stream", bytes(exchange // 2)
+            )
+    return built
+
+
+def check_first_answers(url: str, n: int, batch: int) -> None:
+    """One exchange of each raw product request, its answer checked against the float64 product: a raw cell counts
+    answers, and this shows they are products of their own operands."""
+    a, b = operands(n, batch)
+    reference = Reference.of(a, b, np.float32)
+    where = urlsplit(url)
+    request = requests_for([n], [batch])[cell_name("raw-npy", n, batch)]
+    with socket.create_connection((where.hostname or "127.0.0.1", where.port or 80), timeout=600) as sock:
+        sock.sendall(request)
+        answer, body = read_whole_answer(sock)
+    if answer.status != 200:
+        raise RuntimeError(f"{n} x {batch}: the first raw answer is {answer.status}")
+    problem = reference.mismatch(load_npy(bytes(body)))
+    if problem is not None:
+        raise RuntimeError(f"{n} x {batch}: {problem}")
+
+
+def _client_connections(
+    url: str, n: int, batch: int, connections: int, warmup_s: float, until: float
+) -> dict[str, Any]:
+    """One client process's part of a client cell: `connections` threads, each a MatmulClient sending a @ b until
+    `until` (time.time()); its first answer checked, those after the warm-up counted."""
+    a, b = operands(n, batch)
+    reference = Reference.of(a, b, np.float32)
+    counted_from = time.time() + warmup_s
+    found: dict[str, Any] = {"ok": 0, "errors": {}, "wrong": []}
+    lock = threading.Lock()
+
+    def connection() -> None:
+        ok, first = 0, True
+        errors: dict[str, int] = {}
+        with MatmulClient(url, timeout=600) as client:
+            while time.time() < until:
+                try:
+                    product = client.multiply(a, b)
+                except (MatmulServiceError, httpx.TransportError, OSError) as exc:
+                    name = str(getattr(exc, "status", type(exc).__name__))
+                    errors[name] = errors.get(name, 0) + 1
+                    continue
+                if first:
+                    first = False
+                    problem = reference.mismatch(product.c)
+                    if problem is not None:
+                        with lock:
+                            found["wrong"].append(problem)
+                if time.time() >= counted_from:
+                    ok += 1
+        with lock:
+            found["ok"] += ok
+            for name, count in errors.items():
+                found["errors"][name] = found["errors"].get(name, 0) + count
+
+    threads = [threading.Thread(target=connection) for _ in range(connections)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return found
+
+
+def client_cell(
+    pool: ProcessPoolExecutor, url: str, n: int, batch: int, args: argparse.Namespace, check: bool
+) -> dict[str, Any]:
+    processes = args.client_processes
+    shares = [args.connections // processes + (i < args.connections % processes) for i in range(processes)]
+    until = time.time() + args.warmup + args.duration
+    parts = [pool.submit(_client_connections, url, n, batch, count, args.warmup, until) for count in shares if count]
+    found: dict[str, Any] = {"ok": 0, "errors": {}, "wrong": []}
+    for part in parts:
+        result = part.result()
+        found["ok"] += result["ok"]
+        found["wrong"] += result["wrong"] if check else []
+        for name, count in result["errors"].items():
+            found["errors"][name] = found["errors"].get(name, 0) + count
+    return {"answers_per_s": found["ok"] / args.duration, "errors": found["errors"], "wrong": found["wrong"]}
+
+
+def raw_cell(pool: LoadPool, url: str, name: str, args: argparse.Namespace) -> dict[str, Any]:
+    port = int(url.rsplit(":", 1)[1])
+    pool.run(port, name, args.connections, args.warmup)
+    tally, elapsed = pool.run(port, name, args.connections, args.duration)
+    errors = {str(status): count for status, count in tally.answers.items() if status != 200}
+    return {
+        "answers_per_s": tally.ok / elapsed,
+        "errors": errors,
+        "payload_gb_per_s": tally.moved_bytes / elapsed / 1e9,
+    }
+
+
+def run_cells(
+    raw: LoadPool, clients: ProcessPoolExecutor, url: str, args: argparse.Namespace, service: bool
+) -> dict[str, dict[str, Any]]:
+    cells: dict[str, dict[str, Any]] = {}
+    for n in args.sizes:
+        for batch in args.stacks:
+            if service:
+                check_first_answers(url, n, batch)
+            for kind in args.clients:
+                name = cell_name(kind, n, batch)
+                if kind == "client":
+                    found = client_cell(clients, url, n, batch, args, check=service)
+                else:
+                    found = raw_cell(raw, url, name, args)
+                found |= {"kind": kind, "n": n, "batch": batch}
+                found["products_per_s"] = None if kind == "echo" else found["answers_per_s"] * batch
+                cells[name] = found
+                print(f"  {name}: {found['answers_per_s']:.1f} answers/s", flush=True)
+    return cells
+
+
+def add_ratios(cells: dict[str, dict[str, Any]], alone: dict[str, dict[str, Any]]) -> None:
+    """Each cell's products/s over single products' (same client and size), its answers/s over its echo's,
+    and every cell's answers/s over its clients' own against the stand-in."""
+    for name, cell in cells.items():
+        single = cells.get(cell_name(cell["kind"], cell["n"], 1))
+        if cell["products_per_s"] and single and single["products_per_s"]:
+            cell["over_single"] = cell["products_per_s"] / single["products_per_s"]
+        echo = cells.get(cell_name("echo", cell["n"], cell["batch"]))
+        if cell["kind"] != "echo" and echo and echo["answers_per_s"]:
+            cell["over_echo"] = cell["answers_per_s"] / echo["answers_per_s"]
+        own = alone.get(name)
+        if own and own["answers_per_s"]:
+            cell["over_clients_alone"] = cell["answers_per_s"] / own["answers_per_s"]
+            cell["client_bound"] = cell["over_clients_alone"] >= CLIENT_BOUND
+
+
+def _figure(value: float | None, digits: int = 2) -> str:
+    return "-" if value is None else f"{value:,.{digits}f}"
+
+
+def print_table(cells: dict[str, dict[str, Any]]) -> None:
+    print("| n | B | client | answers/s | products/s | x single | / echo of its bytes | / its clients alone |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    for cell in cells.values():
+        bound = " (client-bound)" if cell.get("client_bound") else ""
+        print(
+            f"| {cell['n']} | {cell['batch']} | {cell['kind']} | {_figure(cell['answers_per_s'], 1)} | "
+            f"{_figure(cell['products_per_s'], 0)} | {_figure(cell.get('over_single'))} | "
+            f"{_figure(cell.get('over_echo'))} | {_figure(cell.get('over_clients_alone'))}{bound} |"
+        )
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--backend", choices=("auto", "cpu", "gpu"), default="auto")
+    parser.add_argument("--sizes", default="64,256", help="n of the n x n products, comma-separated")
+    parser.add_argument("--stacks", default="1,1000,10000", help="products a request, comma-separated (1: single)")
+    parser.add_argument("--clients", default=",".join(CLIENTS), help=f"of {', '.join(CLIENTS)}")
+    parser.add_argument("--connections", type=int, default=64, help="connections of each cell (default 64)")
+    parser.add_argument("--client-processes", type=int, default=8)
+    parser.add_argument("--duration", type=float, default=5.0, help="measured seconds a cell")
+    parser.add_argument("--warmup", type=float, default=2.0, help="seconds of load before each cell's")
+    parser.add_argument("--no-clients-alone", action="store_true", help="measure no client against the stand-in")
+    parser.add_argument("--standin-processes", type=int, default=8)
+    parser.add_argument("--ready-timeout", type=float, default=300.0)
+    parser.add_argument("--out", type=Path, default=Path("docs/bench/bench-stacks.json"))
+    args = parser.parse_args(argv)
+    args.sizes = [int(s) for s in args.sizes.split(",") if s]
+    args.stacks = [int(s) for s in args.stacks.split(",") if s]
+    args.clients = [c for c in args.clients.split(",") if c]
+    if any(c not in CLIENTS for c in args.clients):
+        parser.error(f"--clients must be among {list(CLIENTS)}")
+    if 1 not in args.stacks:
+        parser.error("--stacks must include 1: stacks are measured against single products")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    spawn = multiprocessing.get_context("spawn")
+    with (
+        LoadPool(args.client_processes, requests_for, (args.sizes, args.stacks)) as raw,
+        ProcessPoolExecutor(args.client_processes, mp_context=spawn) as clients,
+    ):
+        alone: dict[str, dict[str, Any]] = {}
+        if not args.no_clients_alone:
+            print("the clients alone, against the stand-in:", flush=True)
+            with standing_in(args.standin_processes) as url:
+                alone = run_cells(raw, clients, url, args, service=False)
+        env = {"MATMUL_ECHO_ROUTE": "true", "MATMUL_ACCESS_LOG": "false"}
+        if args.backend != "auto":
+            env["MATMUL_BACKEND"] = args.backend
+        port = free_port()
+        service = LocalService(service_command(port), port, env, args.out.with_suffix(".log"), 1)
+        try:
+            service.wait_ready(args.ready_timeout)
+            info = httpx.get(f"{service.url}/v1/info", timeout=30).json()
+            service.workers = info["http_workers"]  # as many as the service chose by default: every one ready
+            service.wait_ready(args.ready_timeout)
+            print(f"the service, {service.workers} HTTP workers:", flush=True)
+            device = info.get("device")
+            cells = run_cells(raw, clients, service.url, args, service=True)
+        finally:
+            service.stop()
+    add_ratios(cells, alone)
+    print_table(cells)
+    report = {
+        "date": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"),
+        "device": device,
+        "settings": env,
+        "arguments": {key: str(value) for key, value in vars(args).items()},
+        "cells": list(cells.values()),
+        "clients_alone": list(alone.values()),
+    }
+    args.out.write_text(json.dumps(report, indent=1) + "\n", encoding="utf-8")
+    wrong = [problem for cell in cells.values() for problem in cell.get("wrong", [])]
+    if wrong:
+        print(f"wrong answers: {wrong[:3]}", file=sys.stderr)
+        return 1
+    return 2 if any(cell.get("client_bound") for cell in cells.values()) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

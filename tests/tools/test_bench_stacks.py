@@ -1,0 +1,40 @@
+"""scripts/bench_stacks.py on the CPU backend, briefly: every cell answered and checked, its ratios taken; and the
+stand-in answering stacks with answers of their size, as the benchmark's clients-alone cells need."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from matmul_client.client import MatmulClient
+from matmul_tools.standin import standing_in
+from tests.scripts import ROOT, import_script
+
+
+def test_the_stand_in_answers_a_stack_with_the_stack_s_shape() -> None:
+    with standing_in() as url, MatmulClient(url) as client:
+        assert client.matmul(np.ones((5, 3, 4), np.float32), np.ones((4, 2), np.float32)).shape == (5, 3, 2)
+        assert client.matmul(np.ones((3, 4), np.float32), np.ones((1, 4, 2), np.float32)).shape == (1, 3, 2)
+
+
+def test_single_products_and_stacks_are_measured_against_each_other_and_the_echo(tmp_path: Path) -> None:
+    """Run as users run it (its client processes spawned import it as their main module)."""
+    bench = import_script("bench_stacks")
+    out = tmp_path / "bench-stacks.json"
+    argv = ["--backend", "cpu", "--sizes", "16", "--stacks", "1,50", "--duration", "0.5", "--warmup", "0.2"]
+    argv += ["--client-processes", "1", "--connections", "2", "--standin-processes", "1", "--out", str(out)]
+    done = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_stacks.py"), *argv], timeout=240, text=True)
+    assert done.returncode in (0, 2)  # 2: a cell at its clients' own rate, which a 2-core runner may reach
+    cells = {(cell["kind"], cell["batch"]): cell for cell in json.loads(out.read_text())["cells"]}
+    assert set(cells) == {(kind, batch) for kind in bench.CLIENTS for batch in (1, 50)}
+    for (kind, batch), cell in cells.items():
+        assert cell["answers_per_s"] > 0 and cell["errors"] == {} and cell.get("wrong", []) == []
+        if kind != "echo":
+            assert cell["products_per_s"] == cell["answers_per_s"] * batch
+            assert cell["over_single"] == cell["products_per_s"] / cells[(kind, 1)]["products_per_s"]
+            assert cell["over_echo"] == cell["answers_per_s"] / cells[("echo", batch)]["answers_per_s"]
+        assert "over_clients_alone" in cell
