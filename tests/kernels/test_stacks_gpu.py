@@ -111,10 +111,10 @@ def test_the_launcher_refuses_a_stack_to_a_rung_that_computes_one_product_a_laun
 
     if not launcher.runs(kernel):
         pytest.skip(f"{kernel} does not run on this device")
-    dtype = RUNGS[kernel].dtypes[0]
+    dtype, precision = RUNGS[kernel].modes()[0]
     x = cp.ones((2, 64, 64), dtype=operand_dtype(np.dtype(dtype)))
     with pytest.raises(ValueError, match=f"'{kernel}' computes one product a launch, not a stack"):
-        launcher.launch(kernel, x, x, cp.empty((2, 64, 64), dtype))
+        launcher.launch(kernel, x, x, cp.empty((2, 64, 64), dtype), precision=precision)
 
 
 def test_the_plan_of_a_stack_names_the_kernels_that_take_stacks(backend: Any) -> None:
