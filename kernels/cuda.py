@@ -242,13 +242,11 @@ class KernelLibrary:
         """c = a @ b on the current stream: 2-D C-contiguous CuPy arrays of one dtype, or, for kernels that are
         `batched`, a stack c of a batch of products of one shape (one launch, gridDim.z = batch), from stacks of as
         many matrices or a matrix (or stack of one) broadcast, which is copied into a stack first: the kernels find
-        product z's operands z matrices in."""
+        product z's operands z matrices in. `Launcher.launch` gives stacks only to kernels that are `batched`."""
         batch = c.shape[0] if c.ndim == 3 else 1
         if c.ndim == 3:
             a, b = _as_stack(a, batch), _as_stack(b, batch)
         (m, k), n = a.shape[-2:], b.shape[-1]
-        if batch > 1 and not spec.batched:
-            raise ValueError(f"{spec.name} runs one product per launch, not a batch of {batch}")
         if not config.accepts(n, k):
             raise ValueError(
                 f"{spec.name}/{config.label} needs k a multiple of {config.k_multiple} and n of "

@@ -120,14 +120,6 @@ def test_a_batched_launch_computes_every_product_of_the_batch(
         assert_close_to_reference(c[i], a[i].astype(dtype), b[i].astype(dtype), dtype)
 
 
-def test_a_kernel_that_does_not_batch_refuses_a_batch(launcher: Any) -> None:
-    import cupy as cp
-
-    x = cp.ones((2, 64, 64), dtype=cp.float32)
-    with pytest.raises(ValueError, match="not a batch of 2"):
-        launcher.launch("fast", x, x, x)
-
-
 def test_the_launcher_refuses_what_a_rung_does_not_compute(launcher: Any) -> None:
     """A precision an FMA kernel does not compute in, float64 in a tensor-core precision, a name not in the
     catalogue: each a ValueError before anything launches, never a product in another mode."""

@@ -162,6 +162,7 @@ def test_a_stack_of_degenerate_matrices_is_answered_as_numpy_answers_it(backend:
     np.testing.assert_array_equal(c, np.matmul(a, b))
 
 
+@pytest.mark.anyio
 async def test_the_service_on_the_gpu_backend_answers_stacks(gpu_client: httpx.AsyncClient) -> None:
     """JSON and .npy stacks through the app on the GPU backend; GET /v1/kernels says which kernels take stacks, and
     a stack asking for one that does not is a 422 naming those that do."""
