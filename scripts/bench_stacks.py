@@ -4,7 +4,8 @@ by raw sockets and by the project's client, and each stack route against /v1/ech
 One server, `matmul-service` on 127.0.0.1 with `--backend` and MATMUL_ECHO_ROUTE=true, nothing else set (the
 service's defaults: the echo route does not change the others). For each size n (`--sizes`) and stack size B
 (`--stacks`; 1 is a single product, two matrices, else A and B of B x n x n), closed-loop cells of `--duration`
-seconds after `--warmup`, each at `--connections` connections over `--client-processes` processes:
+seconds after `--warmup`, each at its stack size's `--connections` over `--client-processes` processes (cells whose
+operands pass `--max-elements`, MATMUL_MAX_ELEMENTS's default, are left out: the service would refuse them):
 
 - raw-npy: raw keep-alive sockets (matmul_tools.raw_load) sending one prebuilt request, A and B as `.npy` parts to
   /matmul, an `.npy` answer;
@@ -12,7 +13,8 @@ seconds after `--warmup`, each at `--connections` connections over `--client-pro
 - echo: /v1/echo of a body half the raw-npy exchange's bytes (request and answer), so that it moves what the
   product moves;
 - client: `MatmulClient(url).matmul(a, b)` (multipart `.npy`, an `.npy` answer), a thread per connection, each with
-  its own client, as a user calls it.
+  its own client, as a user calls it (each client process times its own window, begun once it has made its
+  operands; the processes are started before the first cell).
 
 Every connection's first answer of a product is checked against the float64 product of its operands
 (numerics.reference's bound). Products/s are answers/s times B. The ratios: a stack's products/s over single
@@ -26,7 +28,7 @@ Prints a Markdown table; writes `--out` (JSON) and the server's log beside it.
 
     python scripts/bench_stacks.py --backend gpu
     python scripts/bench_stacks.py --backend cpu --sizes 64 --stacks 1,100 --duration 1 --warmup 0.5 \\
-        --client-processes 2 --connections 4 --out out/bench-stacks/bench-stacks.json
+        --client-processes 2 --connections 1:4,100:4 --out out/bench-stacks/bench-stacks.json
 """
 
 from __future__ import annotations
@@ -71,31 +73,31 @@ def cell_name(kind: str, n: int, batch: int) -> str:
     return f"{kind} {n} {batch}"
 
 
-def requests_for(sizes: list[int], stacks: list[int]) -> dict[str, bytes]:
+def cells_of(args: argparse.Namespace) -> list[tuple[int, int]]:
+    """The (n, B) of the run: every size and stack size whose operands are within `--max-elements`."""
+    return [(n, batch) for n in args.sizes for batch in args.stacks if batch * n * n <= args.max_elements]
+
+
+def requests_for(cells: list[tuple[int, int]]) -> dict[str, bytes]:
     """Every raw request of the run, built once in each client process."""
     built = {}
-    for n in sizes:
-        for batch in stacks:
-            a, b = operands(n, batch)
-            body, content_type = npy_matmul_body(a, b)
-            exchange = len(body) + a.nbytes  # C, square as A, as many bytes
-            built[cell_name("raw-npy", n, batch)] = post_request(
-                "/matmul", content_type, body, accept="application/x-npy"
-            )
-            built[cell_name("raw-v2", n, batch)] = v2_infer_request(a, b)
-            built[cell_name("echo", n, batch)] = post_request(
-                "/v1/echo", "application/octet-stream", bytes(exchange // 2)
-            )
+    for n, batch in cells:
+        a, b = operands(n, batch)
+        body, content_type = npy_matmul_body(a, b)
+        exchange = len(body) + a.nbytes  # C, square as A, as many bytes
+        built[cell_name("raw-npy", n, batch)] = post_request("/matmul", content_type, body, accept="application/x-npy")
+        built[cell_name("raw-v2", n, batch)] = v2_infer_request(a, b)
+        built[cell_name("echo", n, batch)] = post_request("/v1/echo", "application/octet-stream", bytes(exchange // 2))
     return built
 
 
 def check_first_answers(url: str, n: int, batch: int) -> None:
-    """One exchange of each raw product request, its answer checked against the float64 product: a raw cell counts
-    answers, and this shows they are products of their own operands."""
+    """One exchange of the raw `.npy` request, its answer checked against the float64 product: a raw cell counts
+    answers, and this shows they are products of their own operands (raw-v2 carries the same ones)."""
     a, b = operands(n, batch)
     reference = Reference.of(a, b, np.float32)
     where = urlsplit(url)
-    request = requests_for([n], [batch])[cell_name("raw-npy", n, batch)]
+    request = requests_for([(n, batch)])[cell_name("raw-npy", n, batch)]
     with socket.create_connection((where.hostname or "127.0.0.1", where.port or 80), timeout=600) as sock:
         sock.sendall(request)
         answer, body = read_whole_answer(sock)
@@ -107,13 +109,15 @@ def check_first_answers(url: str, n: int, batch: int) -> None:
 
 
 def _client_connections(
-    url: str, n: int, batch: int, connections: int, warmup_s: float, until: float
+    url: str, n: int, batch: int, connections: int, warmup_s: float, duration_s: float
 ) -> dict[str, Any]:
-    """One client process's part of a client cell: `connections` threads, each a MatmulClient sending a @ b until
-    `until` (time.time()); its first answer checked, those after the warm-up counted."""
+    """One client process's part of a client cell: `connections` threads, each a MatmulClient sending a @ b, once
+    the operands are made, for `warmup_s` and then `duration_s`; its first answer checked, the answers and errors of
+    the `duration_s` counted."""
     a, b = operands(n, batch)
     reference = Reference.of(a, b, np.float32)
     counted_from = time.time() + warmup_s
+    until = counted_from + duration_s
     found: dict[str, Any] = {"ok": 0, "errors": {}, "wrong": []}
     lock = threading.Lock()
 
@@ -125,8 +129,9 @@ def _client_connections(
                 try:
                     product = client.multiply(a, b)
                 except (MatmulServiceError, httpx.TransportError, OSError) as exc:
-                    name = str(getattr(exc, "status", type(exc).__name__))
-                    errors[name] = errors.get(name, 0) + 1
+                    if time.time() >= counted_from:
+                        name = str(getattr(exc, "status", type(exc).__name__))
+                        errors[name] = errors.get(name, 0) + 1
                     continue
                 if first:
                     first = False
@@ -134,7 +139,7 @@ def _client_connections(
                     if problem is not None:
                         with lock:
                             found["wrong"].append(problem)
-                if time.time() >= counted_from:
+                if counted_from <= time.time() < until:
                     ok += 1
         with lock:
             found["ok"] += ok
@@ -152,10 +157,11 @@ def _client_connections(
 def client_cell(
     pool: ProcessPoolExecutor, url: str, n: int, batch: int, args: argparse.Namespace, check: bool
 ) -> dict[str, Any]:
-    processes = args.client_processes
-    shares = [args.connections // processes + (i < args.connections % processes) for i in range(processes)]
-    until = time.time() + args.warmup + args.duration
-    parts = [pool.submit(_client_connections, url, n, batch, count, args.warmup, until) for count in shares if count]
+    processes, connections = args.client_processes, args.connections[batch]
+    shares = [connections // processes + (i < connections % processes) for i in range(processes)]
+    parts = [
+        pool.submit(_client_connections, url, n, batch, count, args.warmup, args.duration) for count in shares if count
+    ]
     found: dict[str, Any] = {"ok": 0, "errors": {}, "wrong": []}
     for part in parts:
         result = part.result()
@@ -166,10 +172,10 @@ def client_cell(
     return {"answers_per_s": found["ok"] / args.duration, "errors": found["errors"], "wrong": found["wrong"]}
 
 
-def raw_cell(pool: LoadPool, url: str, name: str, args: argparse.Namespace) -> dict[str, Any]:
+def raw_cell(pool: LoadPool, url: str, name: str, connections: int, args: argparse.Namespace) -> dict[str, Any]:
     port = int(url.rsplit(":", 1)[1])
-    pool.run(port, name, args.connections, args.warmup)
-    tally, elapsed = pool.run(port, name, args.connections, args.duration)
+    pool.run(port, name, connections, args.warmup)
+    tally, elapsed = pool.run(port, name, connections, args.duration)
     errors = {str(status): count for status, count in tally.answers.items() if status != 200}
     return {
         "answers_per_s": tally.ok / elapsed,
@@ -182,20 +188,19 @@ def run_cells(
     raw: LoadPool, clients: ProcessPoolExecutor, url: str, args: argparse.Namespace, service: bool
 ) -> dict[str, dict[str, Any]]:
     cells: dict[str, dict[str, Any]] = {}
-    for n in args.sizes:
-        for batch in args.stacks:
-            if service:
-                check_first_answers(url, n, batch)
-            for kind in args.clients:
-                name = cell_name(kind, n, batch)
-                if kind == "client":
-                    found = client_cell(clients, url, n, batch, args, check=service)
-                else:
-                    found = raw_cell(raw, url, name, args)
-                found |= {"kind": kind, "n": n, "batch": batch}
-                found["products_per_s"] = None if kind == "echo" else found["answers_per_s"] * batch
-                cells[name] = found
-                print(f"  {name}: {found['answers_per_s']:.1f} answers/s", flush=True)
+    for n, batch in cells_of(args):
+        if service:
+            check_first_answers(url, n, batch)
+        for kind in args.clients:
+            name = cell_name(kind, n, batch)
+            if kind == "client":
+                found = client_cell(clients, url, n, batch, args, check=service)
+            else:
+                found = raw_cell(raw, url, name, args.connections[batch], args)
+            found |= {"kind": kind, "n": n, "batch": batch, "connections": args.connections[batch]}
+            found["products_per_s"] = None if kind == "echo" else found["answers_per_s"] * batch
+            cells[name] = found
+            print(f"  {name}: {found['answers_per_s']:.1f} answers/s", flush=True)
     return cells
 
 
@@ -237,7 +242,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--sizes", default="64,256", help="n of the n x n products, comma-separated")
     parser.add_argument("--stacks", default="1,1000,10000", help="products a request, comma-separated (1: single)")
     parser.add_argument("--clients", default=",".join(CLIENTS), help=f"of {', '.join(CLIENTS)}")
-    parser.add_argument("--connections", type=int, default=64, help="connections of each cell (default 64)")
+    parser.add_argument(
+        "--connections",
+        default="1:64,1000:16,10000:8",
+        help="connections of each stack size's cells, B:connections (default 1:64,1000:16,10000:8)",
+    )
+    parser.add_argument(
+        "--max-elements",
+        type=int,
+        default=1 << 28,
+        help="cells whose operands have more elements are left out (default: MATMUL_MAX_ELEMENTS's default)",
+    )
     parser.add_argument("--client-processes", type=int, default=8)
     parser.add_argument("--duration", type=float, default=5.0, help="measured seconds a cell")
     parser.add_argument("--warmup", type=float, default=2.0, help="seconds of load before each cell's")
@@ -249,6 +264,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.sizes = [int(s) for s in args.sizes.split(",") if s]
     args.stacks = [int(s) for s in args.stacks.split(",") if s]
     args.clients = [c for c in args.clients.split(",") if c]
+    args.connections = {
+        int(batch): int(count) for batch, count in (pair.split(":") for pair in args.connections.split(","))
+    }
+    if any(batch not in args.connections for batch in args.stacks):
+        parser.error("--connections must name every stack size of --stacks")
     if any(c not in CLIENTS for c in args.clients):
         parser.error(f"--clients must be among {list(CLIENTS)}")
     if 1 not in args.stacks:
@@ -261,9 +281,11 @@ def main(argv: list[str] | None = None) -> int:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     spawn = multiprocessing.get_context("spawn")
     with (
-        LoadPool(args.client_processes, requests_for, (args.sizes, args.stacks)) as raw,
+        LoadPool(args.client_processes, requests_for, (cells_of(args),)) as raw,
         ProcessPoolExecutor(args.client_processes, mp_context=spawn) as clients,
     ):
+        # every client process started before the first cell, so that a cell's processes send together
+        list(clients.map(time.sleep, [1.0] * args.client_processes))
         alone: dict[str, dict[str, Any]] = {}
         if not args.no_clients_alone:
             print("the clients alone, against the stand-in:", flush=True)

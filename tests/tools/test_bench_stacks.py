@@ -26,7 +26,7 @@ def test_single_products_and_stacks_are_measured_against_each_other_and_the_echo
     bench = import_script("bench_stacks")
     out = tmp_path / "bench-stacks.json"
     argv = ["--backend", "cpu", "--sizes", "16", "--stacks", "1,50", "--duration", "0.5", "--warmup", "0.2"]
-    argv += ["--client-processes", "1", "--connections", "2", "--standin-processes", "1", "--out", str(out)]
+    argv += ["--client-processes", "1", "--connections", "1:2,50:2", "--standin-processes", "1", "--out", str(out)]
     done = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_stacks.py"), *argv], timeout=240, text=True)
     assert done.returncode in (0, 2)  # 2: a cell at its clients' own rate, which a 2-core runner may reach
     cells = {(cell["kind"], cell["batch"]): cell for cell in json.loads(out.read_text())["cells"]}
