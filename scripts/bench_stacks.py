@@ -16,15 +16,18 @@ operands pass `--max-elements`, MATMUL_MAX_ELEMENTS's default, are left out: the
   its own client, as a user calls it (each client process times its own window, begun once it has made its
   operands; the processes are started before the first cell).
 
-Every connection's first answer of a product is checked against the float64 product of its operands
-(numerics.reference's bound). Products/s are answers/s times B. The ratios: a stack's products/s over single
-products' (same size and client), and each product cell's answers/s over the echo's of its bytes.
+Each (n, B)'s raw `.npy` request is answered once and checked before its cells, and every client connection's first
+answer, against the float64 product of the operands (numerics.reference's bound). Products/s are answers/s times B.
+The ratios: a stack's products/s over single products' (same size and client), and each product cell's answers/s
+over the echo's of its bytes.
 
 Before the server, every cell runs against a stand-in that answers at once with answers of the right size
 (matmul_tools.standin; `--no-clients-alone` skips it): a server cell at CLIENT_BOUND of its clients' own rate or
 above measured its clients, not the service; it is marked, and the run exits 2 once every cell has run.
 
-Prints a Markdown table; writes `--out` (JSON) and the server's log beside it.
+Prints a Markdown table; writes `--out` (JSON, again after every cell, so that a run cut short keeps its figures)
+and the server's log beside it. The default grid, 2 sizes x 3 stack sizes less 256 x 10,000 (over the element
+limit), 4 clients, stand-in and service, is 40 cells: about 6 minutes with the service's start on an H200 host.
 
     python scripts/bench_stacks.py --backend gpu
     python scripts/bench_stacks.py --backend cpu --sizes 64 --stacks 1,100 --duration 1 --warmup 0.5 \\
@@ -40,6 +43,7 @@ import socket
 import sys
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
 from datetime import UTC, datetime
 from pathlib import Path
@@ -185,9 +189,16 @@ def raw_cell(pool: LoadPool, url: str, name: str, connections: int, args: argpar
 
 
 def run_cells(
-    raw: LoadPool, clients: ProcessPoolExecutor, url: str, args: argparse.Namespace, service: bool
-) -> dict[str, dict[str, Any]]:
-    cells: dict[str, dict[str, Any]] = {}
+    raw: LoadPool,
+    clients: ProcessPoolExecutor,
+    url: str,
+    args: argparse.Namespace,
+    service: bool,
+    cells: dict[str, dict[str, Any]],
+    save: Callable[[], None],
+) -> None:
+    """Every cell against `url` (the service, else the stand-in) into `cells`, the report saved after each, so that a
+    run cut short keeps what it measured."""
     for n, batch in cells_of(args):
         if service:
             check_first_answers(url, n, batch)
@@ -200,8 +211,8 @@ def run_cells(
             found |= {"kind": kind, "n": n, "batch": batch, "connections": args.connections[batch]}
             found["products_per_s"] = None if kind == "echo" else found["answers_per_s"] * batch
             cells[name] = found
+            save()
             print(f"  {name}: {found['answers_per_s']:.1f} answers/s", flush=True)
-    return cells
 
 
 def add_ratios(cells: dict[str, dict[str, Any]], alone: dict[str, dict[str, Any]]) -> None:
@@ -279,6 +290,22 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     args.out.parent.mkdir(parents=True, exist_ok=True)
+    env = {"MATMUL_ECHO_ROUTE": "true", "MATMUL_ACCESS_LOG": "false"}
+    if args.backend != "auto":
+        env["MATMUL_BACKEND"] = args.backend
+    cells: dict[str, dict[str, Any]] = {}
+    alone: dict[str, dict[str, Any]] = {}
+    report: dict[str, Any] = {
+        "date": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"),
+        "settings": env,
+        "arguments": {key: str(value) for key, value in vars(args).items()},
+    }
+
+    def save() -> None:
+        add_ratios(cells, alone)
+        report.update(cells=list(cells.values()), clients_alone=list(alone.values()))
+        args.out.write_text(json.dumps(report, indent=1) + "\n", encoding="utf-8")
+
     spawn = multiprocessing.get_context("spawn")
     with (
         LoadPool(args.client_processes, requests_for, (cells_of(args),)) as raw,
@@ -286,14 +313,10 @@ def main(argv: list[str] | None = None) -> int:
     ):
         # every client process started before the first cell, so that a cell's processes send together
         list(clients.map(time.sleep, [1.0] * args.client_processes))
-        alone: dict[str, dict[str, Any]] = {}
         if not args.no_clients_alone:
             print("the clients alone, against the stand-in:", flush=True)
             with standing_in(args.standin_processes) as url:
-                alone = run_cells(raw, clients, url, args, service=False)
-        env = {"MATMUL_ECHO_ROUTE": "true", "MATMUL_ACCESS_LOG": "false"}
-        if args.backend != "auto":
-            env["MATMUL_BACKEND"] = args.backend
+                run_cells(raw, clients, url, args, False, alone, save)
         port = free_port()
         service = LocalService(service_command(port), port, env, args.out.with_suffix(".log"), 1)
         try:
@@ -302,21 +325,11 @@ def main(argv: list[str] | None = None) -> int:
             service.workers = info["http_workers"]  # as many as the service chose by default: every one ready
             service.wait_ready(args.ready_timeout)
             print(f"the service, {service.workers} HTTP workers:", flush=True)
-            device = info.get("device")
-            cells = run_cells(raw, clients, service.url, args, service=True)
+            report["device"] = info.get("device")
+            run_cells(raw, clients, service.url, args, True, cells, save)
         finally:
             service.stop()
-    add_ratios(cells, alone)
     print_table(cells)
-    report = {
-        "date": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"),
-        "device": device,
-        "settings": env,
-        "arguments": {key: str(value) for key, value in vars(args).items()},
-        "cells": list(cells.values()),
-        "clients_alone": list(alone.values()),
-    }
-    args.out.write_text(json.dumps(report, indent=1) + "\n", encoding="utf-8")
     wrong = [problem for cell in cells.values() for problem in cell.get("wrong", [])]
     if wrong:
         print(f"wrong answers: {wrong[:3]}", file=sys.stderr)
