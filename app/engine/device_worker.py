@@ -91,6 +91,9 @@ class _Job:
     """Called once, when the job stops waiting (started or dropped)."""
     batch_key: tuple[object, ...]
     """Jobs with equal keys can run as one batched launch (all of them with outputs given, or none)."""
+    stack: bool
+    """Whether the product is a stack (app/shapes.py): a launch of its own, never merged with other jobs. Kept
+    apart from the operands, which a dropped job lets go."""
     enqueued_at: float
     state: _JobState = _JobState.QUEUED
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -246,6 +249,7 @@ class DeviceWorker:
             future=loop.create_future(),
             left_queue=self._left_queue,
             batch_key=(a.shape, b.shape, dtype, plan.kernel, label, plan.precision, *_where(a, b, out)),
+            stack=a.ndim > 2 or b.ndim > 2,
             enqueued_at=perf_counter(),
         )
         self._queue.put(job)
@@ -333,9 +337,7 @@ class DeviceWorker:
         while the device is busy: the batch takes what is queued), up to the batch size; other jobs pulled
         meanwhile are held, in order, for the next rounds. A stack is a launch of its own: it is never merged."""
         policy = self.batching
-        pair = first.pair  # read once: the event loop may drop the job meanwhile
-        stack = pair is not None and any(operand.ndim > 2 for operand in pair)
-        if policy is None or policy.max_size == 1 or stack or not self.backend.batchable(first.plan):
+        if policy is None or policy.max_size == 1 or first.stack or not self.backend.batchable(first.plan):
             return [first]
         batch = [first]
         deadline = perf_counter() + (policy.max_delay_s if device_idle else 0.0)

@@ -150,6 +150,32 @@ async def test_a_stack_is_a_launch_of_its_own_never_merged_with_other_requests()
         assert_close_to_reference(outcome.c, a, b, F64)
 
 
+async def test_a_stack_dropped_from_the_queue_does_not_let_the_stacks_behind_it_merge() -> None:
+    """The first of three queued stacks of one shape is dropped (its client went away): the worker finds it
+    without its operands, yet knows it for a stack, and the two behind it run a launch each, each answered with its
+    own products."""
+    backend = SteeredBackend()
+    rng = np.random.default_rng(4)
+    stacks = [(rng.standard_normal((2, 3, 4)), rng.standard_normal((4, 5))) for _ in range(3)]
+    async with _engine(backend, BatchPolicy(max_size=8, max_delay_s=0.01)) as engine:
+        backend.gate.clear()
+        first = asyncio.create_task(multiply(engine, np.ones((1, 1)), np.ones((1, 1)), F64, "numpy"))
+        assert await asyncio.to_thread(backend.entered.acquire, True, GATE_TIMEOUT_S)
+        dropped = asyncio.create_task(multiply(engine, *stacks[0], F64, "numpy"))
+        await until(lambda: engine.queue_depth == 1)
+        kept = [asyncio.create_task(multiply(engine, a, b, F64, "numpy")) for a, b in stacks[1:]]
+        await until(lambda: engine.queue_depth == 3)
+        dropped.cancel()
+        await until(lambda: engine.queue_depth == 2)
+        backend.gate.set()
+        await asyncio.wait_for(first, GATE_TIMEOUT_S)
+        outcomes = await asyncio.wait_for(asyncio.gather(*kept), GATE_TIMEOUT_S)
+    assert [s.products for s in backend.submitted] == [1, 1, 1]
+    for (a, b), outcome in zip(stacks[1:], outcomes, strict=True):
+        assert outcome.batch_size == 2
+        assert_close_to_reference(outcome.c, a, b, F64)
+
+
 async def test_a_product_given_its_memory_is_computed_there_and_answered_with_that_memory() -> None:
     backend = SteeredBackend()
     rng = np.random.default_rng(2)
