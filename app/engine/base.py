@@ -117,11 +117,13 @@ class Plan:
         return minimum_global_elements(m, n, k) if self.config is None else self.config.global_elements(m, n, k)
 
 
-def ladder_plan(kernel: str, request: ProductRequest, library: str) -> Plan:
+def ladder_plan(kernel: str, request: ProductRequest, library: str, products_per_launch: int = 1) -> Plan:
     """The plan of `kernel`, a rung of the FMA ladder (kernels/registry.py), for `request`: its tile as named or as
     the registry picks for the shape (InvalidParameter for a tile it lacks), its grid within CUDA's limits
-    (ShapeMismatch; an emulation refuses what its kernel would), and fp32 only: the ladder computes with the FMA
-    units, and `library` runs the other precisions (InvalidParameter otherwise)."""
+    (ShapeMismatch; an emulation refuses what its kernel would) with `products_per_launch` along z (a stack's
+    products, where the backend launches them at once: the GPU's; the emulations go matrix by matrix), and fp32
+    only: the ladder computes with the FMA units, and `library` runs the other precisions (InvalidParameter
+    otherwise)."""
     if request.precision is not Precision.FP32:
         raise InvalidParameter(
             f"kernel '{kernel}' computes in fp32 only; precision {request.precision} runs on '{library}' (or auto)",
@@ -133,7 +135,7 @@ def ladder_plan(kernel: str, request: ProductRequest, library: str) -> Plan:
     except ValueError as exc:
         raise InvalidParameter(str(exc), location=["tile"]) from exc
     try:
-        config.grid(request.m, request.n, request.shape.products)
+        config.grid(request.m, request.n, products_per_launch)
     except ValueError as exc:
         raise ShapeMismatch(
             f"kernel '{kernel}' cannot cover this shape: {exc}; '{library}' can", location=["a"]

@@ -61,7 +61,7 @@ from kernels.binaries import KernelBinaries
 from kernels.catalogue import CUBLAS, DTYPES, RUNGS, TENSOR_CORE_PRECISIONS, Rung, rungs_on
 from kernels.cublas import INT8_K_MULTIPLE
 from kernels.cuda import Launcher, device_attributes
-from kernels.registry import KERNELS, LaunchConfig, cdiv
+from kernels.registry import KERNELS, MAX_GRID_Y, LaunchConfig, cdiv
 from numerics.precision import INT8_OPERAND, INT8_PRODUCT, Precision, operand_dtype
 from numerics.reference import Reference
 from numerics.roofline import DevicePeaks, gpu_peaks
@@ -316,7 +316,7 @@ class GpuBackend:
         stack = request.batch is not None
         if kernel == FAULT_TRAP and self._fault_injection:
             return Plan(kernel=FAULT_TRAP)
-        stackers = self._stack_rungs(dtype, precision) if stack else None
+        stackers = self._stack_rungs(dtype, precision, request.shape.products) if stack else None
         # the int8 kernels here that take any k (cuBLAS's takes multiples of 4; none of them takes stacks)
         any_k = [] if stack else [r.name for r in self._tensor_core_rungs() if r.computes(INT8_PRODUCT, Precision.INT8)]
         if kernel == AUTO:
@@ -340,7 +340,8 @@ class GpuBackend:
                 raise InvalidParameter(f"tile does not apply to kernel '{kernel}'", location=["tile"])
             if not rung.computes(dtype, precision):
                 raise InvalidParameter(self._not_computed_by(rung, dtype, precision), location=["precision"])
-            if dtype == INT8_PRODUCT and k % INT8_K_MULTIPLE and m and n:  # (no elements: no call, nothing to refuse)
+            # (no elements: no call, nothing to refuse)
+            if dtype == INT8_PRODUCT and k % INT8_K_MULTIPLE and m and n and request.shape.products:
                 if stack:
                     instead = "no kernel here computes int8 stacks of other k (zero columns of a and rows of b added "
                     "to reach a multiple leave the product as it is)"
@@ -353,11 +354,16 @@ class GpuBackend:
                     location=["kernel"],
                 )
             return Plan(kernel=kernel, precision=precision)
-        return ladder_plan(kernel, request, CUBLAS)
+        return ladder_plan(kernel, request, CUBLAS, request.shape.products)  # a stack: one launch, z its products
 
-    def _stack_rungs(self, dtype: str, precision: Precision) -> list[str]:
-        """The kernels here that compute a stack of `dtype` products in `precision`; InvalidParameter if none does."""
-        names = [r.name for r in rungs_on(self._compute_capability) if r.stacks and r.computes(dtype, precision)]
+    def _stack_rungs(self, dtype: str, precision: Precision, products: int) -> list[str]:
+        """The kernels here that compute a stack of `products` `dtype` products in `precision` (the FMA kernels take
+        at most CUDA's grid of MAX_GRID_Y along z); InvalidParameter if none does."""
+        names = [
+            r.name
+            for r in rungs_on(self._compute_capability)
+            if r.stacks and r.computes(dtype, precision) and (r.launcher != "fma" or products <= MAX_GRID_Y)
+        ]
         if not names:
             raise InvalidParameter(
                 f"no kernel on this device computes a stack of {dtype} products in precision {precision}; send its "

@@ -70,3 +70,11 @@ def test_the_cpu_backend_refuses_a_shape_its_kernels_grid_cannot_cover(name: str
     rows = MAX_GRID_Y * max(config.tile_m for config in KERNELS[name].configs) + 1
     with pytest.raises(ShapeMismatch, match=rf"^kernel '{name}' cannot cover this shape: config \S+: {rows} rows"):
         CpuBackend("tests").plan(ProductRequest(m=rows, n=1, k=1, kernel=name))
+
+
+@pytest.mark.parametrize("name", list(EMULATIONS))
+def test_the_cpu_backend_plans_a_stack_past_the_grid_s_z_limit(name: str) -> None:
+    """The emulations multiply a stack matrix by matrix, so no grid holds its products: a stack of more than the
+    GPU's MAX_GRID_Y products is planned (on the GPU the FMA kernels refuse it and cuBLAS takes it)."""
+    plan = CpuBackend("tests").plan(ProductRequest(m=1, n=1, k=1, kernel=name, batch=MAX_GRID_Y + 1))
+    assert plan.kernel == name

@@ -192,3 +192,10 @@ def test_a_plan_from_a_stack_request_carries_the_stack(backend: Any) -> None:
     assert isinstance(plan, Plan) and plan.kernel == "tiled"
     with pytest.raises(ShapeMismatch, match="over CUDA's 65535 blocks along z; 'cublas' can"):
         backend.plan(ProductRequest(8, 8, 8, kernel="tiled", batch=65_536))
+    assert backend.plan(ProductRequest(8, 8, 8, batch=65_536)).kernel == CUBLAS  # auto: among those that can
+
+
+def test_an_empty_int8_stack_is_planned_whatever_its_k(backend: Any) -> None:
+    """No products, no GEMM call: cuBLAS's rule on k does not apply (as for a matrix with no elements)."""
+    request = ProductRequest(64, 64, 63, INT8_PRODUCT, precision=Precision.INT8, batch=0)
+    assert backend.plan(request).kernel == CUBLAS
