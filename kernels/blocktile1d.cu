@@ -17,7 +17,8 @@
 
 template <typename T, int BM, int BN, int BK, int TM, bool VEC>
 __global__ void __launch_bounds__(BM * BN / TM)
-    matmul_blocktile1d(const T* __restrict__ A, const T* __restrict__ B, T* __restrict__ C, int M, int N, int K) {
+    matmul_blocktile1d(const T* __restrict__ A, const T* __restrict__ B, T* __restrict__ C, int M, int N, int K,
+                       size_t a_batch_stride, size_t b_batch_stride) {
     constexpr int NT = BM * BN / TM;
     constexpr int W = VEC ? 16 / sizeof(T) : 1;
     using Vec = Chunk<T, W>;
@@ -30,11 +31,7 @@ __global__ void __launch_bounds__(BM * BN / TM)
     const int tcol = tid % BN;  // consecutive lanes take consecutive columns: conflict-free reads of Bs
     const int trow = tid / BN;
 
-    // A batched launch runs gridDim.z products of one shape, stored back to back: blockIdx.z picks one. As
-    // rows: product z's A, B and C are rows z*M.., z*K.. and z*M.. of the stacked matrices; applying that in
-    // each address (not to A, B, C up front) keeps the parameters out of registers.
-    const size_t a_row0 = (size_t)blockIdx.z * M + m0;
-    const size_t b_row0 = (size_t)blockIdx.z * K;
+    SELECT_BATCH_PRODUCT(A, B, C, M, N, a_batch_stride, b_batch_stride);
 
     T acc[TM] = {};
     for (int k0 = 0; k0 < K; k0 += BK) {
@@ -42,7 +39,7 @@ __global__ void __launch_bounds__(BM * BN / TM)
             const int m = c / (BK / W);
             const int k = (c % (BK / W)) * W;
             Vec v = {};
-            if (m0 + m < M && k0 + k < K) v = *reinterpret_cast<const Vec*>(A + (a_row0 + m) * K + k0 + k);
+            if (m0 + m < M && k0 + k < K) v = *reinterpret_cast<const Vec*>(A + (size_t)(m0 + m) * K + k0 + k);
 #pragma unroll
             for (int j = 0; j < W; ++j) As[k + j][m] = v.v[j];
         }
@@ -50,7 +47,7 @@ __global__ void __launch_bounds__(BM * BN / TM)
             const int k = c / (BN / W);
             const int n = (c % (BN / W)) * W;
             Vec v = {};
-            if (k0 + k < K && n0 + n < N) v = *reinterpret_cast<const Vec*>(B + (b_row0 + k0 + k) * N + n0 + n);
+            if (k0 + k < K && n0 + n < N) v = *reinterpret_cast<const Vec*>(B + (size_t)(k0 + k) * N + n0 + n);
             *reinterpret_cast<Vec*>(&Bs[k][n]) = v;
         }
         __syncthreads();  // the tiles are complete before anyone reads them
@@ -66,6 +63,6 @@ __global__ void __launch_bounds__(BM * BN / TM)
 #pragma unroll
     for (int i = 0; i < TM; ++i) {
         const int row = m0 + trow * TM + i;
-        if (row < M && col < N) C[((size_t)blockIdx.z * M + row) * N + col] = acc[i];
+        if (row < M && col < N) C[(size_t)row * N + col] = acc[i];
     }
 }

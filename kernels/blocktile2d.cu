@@ -21,8 +21,9 @@
 
 template <typename T, int BM, int BN, int BK, int TM, int TN, bool VEC>
 __global__ void __launch_bounds__(BM * BN / (TM * TN))
-    matmul_blocktile2d(const T* __restrict__ A, const T* __restrict__ B, T* __restrict__ C, int M, int N, int K) {
-    SELECT_BATCH_PRODUCT(A, B, C, M, N, K);
+    matmul_blocktile2d(const T* __restrict__ A, const T* __restrict__ B, T* __restrict__ C, int M, int N, int K,
+                       size_t a_batch_stride, size_t b_batch_stride) {
+    SELECT_BATCH_PRODUCT(A, B, C, M, N, a_batch_stride, b_batch_stride);
     constexpr int NT = BM * BN / (TM * TN);
     constexpr int W = VEC ? 16 / sizeof(T) : 1;
     constexpr int R = 16 / sizeof(T);  // shared-memory reads are always 16 bytes: the tiles are aligned

@@ -19,8 +19,8 @@
 
 template <typename T>
 __global__ void matmul_coalesced(const T* __restrict__ A, const T* __restrict__ B, T* __restrict__ C,
-                                 int M, int N, int K) {
-    SELECT_BATCH_PRODUCT(A, B, C, M, N, K);
+                                 int M, int N, int K, size_t a_batch_stride, size_t b_batch_stride) {
+    SELECT_BATCH_PRODUCT(A, B, C, M, N, a_batch_stride, b_batch_stride);
     const int lane = threadIdx.x;
     const int row = blockIdx.y * blockDim.y + threadIdx.y;
     const int col = blockIdx.x * 32 + lane;

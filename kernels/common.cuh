@@ -11,15 +11,17 @@ struct alignas(sizeof(T) * W) Chunk {
     T v[W];
 };
 
-// A batched launch runs gridDim.z products of one shape, stored back to back: blockIdx.z picks one, and the
-// kernel's A, B and C move to its operands and its product. A macro, not a function: it puts the same statements
-// in each kernel as before, so each compiles to the same PTX; an inline function taking the pointers by reference
-// let NVRTC order the offset arithmetic differently in naive and coalesced.
-#define SELECT_BATCH_PRODUCT(A, B, C, M, N, K) \
-    do {                                        \
-        (A) += (size_t)blockIdx.z * (M) * (K);  \
-        (B) += (size_t)blockIdx.z * (K) * (N);  \
-        (C) += (size_t)blockIdx.z * (M) * (N);  \
+// A batched launch runs gridDim.z products of one shape: blockIdx.z picks one, and the kernel's A, B and C move to
+// its operands and its product. A_STRIDE and B_STRIDE are the elements from one product's operand to the next's:
+// M*K and K*N for a stack stored back to back, 0 for a matrix every product shares (numpy.matmul's broadcasting),
+// which is so read where it lies rather than copied into a stack. A macro, not a function: it puts the same
+// statements in each kernel, so each compiles alike; an inline function taking the pointers by reference let NVRTC
+// order the offset arithmetic differently in naive and coalesced.
+#define SELECT_BATCH_PRODUCT(A, B, C, M, N, A_STRIDE, B_STRIDE) \
+    do {                                                        \
+        (A) += (size_t)blockIdx.z * (A_STRIDE);                 \
+        (B) += (size_t)blockIdx.z * (B_STRIDE);                 \
+        (C) += (size_t)blockIdx.z * (M) * (N);                  \
     } while (0)
 
 #endif  // MATMUL_COMMON_CUH

@@ -9,6 +9,7 @@ from typing import Any
 
 import numpy as np
 
+from kernels.registry import batch_stride
 from numerics.precision import Precision
 
 CUBLAS_OP_N, CUBLAS_OP_T = 0, 1
@@ -49,12 +50,6 @@ def _device_conversion(name: str) -> Any:
     return _DEVICE_CONVERSIONS[name]
 
 
-def _stride(x: Any) -> int:
-    """Elements between the matrices of operand `x` in a strided-batched call: 0 for a matrix, or a stack of one,
-    which every product of the stack reads (numpy.matmul's broadcasting)."""
-    return x.shape[-2] * x.shape[-1] if x.ndim == 3 and x.shape[0] > 1 else 0
-
-
 def _gemm(b_op: int, x: Any, y: Any, kind: int, c: Any, c_kind: int, compute: int, beta: np.ndarray) -> None:
     """c = x @ y (row-major CuPy arrays: matrices, or stacks of them, c's leading dimension the batch) as one
     strided-batched GemmEx on the current stream: row-major C = X @ Y is column-major C^T = Y^T @ X^T. `y` is Y
@@ -67,7 +62,7 @@ def _gemm(b_op: int, x: Any, y: Any, kind: int, c: Any, c_kind: int, compute: in
     one = np.ones(1, beta.dtype)
     cublas.gemmStridedBatchedEx(
         cp.cuda.device.get_cublas_handle(), b_op, CUBLAS_OP_N, n, m, k,
-        one.ctypes.data, y.data.ptr, kind, y.shape[-1], _stride(y), x.data.ptr, kind, k, _stride(x),
+        one.ctypes.data, y.data.ptr, kind, y.shape[-1], batch_stride(y), x.data.ptr, kind, k, batch_stride(x),
         beta.ctypes.data, c.data.ptr, c_kind, n, m * n, c.shape[0] if c.ndim == 3 else 1, compute, CUBLAS_GEMM_DEFAULT,
     )  # fmt: skip
 

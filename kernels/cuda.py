@@ -20,7 +20,15 @@ from kernels import tensorcore, tma
 from kernels.binaries import COMPILE_OPTIONS, Binary, KernelBinaries, Program, nvrtc_compile
 from kernels.catalogue import RUNGS, Rung, rungs_on
 from kernels.cublas import cublas_product
-from kernels.registry import KERNELS, STATIC_SMEM_LIMIT, KernelSpec, LaunchConfig, cdiv, read_kernel_source
+from kernels.registry import (
+    KERNELS,
+    STATIC_SMEM_LIMIT,
+    KernelSpec,
+    LaunchConfig,
+    batch_stride,
+    cdiv,
+    read_kernel_source,
+)
 from numerics.precision import INT8_MAX_K, Precision, int8_fits, operand_dtype
 
 DEVICE_ATTRIBUTES = MappingProxyType(
@@ -197,16 +205,6 @@ def _loaded(binaries: Sequence[Binary]) -> dict[str, Any]:
     return functions
 
 
-def _as_stack(x: Any, batch: int) -> Any:
-    """Operand `x` as `batch` matrices back to back: itself when it is such a stack, else its one matrix repeated
-    (a copy on the device, on the current stream)."""
-    import cupy
-
-    if x.ndim == 3 and x.shape[0] == batch:
-        return x
-    return cupy.ascontiguousarray(cupy.broadcast_to(x, (batch, *x.shape[-2:])))
-
-
 class KernelLibrary:
     """The FMA ladder's kernels (kernels/registry.py), every instance in both dtypes, loaded on the current CuPy
     device, of `compute_capability`."""
@@ -241,11 +239,8 @@ class KernelLibrary:
     def launch(self, spec: KernelSpec, config: LaunchConfig, a: Any, b: Any, c: Any) -> None:
         """c = a @ b on the current stream: 2-D C-contiguous CuPy arrays of one dtype, or, for kernels that are
         `batched`, a stack c of a batch of products of one shape (one launch, gridDim.z = batch), from stacks of as
-        many matrices or a matrix (or stack of one) broadcast, which is copied into a stack first: the kernels find
-        product z's operands z matrices in. `Launcher.launch` gives stacks only to kernels that are `batched`."""
-        batch = c.shape[0] if c.ndim == 3 else 1
-        if c.ndim == 3:
-            a, b = _as_stack(a, batch), _as_stack(b, batch)
+        many matrices or a matrix (or stack of one) that every product reads where it lies (a batch stride of 0).
+        `Launcher.launch` gives stacks only to kernels that are `batched`."""
         (m, k), n = a.shape[-2:], b.shape[-1]
         if not config.accepts(n, k):
             raise ValueError(
@@ -253,10 +248,12 @@ class KernelLibrary:
                 f"{config.n_multiple}; got k={k}, n={n}"
             )
         function = self._functions[(spec.name, a.dtype.name, config.label)]
+        shape_args = (np.int32(m), np.int32(n), np.int32(k))
+        strides = (np.uint64(batch_stride(a)), np.uint64(batch_stride(b))) if spec.batched else ()
         function(
-            config.grid(m, n, batch),
+            config.grid(m, n, c.shape[0] if c.ndim == 3 else 1),
             config.block(),
-            (a, b, c, np.int32(m), np.int32(n), np.int32(k)),
+            (a, b, c, *shape_args, *strides),
             shared_mem=config.smem_bytes(a.dtype.itemsize),
         )
 

@@ -11,8 +11,8 @@
 
 template <typename T>
 __global__ void matmul_naive(const T* __restrict__ A, const T* __restrict__ B, T* __restrict__ C,
-                             int M, int N, int K) {
-    SELECT_BATCH_PRODUCT(A, B, C, M, N, K);
+                             int M, int N, int K, size_t a_batch_stride, size_t b_batch_stride) {
+    SELECT_BATCH_PRODUCT(A, B, C, M, N, a_batch_stride, b_batch_stride);
     const int row = blockIdx.y * blockDim.y + threadIdx.y;
     const int col = blockIdx.x * blockDim.x + threadIdx.x;
     if (row >= M || col >= N) return;  // safe: this kernel has no barrier

@@ -18,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
-from typing import TypedDict, Unpack
+from typing import Any, TypedDict, Unpack
 
 KERNEL_DIR = Path(__file__).resolve().parent
 LOCAL_INCLUDE = re.compile(r'^#include "(?P<header>[\w.]+\.cuh)"$', re.MULTILINE)
@@ -46,6 +46,12 @@ def read_kernel_source(source: str) -> str:
 
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
+
+
+def batch_stride(x: Any) -> int:
+    """Elements from one matrix of operand `x` to the next in a batched launch: 0 for a matrix, or a stack of one,
+    which every product of the stack reads where it lies (numpy.matmul's broadcasting)."""
+    return x.shape[-2] * x.shape[-1] if x.ndim == 3 and x.shape[0] > 1 else 0
 
 
 @dataclass(frozen=True)

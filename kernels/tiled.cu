@@ -20,8 +20,8 @@
 
 template <typename T, int TILE>
 __global__ void matmul_tiled(const T* __restrict__ A, const T* __restrict__ B, T* __restrict__ C,
-                             int M, int N, int K) {
-    SELECT_BATCH_PRODUCT(A, B, C, M, N, K);
+                             int M, int N, int K, size_t a_batch_stride, size_t b_batch_stride) {
+    SELECT_BATCH_PRODUCT(A, B, C, M, N, a_batch_stride, b_batch_stride);
     __shared__ T As[TILE][TILE];
     __shared__ T Bs[TILE][TILE];
 

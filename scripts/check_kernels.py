@@ -64,11 +64,13 @@ def check_nvrtc(spec: KernelSpec, arch: str = "compute_90") -> None:
 def instantiation_unit(spec: KernelSpec) -> str:
     """A translation unit that includes the kernel source and explicitly instantiates every name expression."""
     lines = [f'#include "{spec.path}"']
+    batch_strides = ", size_t, size_t" if spec.batched else ""  # a batched kernel's operands' batch strides
     for dtype, ctype in CTYPES.items():
         for config in spec.configs:
             expression = spec.name_expression(dtype, config)
             lines.append(
-                f"template __global__ void {expression}(const {ctype}*, const {ctype}*, {ctype}*, int, int, int);"
+                f"template __global__ void {expression}(const {ctype}*, const {ctype}*, {ctype}*, int, int, int"
+                f"{batch_strides});"
             )
     return "\n".join(lines) + "\n"
 

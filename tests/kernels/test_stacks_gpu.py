@@ -105,6 +105,24 @@ def test_an_fma_kernel_that_batches_computes_a_stack_in_one_launch(
     assert_close_to_reference(c, a, b, dtype)
 
 
+@pytest.mark.parametrize("kernel", [CUBLAS, *(spec.name for spec in KERNELS.values() if spec.batched)])
+def test_a_broadcast_matrix_is_read_where_it_lies_not_copied_into_a_stack(launcher: Any, kernel: str) -> None:
+    """A matrix shared by a stack of 4,096 products costs no device memory of its own: the launch allocates nothing
+    (a copy into a stack would take 4,096 times the matrix), and every product is still its own."""
+    import cupy as cp
+
+    batch, m, k, n = 4096, 1, 64, 64
+    a, b = stack_operands((batch,), (), m, k, n, "float32", seed=11)
+    a_dev, b_dev = cp.asarray(a), cp.asarray(b)
+    c_dev = cp.full((batch, m, n), np.nan, dtype=np.float32)
+    pool = cp.get_default_memory_pool()
+    cp.cuda.Device().synchronize()
+    held = pool.total_bytes()
+    launcher.launch(kernel, a_dev, b_dev, c_dev)
+    assert pool.total_bytes() == held
+    assert_close_to_reference(cp.asnumpy(c_dev), a, b, "float32")
+
+
 @pytest.mark.parametrize("kernel", [name for name, rung in RUNGS.items() if not rung.stacks])
 def test_the_launcher_refuses_a_stack_to_a_rung_that_computes_one_product_a_launch(launcher: Any, kernel: str) -> None:
     import cupy as cp
