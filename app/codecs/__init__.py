@@ -33,6 +33,7 @@ __all__ = [
     "RequestOptions",
     "decodable_media_type",
     "decode",
+    "decode_by_headers",
     "decode_infer",
     "encode",
     "encode_json_envelope",
@@ -92,6 +93,16 @@ def decode(content_type: str, body: Body, limits: Limits, max_member_bytes: int)
             return json.decode_json(whole, limits)
     with _client_bytes(_BODIES[media_type], npz.decode_npz):
         return npz.decode_npz(whole, limits, max_member_bytes)
+
+
+def decode_by_headers(content_type: str, body: Body, limits: Limits) -> Operands | None:
+    """`decode`'s Operands where it finds them by reading headers alone, whatever the body's size (a multipart body
+    of `.npy` file parts, read by the lengths their headers declare): so cheap that it runs on the event loop. None
+    for any other body, which `decode` reads."""
+    if decodable_media_type(content_type) != MULTIPART_MEDIA_TYPE:
+        return None
+    with _client_bytes(_BODIES[MULTIPART_MEDIA_TYPE], multipart.decode_by_length):
+        return multipart.decode_by_length(body, content_type, limits)
 
 
 def decode_infer(body: Body, header_length: str | None, limits: Limits) -> InferRequest:

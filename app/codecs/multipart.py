@@ -107,12 +107,21 @@ def parse_file_parts(body: bytes, content_type: str) -> dict[str, bytes | memory
 def decode_multipart(body: Body, content_type: str, limits: Limits) -> Operands:
     """A multipart/form-data body with the .npy file parts 'a' and 'b' -> Operands: views of `body` where it is
     made of .npy parts alone, else of a copy of it python-multipart parses (bytes, when `body` is not)."""
+    operands = decode_by_length(body, content_type, limits)
+    if operands is not None:
+        return operands
+    parts = parse_file_parts(body if isinstance(body, bytes) else bytes(body), content_type)
+    return decode_parts(parts, limits, container="multipart body")
+
+
+def decode_by_length(body: Body, content_type: str, limits: Limits) -> Operands | None:
+    """The Operands of a body made only of .npy file parts, read by the lengths their headers declare: views of
+    `body`, found by reading headers alone, in microseconds whatever the body's size; None for any other body (which
+    `decode_multipart` gives to python-multipart)."""
     _, options = parse_options_header(content_type)
     boundary = options.get(b"boundary", b"")
     parts = _npy_parts_by_length(memoryview(body), boundary, limits) if 0 < len(boundary) <= MAX_BOUNDARY else None
-    if parts is None:
-        parts = parse_file_parts(body if isinstance(body, bytes) else bytes(body), content_type)
-    return decode_parts(parts, limits, container="multipart body")
+    return None if parts is None else decode_parts(parts, limits, container="multipart body")
 
 
 def _npy_parts_by_length(body: memoryview, boundary: bytes, limits: Limits) -> dict[str, bytes | memoryview] | None:

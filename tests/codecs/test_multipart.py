@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from app.codecs import multipart
-from app.codecs.multipart import decode_multipart, parse_file_parts
+from app.codecs.multipart import decode_by_length, decode_multipart, parse_file_parts
 from app.codecs.npy import decode_parts
 from app.codecs.operands import Limits, Operands, RequestOptions, check_dtype
 from app.errors import InvalidMatrix, InvalidParameter, MalformedPayload, MatmulError
@@ -233,7 +233,8 @@ def test_npy_parts_are_read_by_length_as_views_of_the_body(
     body, content_type, a, b = npy_pair()
     read = kind(body + b"an epilogue")
     operands = decode_multipart(read, content_type, LIMITS)
-    assert searched == []
+    by_length = decode_by_length(read, content_type, LIMITS)
+    assert searched == [] and by_length is not None and np.shares_memory(by_length.a, operands.a)
     np.testing.assert_array_equal(operands.a, a)
     np.testing.assert_array_equal(operands.b, b)
     assert operands.a.base is not None and not operands.a.flags.owndata
@@ -304,6 +305,7 @@ def test_any_other_body_goes_to_the_search_and_gets_its_answer(
     body, content_type, _, _ = npy_pair()
     changed = change(body)
     expected = _outcome(lambda: decode_parts(parse_file_parts(changed, content_type), LIMITS, "multipart body"))
+    assert decode_by_length(changed, content_type, LIMITS) is None
     assert _outcome(lambda: decode_multipart(changed, content_type, LIMITS)) == expected
     assert searched == [changed]
 
