@@ -25,9 +25,12 @@ Before the server, every cell runs against a stand-in that answers at once with 
 (matmul_tools.standin; `--no-clients-alone` skips it): a server cell at CLIENT_BOUND of its clients' own rate or
 above measured its clients, not the service; it is marked, and the run exits 2 once every cell has run.
 
-Prints a Markdown table; writes `--out` (JSON, again after every cell, so that a run cut short keeps its figures)
-and the server's log beside it. The default grid, 2 sizes x 3 stack sizes less 256 x 10,000 (over the element
-limit), 4 clients, stand-in and service, is 40 cells: about 6 minutes with the service's start on an H200 host.
+Prints a Markdown table, then the mean of each Server-Timing stage of every raw product cell (where the server's
+time went: read, decode, stage, handoff, queue, h2d, kernel, d2h, encode); writes `--out` (JSON, again after every
+cell, so that a run cut short keeps its figures) and the server's log beside it. The default grid, 2 sizes x 3 stack
+sizes less 256 x 10,000 (over the element limit), 4 clients, stand-in and service, is 40 cells: over 7 minutes on an
+H200 host with `--duration 4 --warmup 1.5` (the 10,000 stacks' requests are built in every client process, and each
+is checked once); where a command has 10 minutes, run `--sizes 64` and `--sizes 256` apart.
 
     python scripts/bench_stacks.py --backend gpu
     python scripts/bench_stacks.py --backend cpu --sizes 64 --stacks 1,100 --duration 1 --warmup 0.5 \\
@@ -53,9 +56,9 @@ from urllib.parse import urlsplit
 import httpx
 import numpy as np
 
-from matmul_client.client import MatmulClient, MatmulServiceError
+from matmul_client.client import MatmulClient, MatmulServiceError, parse_server_timing
 from matmul_tools.bodies import load_npy
-from matmul_tools.raw_load import LoadPool, npy_matmul_body, post_request, read_whole_answer, v2_infer_request
+from matmul_tools.raw_load import Answer, LoadPool, npy_matmul_body, post_request, read_whole_answer, v2_infer_request
 from matmul_tools.service import LocalService, free_port, service_command
 from matmul_tools.standin import standing_in
 from numerics.reference import Reference
@@ -176,15 +179,23 @@ def client_cell(
     return {"answers_per_s": found["ok"] / args.duration, "errors": found["errors"], "wrong": found["wrong"]}
 
 
+def server_stages(answer: Answer) -> dict[str, float]:
+    """The milliseconds of each stage the server reports in an answer's Server-Timing (read, decode, ..., total)."""
+    return parse_server_timing((answer.header(b"server-timing") or b"").decode("latin1"))
+
+
 def raw_cell(pool: LoadPool, url: str, name: str, connections: int, args: argparse.Namespace) -> dict[str, Any]:
+    """A raw cell's answers/s and payload rate, and the mean of each Server-Timing stage over its answers (none from
+    the echo, which reports no stages, or from the stand-in's own)."""
     port = int(url.rsplit(":", 1)[1])
     pool.run(port, name, connections, args.warmup)
-    tally, elapsed = pool.run(port, name, connections, args.duration)
+    tally, elapsed = pool.run(port, name, connections, args.duration, server_stages)
     errors = {str(status): count for status, count in tally.answers.items() if status != 200}
     return {
         "answers_per_s": tally.ok / elapsed,
         "errors": errors,
         "payload_gb_per_s": tally.moved_bytes / elapsed / 1e9,
+        "server_timing_ms": {stage: tally.mean(stage) for stage in tally.figures},
     }
 
 
@@ -247,6 +258,20 @@ def print_table(cells: dict[str, dict[str, Any]]) -> None:
         )
 
 
+def print_stages(cells: dict[str, dict[str, Any]]) -> None:
+    """Where each raw product cell's time went in the server: the mean of each Server-Timing stage, in ms."""
+    timed = [cell for cell in cells.values() if len(cell.get("server_timing_ms", {})) > 1]
+    if not timed:
+        return
+    stages = list(timed[0]["server_timing_ms"])
+    print("\nServer-Timing, mean ms a request:")
+    print("| n | B | client | connections | " + " | ".join(stages) + " |")
+    print("| --- " * (4 + len(stages)) + "|")
+    for cell in timed:
+        said = " | ".join(_figure(cell["server_timing_ms"].get(stage)) for stage in stages)
+        print(f"| {cell['n']} | {cell['batch']} | {cell['kind']} | {cell['connections']} | {said} |")
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--backend", choices=("auto", "cpu", "gpu"), default="auto")
@@ -255,8 +280,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--clients", default=",".join(CLIENTS), help=f"of {', '.join(CLIENTS)}")
     parser.add_argument(
         "--connections",
-        default="1:64,1000:16,10000:8",
-        help="connections of each stack size's cells, B:connections (default 1:64,1000:16,10000:8)",
+        default="1:64,1000:32,10000:16",
+        help="connections of each stack size's cells, B:connections (default 1:64,1000:32,10000:16)",
     )
     parser.add_argument(
         "--max-elements",
@@ -330,6 +355,7 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             service.stop()
     print_table(cells)
+    print_stages(cells)
     wrong = [problem for cell in cells.values() for problem in cell.get("wrong", [])]
     if wrong:
         print(f"wrong answers: {wrong[:3]}", file=sys.stderr)
