@@ -7,8 +7,10 @@ import io
 
 import numpy as np
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
-from app.codecs.npy import NPY_MAX_HEADER, decode_npy, encode_npy
+from app.codecs.npy import NPY_MAX_HEADER, _fields_as_numpy_writes, _NpyHeaderText, decode_npy, encode_npy
 from app.codecs.operands import Limits
 from app.errors import MatmulError
 from matmul_client.wire import npy_parts
@@ -188,3 +190,61 @@ def test_encoding_writes_a_c_ordered_npy_numpy_reads() -> None:
     np.testing.assert_array_equal(decode_npy(encode_npy(array), "c", LIMITS), array)
     empty_head, empty = npy_parts(np.zeros((0, 3), np.float32))
     assert bytes(empty) == b"" and b"(0, 3)" in empty_head
+
+
+def _numpy_header_text(descr: str, fortran_order: bool, shape: tuple[int, ...], padding: int) -> str:
+    """A header as numpy.lib.format writes it: the keys sorted, each value's repr, a trailing ', ', spaces and a
+    newline."""
+    fields = {"descr": descr, "fortran_order": fortran_order, "shape": shape}
+    return "{" + "".join(f"'{key}': {value!r}, " for key, value in fields.items()) + "}" + " " * padding + "\n"
+
+
+def _read_by_grammar(text: str) -> dict[str, object] | None:
+    try:
+        return _NpyHeaderText(text, "a").parse()
+    except MatmulError:
+        return None
+
+
+header_fields = st.tuples(
+    st.sampled_from(["<f4", ">f8", "|u1", "<i8", "<f2", "|b1", "<M8[us]", "x", ""]),
+    st.booleans(),
+    st.lists(st.integers(0, 10**20 - 1), max_size=4).map(tuple),
+    st.integers(0, 70),
+)
+
+
+@given(header_fields)
+def test_a_header_as_numpy_writes_it_is_read_as_the_grammar_reads_it(
+    fields: tuple[str, bool, tuple[int, ...], int],
+) -> None:
+    text = _numpy_header_text(*fields)
+    assert _fields_as_numpy_writes(text) == _NpyHeaderText(text, "a").parse()
+
+
+@given(header_fields, st.data())
+def test_any_other_header_is_left_to_the_grammar(
+    fields: tuple[str, bool, tuple[int, ...], int], data: st.DataObject
+) -> None:
+    """A header changed in one place: where the quick reading takes it, the grammar reads the same fields from it."""
+    text = _numpy_header_text(*fields)
+    at = data.draw(st.integers(0, len(text)))
+    changed = (
+        text[:at] + data.draw(st.sampled_from(["", " ", ",", "(", ")", "'", '"', "-", "1", "\t", "}"])) + text[at + 1 :]
+    )
+    quick = _fields_as_numpy_writes(changed)
+    assert quick is None or quick == _read_by_grammar(changed)
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "{'shape': (2, 3), 'fortran_order': True, 'descr': '>f8'}",
+        '{"descr": "<i2", "fortran_order": False, "shape": (2, 3,)}  \t\r\n',
+        "{'descr':'|u1','fortran_order':False,'shape':(2,3)}",
+        "{'descr': '<f4', 'fortran_order': False, 'shape': (2), }",
+        "{'descr': '<f4', 'fortran_order': False, 'shape': (2, 3,), }",
+    ],
+)
+def test_headers_numpy_does_not_write_are_read_by_the_grammar_alone(text: str) -> None:
+    assert _fields_as_numpy_writes(text) is None
