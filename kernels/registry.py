@@ -120,7 +120,8 @@ class KernelSpec:
     """Tile widths a request may choose with `tile=`; the config labelled str(tile) serves each."""
     default_tile: int | None = None
     batched: bool = True
-    """Whether one launch may run several products of one shape (gridDim.z of them, stored back to back)."""
+    """Whether one launch may run several products of one shape (gridDim.z of them; each operand a stack, or a
+    matrix they all read: batch strides, common.cuh)."""
     choose: Callable[[int, int, int], str] | None = field(default=None, compare=False)
     """Label of the config to run for an (m, n, k) when the request names no tile; None: the first config."""
 

@@ -30,7 +30,7 @@ time went: read, decode, stage, handoff, queue, h2d, kernel, d2h, encode); write
 cell, so that a run cut short keeps its figures) and the server's log beside it. The default grid, 2 sizes x 3 stack
 sizes less 256 x 10,000 (over the element limit), 4 clients, stand-in and service, is 40 cells: over 7 minutes on an
 H200 host with `--duration 4 --warmup 1.5` (the 10,000 stacks' requests are built in every client process, and each
-is checked once); where a command has 10 minutes, run `--sizes 64` and `--sizes 256` apart.
+is checked once); `--sizes 64` and `--sizes 256` run apart take about half each.
 
     python scripts/bench_stacks.py --backend gpu
     python scripts/bench_stacks.py --backend cpu --sizes 64 --stacks 1,100 --duration 1 --warmup 0.5 \\
@@ -181,7 +181,7 @@ def client_cell(
 
 def server_stages(answer: Answer) -> dict[str, float]:
     """The milliseconds of each stage the server reports in an answer's Server-Timing (read, decode, ..., total)."""
-    return parse_server_timing((answer.header(b"server-timing") or b"").decode("latin1"))
+    return parse_server_timing((answer.header(b"server-timing") or b"").decode("latin-1"))
 
 
 def raw_cell(pool: LoadPool, url: str, name: str, connections: int, args: argparse.Namespace) -> dict[str, Any]:
@@ -260,6 +260,7 @@ def print_table(cells: dict[str, dict[str, Any]]) -> None:
 
 def print_stages(cells: dict[str, dict[str, Any]]) -> None:
     """Where each raw product cell's time went in the server: the mean of each Server-Timing stage, in ms."""
+    # the product routes report every stage; the stand-in only its total, the echo nothing
     timed = [cell for cell in cells.values() if len(cell.get("server_timing_ms", {})) > 1]
     if not timed:
         return

@@ -1,10 +1,10 @@
 """Bytes <-> matrices: JSON, multipart `.npy` parts and `.npz` in, JSON and `.npy` out, and the inference
 protocol's tensors both ways. Nothing here knows HTTP or which device runs the product.
 
-`decode` and `decode_infer` are the one place where a decoder's failure becomes the client's: the decoders raise
-an `InvalidInput` that names what was wrong and where, and anything else they raise (a parser's failure mode
-nobody foresaw) is still the client's malformed body, a `MalformedPayload` naming the exception, never an internal
-error. Such an exception is logged once with its traceback, to be given a message of its own.
+`decode`, `decode_by_headers` and `decode_infer` are the one place where a decoder's failure becomes the client's:
+the decoders raise an `InvalidInput` that names what was wrong and where, and anything else they raise (a parser's
+failure mode nobody foresaw) is still the client's malformed body, a `MalformedPayload` naming the exception, never
+an internal error. Such an exception is logged once with its traceback, to be given a message of its own.
 """
 
 from __future__ import annotations
@@ -97,8 +97,8 @@ def decode(content_type: str, body: Body, limits: Limits, max_member_bytes: int)
 
 def decode_by_headers(content_type: str, body: Body, limits: Limits) -> Operands | None:
     """`decode`'s Operands where it finds them by reading headers alone, whatever the body's size (a multipart body
-    of `.npy` file parts, read by the lengths their headers declare): so cheap that it runs on the event loop. None
-    for any other body, which `decode` reads."""
+    of `.npy` file parts, read by the lengths their headers declare): well under a millisecond, so it runs on the
+    event loop. None for any other body, which `decode` reads."""
     if decodable_media_type(content_type) != MULTIPART_MEDIA_TYPE:
         return None
     with _client_bytes(_BODIES[MULTIPART_MEDIA_TYPE], multipart.decode_by_length):

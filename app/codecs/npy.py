@@ -223,7 +223,12 @@ def decode_npy(data: bytes | memoryview | bytearray, name: str, limits: Limits) 
     header = read_npy_header(buffer, name, limits)
     if len(buffer) != header.file_bytes:
         raise data_size_error(header, name, present=len(buffer) - header.offset)
-    flat = np.frombuffer(buffer, dtype=header.dtype, count=math.prod(header.shape), offset=header.offset)
+    return array_of(header, buffer)
+
+
+def array_of(header: _NpyHeader, file: memoryview) -> np.ndarray:
+    """The data of the `.npy` file `file` (the whole file, header.file_bytes long) as a view of it, by its header."""
+    flat = np.frombuffer(file, dtype=header.dtype, count=math.prod(header.shape), offset=header.offset)
     return flat.reshape(header.shape, order="F" if header.fortran_order else "C")
 
 

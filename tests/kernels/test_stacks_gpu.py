@@ -117,6 +117,7 @@ def test_a_broadcast_matrix_is_read_where_it_lies_not_copied_into_a_stack(launch
     c_dev = cp.full((batch, m, n), np.nan, dtype=np.float32)
     pool = cp.get_default_memory_pool()
     cp.cuda.Device().synchronize()
+    pool.free_all_blocks()  # so that a copy could not reuse a block freed by an earlier test unseen
     held = pool.total_bytes()
     launcher.launch(kernel, a_dev, b_dev, c_dev)
     assert pool.total_bytes() == held
