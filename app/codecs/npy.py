@@ -53,8 +53,9 @@ _NPY_AS_NUMPY_WRITES = re.compile(
     rf"'shape': \((?P<shape>|{_NPY_INT},|{_NPY_INT}(?:, {_NPY_INT})+)\), \}}[ \t\r\n]*"
 )
 """A header exactly as NumPy writes one (`numpy.lib.format`): its keys in that order, its spacing and its padding.
-Every text it matches the grammar below reads to the same fields, in a tenth of the time (a hand-written parse per
-header, four per multipart request, was 15% of a small product's route); any other text goes to the grammar."""
+Every text it matches the grammar below reads to the same fields, in a seventh of the time (2.5 against 19 us; the
+grammar's parse of four headers a multipart request was 15% of a small product's route); any other text goes to
+the grammar."""
 _NPY_DESCR = re.compile(r"[<>|=]?[biufcmMOSUV][0-9]{0,5}(?:\[[A-Za-z0-9]{1,4}\])?")
 """A dtype string as `dtype.str` writes it: byte order, kind, item size, and a datetime unit."""
 
