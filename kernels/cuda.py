@@ -168,7 +168,11 @@ def tensor_core_instances(compute_capability: tuple[int, int]) -> dict[str, Mapp
     if compute_capability != tensorcore.COMPUTE_CAPABILITY:
         return {tensorcore.MMA_SYNC_SOURCE: tensorcore.MMA_SYNC_PORTABLE_CONFIGS}
     return {
-        tensorcore.WGMMA_SOURCE: {**tensorcore.WGMMA_CONFIGS, Precision.INT8: tensorcore.WGMMA_INT8},
+        tensorcore.WGMMA_SOURCE: {
+            **tensorcore.WGMMA_CONFIGS,
+            Precision.INT8: tensorcore.WGMMA_INT8,
+            tensorcore.WGMMA_INT8_PINGPONG: tensorcore.WGMMA_INT8_PINGPONG,
+        },
         tensorcore.DMMA_SOURCE: tensorcore.DMMA_CONFIGS,
         tensorcore.MMA_SYNC_SOURCE: tensorcore.MMA_SYNC_CONFIGS,
     }
@@ -293,16 +297,22 @@ class TensorCoreLibrary:
         binaries = binaries or KernelBinaries()
         loaded = _loaded(binaries.of(tensor_core_programs(compute_capability)))
 
-        def instances(source: str) -> dict[Any, Any]:
-            """Each instance of `source`, allowed the dynamic shared memory it asks for."""
-            configs = tensor_core_instances(compute_capability).get(source, {})
-            for config in configs.values():
-                loaded[config.expression()].max_dynamic_shared_size_bytes = config.smem_bytes()
-            return {key: loaded[config.expression()] for key, config in configs.items()}
+        def allowed(config: _Instance) -> Any:
+            """The loaded instance of `config`, allowed the dynamic shared memory it asks for."""
+            function = loaded[config.expression()]
+            function.max_dynamic_shared_size_bytes = config.smem_bytes()
+            return function
 
-        self._wgmma: dict[Precision, Any] = instances(tensorcore.WGMMA_SOURCE)
-        self._dmma: dict[bool, Any] = instances(tensorcore.DMMA_SOURCE)
-        self._mma_sync: dict[Precision, Any] = instances(tensorcore.MMA_SYNC_SOURCE)
+        sources = tensor_core_instances(compute_capability)
+        self._multiprocessors = int(cupy.cuda.Device().attributes["MultiProcessorCount"])
+        self._wgmma: dict[Any, Any] = {
+            config: allowed(config) for config in sources.get(tensorcore.WGMMA_SOURCE, {}).values()
+        }
+        """By config: the precisions' instances, int8's two."""
+        self._dmma: dict[bool, Any] = {key: allowed(c) for key, c in sources.get(tensorcore.DMMA_SOURCE, {}).items()}
+        self._mma_sync: dict[Precision, Any] = {
+            key: allowed(config) for key, config in sources.get(tensorcore.MMA_SYNC_SOURCE, {}).items()
+        }
         self._largest_magnitude = loaded[tensorcore.LARGEST_MAGNITUDE]
         self._conversions: dict[tuple[str, int], Any] = {}
         for expression in tensorcore.conversion_expressions(hopper):
@@ -365,26 +375,35 @@ class TensorCoreLibrary:
         # an error of one sign that grows with k, past the bound (numerics/precision.py) for operands of one sign.
         a_parts = self.converted(config, a, transposed=False)
         b_parts = self.converted(config, b, transposed=True)
-        self._launch_wgmma(self._wgmma[precision], config, a_parts, b_parts, c, a.shape[1])
+        self._launch_wgmma(config, a_parts, b_parts, c, a.shape[1])
 
-    def wgmma_int8(self, a: Any, b: Any, c: Any, *, b_transposed: bool = False) -> None:
-        """c = a @ b, exactly, on the current stream through kernels/wgmma.cu's int8 instance: a and b 2-D
-        C-contiguous CuPy int8 arrays (b given as B^T, N x K, when `b_transposed`), c int32. ValueError where k is so
-        long that a sum could pass int32's range."""
+    def wgmma_int8(
+        self,
+        a: Any,
+        b: Any,
+        c: Any,
+        *,
+        b_transposed: bool = False,
+        config: tensorcore.WgmmaConfig | tensorcore.PingPongConfig | None = None,
+    ) -> None:
+        """c = a @ b, exactly, on the current stream through kernels/wgmma.cu's int8 instance for k
+        (`tensorcore.wgmma_int8_config`), or `config`: a and b 2-D C-contiguous CuPy int8 arrays (b given as B^T,
+        N x K, when `b_transposed`), c int32. ValueError where k is so long that a sum could pass int32's range."""
         k = a.shape[1]
         _check_int8_sums_fit(k)
         if _nothing_to_multiply(c, k):
             return
-        config = tensorcore.WGMMA_INT8
+        config = config or tensorcore.wgmma_int8_config(k)
+        operands = tensorcore.WGMMA_INT8
 
         def k_major(x: Any) -> list[Any]:
             """x's rows as the kernel reads them: in place where they start on 16 bytes, else copied, padded."""
             if k % tensorcore.STRIDE_ALIGNMENT == 0 and x.data.ptr % tensorcore.STRIDE_ALIGNMENT == 0:
                 return [x]
-            return self.converted(config, x, transposed=False)
+            return self.converted(operands, x, transposed=False)
 
-        b_parts = k_major(b) if b_transposed else self.converted(config, b, transposed=True)
-        self._launch_wgmma(self._wgmma[Precision.INT8], config, k_major(a), b_parts, c, k)
+        b_parts = k_major(b) if b_transposed else self.converted(operands, b, transposed=True)
+        self._launch_wgmma(config, k_major(a), b_parts, c, k)
 
     def e4m3_operands(self, a: Any, b: Any) -> tuple[Any, Any, Any]:
         """A and B^T as kernels/wgmma.cu's FP8 instance reads them (uint8 e4m3 bits, K-major, rows padded to the
@@ -400,12 +419,11 @@ class TensorCoreLibrary:
         """c (M x N, float32) = A @ B on the current stream through kernels/wgmma.cu's FP8 instance, from
         `e4m3_operands` (A, M x k, and B^T, N x k) and the largest magnitudes their scales came from."""
         config = tensorcore.WGMMA_CONFIGS[Precision.FP8]
-        self._launch_wgmma(self._wgmma[Precision.FP8], config, [a_e4m3], [b_t_e4m3], c, k, amax)
+        self._launch_wgmma(config, [a_e4m3], [b_t_e4m3], c, k, amax)
 
     def _launch_wgmma(
         self,
-        function: Any,
-        config: tensorcore.WgmmaConfig,
+        config: tensorcore.WgmmaConfig | tensorcore.PingPongConfig,
         a_parts: list[Any],
         b_parts: list[Any],
         c: Any,
@@ -413,28 +431,33 @@ class TensorCoreLibrary:
         amax: Any = None,
     ) -> None:
         """Launch a wgmma instance on operands as it reads them: A's parts M x K and B^T's N x K, K-major (their
-        rows padded past k), into c, M x N; `amax` the largest magnitudes of A and B for FP8's scales."""
+        rows padded past k), into c, M x N; `amax` the largest magnitudes of A and B for FP8's scales (the ping-pong
+        kernel takes none)."""
         m, n = c.shape
+        operands = config.operands if isinstance(config, tensorcore.PingPongConfig) else config
 
         def matrix(part: Any, rows: int, box_rows: int) -> tma.Matrix2d:
             return tma.Matrix2d(
                 address=part.data.ptr,
-                element_bytes=config.element_bytes,
+                element_bytes=operands.element_bytes,
                 rows=rows,
                 columns=k,
-                row_bytes=part.shape[1] * config.element_bytes,
+                row_bytes=part.shape[1] * operands.element_bytes,
                 box_rows=box_rows,
-                box_columns=config.tile_k,
+                box_columns=operands.tile_k,
             )
 
-        maps = [tma.encode(matrix(part, m, tensorcore.BLOCK_M)) for part in a_parts]
-        maps += [tma.encode(matrix(part, n, config.block_n)) for part in b_parts]
+        if isinstance(config, tensorcore.PingPongConfig):
+            boxes, blocks = (config.tile_m, config.tile_n), min(config.tiles(m, n), self._multiprocessors)
+            arguments: tuple[Any, ...] = (np.int32(m), np.int32(n), np.int32(k))
+        else:
+            boxes, blocks = (tensorcore.BLOCK_M, config.block_n), config.blocks(m, n)
+            arguments = (np.int32(m), np.int32(n), np.int32(k), amax)
+        maps = [tma.encode(matrix(part, m, boxes[0])) for part in a_parts]
+        maps += [tma.encode(matrix(part, n, boxes[1])) for part in b_parts]
         device_maps = self._cp.asarray(np.frombuffer(b"".join(maps), np.uint8))
-        function(
-            (config.blocks(m, n), 1, 1),
-            (tensorcore.THREADS, 1, 1),
-            (device_maps, c, np.int32(m), np.int32(n), np.int32(k), amax),
-            shared_mem=config.smem_bytes(),
+        self._wgmma[config](
+            (blocks, 1, 1), (tensorcore.THREADS, 1, 1), (device_maps, c, *arguments), shared_mem=config.smem_bytes()
         )
 
     def mma_sync(self, a: Any, b: Any, c: Any, precision: Precision) -> None:

@@ -136,6 +136,47 @@ WGMMA_INT8 = WgmmaConfig(OperandKind.S8, 256, 4, False, Conversion.COPY_S8)
 bytes)."""
 
 
+@dataclass(frozen=True)
+class PingPongConfig:
+    """One instance of kernels/wgmma.cu's persistent ping-pong kernel: a block per SM, whose two consumer warpgroups
+    take whole tile_m x tile_n tiles of C in turns, one writing its sums while the other multiplies. It reads its
+    operands as `operands` converts them."""
+
+    operands: WgmmaConfig
+    tile_m: int
+    tile_n: int
+    stages: int
+
+    @property
+    def kind(self) -> OperandKind:
+        return self.operands.kind
+
+    def expression(self) -> str:
+        return f"matmul_wgmma_pingpong<{int(self.kind)}, {self.tile_m}, {self.tile_n}, {self.stages}>"
+
+    def smem_bytes(self) -> int:
+        """The tiles of every stage, a full and an empty mbarrier per stage, and the alignment slack."""
+        return self.stages * (self.tile_m + self.tile_n) * ROW_BYTES + 2 * self.stages * 8 + ALIGNMENT_SLACK
+
+    def tiles(self, m: int, n: int) -> int:
+        return cdiv(m, self.tile_m) * cdiv(n, self.tile_n)
+
+
+WGMMA_INT8_PINGPONG = PingPongConfig(WGMMA_INT8, 128, 128, 6)
+"""int8 in turns: 128 x 128 tiles (a consumer's 128 int32 sums a thread), six stages of 32 KiB."""
+PINGPONG_INT8_MAX_K = 6144
+"""int8 products up to this k run in turns (`WGMMA_INT8_PINGPONG`), longer ones one block per 128 x 256 tile
+(`WGMMA_INT8`). The epilogue that turns hide costs the same per tile whatever k is, while their narrower tiles copy
+a third more operand bytes per product at every k: so k alone sets the crossover. Measured on an H200, one run, m x n
+4096^2 to 16384^2 (docs/tensor-cores.md): turns ahead up to k = 6144 (0.91-0.99 of cuBLAS against 0.75-0.99), level
+at 8192 (within 0.013), behind at 16384 (0.92 against 1.02)."""
+
+
+def wgmma_int8_config(k: int) -> WgmmaConfig | PingPongConfig:
+    """The wgmma instance of an int8 product whose inner dimension is k."""
+    return WGMMA_INT8_PINGPONG if k <= PINGPONG_INT8_MAX_K else WGMMA_INT8
+
+
 def operand_config(precision: Precision) -> WgmmaConfig:
     """The wgmma instance whose operands' conversion (and layout) a product in `precision` reads: int8's copy, or
     the precision's rounding."""

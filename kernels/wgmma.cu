@@ -29,6 +29,10 @@
 // each tile's products are summed apart and added to the float32 total here, and the sum is scaled back by
 // 2^-(e_A + e_B) as it is stored (exact, but where it leaves float32's range).
 //
+// int8 up to k = 6144 runs on the second kernel of this file, `matmul_wgmma_pingpong`: a persistent grid whose two
+// consumers take whole tiles in turns, one writing its sums while the other multiplies (kernels/tensorcore.py says
+// where each is faster).
+//
 // SPLIT (3xTF32): each operand comes as a big and a small TF32 part, x = big + small. Per tile the consumers
 // compute big*big into one accumulator and big*small + small*big into another, and add the two at the end: the
 // small products' float32 sums do not round against the big ones' magnitude.
@@ -196,6 +200,34 @@ __device__ __forceinline__ void store_pair(int* out, int first, int second) {
     *reinterpret_cast<int2*>(out) = make_int2(first, second);
 }
 
+// Writes a warpgroup's 64 x BN sums into C (M x N, row-major), the tile's corner at (m0, n0), as far as C reaches.
+// The accumulator layout of a 64 x BN wgmma: warp w of the warpgroup holds rows 16w..16w+15; lane l holds, for each
+// 8 columns j, columns 8j + 2(l % 4) and the next, in rows l / 4 (registers 4j, 4j + 1) and l / 4 + 8 (registers
+// 4j + 2, 4j + 3).
+template <int BN, typename Sum>
+__device__ __forceinline__ void store_warpgroup_tile(Sum* __restrict__ C, const Sum (&d)[BN / 2], int m0, int n0, int M,
+                                                     int N) {
+    const int lane = threadIdx.x % 32, warp = (threadIdx.x % 128) / 32;
+    const int row0 = m0 + warp * 16 + lane / 4;
+    const int column0 = n0 + 2 * (lane % 4);
+    const bool pairs = (N % 2) == 0;  // rows of C start on 8 bytes: two sums per store
+#pragma unroll
+    for (int j = 0; j < BN / 8; ++j) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const int row = row0 + 8 * h, column = column0 + 8 * j;
+            if (row >= M || column >= N) continue;
+            Sum* out = C + static_cast<size_t>(row) * N + column;
+            if (pairs && column + 1 < N) {
+                store_pair(out, d[4 * j + 2 * h], d[4 * j + 2 * h + 1]);
+            } else {
+                out[0] = d[4 * j + 2 * h];
+                if (column + 1 < N) out[1] = d[4 * j + 2 * h + 1];
+            }
+        }
+    }
+}
+
 // ------------------------------------------------------------------------------------------------ the kernel
 
 // maps: the TMA tensor maps in global memory, 128 bytes each: A and B^T, or (SPLIT) A's big and small parts and
@@ -317,40 +349,138 @@ __global__ void __launch_bounds__(THREADS, 1) matmul_wgmma(const unsigned char* 
     fence_registers(d);
     if constexpr (SPLIT) fence_registers(d_small);
 
-    // E4M3: the operands were scaled by 2^e_A and 2^e_B
-    int descale = 0;
-    if constexpr (KIND == E4M3) descale = -(e4m3_scale_exponent(__uint_as_float(amax[0])) +
-                                            e4m3_scale_exponent(__uint_as_float(amax[1])));
+    // SPLIT: the small products' sums join the big ones'; E4M3: the operands were scaled by 2^e_A and 2^e_B
+    if constexpr (SPLIT) {
+#pragma unroll
+        for (int i = 0; i < BN / 2; ++i) d[i] += d_small[i];
+    }
+    if constexpr (KIND == E4M3) {
+        const int descale = -(e4m3_scale_exponent(__uint_as_float(amax[0])) +
+                              e4m3_scale_exponent(__uint_as_float(amax[1])));
+#pragma unroll
+        for (int i = 0; i < BN / 2; ++i) d[i] = ldexpf(d[i], descale);
+    }
+    store_warpgroup_tile<BN>(C, d, m0 + (warpgroup - 1) * 64, n0, M, N);
+}
 
-    // The accumulator layout of a 64 x BN wgmma: warp w of the warpgroup holds rows 16w..16w+15; lane l holds, for
-    // each 8 columns j, columns 8j + 2(l % 4) and the next, in rows l / 4 (registers 4j, 4j + 1) and l / 4 + 8
-    // (registers 4j + 2, 4j + 3).
-    const int lane = threadIdx.x % 32, warp = (threadIdx.x % 128) / 32;
-    const int row0 = m0 + (warpgroup - 1) * 64 + warp * 16 + lane / 4;
-    const int column0 = n0 + 2 * (lane % 4);
-    const bool pairs = (N % 2) == 0;  // rows of C start on 8 bytes: two sums per store
-#pragma unroll
-    for (int j = 0; j < BN / 8; ++j) {
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-            const int row = row0 + 8 * h, column = column0 + 8 * j;
-            Sum first = d[4 * j + 2 * h], second = d[4 * j + 2 * h + 1];
-            if constexpr (SPLIT) {
-                first += d_small[4 * j + 2 * h];
-                second += d_small[4 * j + 2 * h + 1];
-            }
-            if constexpr (KIND == E4M3) {
-                first = ldexpf(first, descale);
-                second = ldexpf(second, descale);
-            }
-            if (row >= M || column >= N) continue;
-            Sum* out = C + static_cast<size_t>(row) * N + column;
-            if (pairs && column + 1 < N) {
-                store_pair(out, first, second);
-            } else {
-                out[0] = first;
-                if (column + 1 < N) out[1] = second;
+// ------------------------------------------------------------------------------------ the ping-pong kernel
+
+// Named barriers 1 and 2 (0 is __syncthreads'), 256 threads: a consumer warpgroup arrives, the other waits.
+__device__ __forceinline__ void named_barrier_sync(int id) { asm volatile("bar.sync %0, 256;" ::"r"(id) : "memory"); }
+__device__ __forceinline__ void named_barrier_arrive(int id) {
+    asm volatile("bar.arrive %0, 256;" ::"r"(id) : "memory");
+}
+
+// The kernel above writes C while its tensor cores idle: both consumers finish their halves of a tile together, and
+// the next block fills its pipeline only after that. For int8, whose products are quick for the bytes of C they
+// write (a 128 x 256 tile's 128 KiB of int32 after 1,024 clocks of products a tile of K), that is a fifth of the
+// time at 4096^3. Here a grid of one block per SM keeps its producer loading stages across tiles, and the two
+// consumers take the block's tiles in turns (ping-pong), each a whole WM x WN tile: while one multiplies, the other
+// writes its last tile's sums.
+//
+// The stages are filled in the order of the block's tiles and their tiles of K. Consumer c takes the block's tiles
+// c, c + 2, ..., and begins waiting on a tile's stages only once the other consumer has received every stage of
+// the tile before it (named barrier 1 + c). So a stage's `full` barrier is never more than one phase behind the
+// consumer that waits on it, which a parity wait needs; and the consumers' products overlap only at the hand-off.
+// A consumer's accumulators are WM / 64 warpgroup tiles of 64 x WN: at most 128 registers, so FP8, which also keeps
+// each tile's sums apart, stays on the kernel above.
+template <int KIND, int WM, int WN, int STAGES>
+__global__ void __launch_bounds__(THREADS, 1) matmul_wgmma_pingpong(const unsigned char* __restrict__ maps,
+                                                                    typename Operand<KIND>::Sum* __restrict__ C,
+                                                                    int M, int N, int K) {
+    using Op = Operand<KIND>;
+    using Sum = typename Op::Sum;
+    static_assert(KIND != E4M3, "FP8's tile sums need twice the accumulators");
+    static_assert(WM == 64 || WM == 128, "a consumer's tile is one or two warpgroup tiles high");
+    constexpr int SUB = WM / 64;
+    static_assert(SUB * WN / 2 <= 128, "a consumer's accumulators fit in 128 registers");
+    constexpr int A_BYTES = WM * ROW_BYTES;
+    constexpr int STAGE_BYTES = (WM + WN) * ROW_BYTES;
+    constexpr int MMAS = Op::tile_k / Op::mma_k;
+
+    extern __shared__ unsigned char shared_raw[];
+    unsigned char* shared = shared_raw + ((1024 - (shared_address(shared_raw) & 1023)) & 1023);
+    u64* full = reinterpret_cast<u64*>(shared + STAGES * STAGE_BYTES);
+    u64* empty = full + STAGES;
+
+    const int tiles_m = (M + WM - 1) / WM, tiles_n = (N + WN - 1) / WN;
+    const int tiles = tiles_m * tiles_n;
+    const int block_tiles = (tiles - static_cast<int>(blockIdx.x) + gridDim.x - 1) / gridDim.x;  // j-th: x + j * grid
+    const int k_tiles = (K + Op::tile_k - 1) / Op::tile_k;
+    const int warpgroup = threadIdx.x / 128;
+
+    if (threadIdx.x == 0) {
+        for (int s = 0; s < STAGES; ++s) {
+            barrier_init(&full[s], 1);
+            barrier_init(&empty[s], 128);  // released by the one consumer that read it
+        }
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    }
+    __syncthreads();
+
+    // `it` counts the stages the block's tiles fill, in order: the j-th tile's are j * k_tiles onwards
+    if (warpgroup == 0) {
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 40;");
+        if (threadIdx.x == 0) {
+            int it = 0;
+            for (int j = 0; j < block_tiles; ++j) {
+                int tile_m, tile_n;
+                tile_of(blockIdx.x + j * gridDim.x, tiles_m, tiles_n, tile_m, tile_n);
+                for (int kt = 0; kt < k_tiles; ++kt, ++it) {
+                    const int s = it % STAGES;
+                    if (it >= STAGES) barrier_wait(&empty[s], ((it / STAGES) - 1) & 1);
+                    unsigned char* stage = shared + s * STAGE_BYTES;
+                    barrier_expect_bytes(&full[s], STAGE_BYTES);
+                    tma_load(stage, maps, &full[s], kt * Op::tile_k, tile_m * WM);
+                    tma_load(stage + A_BYTES, maps + TENSOR_MAP_BYTES, &full[s], kt * Op::tile_k, tile_n * WN);
+                }
             }
         }
+        return;
+    }
+
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 232;");
+    const int consumer = warpgroup - 1;
+    for (int j = consumer; j < block_tiles; j += 2) {
+        int tile_m, tile_n;
+        tile_of(blockIdx.x + j * gridDim.x, tiles_m, tiles_n, tile_m, tile_n);
+        Sum d[SUB][WN / 2];
+#pragma unroll
+        for (int h = 0; h < SUB; ++h) {
+#pragma unroll
+            for (int i = 0; i < WN / 2; ++i) d[h][i] = 0;
+        }
+        if (j > 0) named_barrier_sync(1 + consumer);
+        int it = j * k_tiles;
+        for (int kt = 0; kt < k_tiles; ++kt, ++it) {
+            const int s = it % STAGES;
+            barrier_wait(&full[s], (it / STAGES) & 1);
+            if (kt == k_tiles - 1 && j + 1 < block_tiles) named_barrier_arrive(2 - consumer);  // the other's turn
+            const unsigned char* stage = shared + s * STAGE_BYTES;
+            const u64 b = tile_descriptor(stage + A_BYTES);
+#pragma unroll
+            for (int h = 0; h < SUB; ++h) fence_registers(d[h]);
+            wgmma_fence();
+#pragma unroll
+            for (int step = 0; step < MMAS; ++step) {
+#pragma unroll
+                for (int h = 0; h < SUB; ++h) {
+                    const u64 a = tile_descriptor(stage + h * 64 * ROW_BYTES);
+                    wgmma<KIND, WN>(d[h], a + 2 * step, b + 2 * step, 1);
+                }
+            }
+            wgmma_commit();
+#pragma unroll
+            for (int h = 0; h < SUB; ++h) fence_registers(d[h]);
+            // keep this tile of K's products running; the one before is done, so its stage may be refilled
+            wgmma_wait<1>();
+            if (kt > 0) barrier_arrive(&empty[(it - 1) % STAGES]);
+        }
+        wgmma_wait<0>();
+#pragma unroll
+        for (int h = 0; h < SUB; ++h) fence_registers(d[h]);
+        barrier_arrive(&empty[(it - 1) % STAGES]);
+#pragma unroll
+        for (int h = 0; h < SUB; ++h) store_warpgroup_tile<WN>(C, d[h], tile_m * WM + h * 64, tile_n * WN, M, N);
     }
 }

@@ -54,6 +54,7 @@ from typing import Any
 
 import numpy as np
 
+from kernels import tensorcore
 from kernels.catalogue import CUBLAS, DTYPES, RUNGS, TENSOR_CORE_PRECISIONS
 from kernels.cublas import cublas_int8_product
 from kernels.cuda import Launcher, device_attributes
@@ -321,27 +322,36 @@ def _torch_bmm() -> Callable[[Any, Any, Any], Any] | None:
 def int8_rows(bench: Bench, args: argparse.Namespace, m: int, n: int, k: int) -> list[Result]:
     """cuBLAS's, mma_sync's and wgmma's exact int8 product of one shape, checked, then timed two ways: from row-major
     A and B (each transposing B itself: config "") and from A and B^T as the tensor cores read them (config "B^T
-    given")."""
+    given"). With --configs all, wgmma's two instances each (config "... tiles" and "... turns"), whichever k
+    chooses."""
     from cupy_backends.cuda.libs.cublas import CUBLASError
 
     sets = bench.int8_inputs(m, n, k)
     given = [(a, bench.cp.ascontiguousarray(b.T)) for a, b in sets]
     # each kernel from row-major B, and cuBLAS and wgmma from B^T as well (mma_sync takes no B^T)
-    ways: dict[str, dict[str, Any]] = {
-        "": {CUBLAS: cublas_int8_product},
-        "B^T given": {CUBLAS: functools.partial(cublas_int8_product, b_transposed=True)},
+    ways: dict[str, dict[tuple[str, str], Any]] = {
+        "": {(CUBLAS, ""): cublas_int8_product},
+        "B^T given": {(CUBLAS, ""): functools.partial(cublas_int8_product, b_transposed=True)},
     }
     tensor_cores = bench.launcher.tensor_cores
     if MMA_SYNC in args.kernels and bench.launcher.runs(MMA_SYNC):
-        ways[""][MMA_SYNC] = bench.run(MMA_SYNC, Precision.INT8)
+        ways[""][(MMA_SYNC, "")] = bench.run(MMA_SYNC, Precision.INT8)
     if WGMMA in args.kernels and bench.launcher.runs(WGMMA) and tensor_cores is not None:
-        ways[""][WGMMA] = tensor_cores.wgmma_int8
-        ways["B^T given"][WGMMA] = functools.partial(tensor_cores.wgmma_int8, b_transposed=True)
+        instances: dict[str, tensorcore.WgmmaConfig | tensorcore.PingPongConfig | None] = {"": None}
+        if args.configs == "all":
+            instances = {"tiles": tensorcore.WGMMA_INT8, "turns": tensorcore.WGMMA_INT8_PINGPONG}
+        for label, instance in instances.items():
+            ways[""][(WGMMA, label)] = functools.partial(tensor_cores.wgmma_int8, config=instance)
+            ways["B^T given"][(WGMMA, label)] = functools.partial(
+                tensor_cores.wgmma_int8, b_transposed=True, config=instance
+            )
     rows = []
     for (config, runs), (inputs, transposed) in zip(ways.items(), ((sets, False), (given, True)), strict=True):
         library_ms = None
-        for name, run in runs.items():
-            row = Result(name, config, INT8, m, n, k, None, None, None, precision=INT8)
+        for (name, instance_label), run in runs.items():
+            row = Result(
+                name, " ".join(filter(None, (config, instance_label))), INT8, m, n, k, None, None, None, precision=INT8
+            )
             rows.append(row)
             try:
                 mismatches = bench.int8_mismatches(run, inputs, transposed)

@@ -136,6 +136,22 @@ def test_int8_products_are_exact(launcher: Any, kernel: str, m: int, k: int, n: 
     np.testing.assert_array_equal(cp.asnumpy(c), emulate(a, b, Precision.INT8))
 
 
+@pytest.mark.parametrize("config", [tensorcore.WGMMA_INT8, tensorcore.WGMMA_INT8_PINGPONG], ids=["tiles", "turns"])
+@pytest.mark.parametrize(("m", "k", "n"), [*INT8_SHAPES, (4093, 4096, 4099), (1, 8192, 1), (2000, 48, 3000)], ids=str)
+def test_both_int8_instances_are_exact_whatever_k_chooses(launcher: Any, config: Any, m: int, k: int, n: int) -> None:
+    """Each wgmma int8 instance on every shape, B given as B^T too, whichever `wgmma_int8_config` would choose for k:
+    the ping-pong one where its blocks take many tiles each, one, or none (more SMs than tiles)."""
+    import cupy as cp
+
+    rng = np.random.default_rng(m * 5 + k * 11 + n)
+    a, b = rng.integers(-128, 128, (m, k), np.int8), rng.integers(-128, 128, (k, n), np.int8)
+    exact = emulate(a, b, Precision.INT8)
+    for b_given, transposed in ((b, False), (np.ascontiguousarray(b.T), True)):
+        c = cp.full((m, n), -7, cp.int32)
+        launcher.tensor_cores.wgmma_int8(cp.asarray(a), cp.asarray(b_given), c, b_transposed=transposed, config=config)
+        np.testing.assert_array_equal(cp.asnumpy(c), exact)
+
+
 @pytest.mark.parametrize("kernel", INT8_KERNELS)
 def test_int8_sums_up_to_the_longest_k_that_fits_and_refuses_one_more(launcher: Any, kernel: str) -> None:
     import cupy as cp

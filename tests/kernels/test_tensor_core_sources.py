@@ -19,6 +19,7 @@ SOURCES = {
     tensorcore.WGMMA_SOURCE: [
         *(config.expression() for config in tensorcore.WGMMA_CONFIGS.values()),
         tensorcore.WGMMA_INT8.expression(),
+        tensorcore.WGMMA_INT8_PINGPONG.expression(),
     ],
     tensorcore.MMA_SYNC_SOURCE: [config.expression() for config in tensorcore.MMA_SYNC_CONFIGS.values()],
     tensorcore.DMMA_SOURCE: [config.expression() for config in tensorcore.DMMA_CONFIGS.values()],
@@ -63,6 +64,15 @@ def test_int8_rows_are_padded_to_16_elements(k: int, padded: int) -> None:
     assert tensorcore.WGMMA_INT8.padded_k(k) == padded
     assert tensorcore.WGMMA_INT8.tile_k == 128
     assert tensorcore.WGMMA_INT8.expression() == "matmul_wgmma<3, 256, 4, false>"
+
+
+def test_int8_runs_in_turns_up_to_its_k_and_in_tiles_past_it() -> None:
+    pingpong = tensorcore.WGMMA_INT8_PINGPONG
+    assert pingpong.expression() == "matmul_wgmma_pingpong<3, 128, 128, 6>"
+    assert pingpong.smem_bytes() == 6 * 32 * 1024 + 6 * 16 + tensorcore.ALIGNMENT_SLACK <= MAX_DYNAMIC_SMEM
+    assert pingpong.tiles(4096, 4096) == 32 * 32 and pingpong.tiles(129, 1) == 2
+    assert tensorcore.wgmma_int8_config(1) is tensorcore.wgmma_int8_config(tensorcore.PINGPONG_INT8_MAX_K) is pingpong
+    assert tensorcore.wgmma_int8_config(tensorcore.PINGPONG_INT8_MAX_K + 1) is tensorcore.WGMMA_INT8
 
 
 def test_one_block_per_tile_of_c() -> None:
