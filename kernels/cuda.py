@@ -168,11 +168,8 @@ def tensor_core_instances(compute_capability: tuple[int, int]) -> dict[str, Mapp
     if compute_capability != tensorcore.COMPUTE_CAPABILITY:
         return {tensorcore.MMA_SYNC_SOURCE: tensorcore.MMA_SYNC_PORTABLE_CONFIGS}
     return {
-        tensorcore.WGMMA_SOURCE: {
-            **tensorcore.WGMMA_CONFIGS,
-            Precision.INT8: tensorcore.WGMMA_INT8,
-            tensorcore.WGMMA_INT8_PINGPONG: tensorcore.WGMMA_INT8_PINGPONG,
-        },
+        tensorcore.WGMMA_SOURCE: {**tensorcore.WGMMA_CONFIGS, Precision.INT8: tensorcore.WGMMA_INT8},
+        tensorcore.WGMMA_PINGPONG_SOURCE: {Precision.INT8: tensorcore.WGMMA_INT8_PINGPONG},
         tensorcore.DMMA_SOURCE: tensorcore.DMMA_CONFIGS,
         tensorcore.MMA_SYNC_SOURCE: tensorcore.MMA_SYNC_CONFIGS,
     }
@@ -305,10 +302,13 @@ class TensorCoreLibrary:
 
         sources = tensor_core_instances(compute_capability)
         self._multiprocessors = int(cupy.cuda.Device().attributes["MultiProcessorCount"])
-        self._wgmma: dict[Any, Any] = {
-            config: allowed(config) for config in sources.get(tensorcore.WGMMA_SOURCE, {}).values()
-        }
-        """By config: the precisions' instances, int8's two."""
+        wgmma_configs = [
+            config
+            for source in (tensorcore.WGMMA_SOURCE, tensorcore.WGMMA_PINGPONG_SOURCE)
+            for config in sources.get(source, {}).values()
+        ]
+        self._wgmma: dict[_Instance, Any] = {config: allowed(config) for config in wgmma_configs}
+        """Each wgmma instance by its config: the precisions', and int8's two."""
         self._dmma: dict[bool, Any] = {key: allowed(c) for key, c in sources.get(tensorcore.DMMA_SOURCE, {}).items()}
         self._mma_sync: dict[Precision, Any] = {
             key: allowed(config) for key, config in sources.get(tensorcore.MMA_SYNC_SOURCE, {}).items()
@@ -386,15 +386,18 @@ class TensorCoreLibrary:
         b_transposed: bool = False,
         config: tensorcore.WgmmaConfig | tensorcore.PingPongConfig | None = None,
     ) -> None:
-        """c = a @ b, exactly, on the current stream through kernels/wgmma.cu's int8 instance for k
-        (`tensorcore.wgmma_int8_config`), or `config`: a and b 2-D C-contiguous CuPy int8 arrays (b given as B^T,
-        N x K, when `b_transposed`), c int32. ValueError where k is so long that a sum could pass int32's range."""
+        """c = a @ b, exactly, on the current stream through the wgmma int8 instance for k
+        (`tensorcore.wgmma_int8_config`), or `config`, one of `tensorcore.WGMMA_INT8_INSTANCES`: a and b 2-D
+        C-contiguous CuPy int8 arrays (b given as B^T, N x K, when `b_transposed`), c int32. ValueError where k is so
+        long that a sum could pass int32's range, or for a config that is not an int8 instance."""
+        if config is not None and config not in tensorcore.WGMMA_INT8_INSTANCES.values():
+            raise ValueError(f"{config.expression()} is not a wgmma int8 instance")
         k = a.shape[1]
         _check_int8_sums_fit(k)
         if _nothing_to_multiply(c, k):
             return
         config = config or tensorcore.wgmma_int8_config(k)
-        operands = tensorcore.WGMMA_INT8
+        operands = config.operands
 
         def k_major(x: Any) -> list[Any]:
             """x's rows as the kernel reads them: in place where they start on 16 bytes, else copied, padded."""
@@ -434,7 +437,7 @@ class TensorCoreLibrary:
         rows padded past k), into c, M x N; `amax` the largest magnitudes of A and B for FP8's scales (the ping-pong
         kernel takes none)."""
         m, n = c.shape
-        operands = config.operands if isinstance(config, tensorcore.PingPongConfig) else config
+        operands = config.operands
 
         def matrix(part: Any, rows: int, box_rows: int) -> tma.Matrix2d:
             return tma.Matrix2d(
@@ -447,17 +450,16 @@ class TensorCoreLibrary:
                 box_columns=operands.tile_k,
             )
 
-        if isinstance(config, tensorcore.PingPongConfig):
-            boxes, blocks = (config.tile_m, config.tile_n), min(config.tiles(m, n), self._multiprocessors)
-            arguments: tuple[Any, ...] = (np.int32(m), np.int32(n), np.int32(k))
-        else:
-            boxes, blocks = (tensorcore.BLOCK_M, config.block_n), config.blocks(m, n)
-            arguments = (np.int32(m), np.int32(n), np.int32(k), amax)
-        maps = [tma.encode(matrix(part, m, boxes[0])) for part in a_parts]
-        maps += [tma.encode(matrix(part, n, boxes[1])) for part in b_parts]
+        a_box, b_box = config.boxes
+        maps = [tma.encode(matrix(part, m, a_box)) for part in a_parts]
+        maps += [tma.encode(matrix(part, n, b_box)) for part in b_parts]
         device_maps = self._cp.asarray(np.frombuffer(b"".join(maps), np.uint8))
+        scales = () if isinstance(config, tensorcore.PingPongConfig) else (amax,)
         self._wgmma[config](
-            (blocks, 1, 1), (tensorcore.THREADS, 1, 1), (device_maps, c, *arguments), shared_mem=config.smem_bytes()
+            (config.blocks(m, n, self._multiprocessors), 1, 1),
+            (tensorcore.THREADS, 1, 1),
+            (device_maps, c, np.int32(m), np.int32(n), np.int32(k), *scales),
+            shared_mem=config.smem_bytes(),
         )
 
     def mma_sync(self, a: Any, b: Any, c: Any, precision: Precision) -> None:

@@ -27,6 +27,8 @@ WGMMA_SUMMARY = (
     "operand); int8 operands into exact int32."
 )
 WGMMA_SOURCE = "wgmma.cu"
+WGMMA_PINGPONG_SOURCE = "wgmma_pingpong.cu"
+"""wgmma.cu's kernel as a persistent grid whose consumers take tiles in turns: int8's instance up to a k."""
 OPERANDS_SOURCE = "operands.cu"
 ARCH = "sm_90a"
 COMPUTE_CAPABILITY = (9, 0)
@@ -101,6 +103,16 @@ class WgmmaConfig:
     def tile_k(self) -> int:
         return ROW_BYTES // self.element_bytes
 
+    @property
+    def operands(self) -> WgmmaConfig:
+        """The instance whose operand conversion this one reads: its own."""
+        return self
+
+    @property
+    def boxes(self) -> tuple[int, int]:
+        """Rows of the tensor maps' boxes: A's and B^T's."""
+        return BLOCK_M, self.block_n
+
     def expression(self) -> str:
         split = "true" if self.split else "false"
         return f"matmul_wgmma<{int(self.kind)}, {self.block_n}, {self.stages}, {split}>"
@@ -115,7 +127,8 @@ class WgmmaConfig:
         per_unit = STRIDE_ALIGNMENT // self.element_bytes
         return cdiv(k, per_unit) * per_unit
 
-    def blocks(self, m: int, n: int) -> int:
+    def blocks(self, m: int, n: int, multiprocessors: int = 0) -> int:
+        """One block per tile of C, whatever the SMs."""
         return cdiv(m, BLOCK_M) * cdiv(n, self.block_n)
 
 
@@ -138,9 +151,9 @@ bytes)."""
 
 @dataclass(frozen=True)
 class PingPongConfig:
-    """One instance of kernels/wgmma.cu's persistent ping-pong kernel: a block per SM, whose two consumer warpgroups
-    take whole tile_m x tile_n tiles of C in turns, one writing its sums while the other multiplies. It reads its
-    operands as `operands` converts them."""
+    """One instance of kernels/wgmma_pingpong.cu's kernel: a block per SM, whose two consumer warpgroups take whole
+    tile_m x tile_n tiles of C in turns, one writing its sums while the other multiplies. It reads its operands as
+    `operands` converts them."""
 
     operands: WgmmaConfig
     tile_m: int
@@ -158,18 +171,30 @@ class PingPongConfig:
         """The tiles of every stage, a full and an empty mbarrier per stage, and the alignment slack."""
         return self.stages * (self.tile_m + self.tile_n) * ROW_BYTES + 2 * self.stages * 8 + ALIGNMENT_SLACK
 
+    @property
+    def boxes(self) -> tuple[int, int]:
+        """Rows of the tensor maps' boxes: A's and B^T's."""
+        return self.tile_m, self.tile_n
+
     def tiles(self, m: int, n: int) -> int:
         return cdiv(m, self.tile_m) * cdiv(n, self.tile_n)
+
+    def blocks(self, m: int, n: int, multiprocessors: int = 0) -> int:
+        """One block per SM, fewer where there are fewer tiles."""
+        return min(self.tiles(m, n), multiprocessors)
 
 
 WGMMA_INT8_PINGPONG = PingPongConfig(WGMMA_INT8, 128, 128, 6)
 """int8 in turns: 128 x 128 tiles (a consumer's 128 int32 sums a thread), six stages of 32 KiB."""
+WGMMA_INT8_INSTANCES: MappingProxyType[str, WgmmaConfig | PingPongConfig] = MappingProxyType(
+    {"tiles": WGMMA_INT8, "turns": WGMMA_INT8_PINGPONG}
+)
+"""int8's two wgmma instances, by the name the benchmark gives them: one block a 128 x 256 tile, or tiles in turns."""
 PINGPONG_INT8_MAX_K = 6144
 """int8 products up to this k run in turns (`WGMMA_INT8_PINGPONG`), longer ones one block per 128 x 256 tile
 (`WGMMA_INT8`). The epilogue that turns hide costs the same per tile whatever k is, while their narrower tiles copy
-a third more operand bytes per product at every k: so k alone sets the crossover. Measured on an H200, one run, m x n
-4096^2 to 16384^2 (docs/tensor-cores.md): turns ahead up to k = 6144 (0.91-0.99 of cuBLAS against 0.75-0.99), level
-at 8192 (within 0.013), behind at 16384 (0.92 against 1.02)."""
+a third more operand bytes per product at every k: so k alone sets the crossover, measured on an H200 across k and
+m x n (docs/tensor-cores.md, "Ping-pong")."""
 
 
 def wgmma_int8_config(k: int) -> WgmmaConfig | PingPongConfig:

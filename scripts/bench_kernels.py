@@ -46,7 +46,7 @@ import json
 import statistics
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -337,9 +337,9 @@ def int8_rows(bench: Bench, args: argparse.Namespace, m: int, n: int, k: int) ->
     if MMA_SYNC in args.kernels and bench.launcher.runs(MMA_SYNC):
         ways[""][(MMA_SYNC, "")] = bench.run(MMA_SYNC, Precision.INT8)
     if WGMMA in args.kernels and bench.launcher.runs(WGMMA) and tensor_cores is not None:
-        instances: dict[str, tensorcore.WgmmaConfig | tensorcore.PingPongConfig | None] = {"": None}
+        instances: Mapping[str, tensorcore.WgmmaConfig | tensorcore.PingPongConfig | None] = {"": None}
         if args.configs == "all":
-            instances = {"tiles": tensorcore.WGMMA_INT8, "turns": tensorcore.WGMMA_INT8_PINGPONG}
+            instances = tensorcore.WGMMA_INT8_INSTANCES
         for label, instance in instances.items():
             ways[""][(WGMMA, label)] = functools.partial(tensor_cores.wgmma_int8, config=instance)
             ways["B^T given"][(WGMMA, label)] = functools.partial(

@@ -136,11 +136,18 @@ def test_int8_products_are_exact(launcher: Any, kernel: str, m: int, k: int, n: 
     np.testing.assert_array_equal(cp.asnumpy(c), emulate(a, b, Precision.INT8))
 
 
-@pytest.mark.parametrize("config", [tensorcore.WGMMA_INT8, tensorcore.WGMMA_INT8_PINGPONG], ids=["tiles", "turns"])
-@pytest.mark.parametrize(("m", "k", "n"), [*INT8_SHAPES, (4093, 4096, 4099), (1, 8192, 1), (2000, 48, 3000)], ids=str)
+INT8_INSTANCE_SHAPES = [*INT8_SHAPES, (4093, 4096, 4099), (1, 8192, 1), (2000, 48, 3000), (4096, 300, 4096),
+                        (2000, 640, 3000)]  # fmt: skip
+"""INT8_SHAPES, a tail of rows and columns on a large product, one long k, and k of 1, 3 and 5 tiles (fewer than the
+six stages of the instance in turns) with many tiles a block, so that its ring holds both consumers' tiles at once."""
+
+
+@pytest.mark.parametrize("config", tensorcore.WGMMA_INT8_INSTANCES.values(), ids=list(tensorcore.WGMMA_INT8_INSTANCES))
+@pytest.mark.parametrize(("m", "k", "n"), INT8_INSTANCE_SHAPES, ids=str)
 def test_both_int8_instances_are_exact_whatever_k_chooses(launcher: Any, config: Any, m: int, k: int, n: int) -> None:
     """Each wgmma int8 instance on every shape, B given as B^T too, whichever `wgmma_int8_config` would choose for k:
-    the ping-pong one where its blocks take many tiles each, one, or none (more SMs than tiles)."""
+    in turns, a block takes many tiles, a few or one, and its second consumer none where there are fewer tiles than
+    twice the SMs."""
     import cupy as cp
 
     rng = np.random.default_rng(m * 5 + k * 11 + n)
@@ -150,6 +157,15 @@ def test_both_int8_instances_are_exact_whatever_k_chooses(launcher: Any, config:
         c = cp.full((m, n), -7, cp.int32)
         launcher.tensor_cores.wgmma_int8(cp.asarray(a), cp.asarray(b_given), c, b_transposed=transposed, config=config)
         np.testing.assert_array_equal(cp.asnumpy(c), exact)
+
+
+def test_wgmma_int8_refuses_an_instance_of_another_kind(launcher: Any) -> None:
+    import cupy as cp
+
+    a = cp.ones((4, 16), cp.int8)
+    bf16 = tensorcore.WGMMA_CONFIGS[Precision.BF16]
+    with pytest.raises(ValueError, match=r"matmul_wgmma<0, 256, 4, false> is not a wgmma int8 instance"):
+        launcher.tensor_cores.wgmma_int8(a, a.T.copy(), cp.zeros((4, 4), cp.int32), config=bf16)
 
 
 @pytest.mark.parametrize("kernel", INT8_KERNELS)

@@ -19,8 +19,8 @@ SOURCES = {
     tensorcore.WGMMA_SOURCE: [
         *(config.expression() for config in tensorcore.WGMMA_CONFIGS.values()),
         tensorcore.WGMMA_INT8.expression(),
-        tensorcore.WGMMA_INT8_PINGPONG.expression(),
     ],
+    tensorcore.WGMMA_PINGPONG_SOURCE: [tensorcore.WGMMA_INT8_PINGPONG.expression()],
     tensorcore.MMA_SYNC_SOURCE: [config.expression() for config in tensorcore.MMA_SYNC_CONFIGS.values()],
     tensorcore.DMMA_SOURCE: [config.expression() for config in tensorcore.DMMA_CONFIGS.values()],
     tensorcore.OPERANDS_SOURCE: tensorcore.operand_expressions(),
@@ -69,10 +69,13 @@ def test_int8_rows_are_padded_to_16_elements(k: int, padded: int) -> None:
 def test_int8_runs_in_turns_up_to_its_k_and_in_tiles_past_it() -> None:
     pingpong = tensorcore.WGMMA_INT8_PINGPONG
     assert pingpong.expression() == "matmul_wgmma_pingpong<3, 128, 128, 6>"
-    assert pingpong.smem_bytes() == 6 * 32 * 1024 + 6 * 16 + tensorcore.ALIGNMENT_SLACK <= MAX_DYNAMIC_SMEM
+    assert pingpong.smem_bytes() <= MAX_DYNAMIC_SMEM
+    assert max(pingpong.boxes) <= 256  # a TMA box has at most 256 rows
     assert pingpong.tiles(4096, 4096) == 32 * 32 and pingpong.tiles(129, 1) == 2
+    assert pingpong.blocks(4096, 4096, 132) == 132 and pingpong.blocks(129, 1, 132) == 2
     assert tensorcore.wgmma_int8_config(1) is tensorcore.wgmma_int8_config(tensorcore.PINGPONG_INT8_MAX_K) is pingpong
     assert tensorcore.wgmma_int8_config(tensorcore.PINGPONG_INT8_MAX_K + 1) is tensorcore.WGMMA_INT8
+    assert set(tensorcore.WGMMA_INT8_INSTANCES.values()) == {pingpong, tensorcore.WGMMA_INT8}
 
 
 def test_one_block_per_tile_of_c() -> None:
