@@ -128,7 +128,7 @@ class WgmmaConfig:
         return cdiv(k, per_unit) * per_unit
 
     def blocks(self, m: int, n: int, multiprocessors: int = 0) -> int:
-        """One block per tile of C, whatever the SMs."""
+        """One block per tile of C, whatever the SMs (`multiprocessors` is the ping-pong instances' count)."""
         return cdiv(m, BLOCK_M) * cdiv(n, self.block_n)
 
 
@@ -179,7 +179,7 @@ class PingPongConfig:
     def tiles(self, m: int, n: int) -> int:
         return cdiv(m, self.tile_m) * cdiv(n, self.tile_n)
 
-    def blocks(self, m: int, n: int, multiprocessors: int = 0) -> int:
+    def blocks(self, m: int, n: int, multiprocessors: int) -> int:
         """One block per SM, fewer where there are fewer tiles."""
         return min(self.tiles(m, n), multiprocessors)
 
