@@ -20,6 +20,12 @@ times more in Python (a bytes object per read, one per parsed piece, the piece j
 of it for the app). On an H100 host a 128 MiB v2 request spent 270-300 of its 292-333 ms reading its body that way,
 and a body costs a server more per byte coming in than an answer going out.
 
+A connection from this host (a loopback peer: the proxy in front, a benchmark) gets socket buffers of
+`MATMUL_LOOPBACK_SOCKET_BUFFER_BYTES` instead of the kernel's autotuned ones, which grow to tens of MiB: the bytes
+then pass through the CPU's caches, and no event-loop turn drains more than that from one socket while the answers of
+the worker's other connections wait (app.config.DEFAULT_LOOPBACK_SOCKET_BUFFER_BYTES). A peer on another host keeps
+the kernel's windows, which must cover the network's delay.
+
 uvicorn takes it by import string, `uvicorn app.main:create_app --factory --http
 app.api.connection:GuardedHttpProtocol`, which every start-up of this service uses (`make run`, `matmul-service`,
 the container, the scripts and tests). Its limits are the app's settings, handed over in the lifespan state.
@@ -28,6 +34,8 @@ the container, the scripts and tests). Its limits are the app's settings, handed
 from __future__ import annotations
 
 import asyncio
+import ipaddress
+import socket
 import threading
 from dataclasses import dataclass
 from typing import Any
@@ -51,6 +59,7 @@ class ConnectionLimits:
     max_header_bytes: int
     header_timeout_s: float
     keep_alive_timeout_s: int
+    loopback_socket_buffer_bytes: int
 
     @classmethod
     def of(cls, settings: Settings) -> ConnectionLimits:
@@ -58,6 +67,7 @@ class ConnectionLimits:
             max_header_bytes=settings.max_header_bytes,
             header_timeout_s=settings.header_timeout_s,
             keep_alive_timeout_s=settings.keep_alive_timeout_s,
+            loopback_socket_buffer_bytes=settings.loopback_socket_buffer_bytes,
         )
 
 
@@ -72,8 +82,36 @@ DEFAULT_LIMITS = ConnectionLimits(
     max_header_bytes=Settings.model_fields["max_header_bytes"].default,
     header_timeout_s=Settings.model_fields["header_timeout_s"].default,
     keep_alive_timeout_s=Settings.model_fields["keep_alive_timeout_s"].default,
+    loopback_socket_buffer_bytes=Settings.model_fields["loopback_socket_buffer_bytes"].default,
 )
 """Where no lifespan handed limits over (uvicorn --lifespan off): the settings' defaults."""
+
+
+def is_loopback_peer(address: str) -> bool:
+    """Whether a TCP peer's address (as getpeername gives it) is this host's loopback, IPv4-mapped IPv6 included."""
+    try:
+        peer = ipaddress.ip_address(address)
+    except ValueError:  # an address ipaddress does not read (a scoped IPv6 one, fe80::1%eth0): not loopback
+        return False
+    if isinstance(peer, ipaddress.IPv6Address) and peer.ipv4_mapped is not None:
+        return peer.ipv4_mapped.is_loopback
+    return peer.is_loopback
+
+
+def size_loopback_buffers(sock: socket.socket | None, nbytes: int) -> bool:
+    """Ask `nbytes` of send and receive buffer for `sock` when it is a TCP connection from this host; whether it
+    did. 0, a peer elsewhere, a peer already gone, or a socket of another kind: left to the kernel."""
+    if nbytes == 0 or sock is None or sock.family not in (socket.AF_INET, socket.AF_INET6):
+        return False
+    try:
+        address = sock.getpeername()[0]
+    except OSError:
+        return False
+    if not is_loopback_peer(address):
+        return False
+    for option in (socket.SO_SNDBUF, socket.SO_RCVBUF):
+        sock.setsockopt(socket.SOL_SOCKET, option, nbytes)
+    return True
 
 
 _read_buffers = threading.local()
@@ -198,6 +236,7 @@ class HttpConnection(HttpToolsProtocol):
         self.max_header_bytes = limits.max_header_bytes
         self.header_timeout_s = limits.header_timeout_s
         self.timeout_keep_alive = limits.keep_alive_timeout_s  # uvicorn's, armed after each answer
+        self.loopback_socket_buffer_bytes = limits.loopback_socket_buffer_bytes
         self.in_head = True
         """Between the end of one request's body and the end of the next one's headers: bytes are the head's."""
         self.head_bytes = 0
@@ -229,6 +268,7 @@ class HttpConnection(HttpToolsProtocol):
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
+        size_loopback_buffers(transport.get_extra_info("socket"), self.loopback_socket_buffer_bytes)
         self.head_timer = self.loop.call_later(self.header_timeout_s, self.on_header_timeout)
 
     def connection_lost(self, exc: Exception | None) -> None:

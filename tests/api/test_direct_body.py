@@ -8,20 +8,19 @@ from __future__ import annotations
 
 import asyncio
 import socket
-import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
 import pytest
-import uvicorn
 
 from app.api.connection import DirectBody, GuardedHttpProtocol
 from matmul_tools.prometheus import sample_sums
 from matmul_tools.raw_http import read_until_closed
 from matmul_tools.raw_load import post_request, read_whole_answer, v2_infer_request
-from matmul_tools.service import free_port, wait_ready
+from matmul_tools.service import free_port
+from tests.api.in_process import serving
 
 BODY_TIMEOUT_S = 1.0
 GUARD_S = 30
@@ -52,30 +51,10 @@ def served(request: pytest.FixtureRequest) -> Iterator[Served]:
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(DirectBody, "arrived", spied)
-        for name, value in {
-            "MATMUL_BACKEND": "cpu",
-            "MATMUL_ACCESS_LOG": "false",
-            "MATMUL_ECHO_ROUTE": "true",
-            "MATMUL_BODY_TIMEOUT_S": str(BODY_TIMEOUT_S),
-        }.items():
-            patch.setenv(name, value)
-        config = uvicorn.Config(
-            "app.main:create_app",
-            factory=True,
-            port=found.port,
-            http=GuardedHttpProtocol,  # type: ignore[arg-type]  # a BufferedProtocol: uvicorn calls what it is given
-            loop=request.param,
-            log_level="warning",
-        )
-        server = uvicorn.Server(config)
-        thread = threading.Thread(target=server.run, daemon=True)
-        thread.start()
-        try:
-            wait_ready(f"http://127.0.0.1:{found.port}", 120)
+        with serving(
+            found.port, request.param, {"MATMUL_ECHO_ROUTE": "true", "MATMUL_BODY_TIMEOUT_S": str(BODY_TIMEOUT_S)}
+        ):
             yield found
-        finally:
-            server.should_exit = True
-            thread.join(60)
 
 
 def echo_request(body: bytes, *headers: bytes) -> bytes:
