@@ -151,12 +151,13 @@ class Settings(BaseSettings):
         DEFAULT_LOOPBACK_SOCKET_BUFFER_BYTES,
         ge=0,
         le=1 << 30,
-        description="The send and receive buffers asked (SO_SNDBUF, SO_RCVBUF; Linux reserves twice this) for a "
-        "connection from this host (a loopback address: a proxy in front of the service, a benchmark, a sidecar), "
-        "in place of the kernel's autotuning, which may grow them to tens of MiB: a buffer that size outgrows the "
-        "CPU's caches, and each event-loop turn that drains it keeps the other connections' answers waiting. 0 "
-        "leaves every connection to the kernel. Connections from other hosts always are: their windows must cover "
-        "the network's delay.",
+        description="The send and receive buffers asked (SO_SNDBUF, SO_RCVBUF) for a connection from a loopback "
+        "address (127.0.0.0/8, ::1: a benchmark or a proxy on this host, in the same network namespace), in place of "
+        "the kernel's autotuning, which may grow them to tens of MiB, so that no turn of an HTTP worker's event loop "
+        "drains more than this from one socket while its other connections' answers wait. Linux caps the size at "
+        "net.core.wmem_max and rmem_max, then reserves twice it. 0 leaves every connection to the kernel. Other "
+        "peers always are (their windows must cover the network's delay), containerised set-ups included: their "
+        "peers come from a bridge's addresses.",
     )
     body_timeout_s: float = Field(
         30.0, gt=0, le=3600, description="Longest wait for the next piece of a body that has not all arrived; 408."

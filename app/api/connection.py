@@ -20,11 +20,12 @@ times more in Python (a bytes object per read, one per parsed piece, the piece j
 of it for the app). On an H100 host a 128 MiB v2 request spent 270-300 of its 292-333 ms reading its body that way,
 and a body costs a server more per byte coming in than an answer going out.
 
-A connection from this host (a loopback peer: the proxy in front, a benchmark) gets socket buffers of
-`MATMUL_LOOPBACK_SOCKET_BUFFER_BYTES` instead of the kernel's autotuned ones, which grow to tens of MiB: the bytes
-then pass through the CPU's caches, and no event-loop turn drains more than that from one socket while the answers of
-the worker's other connections wait (app.config.DEFAULT_LOOPBACK_SOCKET_BUFFER_BYTES). A peer on another host keeps
-the kernel's windows, which must cover the network's delay.
+A connection from a loopback address (127.0.0.0/8, ::1: a benchmark or a proxy on the same host and in the same
+network namespace) gets socket buffers of `MATMUL_LOOPBACK_SOCKET_BUFFER_BYTES` instead of the kernel's autotuned
+ones, which grow to tens of MiB, so that no event-loop turn drains more than that from one socket while the answers of
+the worker's other connections wait (app.config.DEFAULT_LOOPBACK_SOCKET_BUFFER_BYTES). Every other peer keeps the
+kernel's windows, which must cover the network's delay; so do the containerised set-ups, whose peers come from a
+bridge's addresses (compose's balancer, an ingress in another pod, a port Docker publishes).
 
 uvicorn takes it by import string, `uvicorn app.main:create_app --factory --http
 app.api.connection:GuardedHttpProtocol`, which every start-up of this service uses (`make run`, `matmul-service`,
@@ -38,7 +39,7 @@ import ipaddress
 import socket
 import threading
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import httptools
 from starlette.requests import ClientDisconnect
@@ -91,26 +92,38 @@ def is_loopback_peer(address: str) -> bool:
     """Whether a TCP peer's address (as getpeername gives it) is this host's loopback, IPv4-mapped IPv6 included."""
     try:
         peer = ipaddress.ip_address(address)
-    except ValueError:  # an address ipaddress does not read (a scoped IPv6 one, fe80::1%eth0): not loopback
+    except ValueError:  # not an IP address at all: no loopback peer
         return False
     if isinstance(peer, ipaddress.IPv6Address) and peer.ipv4_mapped is not None:
         return peer.ipv4_mapped.is_loopback
     return peer.is_loopback
 
 
-def size_loopback_buffers(sock: socket.socket | None, nbytes: int) -> bool:
-    """Ask `nbytes` of send and receive buffer for `sock` when it is a TCP connection from this host; whether it
-    did. 0, a peer elsewhere, a peer already gone, or a socket of another kind: left to the kernel."""
+class TransportSocket(Protocol):
+    """What a transport's "socket" extra is on either event loop (asyncio's TransportSocket, uvloop's PseudoSocket):
+    the part of a socket this module uses."""
+
+    @property
+    def family(self) -> int: ...
+
+    def getpeername(self) -> Any: ...
+
+    def setsockopt(self, level: int, option: int, value: int, /) -> None: ...
+
+
+def size_loopback_buffers(sock: TransportSocket | None, nbytes: int) -> bool:
+    """Ask `nbytes` of send and receive buffer for `sock` when it is a TCP connection from a loopback address; whether
+    it did. 0, another peer, a peer already gone, a socket of another kind, or a kernel that refuses the size: left to
+    the kernel (Linux takes any size, capping it at net.core.wmem_max and rmem_max)."""
     if nbytes == 0 or sock is None or sock.family not in (socket.AF_INET, socket.AF_INET6):
         return False
     try:
-        address = sock.getpeername()[0]
-    except OSError:
+        if not is_loopback_peer(sock.getpeername()[0]):
+            return False
+        for option in (socket.SO_SNDBUF, socket.SO_RCVBUF):
+            sock.setsockopt(socket.SOL_SOCKET, option, nbytes)
+    except OSError:  # the peer left (getpeername), or the size was refused (ENOBUFS past a BSD's maximum)
         return False
-    if not is_loopback_peer(address):
-        return False
-    for option in (socket.SO_SNDBUF, socket.SO_RCVBUF):
-        sock.setsockopt(socket.SOL_SOCKET, option, nbytes)
     return True
 
 

@@ -1,32 +1,41 @@
-"""MATMUL_LOOPBACK_SOCKET_BUFFER_BYTES (app.api.connection.size_loopback_buffers): a connection from this host gets
-the send and receive buffers asked instead of the kernel's autotuned ones; one from elsewhere, or any connection with
-the setting at 0, keeps the kernel's. Checked on real sockets, and through a real uvicorn server in this process on
-each event loop (uvloop's transports hand out a socket of their own), whose connections then still move large
-bodies whole. Linux reserves twice the buffer asked (socket(7)), which getsockopt reports."""
+"""MATMUL_LOOPBACK_SOCKET_BUFFER_BYTES (app.api.connection.size_loopback_buffers): a connection from a loopback address
+gets the send and receive buffers asked instead of the kernel's autotuned ones; one from elsewhere, or any connection
+with the setting at 0, keeps the kernel's. Checked on real sockets, and through a real uvicorn server in this process
+on each event loop (each transport hands out a socket object of its own), whose connections then move large bodies
+whole and keep the buffers asked. Linux reserves twice the buffer asked (socket(7)), which getsockopt reports."""
 
 from __future__ import annotations
 
 import socket
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import numpy as np
 import pytest
 from pydantic import ValidationError
 
 from app.api import connection
-from app.api.connection import is_loopback_peer, size_loopback_buffers
+from app.api.connection import TransportSocket, is_loopback_peer, size_loopback_buffers
 from app.config import DEFAULT_LOOPBACK_SOCKET_BUFFER_BYTES, Settings
 from matmul_tools.raw_load import post_request, read_whole_answer
 from matmul_tools.service import free_port
 from tests.api.in_process import serving
 
-ASKED = 64 << 10
-"""Under net.core.rmem_max and wmem_max's smallest default (208 KiB), so the kernel grants it whole."""
+ASKED = 96 << 10
+"""Under net.core.rmem_max and wmem_max's stock value (208 KiB), so the kernel grants it whole; and twice it is none of
+the sizes the kernel starts a socket with (net.ipv4.tcp_rmem's 128 KiB, tcp_wmem's 16 KiB), so a buffer left unsized
+cannot pass for a sized one."""
 GUARD_S = 30
 
 
-def buffers(sock: socket.socket) -> tuple[int, int]:
+class ServerSocket(TransportSocket, Protocol):
+    """A transport's socket, as the server's spy keeps it to read its buffers."""
+
+    def getsockopt(self, level: int, option: int, /) -> int: ...
+
+
+def buffers(sock: socket.socket | ServerSocket) -> tuple[int, int]:
     return sock.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF), sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF)
 
 
@@ -71,7 +80,7 @@ def test_at_zero_a_connection_keeps_the_kernels_buffers(accepted: socket.socket)
     assert buffers(accepted) == kernels
 
 
-def test_a_socket_that_is_not_tcp_or_whose_peer_left_is_left_alone() -> None:
+def test_a_socket_that_is_not_tcp_or_not_connected_is_left_alone() -> None:
     left, right = socket.socketpair()
     with left, right:
         kernels = buffers(left)
@@ -80,6 +89,23 @@ def test_a_socket_that_is_not_tcp_or_whose_peer_left_is_left_alone() -> None:
     with socket.socket() as unconnected:
         assert not size_loopback_buffers(unconnected, ASKED)  # getpeername: ENOTCONN
     assert not size_loopback_buffers(None, ASKED)
+
+
+@dataclass
+class Refusing:
+    """A loopback connection's socket whose kernel refuses the size (as BSDs do past kern.ipc.maxsockbuf)."""
+
+    family: int = socket.AF_INET
+
+    def getpeername(self) -> tuple[str, int]:
+        return ("127.0.0.1", 40000)
+
+    def setsockopt(self, level: int, option: int, value: int, /) -> None:
+        raise OSError(55, "No buffer space available")
+
+
+def test_a_size_the_kernel_refuses_leaves_the_connection_to_it_without_failing() -> None:
+    assert not size_loopback_buffers(Refusing(), ASKED)
 
 
 def test_the_setting_defaults_to_half_a_mebibyte_and_refuses_a_negative_size() -> None:
@@ -91,18 +117,18 @@ def test_the_setting_defaults_to_half_a_mebibyte_and_refuses_a_negative_size() -
 @dataclass
 class Served:
     port: int
-    sized: list[tuple[bool, tuple[int, int]]] = field(default_factory=list)
-    """For each connection the server made: whether it sized its buffers, and its buffers then."""
+    sized: dict[int, tuple[bool, ServerSocket]] = field(default_factory=dict)
+    """For each connection the server made, by its peer's port: whether it sized its buffers, and its socket."""
 
 
 @pytest.fixture(scope="module", params=["uvloop", "asyncio"])
 def served(request: pytest.FixtureRequest) -> Iterator[Served]:
     found = Served(free_port())
 
-    def spied(sock: socket.socket | None, nbytes: int) -> bool:
+    def spied(sock: ServerSocket | None, nbytes: int) -> bool:
         sized = size_loopback_buffers(sock, nbytes)
-        assert sock is not None
-        found.sized.append((sized, buffers(sock)))
+        if sock is not None:
+            found.sized[sock.getpeername()[1]] = (sized, sock)
         return sized
 
     with pytest.MonkeyPatch.context() as patch:
@@ -119,10 +145,12 @@ def test_the_server_sizes_a_local_connections_buffers_and_moves_large_bodies_who
     served: Served,
 ) -> None:
     body = np.random.default_rng(5).integers(0, 256, (24 << 20) + 5, np.uint8).tobytes()
-    before = len(served.sized)
     with socket.create_connection(("127.0.0.1", served.port), timeout=GUARD_S) as sock:
         for _ in range(2):
             sock.sendall(post_request("/v1/echo", "application/octet-stream", body))
             answer, echoed = read_whole_answer(sock)
             assert answer.status == 200 and echoed == body
-    assert served.sized[before:] == [(True, (2 * ASKED, 2 * ASKED))]
+        sized, server_end = served.sized[sock.getsockname()[1]]
+        assert sized
+        # still the size asked after 48 MiB each way: the kernel did not grow them meanwhile
+        assert buffers(server_end) == (2 * ASKED, 2 * ASKED)
