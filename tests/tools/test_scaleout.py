@@ -4,13 +4,11 @@ from __future__ import annotations
 
 import json
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from tests.scripts import ROOT, import_script
+from tests.scripts import import_script, run_script
 
 scaleout = import_script("scaleout_local")
 pytestmark = [
@@ -22,10 +20,12 @@ pytestmark = [
 
 
 def test_two_replicas_behind_nginx_share_the_load_without_errors(tmp_path: Path) -> None:
-    command = [sys.executable, str(ROOT / "scripts" / "scaleout_local.py"), "--out", str(tmp_path / "run")]
-    command += ["--replicas", "2", "--duration", "2", "--concurrency", "4", "--warmup", "4", "--sizes", "32"]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=180)
-    assert done.returncode == 0, done.stderr
+    done = run_script(
+        "scaleout_local",
+        *("--out", str(tmp_path / "run"), "--replicas", "2", "--duration", "2", "--concurrency", "4"),
+        *("--warmup", "4", "--sizes", "32"),
+        timeout_s=180,
+    )
     report = json.loads((tmp_path / "run.json").read_text())
     assert report["errors"] == {} and report["ok"] == report["requests"] > 0
     replicas = report["scaleout"]["replicas"]
