@@ -35,6 +35,7 @@ import threading
 import time
 from collections.abc import Callable
 from datetime import UTC, datetime
+from multiprocessing.queues import Queue
 from multiprocessing.synchronize import Event
 from pathlib import Path
 from typing import Any, Literal, get_args
@@ -55,7 +56,7 @@ ACK = b"k"
 next request waits for its answer)."""
 
 
-def _device_copies(seconds: float, started: Event, rate: Any) -> None:
+def _device_copies(seconds: float, started: Event, rate: Queue[float]) -> None:
     """Keeps the device copying DEVICE_COPY_BYTES each way between pinned host memory and the device, on two streams,
     for `seconds`; sets `started` once copying, then puts its GB/s (both directions) into `rate`."""
     import cupy as cp
