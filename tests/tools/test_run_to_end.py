@@ -26,9 +26,9 @@ time.sleep(60)
 def test_a_command_past_its_time_fails_with_its_output_and_takes_its_children_with_it(tmp_path: Path) -> None:
     pid_file = tmp_path / "child.pid"
     began = time.monotonic()
-    with pytest.raises(AssertionError, match=r"ran past 3 s\nstarted"):
-        run_to_end([sys.executable, "-c", PARENT_AND_CHILD, str(pid_file)], timeout_s=3)
-    assert time.monotonic() - began < 30
+    with pytest.raises(AssertionError, match=r"ran past 10 s\nstarted"):  # 10 s: time to start on a loaded machine
+        run_to_end([sys.executable, "-c", PARENT_AND_CHILD, str(pid_file)], timeout_s=10)
+    assert time.monotonic() - began < 40
     _assert_ends(int(pid_file.read_text()))
 
 
@@ -44,7 +44,7 @@ def test_a_test_stopped_while_its_command_runs_takes_the_command_and_its_childre
     """As pytest-timeout stops a test: an exception raised by SIGALRM's handler in the middle of the wait."""
     pid_file = tmp_path / "child.pid"
     previous = signal.signal(signal.SIGALRM, _stop)
-    signal.alarm(3)
+    signal.alarm(10)
     try:
         with pytest.raises(_Stopped):
             run_to_end([sys.executable, "-c", PARENT_AND_CHILD, str(pid_file)], timeout_s=60)
