@@ -343,12 +343,19 @@ def v2_binary_raw(conn: Connections, a: np.ndarray, b: np.ndarray, precision: Pr
     return np.frombuffer(answer[split:], "<f4").reshape(output["shape"])
 
 
+ENDED_MID_ANSWER = ("Incomplete response", "connection closed")
+"""How geventhttpclient's parser words an answer cut short by the connection's end (its HTTPParseError, whose
+HTTPConnectionClosed subclass it raises only where nothing of the answer came)."""
+
+
 @contextmanager
 def _triton_errors() -> Iterator[None]:
     """Triton's client raises one exception for every failure: a status is Refused, none is a closed connection. Its
-    HTTP library's own HTTPConnectionClosed (the server closed the connection before a whole answer, and the one
-    retry it makes for a dropped keep-alive connection found it closed too) is a closed connection as well."""
-    from geventhttpclient.response import HTTPConnectionClosed
+    HTTP library's own parse errors for a connection that ended (before a whole answer came, or when the one retry
+    it makes for a dropped keep-alive connection found it closed too) are a closed connection as well; any other
+    parse error, a malformed answer, is raised as a RuntimeError, which a client process can hand back to the test
+    (the parser's own exceptions do not pickle)."""
+    from geventhttpclient.response import HTTPConnectionClosed, HTTPParseError
     from tritonclient.utils import InferenceServerException
 
     try:
@@ -360,6 +367,10 @@ def _triton_errors() -> Iterator[None]:
         raise Refused(GRPC_STATUSES.get(status) or int(status), exc.message()[:60]) from None
     except HTTPConnectionClosed as exc:
         raise Closed(str(exc)) from None
+    except HTTPParseError as exc:
+        if any(words in str(exc) for words in ENDED_MID_ANSWER):
+            raise Closed(str(exc)) from None
+        raise RuntimeError(f"tritonclient's HTTP parser refused an answer: {exc}") from None
 
 
 GRPC_STATUSES = {
