@@ -16,6 +16,7 @@ from pydantic import ValidationError
 from pydantic.fields import FieldInfo
 
 from app import __version__, host
+from app.api.accepting import TABLE_VARIABLE, ConnectionTable
 from app.api.connection import GuardedHttpProtocol
 from app.config import MAX_DEFAULT_HTTP_WORKERS, MAX_DEFAULT_SLAB_BYTES, MIN_DEFAULT_SLAB_BYTES, Settings
 from app.dataplane.supervisor import ENGINE_SOCKETS_VARIABLE, EngineSupervisor
@@ -140,9 +141,14 @@ def service_main(argv: Sequence[str] | None = None) -> int:
         supervisor.stop()
         parser.exit(1, f"matmul-service: {exc}\n")
     os.environ[ENGINE_SOCKETS_VARIABLE] = ",".join(supervisor.sockets)
+    loop = "auto"
     if settings.http_workers > 1:
         # every worker's /metrics merges the values all of them keep in this folder (app.metrics)
         os.environ.setdefault(METRICS_DIR_VARIABLE, supervisor.make_directory("metrics"))
+        # and a new connection goes to the worker that holds the fewest (app.api.accepting); room for replacements
+        table = os.path.join(supervisor.make_directory("connections"), "table")
+        os.environ[TABLE_VARIABLE] = ConnectionTable.create(table, slots=4 * settings.http_workers)
+        loop = "app.api.accepting:new_event_loop"
     try:
         # No uvicorn access log: the service writes its own, in JSON (MATMUL_ACCESS_LOG). With several workers
         # uvicorn replaces any that dies; the engine processes are the supervisor's.
@@ -156,6 +162,7 @@ def service_main(argv: Sequence[str] | None = None) -> int:
             http=GuardedHttpProtocol,  # type: ignore[arg-type]  # a BufferedProtocol: uvicorn calls what it is given
             timeout_graceful_shutdown=args.timeout_graceful_shutdown,
             workers=settings.http_workers,
+            loop=loop,
         )
     finally:
         supervisor.stop()

@@ -1,6 +1,7 @@
-"""`matmul-service --workers 2` as a real process tree on the CPU backend: a killed HTTP worker is replaced while the
-engine process stays, every worker answers the whole server's inference statistics, and SIGTERM ends every process
-of the tree, leaving nothing in /dev/shm or the engines' socket folder."""
+"""`matmul-service --workers N` as a real process tree on the CPU backend: a killed HTTP worker is replaced while the
+engine process stays, every worker answers the whole server's inference statistics, new connections go to the
+workers that hold the fewest (a replacement among them), and SIGTERM ends every process of the tree, leaving nothing
+in /dev/shm or the engines' socket folder."""
 
 from __future__ import annotations
 
@@ -26,15 +27,24 @@ GUARD_S = 60
 """How long a test waits for the tree to change: a hang guard, far longer than it takes."""
 
 
+def started(tmp_path: Path, workers: int) -> Iterator[LocalService]:
+    env = {"MATMUL_BACKEND": "cpu", "MATMUL_ACCESS_LOG": "false"}
+    service = LocalService.matmul_service(free_port(), env, tmp_path / "service.log", workers=workers)
+    try:
+        service.wait_ready(GUARD_S)
+        yield service
+    finally:
+        service.stop()
+
+
 @pytest.fixture
 def service(tmp_path: Path) -> Iterator[LocalService]:
-    env = {"MATMUL_BACKEND": "cpu", "MATMUL_ACCESS_LOG": "false"}
-    started = LocalService.matmul_service(free_port(), env, tmp_path / "service.log", workers=2)
-    try:
-        started.wait_ready(GUARD_S)
-        yield started
-    finally:
-        started.stop()
+    yield from started(tmp_path, workers=2)
+
+
+@pytest.fixture
+def four_workers(tmp_path: Path) -> Iterator[LocalService]:
+    yield from started(tmp_path, workers=4)
 
 
 def info(service: LocalService) -> dict[str, object]:
@@ -121,6 +131,39 @@ def test_every_worker_answers_the_whole_servers_inference_statistics(service: Lo
             (statistics[pid],) = connection.get("/v2/models/matmul/stats").json()["model_stats"]
     for pid, stats in statistics.items():
         assert stats["inference_count"] == served.total(), f"worker {pid} counts {stats}; served {dict(served)}"
+
+
+def open_connections(service: LocalService, count: int) -> list[tuple[httpx.Client, int]]:
+    """`count` kept-alive connections opened one after another, each with the pid of the worker that holds it."""
+    opened = []
+    for _ in range(count):
+        connection = httpx.Client(base_url=service.url, timeout=30)
+        opened.append((connection, int(connection.get("/v1/info").json()["http_worker_pid"])))
+    return opened
+
+
+def test_connections_go_to_the_workers_that_hold_the_fewest(four_workers: LocalService) -> None:
+    """Eight connections over four workers: two each (the workers accepting by themselves put three to six of them
+    on one worker), and products on every one of them; then a killed worker's replacement takes the next."""
+    opened = open_connections(four_workers, 8)
+    try:
+        held = Counter(pid for _, pid in opened)
+        assert sorted(held.values()) == [2, 2, 2, 2], f"connections by worker: {dict(held)}"
+        for connection, pid in opened:
+            assert connection.get("/v1/info").json()["http_worker_pid"] == pid  # the same connection, kept
+        victim = opened[0][1]
+        os.kill(victim, signal.SIGKILL)
+        deadline = time.monotonic() + GUARD_S
+        while (replacements := set(worker_pids(four_workers, 4)) - set(held)) == set():
+            assert time.monotonic() < deadline, "no worker replaced the killed one"
+        # the three others hold two each and the replacement none (worker_pids' connections are closed)
+        late = open_connections(four_workers, 2)
+        opened += late
+        assert {pid for _, pid in late} == replacements, f"the new connections went to {[p for _, p in late]}"
+    finally:
+        for connection, _ in opened:
+            connection.close()
+    product_is_right(four_workers)
 
 
 def exists(pid: int) -> bool:

@@ -1,0 +1,297 @@
+"""Which HTTP worker takes a new connection: the one that holds the fewest.
+
+The HTTP workers share one listening socket, and without this each worker's event loop accepts whatever connections
+are waiting when it wakes: on a 16-core H200 host eight connections opened together landed on three or four of the
+eight workers (once six on one), and a closed-loop load of 512^2 products on them ran at 678 to 1,248 products/s by
+that placement alone. A user with a few threads met a service of two or three workers.
+
+So with several workers `matmul-service` runs each one's event loop from `new_event_loop` (uvicorn's `--loop`
+import string). That loop serves the shared socket with an `Acceptor` instead of its own server: when a connection
+waits, a worker that holds more connections than another live worker leaves it for HANDOFF_S to the ones that hold
+fewer, and takes it itself only if none has by then (they may all be busy). The counts are a `ConnectionTable`,
+a small file every worker maps (MATMUL_CONNECTION_TABLE, made by `matmul-service` before the workers start), one
+slot of (pid, open connections) per worker; a worker counts a connection from its accept to its protocol's
+`connection_lost`. A worker that dies leaves its slot, which no one reads once its pid is gone, and the worker that
+replaces it claims a free one.
+
+Without the variable (one worker, or uvicorn started by hand) the loop is uvloop's own, unchanged.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import fcntl
+import logging
+import mmap
+import os
+import socket
+from collections.abc import Callable
+from ssl import SSLContext
+from typing import Any
+
+import uvloop
+
+TABLE_VARIABLE = "MATMUL_CONNECTION_TABLE"
+"""The path of the connection table the HTTP workers share, set by `matmul-service`."""
+HANDOFF_S = 0.002
+"""How long a worker that holds more connections than another leaves a waiting connection to the others."""
+ACCEPT_RETRY_S = 1.0
+"""How long a worker stops accepting after the system refused it a socket (out of descriptors): asyncio's own."""
+_SLOT_WORDS = 2
+"""A slot's 64-bit words: the worker's pid (0 where free) and the connections it holds."""
+
+log = logging.getLogger(__name__)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process: alive, though not ours
+        return True
+    return True
+
+
+class ConnectionTable:
+    """The HTTP workers' open connections, one slot each, in a file all of them map. Each worker writes its own slot
+    only (from its event loop's thread); a slot is claimed under the file's lock."""
+
+    def __init__(self, path: str, pid: int | None = None) -> None:
+        """This process's slot in the table at `path`: a free one, or one whose worker is gone."""
+        self.path = path
+        self.pid = os.getpid() if pid is None else pid
+        with open(path, "r+b") as file:
+            self._map = mmap.mmap(file.fileno(), 0)
+            self._words = memoryview(self._map).cast("q")
+            fcntl.flock(file, fcntl.LOCK_EX)
+            try:
+                free = (slot for slot in range(self.slots) if not self._pid(slot) or not _alive(self._pid(slot)))
+                claimed = next(free, None)
+                if claimed is None:
+                    raise RuntimeError(f"the connection table {path} has no free slot of {self.slots}")
+                self.slot: int = claimed
+                self._words[claimed * _SLOT_WORDS + 1] = 0
+                self._words[claimed * _SLOT_WORDS] = self.pid
+            finally:
+                fcntl.flock(file, fcntl.LOCK_UN)
+
+    @staticmethod
+    def create(path: str, slots: int) -> str:
+        """A new table of `slots` free slots at `path`; the path."""
+        with open(path, "wb") as file:
+            file.write(bytes(slots * _SLOT_WORDS * 8))
+        return path
+
+    @property
+    def slots(self) -> int:
+        return len(self._words) // _SLOT_WORDS
+
+    def _pid(self, slot: int) -> int:
+        return self._words[slot * _SLOT_WORDS]
+
+    def held(self, slot: int | None = None) -> int:
+        """The connections the worker of `slot` (this one's by default) holds."""
+        return self._words[(self.slot if slot is None else slot) * _SLOT_WORDS + 1]
+
+    def add(self, change: int) -> None:
+        """This worker holds `change` more connections."""
+        self._words[self.slot * _SLOT_WORDS + 1] += change
+
+    def fewest(self) -> bool:
+        """Whether no other live worker holds fewer connections than this one."""
+        mine = self.held()
+        for slot in range(self.slots):
+            pid = self._pid(slot)
+            if slot != self.slot and pid and self.held(slot) < mine and _alive(pid):
+                return False
+        return True
+
+    def release(self) -> None:
+        """Free this worker's slot (it is stopping)."""
+        self._words[self.slot * _SLOT_WORDS + 1] = 0
+        self._words[self.slot * _SLOT_WORDS] = 0
+
+    def close(self) -> None:
+        self._words.release()
+        self._map.close()
+
+
+class _Counted(asyncio.BufferedProtocol):
+    """A connection's own protocol, with its end counted off the table. uvloop looks up `get_buffer` and
+    `buffer_updated` once a connection, so the connection's own are set on this object: no hop per read."""
+
+    def __init__(self, inner: asyncio.BaseProtocol, ended: Callable[[], None]) -> None:
+        if not isinstance(inner, asyncio.BufferedProtocol):
+            raise TypeError(f"{type(inner).__name__} is not a BufferedProtocol, which the acceptor hands on")
+        self.inner = inner
+        self.ended: Callable[[], None] | None = ended
+        self.get_buffer = inner.get_buffer  # type: ignore[method-assign]
+        self.buffer_updated = inner.buffer_updated  # type: ignore[method-assign]
+
+    def end(self) -> None:
+        """Count the connection off, once."""
+        ended, self.ended = self.ended, None
+        if ended is not None:
+            ended()
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.inner.connection_made(transport)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.end()
+        self.inner.connection_lost(exc)
+
+    def eof_received(self) -> bool | None:
+        return self.inner.eof_received()
+
+    def pause_writing(self) -> None:
+        self.inner.pause_writing()
+
+    def resume_writing(self) -> None:
+        self.inner.resume_writing()
+
+
+class Acceptor(asyncio.AbstractServer):
+    """Accepts connections on a shared listening socket for this worker, leaving each for HANDOFF_S to workers that
+    hold fewer (module docstring), and hands them to the event loop with uvicorn's protocol."""
+
+    def __init__(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        listener: socket.socket,
+        protocol_factory: Callable[[], asyncio.BaseProtocol],
+        table: ConnectionTable,
+        tls: SSLContext | None = None,
+        backlog: int = 100,
+    ) -> None:
+        self.loop = loop
+        self.listener = listener
+        self.protocol_factory = protocol_factory
+        self.table = table
+        self.tls = tls
+        self.adopting: set[asyncio.Task[None]] = set()
+        self.fd = listener.fileno()
+        listener.setblocking(False)
+        listener.listen(backlog)  # uvicorn binds the socket, the server listens on it
+        self.task: asyncio.Task[None] | None = loop.create_task(self.accept_forever())
+
+    async def _readable(self) -> None:
+        """Wait until a connection waits. The reader is one-shot: a worker leaving a connection to the others must
+        not be woken for it again and again."""
+        waiting: asyncio.Future[None] = self.loop.create_future()
+
+        def ready() -> None:
+            if not waiting.done():
+                waiting.set_result(None)
+
+        self.loop.add_reader(self.fd, ready)
+        try:
+            await waiting
+        finally:
+            self.loop.remove_reader(self.fd)
+
+    async def accept_forever(self) -> None:
+        while True:
+            await self._readable()
+            if not self.table.fewest():
+                await asyncio.sleep(HANDOFF_S)
+            try:
+                connection, _ = self.listener.accept()
+            except (BlockingIOError, InterruptedError, ConnectionAbortedError):
+                continue  # another worker took it, or the client gave up
+            except OSError as exc:  # out of descriptors or memory: the connection waits in the backlog
+                log.error("accepting a connection failed (%s); accepting again in %g s", exc, ACCEPT_RETRY_S)
+                await asyncio.sleep(ACCEPT_RETRY_S)
+                continue
+            self.table.add(1)
+            task = self.loop.create_task(self.adopt(connection))
+            self.adopting.add(task)
+            task.add_done_callback(self.adopting.discard)
+
+    async def adopt(self, connection: socket.socket) -> None:
+        """Serve `connection` with a new protocol, counted off the table when it ends (or fails to start)."""
+        counted: _Counted | None = None
+
+        def protocol() -> asyncio.BaseProtocol:
+            nonlocal counted
+            counted = _Counted(self.protocol_factory(), lambda: self.table.add(-1))
+            return counted
+
+        connection.setblocking(False)
+        try:
+            await self.loop.connect_accepted_socket(protocol, connection, ssl=self.tls)
+        except BaseException as exc:
+            if counted is None:  # no protocol, so no transport: the socket is still this acceptor's to close
+                self.table.add(-1)
+                connection.close()
+            else:  # the transport owns the socket and closes it
+                counted.end()
+            if not isinstance(exc, Exception):
+                raise
+            log.warning("a connection could not be served: %r", exc)
+
+    # asyncio.AbstractServer: what uvicorn calls of the servers it makes (close, on shutdown)
+    def close(self) -> None:
+        if self.task is not None:
+            self.loop.remove_reader(self.fd)  # now, while the descriptor is open: uvicorn closes it next
+            self.task.cancel()
+            self.task = None
+        self.listener.close()
+
+    def get_loop(self) -> asyncio.AbstractEventLoop:
+        return self.loop
+
+    def is_serving(self) -> bool:
+        return self.task is not None
+
+    async def start_serving(self) -> None:
+        return None
+
+    async def serve_forever(self) -> None:
+        if self.task is not None:
+            with contextlib.suppress(asyncio.CancelledError):
+                await self.task
+
+    async def wait_closed(self) -> None:
+        if self.adopting:
+            await asyncio.gather(*self.adopting, return_exceptions=True)
+
+
+class BalancedLoop(uvloop.Loop):
+    """uvloop's loop, serving a listening socket it is given with an Acceptor over `table`."""
+
+    def __init__(self, table: ConnectionTable) -> None:
+        super().__init__()
+        self.table = table
+
+    async def create_server(  # type: ignore[override]  # uvloop's signature, of which uvicorn uses these
+        self,
+        protocol_factory: Callable[[], asyncio.BaseProtocol],
+        host: Any = None,
+        port: Any = None,
+        *,
+        sock: socket.socket | None = None,
+        ssl: SSLContext | None = None,
+        backlog: int = 100,
+        **options: Any,
+    ) -> asyncio.AbstractServer:
+        if sock is None:
+            return await super().create_server(protocol_factory, host, port, ssl=ssl, backlog=backlog, **options)
+        return Acceptor(self, sock, protocol_factory, self.table, ssl, backlog)
+
+    def close(self) -> None:
+        if not self.is_closed():
+            self.table.release()
+            self.table.close()
+        super().close()
+
+
+def new_event_loop() -> asyncio.AbstractEventLoop:
+    """An HTTP worker's event loop (uvicorn's `--loop app.api.accepting:new_event_loop`): a BalancedLoop on the
+    table MATMUL_CONNECTION_TABLE names, or uvloop's own where it names none."""
+    path = os.environ.get(TABLE_VARIABLE)
+    if not path:
+        return uvloop.new_event_loop()
+    return BalancedLoop(ConnectionTable(path))
