@@ -368,8 +368,9 @@ def test_a_cuda_status_does_not_list_system_regions(server: Server, region: tupl
 def test_every_http_worker_serves_a_region_registered_through_any_of_them(
     big_region: tuple[str, str, object], tmp_path: Path
 ) -> None:
-    """`matmul-service --workers 2`: the regions live in the engine process, so a product naming one is served
-    whichever worker each new connection reaches."""
+    """`matmul-service --workers 2`: the regions live in the engine process, so a product naming one is served by the
+    worker it was registered through and by the other. The registering connection stays open, so the next one goes
+    to the other worker, which holds none (app.api.accepting)."""
     name, key, handle = big_region
     env = {"MATMUL_BACKEND": "cpu", "MATMUL_ACCESS_LOG": "false", "MATMUL_SHARED_MEMORY": "system"}
     service = LocalService.matmul_service(free_port(), env, tmp_path / "server.log", workers=2)
@@ -377,23 +378,24 @@ def test_every_http_worker_serves_a_region_registered_through_any_of_them(
         service.wait_ready(60)
         a, b = np.eye(4, dtype=np.float32) * 3, np.arange(16, dtype=np.float32).reshape(4, 4)
         shm.set_shared_memory_region(handle, [a, b])
-        registering = httpclient.InferenceServerClient(url=service.url.removeprefix("http://"))
-        registering.register_system_shared_memory(name, key, 4096)
-        workers = set()
-        for _ in range(40):  # a new connection each time, so that either worker may answer
-            body = {
-                "inputs": [
-                    {"name": "A", "shape": [4, 4], "datatype": "FP32", "parameters": _region(name, 0, 64)},
-                    {"name": "B", "shape": [4, 4], "datatype": "FP32", "parameters": _region(name, 64, 64)},
-                ]
-            }
-            answer = httpx.post(f"{service.url}/v2/models/matmul_numpy/infer", json=body)
-            assert answer.status_code == 200, answer.text
-            np.testing.assert_array_equal(np.reshape(answer.json()["outputs"][0]["data"], (4, 4)), a @ b)
-            workers.add(httpx.get(f"{service.url}/v1/info").json()["http_worker_pid"])
-        assert len(workers) == 2
-        registering.unregister_system_shared_memory(name)
-        registering.close()
+        body = {
+            "inputs": [
+                {"name": "A", "shape": [4, 4], "datatype": "FP32", "parameters": _region(name, 0, 64)},
+                {"name": "B", "shape": [4, 4], "datatype": "FP32", "parameters": _region(name, 64, 64)},
+            ]
+        }
+        with httpx.Client(base_url=service.url) as registering, httpx.Client(base_url=service.url) as other:
+            registered = registering.post(
+                f"/v2/systemsharedmemory/region/{name}/register", json={"key": key, "offset": 0, "byte_size": 4096}
+            )
+            assert registered.status_code == 200, registered.text
+            workers = [connection.get("/v1/info").json()["http_worker_pid"] for connection in (registering, other)]
+            assert workers[0] != workers[1]
+            for connection in (registering, other):
+                answer = connection.post("/v2/models/matmul_numpy/infer", json=body)
+                assert answer.status_code == 200, answer.text
+                np.testing.assert_array_equal(np.reshape(answer.json()["outputs"][0]["data"], (4, 4)), a @ b)
+            assert other.post(f"/v2/systemsharedmemory/region/{name}/unregister").status_code == 200
     finally:
         service.stop()
 
