@@ -25,8 +25,9 @@ A cell is closed-loop load from `--processes` client processes sharing the size'
 size:connections; each connection a thread with its own client object or socket). Every connection checks its first
 answer against the float64 product of its own operands (numerics.reference's bound); once all have, `--warmup`
 seconds more, then `--seconds` measured: products/s, p50/p99 latency (ms) of the 200 answers, other answers by
-status. For `client`, also the client's own cost: the mean of (wall time of multiply - the server's timing
-"total") per product, beside that mean server total.
+status. For `client` and the raw senders, also each one's own cost: the mean of (wall time of an exchange - the
+server's timing "total", from the answer's Server-Timing) per product, beside that mean server total; so a gap
+between a client and its raw sender shows on which side of the socket it lies.
 
 Prints Markdown tables (each cell with its ratio to the raw sender of the same route: client / raw-npy, triton /
 raw-v2, and triton-grpc / raw-v2, the protocol over gRPC against its HTTP floor; the client's cost; products/s by
@@ -77,7 +78,7 @@ import httpx
 import numpy as np
 import orjson
 
-from matmul_client.client import MatmulClient, MatmulServiceError
+from matmul_client.client import MatmulClient, MatmulServiceError, parse_server_timing
 from matmul_tools.bodies import load_npy
 from matmul_tools.raw_load import (
     Answer,
@@ -342,9 +343,10 @@ class RawSocket:
         if answer.header(b"connection") == b"close":
             self.sock.close()
             self.sock = self._connect()
-        if answer.status != 200 or body is None:
+        if answer.status != 200:
             return Exchange(str(answer.status))
-        return Exchange("200", self._product(answer, body))
+        total = parse_server_timing((answer.header(b"server-timing") or b"").decode("latin-1")).get("total")
+        return Exchange("200", None if body is None else self._product(answer, body), total)
 
     def _product(self, answer: Answer, body: bytearray) -> np.ndarray:
         if self.kind == "raw-npy":
@@ -601,11 +603,11 @@ def measure_cell(
         cell["failure"] = "no product answered in the measured window"
     elif check and total.unchecked:
         cell["failure"] = f"{total.unchecked} of {concurrency} connections had no product to check"
-    if kind == "client":
+    if total.timed:  # the senders that read the server's timing: the client and the raw ones
         cell["client_cost"] = {
             "products": total.timed,
-            "client_ms": total.client_ms / total.timed if total.timed else None,
-            "server_total_ms": total.server_ms / total.timed if total.timed else None,
+            "client_ms": total.client_ms / total.timed,
+            "server_total_ms": total.server_ms / total.timed,
         }
     return cell
 
@@ -753,16 +755,17 @@ def print_report(report: dict[str, Any]) -> None:
         print(markdown(["server", "size", "client", "vs raw by round", "vs raw, means"], rows))
     costs = [cell for cell in cells if "client_cost" in cell]
     if costs:
-        print("\n## MatmulClient: its own cost per product beside the server's timing total (mean ms)\n")
+        print("\n## Each sender's own cost per product beside the server's timing total (mean ms)\n")
         rows = [
             [
-                cell["server"], str(cell["size"]), str(cell["concurrency"]), _figure(cell["products_per_s"], 1),
+                cell["server"], str(cell["size"]), str(cell["concurrency"]), cell["client"],
+                _figure(cell["products_per_s"], 1),
                 _figure(cell["latency_ms"]["mean"]), _figure(cell["client_cost"]["server_total_ms"]),
                 _figure(cell["client_cost"]["client_ms"]),
             ]
             for cell in costs
         ]  # fmt: skip
-        print(markdown(["server", "size", "conc", "products/s", "wall", "server total", "client cost"], rows))
+        print(markdown(["server", "size", "conc", "client", "products/s", "wall", "server total", "own cost"], rows))
     servers = list(report["servers"])
     if len(servers) > 1:
         print("\n## Products/s by server\n")
