@@ -163,6 +163,8 @@ def service_main(argv: Sequence[str] | None = None) -> int:
             timeout_graceful_shutdown=args.timeout_graceful_shutdown,
             workers=settings.http_workers,
             loop=loop,
+            # no WebSocket routes; and an upgraded connection would leave the protocol that counts its end
+            ws="none",
         )
     finally:
         supervisor.stop()

@@ -98,6 +98,14 @@ class Settings(BaseSettings):
         f"{MAX_DEFAULT_HTTP_WORKERS}, and no more than a quarter of its memory holds at "
         f"{MIN_DEFAULT_SLAB_BYTES >> 20} MiB of shared memory each.",
     )
+    accept_handoff_ms: float = Field(
+        2.0,
+        ge=0,
+        le=1000,
+        description="With several HTTP workers, how long one that holds more connections than another leaves a new "
+        "connection to those that hold fewer before it takes it itself (they may all be busy): each new connection "
+        "goes to the worker holding the fewest. 0: whichever worker wakes first takes it.",
+    )
     slab_bytes: int = Field(
         default_factory=_host_slab_bytes,
         ge=1 << 20,

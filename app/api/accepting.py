@@ -7,12 +7,13 @@ that placement alone. A user with a few threads met a service of two or three wo
 
 So with several workers `matmul-service` runs each one's event loop from `new_event_loop` (uvicorn's `--loop`
 import string). That loop serves the shared socket with an `Acceptor` instead of its own server: when a connection
-waits, a worker that holds more connections than another live worker leaves it for HANDOFF_S to the ones that hold
-fewer, and takes it itself only if none has by then (they may all be busy). The counts are a `ConnectionTable`,
-a small file every worker maps (MATMUL_CONNECTION_TABLE, made by `matmul-service` before the workers start), one
-slot of (pid, open connections) per worker; a worker counts a connection from its accept to its protocol's
-`connection_lost`. A worker that dies leaves its slot, which no one reads once its pid is gone, and the worker that
-replaces it claims a free one.
+waits, a worker that holds more connections than another accepting worker leaves it to the ones that hold fewer for
+MATMUL_ACCEPT_HANDOFF_MS, and takes it itself only if none has by then (they may all be busy). The counts are a
+`ConnectionTable`, a small file every worker maps (MATMUL_CONNECTION_TABLE, made by `matmul-service` before the
+workers start), one slot of (pid, open connections) per accepting worker: a worker claims one when it starts
+accepting (after its start-up) and frees it when it stops (before it drains), so that no worker waits on one that
+cannot take a connection. A worker counts a connection from its accept to its protocol's `connection_lost`. A worker
+that dies leaves its slot, which no one reads once its pid is gone, and the worker that replaces it claims a free one.
 
 Without the variable (one worker, or uvicorn started by hand) the loop is uvloop's own, unchanged.
 """
@@ -21,10 +22,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import fcntl
 import logging
 import mmap
 import os
+import signal
 import socket
 from collections.abc import Callable
 from ssl import SSLContext
@@ -32,12 +35,14 @@ from typing import Any
 
 import uvloop
 
+from app.config import Settings
+
 TABLE_VARIABLE = "MATMUL_CONNECTION_TABLE"
 """The path of the connection table the HTTP workers share, set by `matmul-service`."""
-HANDOFF_S = 0.002
-"""How long a worker that holds more connections than another leaves a waiting connection to the others."""
 ACCEPT_RETRY_S = 1.0
 """How long a worker stops accepting after the system refused it a socket (out of descriptors): asyncio's own."""
+OUT_OF_SOCKETS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
+"""What `accept` fails with when the system has no socket to give: the connection waits in the backlog meanwhile."""
 _SLOT_WORDS = 2
 """A slot's 64-bit words: the worker's pid (0 where free) and the connections it holds."""
 
@@ -62,6 +67,7 @@ class ConnectionTable:
         """This process's slot in the table at `path`: a free one, or one whose worker is gone."""
         self.path = path
         self.pid = os.getpid() if pid is None else pid
+        self.released = False
         with open(path, "r+b") as file:
             self._map = mmap.mmap(file.fileno(), 0)
             self._words = memoryview(self._map).cast("q")
@@ -96,8 +102,10 @@ class ConnectionTable:
         return self._words[(self.slot if slot is None else slot) * _SLOT_WORDS + 1]
 
     def add(self, change: int) -> None:
-        """This worker holds `change` more connections."""
-        self._words[self.slot * _SLOT_WORDS + 1] += change
+        """This worker holds `change` more connections; nothing once its slot is released (the connections it
+        drains end after it stopped accepting, and the slot may be another worker's by then)."""
+        if not self.released:
+            self._words[self.slot * _SLOT_WORDS + 1] += change
 
     def fewest(self) -> bool:
         """Whether no other live worker holds fewer connections than this one."""
@@ -109,11 +117,12 @@ class ConnectionTable:
         return True
 
     def release(self) -> None:
-        """Free this worker's slot (it is stopping)."""
+        """Free this worker's slot and unmap the table (it stops accepting); once only."""
+        if self.released:
+            return
+        self.released = True
         self._words[self.slot * _SLOT_WORDS + 1] = 0
         self._words[self.slot * _SLOT_WORDS] = 0
-
-    def close(self) -> None:
         self._words.release()
         self._map.close()
 
@@ -154,8 +163,9 @@ class _Counted(asyncio.BufferedProtocol):
 
 
 class Acceptor(asyncio.AbstractServer):
-    """Accepts connections on a shared listening socket for this worker, leaving each for HANDOFF_S to workers that
-    hold fewer (module docstring), and hands them to the event loop with uvicorn's protocol."""
+    """Accepts connections on a shared listening socket for this worker, leaving each for `handoff_s` to workers that
+    hold fewer (module docstring), and hands them to the event loop with uvicorn's protocol. Its slot in the table is
+    claimed when it starts and freed when it is closed."""
 
     def __init__(
         self,
@@ -163,6 +173,7 @@ class Acceptor(asyncio.AbstractServer):
         listener: socket.socket,
         protocol_factory: Callable[[], asyncio.BaseProtocol],
         table: ConnectionTable,
+        handoff_s: float,
         tls: SSLContext | None = None,
         backlog: int = 100,
     ) -> None:
@@ -170,12 +181,23 @@ class Acceptor(asyncio.AbstractServer):
         self.listener = listener
         self.protocol_factory = protocol_factory
         self.table = table
+        self.handoff_s = handoff_s
         self.tls = tls
         self.adopting: set[asyncio.Task[None]] = set()
         self.fd = listener.fileno()
         listener.setblocking(False)
         listener.listen(backlog)  # uvicorn binds the socket, the server listens on it
         self.task: asyncio.Task[None] | None = loop.create_task(self.accept_forever())
+        self.task.add_done_callback(self._stopped)
+
+    @staticmethod
+    def _stopped(task: asyncio.Task[None]) -> None:
+        """A worker whose accepting failed is stopped, so that its supervisor starts another in its place (uvicorn
+        does): it would otherwise serve the connections it holds and never take another."""
+        if task.cancelled() or task.exception() is None:
+            return
+        log.critical("accepting connections failed; stopping this worker", exc_info=task.exception())
+        os.kill(os.getpid(), signal.SIGTERM)
 
     async def _readable(self) -> None:
         """Wait until a connection waits. The reader is one-shot: a worker leaving a connection to the others must
@@ -190,18 +212,22 @@ class Acceptor(asyncio.AbstractServer):
         try:
             await waiting
         finally:
-            self.loop.remove_reader(self.fd)
+            if self.task is not None:  # close() removed it while the descriptor was open; it may be another's now
+                self.loop.remove_reader(self.fd)
 
     async def accept_forever(self) -> None:
         while True:
             await self._readable()
             if not self.table.fewest():
-                await asyncio.sleep(HANDOFF_S)
+                await asyncio.sleep(self.handoff_s)
             try:
                 connection, _ = self.listener.accept()
             except (BlockingIOError, InterruptedError, ConnectionAbortedError):
                 continue  # another worker took it, or the client gave up
-            except OSError as exc:  # out of descriptors or memory: the connection waits in the backlog
+            except OSError as exc:
+                if exc.errno not in OUT_OF_SOCKETS:  # this connection's own failure (asyncio's loops skip it too)
+                    log.warning("accepting a connection failed: %s", exc)
+                    continue
                 log.error("accepting a connection failed (%s); accepting again in %g s", exc, ACCEPT_RETRY_S)
                 await asyncio.sleep(ACCEPT_RETRY_S)
                 continue
@@ -234,10 +260,12 @@ class Acceptor(asyncio.AbstractServer):
 
     # asyncio.AbstractServer: what uvicorn calls of the servers it makes (close, on shutdown)
     def close(self) -> None:
+        """Stop accepting: uvicorn calls this when the worker begins to stop, before it drains its connections."""
         if self.task is not None:
             self.loop.remove_reader(self.fd)  # now, while the descriptor is open: uvicorn closes it next
             self.task.cancel()
             self.task = None
+            self.table.release()
         self.listener.close()
 
     def get_loop(self) -> asyncio.AbstractEventLoop:
@@ -260,11 +288,13 @@ class Acceptor(asyncio.AbstractServer):
 
 
 class BalancedLoop(uvloop.Loop):
-    """uvloop's loop, serving a listening socket it is given with an Acceptor over `table`."""
+    """uvloop's loop, serving a listening socket it is given with an Acceptor that claims a slot of the connection
+    table at `table_path` and leaves connections to workers that hold fewer for `handoff_s`."""
 
-    def __init__(self, table: ConnectionTable) -> None:
+    def __init__(self, table_path: str, handoff_s: float) -> None:
         super().__init__()
-        self.table = table
+        self.table_path = table_path
+        self.handoff_s = handoff_s
 
     async def create_server(  # type: ignore[override]  # uvloop's signature, of which uvicorn uses these
         self,
@@ -279,13 +309,8 @@ class BalancedLoop(uvloop.Loop):
     ) -> asyncio.AbstractServer:
         if sock is None:
             return await super().create_server(protocol_factory, host, port, ssl=ssl, backlog=backlog, **options)
-        return Acceptor(self, sock, protocol_factory, self.table, ssl, backlog)
-
-    def close(self) -> None:
-        if not self.is_closed():
-            self.table.release()
-            self.table.close()
-        super().close()
+        table = ConnectionTable(self.table_path)
+        return Acceptor(self, sock, protocol_factory, table, self.handoff_s, ssl, backlog)
 
 
 def new_event_loop() -> asyncio.AbstractEventLoop:
@@ -294,4 +319,4 @@ def new_event_loop() -> asyncio.AbstractEventLoop:
     path = os.environ.get(TABLE_VARIABLE)
     if not path:
         return uvloop.new_event_loop()
-    return BalancedLoop(ConnectionTable(path))
+    return BalancedLoop(path, Settings().accept_handoff_ms / 1e3)

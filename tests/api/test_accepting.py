@@ -1,13 +1,17 @@
 """The HTTP workers' shared connection table and the acceptor that reads it (app.api.accepting), in this process on a
-BalancedLoop, over real sockets: a connection is counted from its accept to its end, left for HANDOFF_S to a live
-worker that holds fewer and then taken all the same, counted off when its protocol cannot be made, and a worker
-that is gone is neither read nor kept from its slot. Whole servers balancing their workers:
+BalancedLoop, over real sockets: a worker holds a slot only while it accepts; a connection is counted from its accept
+to its end, left for the hand-off to a live worker that holds fewer and then taken all the same, counted off when its
+protocol cannot be made; a failed accept is skipped or waited out by its cause, a failed acceptor stops its worker;
+and a worker that is gone is neither read nor kept from its slot. Whole servers balancing their workers:
 tests/server/test_workers.py.
 """
 
 from __future__ import annotations
 
 import asyncio
+import errno
+import os
+import signal
 import socket
 import subprocess
 import time
@@ -17,10 +21,13 @@ from typing import Any
 
 import pytest
 
-from app.api.accepting import HANDOFF_S, Acceptor, BalancedLoop, ConnectionTable
+from app.api import accepting
+from app.api.accepting import ACCEPT_RETRY_S, Acceptor, BalancedLoop, ConnectionTable
 
 GUARD_S = 10
 """How long a test waits for a connection to be served or counted: a hang guard."""
+HANDOFF_S = 0.002
+"""The hand-off of the loops here: MATMUL_ACCEPT_HANDOFF_MS' default."""
 
 
 @pytest.fixture
@@ -68,7 +75,19 @@ def test_a_worker_holding_more_than_a_live_one_is_not_the_fewest(
     theirs.add(1)
     assert mine.fewest() and theirs.fewest()
     mine.release()
+    mine.release()  # once only
     assert ConnectionTable(table_path).slot == mine.slot  # a released slot is free
+
+
+def test_a_released_slot_is_not_written_again(table_path: str, sleeper: subprocess.Popen[bytes]) -> None:
+    """A worker's connections end while it drains, after it released its slot, which another may hold by then."""
+    stopping = ConnectionTable(table_path)
+    stopping.add(2)
+    stopping.release()
+    successor = ConnectionTable(table_path, pid=sleeper.pid)
+    assert successor.slot == stopping.slot
+    stopping.add(-1)
+    assert successor.held() == 0
 
 
 def test_a_full_table_says_so(table_path: str, sleeper: subprocess.Popen[bytes]) -> None:
@@ -76,6 +95,12 @@ def test_a_full_table_says_so(table_path: str, sleeper: subprocess.Popen[bytes])
         ConnectionTable(table_path, pid=sleeper.pid)
     with pytest.raises(RuntimeError, match="no free slot of 4"):
         ConnectionTable(table_path)
+
+
+OPEN: list[asyncio.BaseTransport] = []
+"""Both ends of the connections a test opened, closed after it."""
+SERVING: dict[BalancedLoop, list[Acceptor]] = {}
+"""The acceptors each loop's test made, closed after it (a test that fails leaves them accepting)."""
 
 
 class Echo(asyncio.BufferedProtocol):
@@ -87,6 +112,7 @@ class Echo(asyncio.BufferedProtocol):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport
+        OPEN.append(transport)
 
     def get_buffer(self, sizehint: int) -> memoryview:
         return memoryview(self.memory)
@@ -95,28 +121,47 @@ class Echo(asyncio.BufferedProtocol):
         self.transport.write(bytes(self.memory[:nbytes]))
 
 
-def on_balanced_loop(table_path: str, test: Callable[[BalancedLoop, socket.socket], Coroutine[Any, Any, None]]) -> None:
-    """Run `test` on a BalancedLoop over the table at `table_path`, with a listening socket bound (as uvicorn binds
-    it) and not yet listening."""
-    listener = socket.socket()
+def on_balanced_loop(
+    table_path: str,
+    test: Callable[[BalancedLoop, socket.socket], Coroutine[Any, Any, None]],
+    listener: socket.socket | None = None,
+) -> None:
+    """Run `test` on a BalancedLoop over the table at `table_path`, with a listening socket (`listener`, else a new
+    one) bound as uvicorn binds it, and not yet listening."""
+    listener = socket.socket() if listener is None else listener
     listener.bind(("127.0.0.1", 0))
-    loop = BalancedLoop(ConnectionTable(table_path))
+    loop = BalancedLoop(table_path, HANDOFF_S)
     try:
         loop.run_until_complete(asyncio.wait_for(test(loop, listener), GUARD_S))
     finally:
+        for server in SERVING.pop(loop, []):  # a test that failed left them accepting, and connections open
+            server.close()
+        while OPEN:
+            OPEN.pop().close()
         left = asyncio.all_tasks(loop)  # the acceptor's, and connections' it is still handing on
         for task in left:
             task.cancel()
         if left:
             loop.run_until_complete(asyncio.gather(*left, return_exceptions=True))
+        loop.run_until_complete(asyncio.sleep(0.01))  # the closes' callbacks
         listener.close()
         loop.close()
 
 
 async def echoed(port: int, data: bytes) -> tuple[asyncio.StreamReader, asyncio.StreamWriter, bytes]:
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    OPEN.append(writer.transport)
     writer.write(data)
     return reader, writer, await reader.readexactly(len(data))
+
+
+async def serving(
+    loop: BalancedLoop, protocol: Callable[[], asyncio.BaseProtocol], listener: socket.socket
+) -> Acceptor:
+    server = await loop.create_server(protocol, sock=listener, backlog=8)
+    assert isinstance(server, Acceptor) and server.is_serving()
+    SERVING.setdefault(loop, []).append(server)
+    return server
 
 
 async def until(condition: Callable[[], bool]) -> None:
@@ -127,18 +172,17 @@ async def until(condition: Callable[[], bool]) -> None:
 
 def test_a_connection_is_served_and_counted_from_its_accept_to_its_end(table_path: str) -> None:
     async def test(loop: BalancedLoop, listener: socket.socket) -> None:
-        server = await loop.create_server(Echo, sock=listener, backlog=8)
-        assert isinstance(server, Acceptor) and server.is_serving()
+        server = await serving(loop, Echo, listener)
         connections = [await echoed(listener.getsockname()[1], b"product %d" % i) for i in range(3)]
         assert [got for _, _, got in connections] == [b"product 0", b"product 1", b"product 2"]
-        assert loop.table.held() == 3
+        assert server.table.held() == 3
         for _, writer, _ in connections[:2]:
             writer.close()
-        await until(lambda: loop.table.held() == 1)
+        await until(lambda: server.table.held() == 1)
+        connections[2][1].close()
+        await until(lambda: server.table.held() == 0)
         server.close()
         assert not server.is_serving()
-        connections[2][1].close()
-        await until(lambda: loop.table.held() == 0)
         await server.wait_closed()
 
     on_balanced_loop(table_path, test)
@@ -152,18 +196,18 @@ def test_a_connection_left_to_a_worker_that_holds_fewer_is_taken_once_no_one_has
 
     async def test(loop: BalancedLoop, listener: socket.socket) -> None:
         ConnectionTable(table_path, pid=sleeper.pid)
-        await loop.create_server(Echo, sock=listener)
+        server = await serving(loop, Echo, listener)
         port = listener.getsockname()[1]
         first = await echoed(port, b"first")
-        assert first[2] == b"first" and not loop.table.fewest()
+        assert first[2] == b"first" and not server.table.fewest()
         began = time.perf_counter()
         second = await echoed(port, b"second")
         assert second[2] == b"second"
         assert time.perf_counter() - began >= HANDOFF_S
-        assert loop.table.held() == 2
+        assert server.table.held() == 2
         for _, writer, _ in (first, second):
             writer.close()
-        await until(lambda: loop.table.held() == 0)
+        await until(lambda: server.table.held() == 0)
 
     on_balanced_loop(table_path, test)
 
@@ -180,17 +224,17 @@ def test_a_connection_whose_protocol_cannot_be_made_is_closed_and_counted_off(ta
         return Echo()
 
     async def test(loop: BalancedLoop, listener: socket.socket) -> None:
-        await loop.create_server(protocol, sock=listener)
+        server = await serving(loop, protocol, listener)
         port = listener.getsockname()[1]
         for _ in range(2):
             reader, writer = await asyncio.open_connection("127.0.0.1", port)
             assert await reader.read() == b""  # closed by the server
             writer.close()
-        await until(lambda: loop.table.held() == 0)
+        await until(lambda: server.table.held() == 0)
         _, writer, got = await echoed(port, b"third")
-        assert got == b"third" and loop.table.held() == 1
+        assert got == b"third" and server.table.held() == 1
         writer.close()
-        await until(lambda: loop.table.held() == 0)
+        await until(lambda: server.table.held() == 0)
 
     on_balanced_loop(table_path, test)
 
@@ -202,16 +246,97 @@ def test_servers_of_a_host_and_port_are_uvloops_own(table_path: str) -> None:
         assert server.sockets
         port = server.sockets[0].getsockname()[1]
         _, writer, got = await echoed(port, b"plain")
-        assert got == b"plain" and loop.table.held() == 0
+        assert got == b"plain"
         writer.close()
         server.close()
+        assert ConnectionTable(table_path).slot == 0  # the table untouched: its first slot is free
 
     on_balanced_loop(table_path, test)
 
 
-def test_the_loop_frees_its_slot_when_it_closes(table_path: str) -> None:
-    loop = BalancedLoop(ConnectionTable(table_path))
-    slot = loop.table.slot
-    loop.close()
-    loop.close()  # as asyncio's runners may
-    assert ConnectionTable(table_path).slot == slot
+def test_a_worker_holds_a_slot_only_while_it_accepts(table_path: str, sleeper: subprocess.Popen[bytes]) -> None:
+    """No slot while the worker starts (its loop made, its socket not yet served), nor once it stops accepting,
+    while its connections drain: the others never wait on a worker that cannot take a connection."""
+
+    async def test(loop: BalancedLoop, listener: socket.socket) -> None:
+        other = ConnectionTable(table_path, pid=sleeper.pid)
+        other.add(1)
+        assert other.slot == 0  # this worker, starting, holds none
+        server = await serving(loop, Echo, listener)
+        assert server.table.slot == 1 and other.fewest() is False
+        _, draining, got = await echoed(listener.getsockname()[1], b"in flight")
+        assert got == b"in flight" and server.table.held() == 1
+        server.close()
+        assert other.fewest()  # the stopping worker is not read
+        successor = ConnectionTable(table_path)
+        assert successor.slot == 1
+        draining.close()
+        await asyncio.sleep(0.05)
+        assert successor.held() == 0  # the drained connection's end is not counted on the successor's slot
+
+    on_balanced_loop(table_path, test)
+
+
+class RefusingListener(socket.socket):
+    """A listening socket whose accepts fail with `errors` first, one each."""
+
+    def __init__(self, errors: list[BaseException]) -> None:
+        super().__init__()
+        self.errors = errors
+        self.failed_at: list[float] = []
+
+    def accept(self) -> tuple[socket.socket, Any]:
+        if self.errors:
+            self.failed_at.append(time.perf_counter())
+            raise self.errors.pop(0)
+        return super().accept()
+
+
+@pytest.mark.parametrize(
+    ("error", "pause_s"),
+    [
+        (OSError(errno.EPROTO, "protocol error"), 0.0),  # this connection's own: the next is accepted at once
+        (OSError(errno.EMFILE, "too many open files"), ACCEPT_RETRY_S),  # out of sockets: waited out
+    ],
+)
+def test_a_failed_accept_is_skipped_or_waited_out_by_its_cause(table_path: str, error: OSError, pause_s: float) -> None:
+    listener = RefusingListener([error])
+
+    async def test(loop: BalancedLoop, listening: socket.socket) -> None:
+        server = await serving(loop, Echo, listening)
+        _, writer, got = await echoed(listening.getsockname()[1], b"after")
+        served = time.perf_counter()
+        assert got == b"after" and server.table.held() == 1
+        waited = served - listener.failed_at[0]
+        assert waited >= pause_s and (pause_s or waited < ACCEPT_RETRY_S)
+        writer.close()
+
+    on_balanced_loop(table_path, test, listener)
+
+
+def test_a_worker_whose_acceptor_fails_is_stopped(
+    table_path: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Its supervisor (uvicorn) starts another in its place; a worker left without one would never accept again."""
+    signalled: list[tuple[int, int]] = []
+    kill = os.kill
+
+    def record(pid: int, number: int) -> None:
+        if number == 0:
+            kill(pid, number)  # the table asking whether a worker lives
+        else:
+            signalled.append((pid, number))
+
+    monkeypatch.setattr(accepting.os, "kill", record)
+    listener = RefusingListener([RuntimeError("a fault of the acceptor's own")])
+
+    async def test(loop: BalancedLoop, listening: socket.socket) -> None:
+        server = await serving(loop, Echo, listening)
+        connection = socket.create_connection(listening.getsockname())
+        await until(lambda: bool(signalled))
+        assert signalled == [(os.getpid(), signal.SIGTERM)]
+        connection.close()
+        server.close()
+
+    on_balanced_loop(table_path, test, listener)
+    assert [record.getMessage() for record in caplog.records] == ["accepting connections failed; stopping this worker"]

@@ -372,7 +372,12 @@ def test_every_http_worker_serves_a_region_registered_through_any_of_them(
     worker it was registered through and by the other. The registering connection stays open, so the next one goes
     to the other worker, which holds none (app.api.accepting)."""
     name, key, handle = big_region
-    env = {"MATMUL_BACKEND": "cpu", "MATMUL_ACCESS_LOG": "false", "MATMUL_SHARED_MEMORY": "system"}
+    env = {
+        "MATMUL_BACKEND": "cpu",
+        "MATMUL_ACCESS_LOG": "false",
+        "MATMUL_SHARED_MEMORY": "system",
+        "MATMUL_ACCEPT_HANDOFF_MS": "200",  # wide: the worker that holds none gets its turn on a loaded machine
+    }
     service = LocalService.matmul_service(free_port(), env, tmp_path / "server.log", workers=2)
     try:
         service.wait_ready(60)

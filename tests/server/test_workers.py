@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import time
 from collections import Counter
 from collections.abc import Iterator
@@ -28,7 +29,8 @@ GUARD_S = 60
 
 
 def started(tmp_path: Path, workers: int) -> Iterator[LocalService]:
-    env = {"MATMUL_BACKEND": "cpu", "MATMUL_ACCESS_LOG": "false"}
+    # a hand-off far wider than its default, so that a worker slow to wake on a loaded machine still gets its turn
+    env = {"MATMUL_BACKEND": "cpu", "MATMUL_ACCESS_LOG": "false", "MATMUL_ACCEPT_HANDOFF_MS": "200"}
     service = LocalService.matmul_service(free_port(), env, tmp_path / "service.log", workers=workers)
     try:
         service.wait_ready(GUARD_S)
@@ -164,6 +166,27 @@ def test_connections_go_to_the_workers_that_hold_the_fewest(four_workers: LocalS
         for connection, _ in opened:
             connection.close()
     product_is_right(four_workers)
+
+
+def test_a_websocket_upgrade_is_answered_as_plain_http(service: LocalService) -> None:
+    """The service has no WebSocket routes, and an upgraded connection would leave the protocol that counts it off
+    its worker when it ends: an Upgrade request gets its plain answer and the connection stays HTTP."""
+    request = (
+        b"GET /v1/info HTTP/1.1\r\nHost: test\r\nConnection: Upgrade\r\nUpgrade: websocket\r\n"
+        b"Sec-WebSocket-Version: 13\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n\r\n"
+    )
+    with socket.create_connection(("127.0.0.1", service.port), timeout=GUARD_S) as connection:
+        for _ in range(2):  # and again on the same connection
+            connection.sendall(request)
+            answer = b""
+            while b"\r\n\r\n" not in answer:
+                answer += connection.recv(65536)
+            assert answer.startswith(b"HTTP/1.1 200 "), answer[:200]
+            head, _, body = answer.partition(b"\r\n\r\n")
+            length = int(next(line for line in head.split(b"\r\n") if line.lower().startswith(b"content-length:"))[15:])
+            while len(body) < length:
+                body += connection.recv(65536)
+            assert b"http_worker_pid" in body
 
 
 def exists(pid: int) -> bool:
