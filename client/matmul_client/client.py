@@ -37,6 +37,7 @@ import asyncio
 import collections
 import concurrent.futures
 import contextlib
+import functools
 import http.client
 import io
 import json
@@ -59,7 +60,7 @@ import httpx
 import numpy as np
 
 from matmul_client.http11 import Answer
-from matmul_client.wire import JSON_MEDIA_TYPE, NPY_MEDIA_TYPE, NPZ_MEDIA_TYPE, npy_parts
+from matmul_client.wire import JSON_MEDIA_TYPE, NPY_MAGIC_1_0, NPY_MEDIA_TYPE, NPZ_MEDIA_TYPE, data_bytes, npy_header
 
 RequestFormat = Literal["npy", "json", "npz"]
 """How the operands travel: `npy` (multipart, one `.npy` part each), `json`, or one `.npz` body."""
@@ -166,24 +167,39 @@ class Payload:
         return b"".join(self.parts)
 
 
-def _multipart(parts: Mapping[str, np.ndarray]) -> tuple[tuple[Buffer, ...], str]:
-    """A multipart body of `.npy` file parts, each part's data on a multiple of 64 bytes of the body (the server
-    reads a large body into aligned memory and an operand aligned there is not copied again)."""
+@functools.lru_cache(maxsize=256)
+def _multipart_framing(kinds: tuple[tuple[str, np.dtype, tuple[int, ...]], ...]) -> tuple[tuple[bytes, ...], str]:
+    """The bytes around the data of a multipart body of `.npy` parts of these names, dtypes and shapes (C-ordered),
+    each part's data on a multiple of 64 bytes of the body (the server reads a large body into aligned memory and an
+    operand aligned there is not copied again): one piece before each part's data (its opening and its `.npy`
+    header) and the closing; and the body's Content-Type. Made once for each kind of request, with a boundary of its
+    own: a client sends products of a few shapes again and again."""
     boundary = secrets.token_hex(16)
-    buffers: list[Buffer] = []
+    pieces: list[bytes] = []
     size = 0
-    for name, array in parts.items():
-        if array.dtype.hasobject:
-            raise ValueError("object arrays cannot be sent: the server reads numbers only")
-        opening = (b"\r\n" if buffers else b"") + (
+    for name, dtype, shape in kinds:
+        opening = (b"\r\n" if pieces else b"") + (
             f'--{boundary}\r\nContent-Disposition: form-data; name="{name}"; filename="{name}.npy"\r\n'
             f"Content-Type: {NPY_MEDIA_TYPE}\r\n\r\n"
         ).encode()
-        header, data = npy_parts(array, starts_at=size + len(opening))
-        buffers += [opening + header, data]
-        size += len(opening) + len(header) + data.nbytes
-    buffers.append(f"\r\n--{boundary}--\r\n".encode())
-    return tuple(buffers), f"multipart/form-data; boundary={boundary}"
+        header = npy_header(dtype, shape, starts_at=size + len(opening))
+        pieces.append(opening + header)
+        size += len(opening) + len(header) + dtype.itemsize * math.prod(shape)
+    pieces.append(f"\r\n--{boundary}--\r\n".encode())
+    return tuple(pieces), f"multipart/form-data; boundary={boundary}"
+
+
+def _multipart(parts: Mapping[str, np.ndarray]) -> tuple[tuple[Buffer, ...], str]:
+    """A multipart body of `.npy` file parts (`_multipart_framing`) around views of the arrays' memory."""
+    arrays = {name: np.ascontiguousarray(array) for name, array in parts.items()}
+    if any(array.dtype.hasobject for array in arrays.values()):
+        raise ValueError("object arrays cannot be sent: the server reads numbers only")
+    framing, content_type = _multipart_framing(tuple((name, a.dtype, a.shape) for name, a in arrays.items()))
+    buffers: list[Buffer] = []
+    for piece, array in zip(framing, arrays.values(), strict=False):  # the framing's last piece closes the body
+        buffers += [piece, data_bytes(array)]
+    buffers.append(framing[-1])
+    return tuple(buffers), content_type
 
 
 def _npz(a: np.ndarray, b: np.ndarray) -> bytes:
@@ -318,23 +334,36 @@ _NPY_LENGTH_BYTES = {(1, 0): 2, (2, 0): 4}
 """The width of the header's length for each `.npy` version this client reads."""
 
 
+@functools.lru_cache(maxsize=256)
+def _plain_npy_header(text: str) -> tuple[tuple[int, ...], bool, np.dtype] | None:
+    """The shape, order and dtype a header of `_NUMPY_HEADER`'s form says (None for any other): read once for each
+    kind of answer."""
+    plain = _NUMPY_HEADER.fullmatch(text)
+    if plain is None:
+        return None
+    sizes = plain["shape"] or ""
+    shape = tuple(int(size) for size in sizes.split(",") if size.strip())
+    return shape, plain["fortran"] == "True", np.dtype(plain["descr"])
+
+
 def _npy_header(response: Answer) -> tuple[tuple[int, ...], bool, np.dtype]:
     """A `.npy` answer's shape, order and dtype, read from the response up to its data."""
-    version = np.lib.format.read_magic(response)
+    opening = response.read(len(NPY_MAGIC_1_0))  # the magic string, then the version's two bytes
+    if len(opening) < len(NPY_MAGIC_1_0) or opening[:-2] != NPY_MAGIC_1_0[:-2]:
+        raise ValueError(f"it does not begin with .npy's magic string: {opening!r}")
+    version = (opening[-2], opening[-1])
     if version not in _NPY_LENGTH_BYTES:
         raise ValueError(f"version {version}, which this client does not read")
     length = response.read(_NPY_LENGTH_BYTES[version])
     if int.from_bytes(length, "little") > NPY_MAX_HEADER:
         raise ValueError(f"a header of {int.from_bytes(length, 'little')} bytes, over NumPy's {NPY_MAX_HEADER}")
     text = response.read(int.from_bytes(length, "little"))
-    plain = _NUMPY_HEADER.fullmatch(text.decode("latin1"))
-    if plain is None:
-        read = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
-        shape, fortran_order, dtype = read(io.BytesIO(length + text))
-        return shape, fortran_order, dtype
-    sizes = plain["shape"] or ""
-    shape = tuple(int(size) for size in sizes.split(",") if size.strip())
-    return shape, plain["fortran"] == "True", np.dtype(plain["descr"])
+    plain = _plain_npy_header(text.decode("latin1"))
+    if plain is not None:
+        return plain
+    read = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
+    shape, fortran_order, dtype = read(io.BytesIO(length + text))
+    return shape, fortran_order, dtype
 
 
 def _read_npy(response: Answer, memory: AnswerMemory) -> np.ndarray:

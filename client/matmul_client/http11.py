@@ -28,6 +28,8 @@ class Reader(Protocol):
 
     def readinto(self, buffer: memoryview, /) -> int: ...
 
+    def peek(self, size: int = 0, /) -> bytes: ...
+
 
 def _line(reader: Reader) -> bytes:
     line = reader.readline(MAX_LINE_BYTES + 1)
@@ -36,27 +38,42 @@ def _line(reader: Reader) -> bytes:
     return line
 
 
+def _head_lines(reader: Reader) -> list[str]:
+    """The next head's lines, without their ends: the status line, then each field's, up to the blank line. A head
+    that the reader holds whole already (a server's answer comes in one piece) is taken in one read and split;
+    any other (in pieces, or with lines ended by a bare LF) is read line by line."""
+    held = reader.peek()
+    end = held.find(b"\r\n\r\n")
+    if 0 <= end < MAX_LINE_BYTES and held.count(b"\n", 0, end) == held.count(b"\r\n", 0, end):
+        return reader.read(end + 4)[:end].decode("latin-1").split("\r\n")
+    line = _line(reader)
+    if not line:
+        raise http.client.RemoteDisconnected("Remote end closed connection without response")
+    lines = [line.decode("latin-1").rstrip("\r\n")]
+    while len(lines) <= MAX_FIELDS + 1:
+        field = _line(reader)
+        if field in (b"\r\n", b"\n"):
+            return lines
+        if not field:
+            raise http.client.IncompleteRead(b"", None)
+        lines.append(field.decode("latin-1").rstrip("\r\n"))
+    return lines  # one field too many, which _head refuses
+
+
 def _head(reader: Reader) -> tuple[str, int, dict[str, str]]:
     """The status line's version and code and the header fields (names lower-cased, repeated ones joined with
     ', '), past any 1xx interim answers."""
     while True:
-        line = _line(reader)
-        if not line:
-            raise http.client.RemoteDisconnected("Remote end closed connection without response")
-        version, _, rest = line.decode("latin-1").partition(" ")
+        status, *lines = _head_lines(reader)
+        version, _, rest = status.partition(" ")
         code = rest[:3]
-        if not version.startswith("HTTP/1.") or not code.isdigit() or rest[3:4] not in ("", " ", "\r", "\n"):
-            raise http.client.BadStatusLine(line.decode("latin-1", "replace").rstrip())
+        if not version.startswith("HTTP/1.") or not code.isdigit() or rest[3:4] not in ("", " "):
+            raise http.client.BadStatusLine(status)
+        if len(lines) > MAX_FIELDS:
+            raise http.client.HTTPException(f"got more than {MAX_FIELDS} headers")
         fields: dict[str, str] = {}
-        for count in range(MAX_FIELDS + 1):
-            field = _line(reader)
-            if field in (b"\r\n", b"\n"):
-                break
-            if not field:
-                raise http.client.IncompleteRead(b"", None)
-            if count == MAX_FIELDS:
-                raise http.client.HTTPException(f"got more than {MAX_FIELDS} headers")
-            name, colon, value = field.decode("latin-1").partition(":")
+        for field in lines:
+            name, colon, value = field.partition(":")
             if not colon or not name or name != name.strip():
                 raise http.client.HTTPException(f"a malformed header line: {field[:100]!r}")
             name, value = name.lower(), value.strip()
@@ -98,7 +115,7 @@ class Answer:
             self.length: int | None = 0
         elif "chunked" in self.headers.get("transfer-encoding", "").lower():
             body = _chunks(reader)
-            self._reader, self.length = io.BytesIO(body), len(body)
+            self._reader, self.length = io.BufferedReader(io.BytesIO(body)), len(body)
         elif "content-length" in self.headers:
             declared = self.headers["content-length"]
             if not declared.isdigit():

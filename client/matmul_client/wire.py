@@ -21,15 +21,21 @@ def data_bytes(array: np.ndarray) -> memoryview:
     return np.ascontiguousarray(array).reshape(-1).view(np.uint8).data
 
 
-def npy_parts(array: np.ndarray, starts_at: int = 0) -> tuple[bytes, memoryview]:
-    """The `.npy` file (version 1.0) of an array, always C-ordered, as its header and its `data_bytes`. The header's
-    text is what NumPy writes, padded as NumPy pads it, with spaces before its newline, so that the data begins on a
-    multiple of NPY_ALIGNMENT counted from `starts_at` bytes before the file (where it stands in a larger body: a
-    multipart part's data read into aligned memory is then aligned too). Written here rather than by NumPy's writer,
-    which costs tens of microseconds a header: a small product's request carries two."""
-    contiguous = np.ascontiguousarray(array)
-    descr = np.lib.format.dtype_to_descr(contiguous.dtype)
-    text = f"{{'descr': {descr!r}, 'fortran_order': False, 'shape': {contiguous.shape!r}, }}"
+def npy_header(dtype: np.dtype, shape: tuple[int, ...], starts_at: int = 0) -> bytes:
+    """The header (version 1.0) of the `.npy` file of a C-ordered array of `dtype` and `shape`: the text NumPy writes,
+    padded as NumPy pads it, with spaces before its newline, so that the data begins on a multiple of NPY_ALIGNMENT
+    counted from `starts_at` bytes before the file (where it stands in a larger body: a multipart part's data read
+    into aligned memory is then aligned too). Written here rather than by NumPy's writer, which costs tens of
+    microseconds a header: a small product's request carries two."""
+    descr = np.lib.format.dtype_to_descr(dtype)
+    text = f"{{'descr': {descr!r}, 'fortran_order': False, 'shape': {shape!r}, }}"
     used = starts_at + len(NPY_MAGIC_1_0) + 2 + len(text) + 1  # the magic and version, the length, the text, "\n"
     text += " " * (-used % NPY_ALIGNMENT) + "\n"
-    return NPY_MAGIC_1_0 + len(text).to_bytes(2, "little") + text.encode("latin1"), data_bytes(contiguous)
+    return NPY_MAGIC_1_0 + len(text).to_bytes(2, "little") + text.encode("latin1")
+
+
+def npy_parts(array: np.ndarray, starts_at: int = 0) -> tuple[bytes, memoryview]:
+    """The `.npy` file of an array, always C-ordered, as its `npy_header` (the data aligned from `starts_at`) and its
+    `data_bytes`."""
+    contiguous = np.ascontiguousarray(array)
+    return npy_header(contiguous.dtype, contiguous.shape, starts_at), data_bytes(contiguous)

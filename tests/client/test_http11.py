@@ -11,17 +11,35 @@ import pytest
 from matmul_client.http11 import MAX_FIELDS, MAX_LINE_BYTES, Answer
 
 
-def answer(raw: bytes, method: str = "GET") -> tuple[Answer, io.BufferedReader]:
-    reader = io.BufferedReader(io.BytesIO(raw))
+class Trickle(io.RawIOBase):
+    """A connection that gives `piece` bytes a read: a head that arrives in pieces."""
+
+    def __init__(self, raw: bytes, piece: int) -> None:
+        self.raw, self.piece = raw, piece
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, into: memoryview) -> int:  # type: ignore[override]
+        size = min(self.piece, len(into), len(self.raw))
+        into[:size], self.raw = self.raw[:size], self.raw[size:]
+        return size
+
+
+def answer(raw: bytes, method: str = "GET", piece: int | None = None) -> tuple[Answer, io.BufferedReader]:
+    """The answer read from `raw`, given whole or `piece` bytes at a time."""
+    reader = io.BufferedReader(io.BytesIO(raw) if piece is None else Trickle(raw, piece))
     return Answer(reader, method), reader
 
 
-def test_the_head_is_read_into_a_dict_of_lower_cased_names() -> None:
-    got, _ = answer(
+@pytest.mark.parametrize("piece", [None, 7, 1], ids=["whole", "in pieces of 7 bytes", "byte by byte"])
+def test_the_head_is_read_into_a_dict_of_lower_cased_names(piece: int | None) -> None:
+    got, reader = answer(
         b"HTTP/1.1 200 OK\r\nContent-Type: application/x-npy\r\nX-Matmul-Kernel: tiled\r\n"
-        b"Vary: accept\r\nvary:  accept-encoding \r\nContent-Length: 3\r\n\r\nabc"
+        b"Vary: accept\r\nvary:  accept-encoding \r\nContent-Length: 3\r\n\r\nabc",
+        piece=piece,
     )
-    assert got.status == 200 and not got.will_close
+    assert got.status == 200 and not got.will_close and reader.read() == b"abc"
     assert got.headers == {
         "content-type": "application/x-npy",
         "x-matmul-kernel": "tiled",
@@ -37,6 +55,11 @@ def test_a_content_length_body_is_read_to_its_end_and_no_further() -> None:
     assert got.read() == b"lo" and got.finished()
     assert got.read() == b"" and got.readinto(memoryview(bytearray(4))) == 0
     assert reader.read() == b"HTTP/1.1 next answer", "the next answer's bytes are left for it"
+
+
+def test_lines_ended_by_a_bare_line_feed_are_lines() -> None:
+    got, reader = answer(b"HTTP/1.1 200 OK\nX-One: 1\r\nX-Two: 2\r\n\r\nrest")
+    assert got.status == 200 and got.headers == {"x-one": "1", "x-two": "2"} and reader.read() == b"rest"
 
 
 def test_interim_answers_are_read_past() -> None:
