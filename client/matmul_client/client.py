@@ -21,9 +21,10 @@ Transport failures (connection refused, timeouts, a connection closed mid-answer
 
 What it costs: a 4096x4096 float32 product moves 192 MiB, and a client that copies it on the way (into a
 multipart body, out of a socket's chunks, into an array) spends more than the server does. This one writes a
-request's head and the operands' own memory (`.npy` parts are a small header and the array's buffer) with one
-scatter-gather `sendmsg`, and reads a `.npy` answer's bytes straight into the result array (`readinto`), on
-keep-alive connections kept in a pool; answers' heads are read into a dict (matmul_client/http11.py). Each
+request's head and the operands' own memory (`.npy` parts are a small header and the array's buffer, their framing
+made once for each kind of request) with one scatter-gather `sendmsg`, and reads a `.npy` answer's bytes straight
+into the result array (`readinto`), on keep-alive connections kept in a pool; answers' heads are read into a dict
+(matmul_client/http11.py). Each
 `.npy` part's data begins on a multiple of 64 bytes of the body, so that the server, which reads a large body into
 its shared memory, hands the operands to the engine where they lie; an answer of 1 MiB or more is read into memory
 an earlier answer of its size used, once nothing views that one any more (`AnswerMemory`).
