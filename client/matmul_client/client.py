@@ -24,10 +24,10 @@ multipart body, out of a socket's chunks, into an array) spends more than the se
 request's head and the operands' own memory (`.npy` parts are a small header and the array's buffer, their framing
 made once for each kind of request) with one scatter-gather `sendmsg`, and reads a `.npy` answer's bytes straight
 into the result array (`readinto`), on keep-alive connections kept in a pool; answers' heads are read into a dict
-(matmul_client/http11.py). Each
-`.npy` part's data begins on a multiple of 64 bytes of the body, so that the server, which reads a large body into
-its shared memory, hands the operands to the engine where they lie; an answer of 1 MiB or more is read into memory
-an earlier answer of its size used, once nothing views that one any more (`AnswerMemory`).
+(matmul_client/http11.py). Each `.npy` part's data begins on a multiple of 64 bytes of the body, so that the server,
+which reads a large body into its shared memory, hands the operands to the engine where they lie; an answer of 1 MiB
+or more is read into memory an earlier answer of its size used, once nothing views that one any more
+(`AnswerMemory`).
 Operands that are not C-contiguous, `.npz` and JSON bodies are encoded into new bytes. `AsyncMatmulClient` runs
 the same exchanges on a pool of threads, one per connection: the socket work releases the GIL.
 """
@@ -195,11 +195,12 @@ def _multipart(parts: Mapping[str, np.ndarray]) -> tuple[tuple[Buffer, ...], str
     arrays = {name: np.ascontiguousarray(array) for name, array in parts.items()}
     if any(array.dtype.hasobject for array in arrays.values()):
         raise ValueError("object arrays cannot be sent: the server reads numbers only")
-    framing, content_type = _multipart_framing(tuple((name, a.dtype, a.shape) for name, a in arrays.items()))
+    kinds = tuple((name, array.dtype, array.shape) for name, array in arrays.items())
+    (*openings, closing), content_type = _multipart_framing(kinds)
     buffers: list[Buffer] = []
-    for piece, array in zip(framing, arrays.values(), strict=False):  # the framing's last piece closes the body
-        buffers += [piece, data_bytes(array)]
-    buffers.append(framing[-1])
+    for opening, array in zip(openings, arrays.values(), strict=True):
+        buffers += [opening, data_bytes(array)]
+    buffers.append(closing)
     return tuple(buffers), content_type
 
 
