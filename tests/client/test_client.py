@@ -588,6 +588,18 @@ def test_transport_failures_are_httpx_errors(stub: Callable[..., Stub]) -> None:
         client.matmul(np.ones((64, 1)), np.ones((1, 64)))
 
 
+def test_a_request_the_server_does_not_read_is_a_write_timeout() -> None:
+    """A server whose connection is made (its listener's backlog takes it) but never read: the body fills the
+    sockets' buffers, and the send is given up after the client's timeout."""
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        url = f"http://127.0.0.1:{listener.getsockname()[1]}"
+        big = np.ones((2048, 2048), np.float32)  # 32 MiB of body, more than loopback's buffers hold
+        began = time.monotonic()
+        with MatmulClient(url, timeout=0.3) as client, pytest.raises(httpx.WriteTimeout):
+            client.matmul(big, big)
+        assert time.monotonic() - began < 10
+
+
 def test_a_url_that_is_not_http_and_headers_that_would_split_a_request_are_refused() -> None:
     with pytest.raises(ValueError, match="not an http"):
         MatmulClient("ftp://host/")
