@@ -6,6 +6,7 @@ matmul-client a.npy b.npy -o c.npy --kernel tiled --url http://gpu-box:8000
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 from collections.abc import Sequence
@@ -34,6 +35,17 @@ def _load_operand(path: str, parser: argparse.ArgumentParser) -> np.ndarray:
     except (OSError, ValueError) as exc:
         parser.error(f"cannot read {path} as a .npy file: {exc}")
     return array
+
+
+def _seconds(text: str) -> float:
+    """A timeout given on the command line: a positive number of seconds."""
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = math.nan
+    if not seconds > 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive number of seconds")
+    return seconds
 
 
 def _summary(product: Product, output: str) -> str:
@@ -77,7 +89,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--format", choices=FORMATS, default="npy", help="request body: npy (multipart, the default), json or npz"
     )
-    parser.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S, help="seconds to wait for the answer")
+    parser.add_argument("--timeout", type=_seconds, default=DEFAULT_TIMEOUT_S, help="seconds to wait for the answer")
     parser.add_argument(
         "--api-key",
         default=os.environ.get(API_KEY_VARIABLE),

@@ -468,7 +468,8 @@ def _use_kernel_timeouts(sock: socket.socket, timeout: float) -> None:
     """Make `sock` blocking, each receive and send given up by the kernel after `timeout` seconds."""
     sock.settimeout(None)
     whole = int(timeout)
-    interval = struct.pack("@ll", whole, int((timeout - whole) * 1e6))
+    micro = max(int((timeout - whole) * 1e6), 0 if whole else 1)  # a zero interval would be no timeout at all
+    interval = struct.pack("@ll", whole, micro)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, interval)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, interval)
 
@@ -725,6 +726,8 @@ class MatmulClient:
     ) -> None:
         if connections < 1:
             raise ValueError(f"connections must be at least 1, not {connections}")
+        if not timeout > 0:
+            raise ValueError(f"timeout must be a positive number of seconds, not {timeout}")
         self.format = format
         self.connections = connections
         sent = dict(headers or {})

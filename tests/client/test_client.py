@@ -605,6 +605,9 @@ def test_a_url_that_is_not_http_and_headers_that_would_split_a_request_are_refus
         MatmulClient("ftp://host/")
     with pytest.raises(ValueError, match="connections"):
         MatmulClient(connections=0)
+    for timeout in (0, -1.0, float("nan")):
+        with pytest.raises(ValueError, match="timeout must be a positive"):
+            MatmulClient(timeout=timeout)
     refused = [("X-Trace", "t\r\nInjected: 1"), ("X Trace", "t"), ("X-Trace", "t\n"), ("X-Trace", "\u20ac")]
     refused += [("Host", "elsewhere"), ("content-length", "0"), ("Transfer-Encoding", "chunked")]
     for name, value in refused:
