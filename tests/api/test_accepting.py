@@ -23,10 +23,11 @@ import pytest
 
 from app.api import accepting
 from app.api.accepting import ACCEPT_RETRY_S, Acceptor, BalancedLoop, ConnectionTable
+from app.config import Settings
 
 GUARD_S = 10
 """How long a test waits for a connection to be served or counted: a hang guard."""
-HANDOFF_S = 0.002
+HANDOFF_S = Settings.model_fields["accept_handoff_ms"].default / 1e3
 """The hand-off of the loops here: MATMUL_ACCEPT_HANDOFF_MS' default."""
 
 
