@@ -49,4 +49,9 @@ async def in_thread(function: Callable[..., T], *args: Any, **kwargs: Any) -> T:
     no longer (the thread holds none of its arguments after)."""
     thread: asyncio.Future[T] = asyncio.get_running_loop().run_in_executor(None, _Call(function, args, kwargs))
     await settled(thread)
-    return thread.result()
+    try:
+        return thread.result()
+    finally:
+        # A raised exception's traceback holds this frame, and the frame the future that holds the exception: a
+        # cycle, which would keep the call's arguments (lent memory among them) until a garbage collection.
+        del thread

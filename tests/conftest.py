@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import os
 from collections.abc import AsyncIterator, Iterator
 
@@ -41,6 +42,19 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture
+def without_garbage_collection() -> Iterator[None]:
+    """The cyclic garbage collector off while the test runs: what a reference cycle holds stays held, as it may for
+    long in a quiet server, where too little is allocated to start a collection. Memory lent to a request must come
+    back by its references alone."""
+    gc.collect()
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
 
 
 @pytest.fixture

@@ -10,6 +10,7 @@ import weakref
 import pytest
 
 from app.awaiting import _Call, in_thread, settled
+from tests.fakes import until
 
 pytestmark = pytest.mark.anyio
 GUARD_S = 10
@@ -99,3 +100,19 @@ async def test_in_thread_returns_what_the_function_returns_and_holds_no_argument
     assert await in_thread(lambda x, y: (x is not None, y), lent, y=3) == (True, 3)
     del lent
     assert gone() is None
+
+
+@pytest.mark.usefixtures("without_garbage_collection")
+async def test_in_thread_holds_no_argument_after_the_function_raised() -> None:
+    """The exception's traceback holds the frames of the call: none of them may keep it in a reference cycle with
+    the future, which would hold the arguments (lent memory) until a garbage collection."""
+    lent = Lent()
+    gone = weakref.ref(lent)
+
+    def refusing(x: Lent) -> None:
+        raise ValueError(f"{type(x).__name__} refused")
+
+    with pytest.raises(ValueError, match="Lent refused"):
+        await in_thread(refusing, lent)
+    del lent
+    await until(lambda: gone() is None)  # the executor's thread lets go of its work item a moment after

@@ -196,4 +196,9 @@ async def unless_disconnected(request: Request, work: Coroutine[Any, Any, T]) ->
             await settled(done)
     if done.cancelled():
         raise ClientGone("the client disconnected before its product was computed")
-    return done.result()
+    try:
+        return done.result()
+    finally:
+        # A refusal's traceback holds this frame, and the frame the task that holds the refusal: a cycle, which would
+        # keep the work's frames, and the body they view, until a garbage collection.
+        del done

@@ -255,23 +255,28 @@ class DeviceWorker:
         self._queue.put(job)
         self._wake.set()
         try:
-            async with asyncio.timeout(timeout_s):
+            try:
+                async with asyncio.timeout(timeout_s):
+                    return await asyncio.shield(job.future)
+            except TimeoutError:
+                if job.drop():
+                    raise DeadlineExceeded(
+                        f"the product was still queued after its deadline of {timeout_s:g} s and was dropped"
+                    ) from None
+            except asyncio.CancelledError:
+                if not job.drop():
+                    await settled(job.future)
+                raise
+            # past its deadline but running: its launch is waited for, and a cancellation waits for it to end too
+            try:
                 return await asyncio.shield(job.future)
-        except TimeoutError:
-            if job.drop():
-                raise DeadlineExceeded(
-                    f"the product was still queued after its deadline of {timeout_s:g} s and was dropped"
-                ) from None
-        except asyncio.CancelledError:
-            if not job.drop():
+            except asyncio.CancelledError:
                 await settled(job.future)
-            raise
-        # past its deadline but running: its launch is waited for, and a cancellation waits for it to end too
-        try:
-            return await asyncio.shield(job.future)
-        except asyncio.CancelledError:
-            await settled(job.future)
-            raise
+                raise
+        finally:
+            # A refusal's traceback holds this frame, and the frame the job, whose future holds the refusal: a cycle,
+            # which would keep the operands until a garbage collection.
+            del job
 
     def overloaded(self) -> Overloaded:
         return Overloaded(f"the {self.backend.name} worker's queue is full ({self.queue_size} waiting); retry later")
@@ -420,7 +425,8 @@ class DeviceWorker:
         """Settle the jobs' futures on their loops: one wake-up of each loop per launch, not one per job."""
         by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Future[Outcome], Outcome | BaseException]]] = {}
         for job, result in zip(jobs, results, strict=True):
-            by_loop.setdefault(job.loop, []).append((job.future, result))
+            answered = _without_tracebacks(result) if isinstance(result, BaseException) else result
+            by_loop.setdefault(job.loop, []).append((job.future, answered))
         for loop, outcomes in by_loop.items():
             loop.call_soon_threadsafe(_settle_all, outcomes)
 
@@ -441,6 +447,24 @@ def _where(a: np.ndarray, b: np.ndarray, out: np.ndarray | None) -> tuple[bool, 
     """Whether A, B and C lie in host memory (else a client's device memory; C: None when the backend allocates it),
     part of a job's batch key: one launch copies all of its A, B and C one way."""
     return isinstance(a, np.ndarray), isinstance(b, np.ndarray), None if out is None else isinstance(out, np.ndarray)
+
+
+def _without_tracebacks(error: BaseException) -> BaseException:
+    """`error`, and the errors it was raised from or while handling, without their tracebacks: it is answered to a
+    request. A traceback holds the frames it passed through, here the worker's, which hold the launch's jobs, whose
+    futures would then hold the error: a reference cycle, keeping every operand of the launch (a lent body, a
+    client's shared-memory region) until a garbage collection. A failure of the device was logged before
+    (`_failure_of`), with its traceback."""
+    seen: set[int] = set()
+    pending: list[BaseException | None] = [error]
+    while pending:
+        link = pending.pop()
+        if link is None or id(link) in seen:
+            continue
+        seen.add(id(link))
+        link.__traceback__ = None
+        pending += [link.__cause__, link.__context__]
+    return error
 
 
 def _settle_all(settled: list[tuple[asyncio.Future[Outcome], Outcome | BaseException]]) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import weakref
 
 import numpy as np
 import pytest
@@ -314,3 +315,25 @@ async def test_a_client_that_leaves_gets_its_answer_only_once_the_work_has_unwou
     with pytest.raises(ClientGone):
         await asyncio.wait_for(exchange.unless_disconnected(leaves, work()), GUARD_S)
     assert unwound.is_set()
+
+
+class Body:
+    """Stands for the memory a request's body was read into, which the work's frames view."""
+
+
+@pytest.mark.usefixtures("without_garbage_collection")
+async def test_a_refused_works_body_is_held_by_nothing_once_the_refusal_is_raised() -> None:
+    """The refusal's traceback holds the work's frames, and they its body: no frame of unless_disconnected may keep
+    the refusal in a reference cycle with the task that raised it, which would hold the body until a garbage
+    collection."""
+    body = Body()
+    gone = weakref.ref(body)
+
+    async def work(viewed: Body) -> str:
+        raise InvalidParameter(f"the {type(viewed).__name__.lower()} is refused", location=["body"])
+
+    stays = request(receiving({"type": "http.request", "body": b"", "more_body": False}))
+    with pytest.raises(InvalidParameter, match="the body is refused"):
+        await exchange.unless_disconnected(stays, work(body))  # not through wait_for, whose task would hold it
+    del body
+    assert gone() is None

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
+import threading
+import weakref
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
 
 import numpy as np
 import pytest
@@ -38,6 +41,56 @@ def test_a_value_out_of_range_in_a_later_band_names_its_row_in_the_whole_matrix(
     with pytest.raises(InvalidMatrix, match=r"b\[900\]\[7\] = 1e\+39 is out of range for float32") as caught:
         cast_into_parallel(np.empty((ROWS, COLUMNS), np.float32), src, "b", threads, bands=4)
     assert caught.value.location == ["b", 900, 7]
+
+
+class HeldBands(ThreadPoolExecutor):
+    """Copies the first band of rows at once and every later one only once `release` is set."""
+
+    def __init__(self, release: threading.Event) -> None:
+        super().__init__(4)
+        self.release = release
+
+    def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Future[Any]:
+        def band(first_row: int) -> Any:
+            if first_row:
+                self.release.wait(GUARD_S)
+            return fn(*args, first_row, **kwargs)
+
+        *args, first_row = args
+        return super().submit(band, first_row)
+
+
+GUARD_S = 10
+
+
+@pytest.mark.usefixtures("without_garbage_collection")
+def test_a_refused_band_is_raised_once_every_band_has_ended_holding_no_operand() -> None:
+    """The first band refuses a value while the others still copy: the refusal waits for them (the caller gives dst
+    and src back once it returns), and nothing but the refusal itself holds them after."""
+    src = np.zeros((ROWS, COLUMNS))
+    src[5, 7] = 1e39
+    dst = np.empty((ROWS, COLUMNS), np.float32)
+    held = weakref.ref(src), weakref.ref(dst)
+    refused: list[InvalidMatrix] = []
+
+    def stage(dst: np.ndarray, src: np.ndarray, pool: HeldBands, refused: list[InvalidMatrix]) -> None:
+        try:
+            cast_into_parallel(dst, src, "a", pool, bands=4)
+        except InvalidMatrix as exc:
+            refused.append(exc)
+
+    release = threading.Event()
+    with HeldBands(release) as pool:
+        staging = threading.Thread(target=stage, args=(dst, src, pool, refused))
+        staging.start()
+        staging.join(0.2)
+        assert staging.is_alive()  # the first band has refused; three still copy
+        release.set()
+        staging.join(GUARD_S)
+    assert refused[0].location == ["a", 5, 7]
+    refused.clear()  # the refusal's traceback holds the frame of `stage`, which holds this list
+    del src, dst
+    assert all(ref() is None for ref in held)
 
 
 def _just_below(limit: float) -> np.float32:

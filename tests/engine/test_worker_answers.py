@@ -7,15 +7,16 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+import weakref
 from collections.abc import Callable
 from time import perf_counter
 
 import numpy as np
 import pytest
 
-from app.engine import DeviceWorker, EngineState, Outcome, Plan
+from app.engine import DeviceWorker, EngineState, Outcome, Plan, device_worker
 from app.engine.device_worker import _where
-from app.errors import DeadlineExceeded, DeviceFailure, DeviceLost, NotReady, Overloaded
+from app.errors import DeadlineExceeded, DeviceFailure, DeviceLost, InvalidMatrix, NotReady, Overloaded
 from tests.fakes import GATE_TIMEOUT_S, SteeredBackend, until
 
 pytestmark = pytest.mark.anyio
@@ -203,6 +204,33 @@ async def test_an_unexpected_error_is_a_device_failure_naming_backend_kernel_and
         assert logged.getMessage() == "numpy failed on the cpu backend" and logged.exc_info is not None
         assert worker.state is EngineState.READY and worker.failure is None and not worker.device_lost
         assert (await worker.matmul(np.ones((1, 1)), np.ones((1, 1)), F64, NUMPY)).c.tolist() == [[1.0]]
+    finally:
+        await worker.stop()
+
+
+@pytest.mark.usefixtures("without_garbage_collection")
+@pytest.mark.parametrize("failing", ["refused operand", "failed launch"])
+async def test_a_failed_product_holds_its_operands_no_longer_than_its_error(
+    failing: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The error answered holds the frames it was raised through, the worker's and the caller's, and they the job
+    and its operands: none may keep it in a reference cycle, which would hold the operands (a lent body, a client's
+    shared-memory region) until a garbage collection."""
+    # the failed launch is logged with its traceback, which pytest's handlers keep: they are not the service's
+    monkeypatch.setattr(device_worker.log, "propagate", False)
+    backend = SteeredBackend()
+    worker = await _ready(backend)
+    try:
+        a = np.ones((4, 4))
+        if failing == "refused operand":
+            a[1, 2] = 1e39  # beyond float32
+        else:
+            backend.fail_next = RuntimeError("cudaErrorLaunchFailure")
+        gone = weakref.ref(a)
+        with pytest.raises((InvalidMatrix, DeviceFailure)):
+            await worker.matmul(a, np.ones((4, 4)), np.dtype(np.float32), NUMPY)
+        del a
+        await until(lambda: gone() is None)
     finally:
         await worker.stop()
 
