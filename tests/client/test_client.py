@@ -588,6 +588,16 @@ def test_transport_failures_are_httpx_errors(stub: Callable[..., Stub]) -> None:
         client.matmul(np.ones((64, 1)), np.ones((1, 64)))
 
 
+def test_an_answer_that_stops_coming_half_way_is_a_read_timeout(stub: Callable[..., Stub]) -> None:
+    """A body of a known length is received in one call until all of it has come: one that stops half way still
+    ends in the client's timeout, on a connection the server keeps open."""
+    server = stub(npy_answer(np.ones((256, 256)))[:300_000])  # 512 KiB of data announced
+    began = time.monotonic()
+    with MatmulClient(server.url, timeout=0.3) as client, pytest.raises(httpx.ReadTimeout):
+        client.matmul(np.ones((256, 1)), np.ones((1, 256)))
+    assert time.monotonic() - began < 10
+
+
 def test_a_request_the_server_does_not_read_is_a_write_timeout() -> None:
     """A server whose connection is made (its listener's backlog takes it) but never read: the body fills the
     sockets' buffers, and the send is given up after the client's timeout."""
@@ -756,3 +766,11 @@ def test_parse_server_timing() -> None:
     header = 'queue;dur=0.050, cache;desc="hit", kernel ; dur=1.5 ;desc="tiled"'
     assert parse_server_timing(header) == {"queue": 0.05, "kernel": 1.5}
     assert parse_server_timing("") == {}
+    # as the service writes it, split apart; a header near that form is searched through as any other
+    assert parse_server_timing("read;dur=0.021, h2d;dur=0.400, total;dur=14.100") == {
+        "read": 0.021,
+        "h2d": 0.4,
+        "total": 14.1,
+    }
+    assert parse_server_timing("read;dur=1e-05, total;dur=2") == {"read": 1e-05, "total": 2.0}
+    assert parse_server_timing("read;dur=0.021,total;dur=0.500") == {"read": 0.021, "total": 0.5}
