@@ -49,12 +49,14 @@ def without_garbage_collection() -> Iterator[None]:
     """The cyclic garbage collector off while the test runs: what a reference cycle holds stays held, as it may for
     long in a quiet server, where too little is allocated to start a collection. Memory lent to a request must come
     back by its references alone."""
+    enabled = gc.isenabled()
     gc.collect()
     gc.disable()
     try:
         yield
     finally:
-        gc.enable()
+        if enabled:
+            gc.enable()
 
 
 @pytest.fixture

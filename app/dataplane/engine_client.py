@@ -432,7 +432,10 @@ class EngineClient:
         read_in_place = tuple(
             operand for name, operand in (("a", a), ("b", b)) if name in in_arena and isinstance(operand, np.ndarray)
         )
-        return await self._answer(link, key, reply, slab, c_at, began, staged, precision, read_in_place)
+        try:
+            return await self._answer(link, key, reply, slab, c_at, began, staged, precision, read_in_place)
+        finally:
+            del reply  # as in _answer: the reply holds a failure, whose traceback holds this frame
 
     def _offset_as_is(self, operand: np.ndarray, dtype: np.dtype) -> int | None:
         """Where the engine can read `operand` as it is: its offset in the arena (in a lent body), when it lies
@@ -580,6 +583,9 @@ class EngineClient:
             raise
         except BaseException:
             slab.release()
+            # the error's traceback holds this frame: without the reply that holds the error, no cycle keeps the
+            # operands read in place (a lent body) until a garbage collection
+            del reply
             raise
         if not isinstance(message, wire.Computed):
             slab.release()

@@ -453,8 +453,8 @@ def _without_tracebacks(error: BaseException) -> BaseException:
     """`error`, and the errors it was raised from or while handling, without their tracebacks: it is answered to a
     request. A traceback holds the frames it passed through, here the worker's, which hold the launch's jobs, whose
     futures would then hold the error: a reference cycle, keeping every operand of the launch (a lent body, a
-    client's shared-memory region) until a garbage collection. A failure of the device was logged before
-    (`_failure_of`), with its traceback."""
+    client's shared-memory region) until a garbage collection. An unexpected failure was logged with its traceback
+    before (`_failure_of`); the service's own errors are answered by their code and message."""
     seen: set[int] = set()
     pending: list[BaseException | None] = [error]
     while pending:

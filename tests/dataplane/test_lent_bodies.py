@@ -16,7 +16,7 @@ import pytest
 from app.config import Settings
 from app.dataplane import engine_client
 from app.dataplane.engine_client import EngineClient
-from app.errors import InvalidMatrix
+from app.errors import DeviceLost, InvalidMatrix
 from numerics.precision import Precision
 from numerics.reference import assert_close_to_reference
 from tests.fakes import multiply, record_staging, until
@@ -166,3 +166,21 @@ async def test_an_operand_read_where_it_lies_is_checked_off_the_loop_only_where_
     ]
     del lent, a, b, outcome, refused  # what views the arena, the refusal's frames included
     await until(lambda: engine.arena.used_bytes == 0)
+
+
+@pytest.mark.usefixtures("without_garbage_collection")
+@pytest.mark.parametrize("settings", [1_000_000], indirect=True)  # a product waits a second for company
+async def test_a_product_lost_with_its_engine_gives_its_lent_body_back(engine: EngineClient) -> None:
+    """The engine process dies while it holds a product whose operands lie in a lent body: the product fails, and
+    the body's bytes come back once the route has let go of it, by its references alone."""
+    lent, a, b = _body(engine, seed=4)
+    assert lent is not None
+    waiting = asyncio.create_task(multiply(engine, a, b, np.dtype(np.float32), "auto", None, timeout_s=30))
+    await until(lambda: engine.links[0].in_flight == 1)
+    os.kill(engine.links[0].welcome.engine_pid, signal.SIGKILL)  # type: ignore[union-attr]
+    with pytest.raises(DeviceLost):
+        await waiting
+    lent.release()
+    del lent, a, b, waiting  # the route's views of the body, and the task that holds the error
+    await until(lambda: engine.arena.used_bytes == 0)
+    assert engine.arena.lent_bytes == 0
