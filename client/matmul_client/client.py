@@ -486,11 +486,9 @@ class _SocketReader(io.RawIOBase):
     is a TimeoutError, as a Python timeout's is (`socket.makefile` would return None for it, which a buffered
     reader takes for a short read).
 
-    Its buffered reader asks it for more than its own buffer's size only to fill a caller's memory with bytes an
-    answer has said are coming (a body of a known length): those it receives with MSG_WAITALL, in one system call,
-    where each piece that had come was one call into Python and one hand-off of the GIL (a 512^2 answer from the
-    stand-in: 2.0 reads where it took 4.7). The kernel still returns what came when the connection ends or the
-    timeout passes."""
+    Each receive returns what has come: MSG_WAITALL would save a 512^2 answer from the stand-in three of its 4.7
+    receives, but the kernel's timeout bounds a whole call, so a body that stopped half way would be given up
+    only after up to twice the client's timeout."""
 
     def __init__(self, sock: socket.socket) -> None:
         super().__init__()
@@ -500,15 +498,10 @@ class _SocketReader(io.RawIOBase):
         return True
 
     def readinto(self, buffer: Any) -> int:
-        flags = socket.MSG_WAITALL if memoryview(buffer).nbytes > _READ_BUFFER_BYTES else 0
         try:
-            return self.sock.recv_into(buffer, 0, flags)
+            return self.sock.recv_into(buffer)
         except BlockingIOError as exc:
             raise TimeoutError("timed out receiving") from exc
-
-
-_READ_BUFFER_BYTES = io.DEFAULT_BUFFER_SIZE
-"""The buffered reader's own buffer, which it fills for heads and small reads with what has come so far."""
 
 
 class _Connection:
@@ -564,7 +557,7 @@ class _Connection:
     def _reader_of(sock: socket.socket) -> io.BufferedReader:
         """A TLS connection's reader is the socket's own file; a blocking one's reads straight from the socket."""
         if sock.gettimeout() is None:
-            return io.BufferedReader(_SocketReader(sock), _READ_BUFFER_BYTES)
+            return io.BufferedReader(_SocketReader(sock))
         return sock.makefile("rb")
 
     def reconnect(self, sock: socket.socket) -> None:

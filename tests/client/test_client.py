@@ -589,8 +589,7 @@ def test_transport_failures_are_httpx_errors(stub: Callable[..., Stub]) -> None:
 
 
 def test_an_answer_that_stops_coming_half_way_is_a_read_timeout(stub: Callable[..., Stub]) -> None:
-    """A body of a known length is received in one call until all of it has come: one that stops half way still
-    ends in the client's timeout, on a connection the server keeps open."""
+    """A body that stops half way, on a connection the server keeps open, ends in the client's timeout."""
     server = stub(npy_answer(np.ones((256, 256)))[:300_000])  # 512 KiB of data announced
     began = time.monotonic()
     with MatmulClient(server.url, timeout=0.3) as client, pytest.raises(httpx.ReadTimeout):
