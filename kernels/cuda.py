@@ -164,11 +164,15 @@ def fma_programs(compute_capability: tuple[int, int], specs: Iterable[KernelSpec
 
 def tensor_core_instances(compute_capability: tuple[int, int]) -> dict[str, Mapping[Any, _Instance]]:
     """The instances of each tensor-core source that a device of `compute_capability` runs: on 9.0 every one (int8's
-    among wgmma's), elsewhere mma.sync's portable ones."""
+    and FP8's wide tiles among wgmma's), elsewhere mma.sync's portable ones."""
     if compute_capability != tensorcore.COMPUTE_CAPABILITY:
         return {tensorcore.MMA_SYNC_SOURCE: tensorcore.MMA_SYNC_PORTABLE_CONFIGS}
     return {
-        tensorcore.WGMMA_SOURCE: {**tensorcore.WGMMA_CONFIGS, Precision.INT8: tensorcore.WGMMA_INT8},
+        tensorcore.WGMMA_SOURCE: {
+            **tensorcore.WGMMA_CONFIGS,
+            Precision.INT8: tensorcore.WGMMA_INT8,
+            tensorcore.FP8_WIDE: tensorcore.WGMMA_FP8_WIDE,
+        },
         tensorcore.WGMMA_PINGPONG_SOURCE: {Precision.INT8: tensorcore.WGMMA_INT8_PINGPONG},
         tensorcore.DMMA_SOURCE: tensorcore.DMMA_CONFIGS,
         tensorcore.MMA_SYNC_SOURCE: tensorcore.MMA_SYNC_CONFIGS,
@@ -308,7 +312,7 @@ class TensorCoreLibrary:
             for config in sources.get(source, {}).values()
         ]
         self._wgmma: dict[_Instance, Any] = {config: allowed(config) for config in wgmma_configs}
-        """Each wgmma instance by its config: the precisions', and int8's two."""
+        """Each wgmma instance by its config: the precisions', int8's two and FP8's wide tiles."""
         self._dmma: dict[bool, Any] = {key: allowed(c) for key, c in sources.get(tensorcore.DMMA_SOURCE, {}).items()}
         self._mma_sync: dict[Precision, Any] = {
             key: allowed(config) for key, config in sources.get(tensorcore.MMA_SYNC_SOURCE, {}).items()
@@ -418,10 +422,14 @@ class TensorCoreLibrary:
         (b_t_e4m3,) = self.converted(config, b, transposed=True, amax=amax[1:])
         return a_e4m3, b_t_e4m3, amax
 
-    def wgmma_e4m3(self, a_e4m3: Any, b_t_e4m3: Any, amax: Any, k: int, c: Any) -> None:
-        """c (M x N, float32) = A @ B on the current stream through kernels/wgmma.cu's FP8 instance, from
-        `e4m3_operands` (A, M x k, and B^T, N x k) and the largest magnitudes their scales came from."""
-        config = tensorcore.WGMMA_CONFIGS[Precision.FP8]
+    def wgmma_e4m3(
+        self, a_e4m3: Any, b_t_e4m3: Any, amax: Any, k: int, c: Any, config: tensorcore.WgmmaConfig | None = None
+    ) -> None:
+        """c (M x N, float32) = A @ B on the current stream through kernels/wgmma.cu's FP8 instance for its shape
+        (`tensorcore.wgmma_fp8_config`), or `config` (that or `tensorcore.WGMMA_FP8_WIDE`), from `e4m3_operands`
+        (A, M x k, and B^T, N x k) and the largest magnitudes their scales came from."""
+        m, n = c.shape
+        config = config or tensorcore.wgmma_fp8_config(m, n, self._multiprocessors)
         self._launch_wgmma(config, [a_e4m3], [b_t_e4m3], c, k, amax)
 
     def _launch_wgmma(

@@ -144,6 +144,25 @@ WGMMA_CONFIGS: MappingProxyType[Precision, WgmmaConfig] = MappingProxyType(
     }
 )
 
+WGMMA_FP8_WIDE = WgmmaConfig(OperandKind.E4M3, 176, 4, False, Conversion.TO_E4M3)
+"""FP8 on 128 x 176 tiles: 88 totals and 88 tile sums a consumer thread (a 128 x 256 tile's 256 would pass the 255
+a thread can name), 38 KiB a stage. It reads the operands as the 128-wide instance converts them."""
+FP8_WIDE = "fp8 wide"
+"""`WGMMA_FP8_WIDE`'s key among wgmma.cu's instances."""
+FP8_WIDE_MIN_WAVES = 4
+"""FP8 products with at least this many waves of 128 x 176 tiles (a tile a block, a block an SM) run on them: measured
+on an H200 (docs/tensor-cores.md), 0.88-0.90 of cuBLASLt at 4096^3 against the 128-wide tiles' 0.83-0.85, where at
+2048^3 (1.5 waves) the wide tiles run 0.70 and the narrow 0.77."""
+
+
+def wgmma_fp8_config(m: int, n: int, multiprocessors: int) -> WgmmaConfig:
+    """The FP8 instance of an m x n product on a device of `multiprocessors` SMs: the wide tiles where they make
+    `FP8_WIDE_MIN_WAVES` waves, else the 128-wide ones."""
+    if WGMMA_FP8_WIDE.blocks(m, n) >= FP8_WIDE_MIN_WAVES * multiprocessors:
+        return WGMMA_FP8_WIDE
+    return WGMMA_CONFIGS[Precision.FP8]
+
+
 WGMMA_INT8 = WgmmaConfig(OperandKind.S8, 256, 4, False, Conversion.COPY_S8)
 """int8 operands, int32 sums and C: 128-element rows of K, four stages of 128 x 256 tiles (the BF16 instance's
 bytes)."""

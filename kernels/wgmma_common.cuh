@@ -104,6 +104,13 @@ template <int COUNT> __device__ __forceinline__ void fence_registers(int (&d)[CO
     "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, " \
     "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, " \
     "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127"
+#define WGMMA_D88 \
+    "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, " \
+    "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, " \
+    "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, " \
+    "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, " \
+    "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, " \
+    "%80, %81, %82, %83, %84, %85, %86, %87"
 // The accumulators as asm operands, 8 at a time: "f" for float32 sums, "r" for int32 ones.
 #define WGMMA_F8(i) \
     "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]), "+f"(d[i + 5]), "+f"(d[i + 6]), \
@@ -116,8 +123,10 @@ template <int COUNT> __device__ __forceinline__ void fence_registers(int (&d)[CO
 #define WGMMA_F128 \
     WGMMA_F64, WGMMA_F8(64), WGMMA_F8(72), WGMMA_F8(80), WGMMA_F8(88), WGMMA_F8(96), WGMMA_F8(104), WGMMA_F8(112), \
         WGMMA_F8(120)
+#define WGMMA_F88 WGMMA_F64, WGMMA_F8(64), WGMMA_F8(72), WGMMA_F8(80)
 #define WGMMA_R64 \
     WGMMA_R8(0), WGMMA_R8(8), WGMMA_R8(16), WGMMA_R8(24), WGMMA_R8(32), WGMMA_R8(40), WGMMA_R8(48), WGMMA_R8(56)
+#define WGMMA_R88 WGMMA_R64, WGMMA_R8(64), WGMMA_R8(72), WGMMA_R8(80)
 #define WGMMA_R128 \
     WGMMA_R64, WGMMA_R8(64), WGMMA_R8(72), WGMMA_R8(80), WGMMA_R8(88), WGMMA_R8(96), WGMMA_R8(104), WGMMA_R8(112), \
         WGMMA_R8(120)
@@ -148,9 +157,11 @@ template <int COUNT> __device__ __forceinline__ void fence_registers(int (&d)[CO
 
 template <int KIND, int N>
 __device__ __forceinline__ void wgmma(typename Operand<KIND>::Sum (&d)[N / 2], u64 a, u64 b, int accumulate) {
-    static_assert(N == 128 || N == 256, "a warpgroup tile is 64 x 128 or 64 x 256");
+    static_assert(N == 128 || N == 176 || N == 256, "a warpgroup tile is 64 x 128, 64 x 176 or 64 x 256");
     if constexpr (N == 128) {
         WGMMA_OF_KIND(128, 64, "%64", "%65", "%66")
+    } else if constexpr (N == 176) {
+        WGMMA_OF_KIND(176, 88, "%88", "%89", "%90")
     } else {
         WGMMA_OF_KIND(256, 128, "%128", "%129", "%130")
     }

@@ -317,6 +317,30 @@ def test_fp8_products_hold_the_bound_whatever_the_operands_scale(launcher: Any, 
     assert problem is None, problem
 
 
+@pytest.mark.parametrize(
+    ("m", "n", "k"),
+    [(300, 129, 129), (129, 700, 640), (17, 9, 33), (1000, 1000, 1), (256, 384, 8192), (130, 360, 300),
+     (128, 176, 256)],
+    ids=str,
+)  # fmt: skip
+def test_fp8_wide_tiles_compute_what_the_narrow_ones_do(launcher: Any, m: int, n: int, k: int) -> None:
+    """The 128 x 176 instance that large FP8 products run on (`tensorcore.wgmma_fp8_config`) sums each tile of K as
+    the 128-wide one does, so their products are the same bit for bit, within the bound: across tile edges in m and
+    n, k shorter than a tile and many tiles long."""
+    import cupy as cp
+
+    rng = np.random.default_rng(16)
+    a, b = rng.standard_normal((m, k)).astype(np.float32), rng.standard_normal((k, n)).astype(np.float32)
+    tensor_cores = launcher.tensor_cores
+    operands = tensor_cores.e4m3_operands(cp.asarray(a), cp.asarray(b))
+    narrow, wide = (cp.full((m, n), cp.nan, cp.float32) for _ in range(2))
+    tensor_cores.wgmma_e4m3(*operands, k, narrow, config=tensorcore.WGMMA_CONFIGS[Precision.FP8])
+    tensor_cores.wgmma_e4m3(*operands, k, wide, config=tensorcore.WGMMA_FP8_WIDE)
+    np.testing.assert_array_equal(cp.asnumpy(wide), cp.asnumpy(narrow))
+    problem = Reference.of(a, b, np.float32, Precision.FP8).mismatch(cp.asnumpy(wide))
+    assert problem is None, problem
+
+
 @pytest.mark.parametrize("precision", [p for p in TENSOR_CORE_PRECISIONS if p is not Precision.FP8])
 @pytest.mark.parametrize("transposed", [False, True], ids=["rows", "transposed"])
 @pytest.mark.parametrize("width", [45, 48])  # rows converted one element a thread, or four at a time

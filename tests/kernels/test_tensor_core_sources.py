@@ -19,6 +19,7 @@ SOURCES = {
     tensorcore.WGMMA_SOURCE: [
         *(config.expression() for config in tensorcore.WGMMA_CONFIGS.values()),
         tensorcore.WGMMA_INT8.expression(),
+        tensorcore.WGMMA_FP8_WIDE.expression(),
     ],
     tensorcore.WGMMA_PINGPONG_SOURCE: [tensorcore.WGMMA_INT8_PINGPONG.expression()],
     tensorcore.MMA_SYNC_SOURCE: [config.expression() for config in tensorcore.MMA_SYNC_CONFIGS.values()],
@@ -41,7 +42,7 @@ def test_compiles_for_sm90a_without_spilling(source: str) -> None:
 
 def test_every_tensor_core_precision_has_an_instance_that_fits_in_shared_memory() -> None:
     assert set(tensorcore.WGMMA_CONFIGS) == set(TENSOR_CORE_PRECISIONS)
-    for config in (*tensorcore.WGMMA_CONFIGS.values(), tensorcore.WGMMA_INT8):
+    for config in (*tensorcore.WGMMA_CONFIGS.values(), tensorcore.WGMMA_INT8, tensorcore.WGMMA_FP8_WIDE):
         assert config.smem_bytes() <= MAX_DYNAMIC_SMEM
         # a tile row is one 128-byte swizzle span, and a TMA box has at most 256 rows
         assert config.tile_k * config.element_bytes == tensorcore.ROW_BYTES
@@ -76,6 +77,19 @@ def test_int8_runs_in_turns_up_to_its_k_and_in_tiles_past_it() -> None:
     assert tensorcore.wgmma_int8_config(1) is tensorcore.wgmma_int8_config(tensorcore.PINGPONG_INT8_MAX_K) is pingpong
     assert tensorcore.wgmma_int8_config(tensorcore.PINGPONG_INT8_MAX_K + 1) is tensorcore.WGMMA_INT8
     assert set(tensorcore.WGMMA_INT8_INSTANCES.values()) == {pingpong, tensorcore.WGMMA_INT8}
+
+
+def test_fp8_runs_on_wide_tiles_where_they_make_enough_waves() -> None:
+    wide, narrow = tensorcore.WGMMA_FP8_WIDE, tensorcore.WGMMA_CONFIGS[Precision.FP8]
+    assert wide.expression() == "matmul_wgmma<4, 176, 4, false>" and wide.smem_bytes() <= MAX_DYNAMIC_SMEM
+    assert wide.boxes == (128, 176) and wide.conversion is narrow.conversion
+    assert wide.padded_k(33) == narrow.padded_k(33)
+    assert wide.blocks(4096, 4096) == 32 * 24  # 5.8 waves on 132 SMs
+    assert tensorcore.wgmma_fp8_config(4096, 4096, 132) is wide
+    assert tensorcore.wgmma_fp8_config(2048, 2048, 132) is narrow  # 192 wide tiles, 1.5 waves
+    fewest = tensorcore.FP8_WIDE_MIN_WAVES * 132  # wide tiles, all in one row of tiles
+    assert tensorcore.wgmma_fp8_config(128, 176 * fewest, 132) is wide
+    assert tensorcore.wgmma_fp8_config(128, 176 * fewest - 176, 132) is narrow
 
 
 def test_one_block_per_tile_of_c() -> None:
