@@ -172,6 +172,7 @@ def tensor_core_instances(compute_capability: tuple[int, int]) -> dict[str, Mapp
             **tensorcore.WGMMA_CONFIGS,
             Precision.INT8: tensorcore.WGMMA_INT8,
             tensorcore.FP8_WIDE: tensorcore.WGMMA_FP8_WIDE,
+            tensorcore.FP8_WIDE_PERSISTENT: tensorcore.WGMMA_FP8_WIDE_PERSISTENT,
         },
         tensorcore.WGMMA_PINGPONG_SOURCE: {Precision.INT8: tensorcore.WGMMA_INT8_PINGPONG},
         tensorcore.DMMA_SOURCE: tensorcore.DMMA_CONFIGS,
@@ -312,7 +313,7 @@ class TensorCoreLibrary:
             for config in sources.get(source, {}).values()
         ]
         self._wgmma: dict[_Instance, Any] = {config: allowed(config) for config in wgmma_configs}
-        """Each wgmma instance by its config: the precisions', int8's two and FP8's wide tiles."""
+        """Each wgmma instance by its config: the precisions', int8's two and FP8's wide tiles' two grids."""
         self._dmma: dict[bool, Any] = {key: allowed(c) for key, c in sources.get(tensorcore.DMMA_SOURCE, {}).items()}
         self._mma_sync: dict[Precision, Any] = {
             key: allowed(config) for key, config in sources.get(tensorcore.MMA_SYNC_SOURCE, {}).items()
@@ -426,10 +427,10 @@ class TensorCoreLibrary:
         self, a_e4m3: Any, b_t_e4m3: Any, amax: Any, k: int, c: Any, config: tensorcore.WgmmaConfig | None = None
     ) -> None:
         """c (M x N, float32) = A @ B on the current stream through kernels/wgmma.cu's FP8 instance for its shape
-        (`tensorcore.wgmma_fp8_config`), or `config` (that or `tensorcore.WGMMA_FP8_WIDE`), from `e4m3_operands`
+        (`tensorcore.wgmma_fp8_config`), or `config` (one of wgmma.cu's FP8 instances), from `e4m3_operands`
         (A, M x k, and B^T, N x k) and the largest magnitudes their scales came from."""
         m, n = c.shape
-        config = config or tensorcore.wgmma_fp8_config(m, n, self._multiprocessors)
+        config = config or tensorcore.wgmma_fp8_config(m, n, k, self._multiprocessors)
         self._launch_wgmma(config, [a_e4m3], [b_t_e4m3], c, k, amax)
 
     def _launch_wgmma(

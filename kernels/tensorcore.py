@@ -13,6 +13,7 @@ other tensor-core precisions run on cuBLAS alone, and float64 on the FMA kernels
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from enum import IntEnum
 from types import MappingProxyType
@@ -89,6 +90,8 @@ class WgmmaConfig:
     stages: int
     split: bool
     conversion: Conversion
+    persistent: bool = False
+    """A block per SM taking tiles in turn, where False is a block per tile."""
 
     @property
     def element_bytes(self) -> int:
@@ -115,7 +118,8 @@ class WgmmaConfig:
 
     def expression(self) -> str:
         split = "true" if self.split else "false"
-        return f"matmul_wgmma<{int(self.kind)}, {self.block_n}, {self.stages}, {split}>"
+        persistent = ", true" if self.persistent else ""  # the template's default: false
+        return f"matmul_wgmma<{int(self.kind)}, {self.block_n}, {self.stages}, {split}{persistent}>"
 
     def smem_bytes(self) -> int:
         """The tiles of every stage, a full and an empty mbarrier per stage, and the alignment slack."""
@@ -127,9 +131,13 @@ class WgmmaConfig:
         per_unit = STRIDE_ALIGNMENT // self.element_bytes
         return cdiv(k, per_unit) * per_unit
 
-    def blocks(self, m: int, n: int, multiprocessors: int = 0) -> int:
-        """One block per tile of C, whatever the SMs (`multiprocessors` is the ping-pong instances' count)."""
+    def tiles(self, m: int, n: int) -> int:
         return cdiv(m, BLOCK_M) * cdiv(n, self.block_n)
+
+    def blocks(self, m: int, n: int, multiprocessors: int = 0) -> int:
+        """One block per tile of C, or for a persistent instance one per SM where there are more tiles."""
+        tiles = self.tiles(m, n)
+        return min(tiles, multiprocessors) if self.persistent else tiles
 
 
 WGMMA_CONFIGS: MappingProxyType[Precision, WgmmaConfig] = MappingProxyType(
@@ -147,20 +155,28 @@ WGMMA_CONFIGS: MappingProxyType[Precision, WgmmaConfig] = MappingProxyType(
 WGMMA_FP8_WIDE = WgmmaConfig(OperandKind.E4M3, 176, 4, False, Conversion.TO_E4M3)
 """FP8 on 128 x 176 tiles: 88 totals and 88 tile sums a consumer thread (a 128 x 256 tile's 256 would pass the 255
 a thread can name), 38 KiB a stage. It reads the operands as the 128-wide instance converts them."""
+WGMMA_FP8_WIDE_PERSISTENT = dataclasses.replace(WGMMA_FP8_WIDE, persistent=True)
+"""The same tiles as a persistent grid."""
 FP8_WIDE = "fp8 wide"
-"""`WGMMA_FP8_WIDE`'s key among wgmma.cu's instances."""
+FP8_WIDE_PERSISTENT = "fp8 wide persistent"
+"""The wide instances' keys among wgmma.cu's instances."""
 FP8_WIDE_MIN_WAVES = 4
 """FP8 products with at least this many waves of 128 x 176 tiles (a tile a block, a block an SM) run on them: measured
 on an H200 (docs/tensor-cores.md), 0.88-0.90 of cuBLASLt at 4096^3 against the 128-wide tiles' 0.83-0.85, where at
 2048^3 (1.5 waves) the wide tiles run 0.70 and the narrow 0.77."""
+FP8_PERSISTENT_MAX_K = 6144
+"""Wide FP8 products up to this k run as a persistent grid, longer ones a block per tile: a block's next tile then
+loads while it stores the last, a cost the same per tile whatever k is, so it gains where a tile's products are short
+(H200, docs/tensor-cores.md: 0.92-0.93 of cuBLASLt against 0.88 at 4096^3, 1.05 against 1.01-1.02 at 6144^3, and at
+8192^3 0.88-0.91 against 0.90-0.91)."""
 
 
-def wgmma_fp8_config(m: int, n: int, multiprocessors: int) -> WgmmaConfig:
-    """The FP8 instance of an m x n product on a device of `multiprocessors` SMs: the wide tiles where they make
-    `FP8_WIDE_MIN_WAVES` waves, else the 128-wide ones."""
-    if WGMMA_FP8_WIDE.blocks(m, n) >= FP8_WIDE_MIN_WAVES * multiprocessors:
-        return WGMMA_FP8_WIDE
-    return WGMMA_CONFIGS[Precision.FP8]
+def wgmma_fp8_config(m: int, n: int, k: int, multiprocessors: int) -> WgmmaConfig:
+    """The FP8 instance of an m x n x k product on a device of `multiprocessors` SMs: the wide tiles where they make
+    `FP8_WIDE_MIN_WAVES` waves (as a persistent grid up to `FP8_PERSISTENT_MAX_K`), else the 128-wide ones."""
+    if WGMMA_FP8_WIDE.tiles(m, n) < FP8_WIDE_MIN_WAVES * multiprocessors:
+        return WGMMA_CONFIGS[Precision.FP8]
+    return WGMMA_FP8_WIDE_PERSISTENT if k <= FP8_PERSISTENT_MAX_K else WGMMA_FP8_WIDE
 
 
 WGMMA_INT8 = WgmmaConfig(OperandKind.S8, 256, 4, False, Conversion.COPY_S8)

@@ -42,9 +42,10 @@
 
 // maps: the TMA tensor maps in global memory, 128 bytes each: A and B^T, or (SPLIT) A's big and small parts and
 // B^T's. amax (E4M3 only, else null): the float32 bits of A's and B^T's largest magnitudes, which their scales
-// come from. Launched with THREADS threads, one block per tile of C (1-D grid), and `smem_bytes<...>()` bytes of
-// dynamic shared memory. The next step, for int8, is kernels/wgmma_pingpong.cu.
-template <int KIND, int BN, int STAGES, bool SPLIT>
+// come from. Launched with THREADS threads, a 1-D grid of a block per tile of C (PERSISTENT: a block per SM, or per
+// tile where there are fewer), and `smem_bytes<...>()` bytes of dynamic shared memory. The next step, for int8, is
+// kernels/wgmma_pingpong.cu.
+template <int KIND, int BN, int STAGES, bool SPLIT, bool PERSISTENT = false>
 __global__ void __launch_bounds__(THREADS, 1) matmul_wgmma(const unsigned char* __restrict__ maps,
                                                            typename Operand<KIND>::Sum* __restrict__ C, int M, int N,
                                                            int K, const u32* __restrict__ amax) {
@@ -62,98 +63,128 @@ __global__ void __launch_bounds__(THREADS, 1) matmul_wgmma(const unsigned char* 
     u64* full = reinterpret_cast<u64*>(shared + STAGES * STAGE_BYTES);
     u64* empty = full + STAGES;
 
-    int tile_m, tile_n;
-    tile_of(blockIdx.x, (M + BM - 1) / BM, (N + BN - 1) / BN, tile_m, tile_n);
-    const int m0 = tile_m * BM, n0 = tile_n * BN;
+    const int tiles_m = (M + BM - 1) / BM, tiles_n = (N + BN - 1) / BN;
     const int k_tiles = (K + Op::tile_k - 1) / Op::tile_k;
     const int warpgroup = threadIdx.x / 128;
 
     init_stage_barriers<STAGES>(full, empty, CONSUMERS * 128);
 
+    // A block multiplies tile blockIdx.x of C, or (PERSISTENT: a block per SM) tiles blockIdx.x, + gridDim.x, ...,
+    // its producer loading a tile's first stages while the consumers still multiply and store the last one. `used`
+    // counts the stages a block's earlier tiles took, so that each stage's barriers keep their phases.
     if (warpgroup == 0) {
         asm volatile("setmaxnreg.dec.sync.aligned.u32 40;");
         if (threadIdx.x == 0) {
-            for (int kt = 0; kt < k_tiles; ++kt) {
-                const int s = kt % STAGES;
-                if (kt >= STAGES) barrier_wait(&empty[s], ((kt / STAGES) - 1) & 1);
-                load_stage<PARTS, A_BYTES, B_BYTES>(shared + s * STAGE_BYTES, maps, &full[s], kt * Op::tile_k, m0, n0);
+            auto load_tile = [&](int tile, int used) {
+                int tile_m, tile_n;
+                tile_of(tile, tiles_m, tiles_n, tile_m, tile_n);
+                for (int kt = 0; kt < k_tiles; ++kt) {
+                    const int s = (used + kt) % STAGES;
+                    if (used + kt >= STAGES) barrier_wait(&empty[s], (((used + kt) / STAGES) - 1) & 1);
+                    load_stage<PARTS, A_BYTES, B_BYTES>(shared + s * STAGE_BYTES, maps, &full[s], kt * Op::tile_k,
+                                                        tile_m * BM, tile_n * BN);
+                }
+            };
+            if constexpr (PERSISTENT) {
+                for (int tile = blockIdx.x, used = 0; tile < tiles_m * tiles_n; tile += gridDim.x, used += k_tiles)
+                    load_tile(tile, used);
+            } else {
+                load_tile(blockIdx.x, 0);
             }
         }
         return;
     }
 
     asm volatile("setmaxnreg.inc.sync.aligned.u32 232;");
-    constexpr int SPLIT_REGISTERS = SPLIT ? BN / 2 : 1;
-    constexpr int TILE_REGISTERS = TILE_SUMS ? BN / 2 : 1;
-    Sum d[BN / 2];
-    Sum d_small[SPLIT_REGISTERS];  // SPLIT: big*small + small*big, over all of K
-    Sum d_tile[TILE_REGISTERS];    // TILE_SUMS: (big*big) over one tile of K
-#pragma unroll
-    for (int i = 0; i < BN / 2; ++i) d[i] = 0;
-#pragma unroll
-    for (int i = 0; i < SPLIT_REGISTERS; ++i) d_small[i] = 0;
-
     const int half = (warpgroup - 1) * 64 * ROW_BYTES;  // this warpgroup's 64 rows of the A tile
-    for (int kt = 0; kt < k_tiles; ++kt) {
-        const int s = kt % STAGES;
-        barrier_wait(&full[s], (kt / STAGES) & 1);
-        const unsigned char* stage = shared + s * STAGE_BYTES;
-        const u64 a_big = tile_descriptor(stage + half);
-        const u64 b_big = tile_descriptor(stage + PARTS * A_BYTES);
-        fence_registers(d);
-        if constexpr (SPLIT) fence_registers(d_small);
-        if constexpr (TILE_SUMS) fence_registers(d_tile);
-        wgmma_fence();
+    // E4M3: the operands were scaled by 2^e_A and 2^e_B. Read once, before the tiles: a persistent block that read
+    // them after each tile's products would wait out the read between its tiles.
+    const int descale = KIND == E4M3 ? -(e4m3_scale_exponent(__uint_as_float(amax[0])) +
+                                         e4m3_scale_exponent(__uint_as_float(amax[1])))
+                                     : 0;
+    auto multiply_tile = [&](int tile, int used) {
+        int tile_m, tile_n;
+        tile_of(tile, tiles_m, tiles_n, tile_m, tile_n);
+        constexpr int SPLIT_REGISTERS = SPLIT ? BN / 2 : 1;
+        constexpr int TILE_REGISTERS = TILE_SUMS ? BN / 2 : 1;
+        Sum d[BN / 2];
+        Sum d_small[SPLIT_REGISTERS];  // SPLIT: big*small + small*big, over all of K
+        Sum d_tile[TILE_REGISTERS];    // TILE_SUMS: (big*big) over one tile of K
 #pragma unroll
-        for (int step = 0; step < MMAS; ++step) {
-            // a step is 32 bytes along K: 2 in the descriptor's address, which counts 16-byte units
-            if constexpr (SPLIT) {
-                const u64 a_small = tile_descriptor(stage + A_BYTES + half);
-                const u64 b_small = tile_descriptor(stage + 2 * A_BYTES + B_BYTES);
-                wgmma<KIND, BN>(d_small, a_big + 2 * step, b_small + 2 * step, 1);
-                wgmma<KIND, BN>(d_small, a_small + 2 * step, b_big + 2 * step, 1);
-                wgmma<KIND, BN>(d_tile, a_big + 2 * step, b_big + 2 * step, step > 0);
-            } else if constexpr (TILE_SUMS) {
-                wgmma<KIND, BN>(d_tile, a_big + 2 * step, b_big + 2 * step, step > 0);
+        for (int i = 0; i < BN / 2; ++i) d[i] = 0;
+#pragma unroll
+        for (int i = 0; i < SPLIT_REGISTERS; ++i) d_small[i] = 0;
+
+        for (int kt = 0; kt < k_tiles; ++kt) {
+            const int s = (used + kt) % STAGES;
+            barrier_wait(&full[s], ((used + kt) / STAGES) & 1);
+            const unsigned char* stage = shared + s * STAGE_BYTES;
+            const u64 a_big = tile_descriptor(stage + half);
+            const u64 b_big = tile_descriptor(stage + PARTS * A_BYTES);
+            fence_registers(d);
+            if constexpr (SPLIT) fence_registers(d_small);
+            if constexpr (TILE_SUMS) fence_registers(d_tile);
+            wgmma_fence();
+#pragma unroll
+            for (int step = 0; step < MMAS; ++step) {
+                // a step is 32 bytes along K: 2 in the descriptor's address, which counts 16-byte units
+                if constexpr (SPLIT) {
+                    const u64 a_small = tile_descriptor(stage + A_BYTES + half);
+                    const u64 b_small = tile_descriptor(stage + 2 * A_BYTES + B_BYTES);
+                    wgmma<KIND, BN>(d_small, a_big + 2 * step, b_small + 2 * step, 1);
+                    wgmma<KIND, BN>(d_small, a_small + 2 * step, b_big + 2 * step, 1);
+                    wgmma<KIND, BN>(d_tile, a_big + 2 * step, b_big + 2 * step, step > 0);
+                } else if constexpr (TILE_SUMS) {
+                    wgmma<KIND, BN>(d_tile, a_big + 2 * step, b_big + 2 * step, step > 0);
+                } else {
+                    wgmma<KIND, BN>(d, a_big + 2 * step, b_big + 2 * step, 1);
+                }
+            }
+            wgmma_commit();
+            fence_registers(d);
+            if constexpr (TILE_SUMS) {
+                // The tensor cores round their sums toward zero (TF32), or keep fewer bits than float32 (FP8): over
+                // all of K that error grows with K (9.6e-6 relative at 4096^3 for 3xTF32, 9x SGEMM's error). So
+                // each tile's (big) products are summed apart and added here, rounded to nearest, and the tensor
+                // cores' sums stay one tile long. SPLIT's small products' sum is 2^-11 of the big one's, so its bias
+                // is not worth the registers.
+                if constexpr (SPLIT) fence_registers(d_small);
+                fence_registers(d_tile);
+                wgmma_wait<0>();
+                fence_registers(d_tile);
+#pragma unroll
+                for (int i = 0; i < BN / 2; ++i) d[i] += d_tile[i];
+                barrier_arrive(&empty[s]);
             } else {
-                wgmma<KIND, BN>(d, a_big + 2 * step, b_big + 2 * step, 1);
+                // keep this tile's products running; the previous tile's are done, so its stage may be refilled
+                wgmma_wait<1>();
+                if (kt > 0) barrier_arrive(&empty[(used + kt - 1) % STAGES]);
             }
         }
-        wgmma_commit();
+        wgmma_wait<0>();
         fence_registers(d);
-        if constexpr (TILE_SUMS) {
-            // The tensor cores round their sums toward zero (TF32), or keep fewer bits than float32 (FP8): over all
-            // of K that error grows with K (9.6e-6 relative at 4096^3 for 3xTF32, 9x SGEMM's error). So each
-            // tile's (big) products are summed apart and added here, rounded to nearest, and the tensor cores'
-            // sums stay one tile long. SPLIT's small products' sum is 2^-11 of the big one's, so its bias is not
-            // worth the registers.
-            if constexpr (SPLIT) fence_registers(d_small);
-            fence_registers(d_tile);
-            wgmma_wait<0>();
-            fence_registers(d_tile);
-#pragma unroll
-            for (int i = 0; i < BN / 2; ++i) d[i] += d_tile[i];
-            barrier_arrive(&empty[s]);
-        } else {
-            // keep this tile's products running; the previous tile's are done, so its stage may be refilled
-            wgmma_wait<1>();
-            if (kt > 0) barrier_arrive(&empty[(kt - 1) % STAGES]);
+        if constexpr (SPLIT) fence_registers(d_small);
+        // a persistent block's producer waits for the tile's last stage, whose products the wait above saw done
+        // (TILE_SUMS released each stage at once)
+        if constexpr (PERSISTENT && !TILE_SUMS) {
+            if (k_tiles > 0) barrier_arrive(&empty[(used + k_tiles - 1) % STAGES]);
         }
-    }
-    wgmma_wait<0>();
-    fence_registers(d);
-    if constexpr (SPLIT) fence_registers(d_small);
 
-    // SPLIT: the small products' sums join the big ones'; E4M3: the operands were scaled by 2^e_A and 2^e_B
-    if constexpr (SPLIT) {
+        // SPLIT: the small products' sums join the big ones'
+        if constexpr (SPLIT) {
 #pragma unroll
-        for (int i = 0; i < BN / 2; ++i) d[i] += d_small[i];
-    }
-    if constexpr (KIND == E4M3) {
-        const int descale = -(e4m3_scale_exponent(__uint_as_float(amax[0])) +
-                              e4m3_scale_exponent(__uint_as_float(amax[1])));
+            for (int i = 0; i < BN / 2; ++i) d[i] += d_small[i];
+        }
+        if constexpr (KIND == E4M3) {
 #pragma unroll
-        for (int i = 0; i < BN / 2; ++i) d[i] = ldexpf(d[i], descale);
+            for (int i = 0; i < BN / 2; ++i) d[i] = ldexpf(d[i], descale);
+        }
+        store_warpgroup_tile<BN>(C, d, tile_m * BM + (warpgroup - 1) * 64, tile_n * BN, M, N);
+    };
+    if constexpr (PERSISTENT) {
+        for (int tile = blockIdx.x, used = 0; tile < tiles_m * tiles_n; tile += gridDim.x, used += k_tiles)
+            multiply_tile(tile, used);
+    } else {
+        multiply_tile(blockIdx.x, 0);
     }
-    store_warpgroup_tile<BN>(C, d, m0 + (warpgroup - 1) * 64, n0, M, N);
 }

@@ -318,26 +318,32 @@ def test_fp8_products_hold_the_bound_whatever_the_operands_scale(launcher: Any, 
 
 
 @pytest.mark.parametrize(
+    "wide", [tensorcore.WGMMA_FP8_WIDE, tensorcore.WGMMA_FP8_WIDE_PERSISTENT], ids=["tiles", "persistent"]
+)
+@pytest.mark.parametrize(
     ("m", "n", "k"),
     [(300, 129, 129), (129, 700, 640), (17, 9, 33), (1000, 1000, 1), (256, 384, 8192), (130, 360, 300),
-     (128, 176, 256)],
+     (128, 176, 256), (1500, 2100, 300), (1500, 2100, 1)],
     ids=str,
 )  # fmt: skip
-def test_fp8_wide_tiles_compute_what_the_narrow_ones_do(launcher: Any, m: int, n: int, k: int) -> None:
-    """The 128 x 176 instance that large FP8 products run on (`tensorcore.wgmma_fp8_config`) sums each tile of K as
-    the 128-wide one does, so their products are the same bit for bit, within the bound: across tile edges in m and
-    n, k shorter than a tile and many tiles long."""
+def test_fp8_wide_tiles_compute_what_the_narrow_ones_do(
+    launcher: Any, wide: tensorcore.WgmmaConfig, m: int, n: int, k: int
+) -> None:
+    """The 128 x 176 instance that large FP8 products run on (`tensorcore.wgmma_fp8_config`), a block a tile or as a
+    persistent grid, sums each tile of K as the 128-wide one does, so their products are the same bit for bit, within
+    the bound: across tile edges in m and n, k shorter than a tile and many tiles long, and (1500 x 2100: 144 wide
+    tiles) blocks of the persistent grid that take two tiles on an SM count of 132."""
     import cupy as cp
 
     rng = np.random.default_rng(16)
     a, b = rng.standard_normal((m, k)).astype(np.float32), rng.standard_normal((k, n)).astype(np.float32)
     tensor_cores = launcher.tensor_cores
     operands = tensor_cores.e4m3_operands(cp.asarray(a), cp.asarray(b))
-    narrow, wide = (cp.full((m, n), cp.nan, cp.float32) for _ in range(2))
-    tensor_cores.wgmma_e4m3(*operands, k, narrow, config=tensorcore.WGMMA_CONFIGS[Precision.FP8])
-    tensor_cores.wgmma_e4m3(*operands, k, wide, config=tensorcore.WGMMA_FP8_WIDE)
-    np.testing.assert_array_equal(cp.asnumpy(wide), cp.asnumpy(narrow))
-    problem = Reference.of(a, b, np.float32, Precision.FP8).mismatch(cp.asnumpy(wide))
+    narrow_c, wide_c = (cp.full((m, n), cp.nan, cp.float32) for _ in range(2))
+    tensor_cores.wgmma_e4m3(*operands, k, narrow_c, config=tensorcore.WGMMA_CONFIGS[Precision.FP8])
+    tensor_cores.wgmma_e4m3(*operands, k, wide_c, config=wide)
+    np.testing.assert_array_equal(cp.asnumpy(wide_c), cp.asnumpy(narrow_c))
+    problem = Reference.of(a, b, np.float32, Precision.FP8).mismatch(cp.asnumpy(wide_c))
     assert problem is None, problem
 
 

@@ -20,6 +20,7 @@ SOURCES = {
         *(config.expression() for config in tensorcore.WGMMA_CONFIGS.values()),
         tensorcore.WGMMA_INT8.expression(),
         tensorcore.WGMMA_FP8_WIDE.expression(),
+        tensorcore.WGMMA_FP8_WIDE_PERSISTENT.expression(),
     ],
     tensorcore.WGMMA_PINGPONG_SOURCE: [tensorcore.WGMMA_INT8_PINGPONG.expression()],
     tensorcore.MMA_SYNC_SOURCE: [config.expression() for config in tensorcore.MMA_SYNC_CONFIGS.values()],
@@ -79,17 +80,23 @@ def test_int8_runs_in_turns_up_to_its_k_and_in_tiles_past_it() -> None:
     assert set(tensorcore.WGMMA_INT8_INSTANCES.values()) == {pingpong, tensorcore.WGMMA_INT8}
 
 
-def test_fp8_runs_on_wide_tiles_where_they_make_enough_waves() -> None:
+def test_fp8_runs_on_wide_tiles_where_they_make_enough_waves_persistent_up_to_its_k() -> None:
     wide, narrow = tensorcore.WGMMA_FP8_WIDE, tensorcore.WGMMA_CONFIGS[Precision.FP8]
-    assert wide.expression() == "matmul_wgmma<4, 176, 4, false>" and wide.smem_bytes() <= MAX_DYNAMIC_SMEM
+    persistent = tensorcore.WGMMA_FP8_WIDE_PERSISTENT
+    assert wide.expression() == "matmul_wgmma<4, 176, 4, false>"
+    assert persistent.expression() == "matmul_wgmma<4, 176, 4, false, true>"
+    assert wide.smem_bytes() <= MAX_DYNAMIC_SMEM
     assert wide.boxes == (128, 176) and wide.conversion is narrow.conversion
     assert wide.padded_k(33) == narrow.padded_k(33)
-    assert wide.blocks(4096, 4096) == 32 * 24  # 5.8 waves on 132 SMs
-    assert tensorcore.wgmma_fp8_config(4096, 4096, 132) is wide
-    assert tensorcore.wgmma_fp8_config(2048, 2048, 132) is narrow  # 192 wide tiles, 1.5 waves
+    assert wide.blocks(4096, 4096, 132) == 32 * 24  # 5.8 waves on 132 SMs
+    assert persistent.blocks(4096, 4096, 132) == 132 and persistent.blocks(129, 177, 132) == 2 * 2
+    assert tensorcore.wgmma_fp8_config(4096, 4096, 4096, 132) is persistent
+    assert tensorcore.wgmma_fp8_config(4096, 4096, tensorcore.FP8_PERSISTENT_MAX_K, 132) is persistent
+    assert tensorcore.wgmma_fp8_config(4096, 4096, tensorcore.FP8_PERSISTENT_MAX_K + 1, 132) is wide
+    assert tensorcore.wgmma_fp8_config(2048, 2048, 2048, 132) is narrow  # 192 wide tiles, 1.5 waves
     fewest = tensorcore.FP8_WIDE_MIN_WAVES * 132  # wide tiles, all in one row of tiles
-    assert tensorcore.wgmma_fp8_config(128, 176 * fewest, 132) is wide
-    assert tensorcore.wgmma_fp8_config(128, 176 * fewest - 176, 132) is narrow
+    assert tensorcore.wgmma_fp8_config(128, 176 * fewest, 8192, 132) is wide
+    assert tensorcore.wgmma_fp8_config(128, 176 * fewest - 176, 8192, 132) is narrow
 
 
 def test_one_block_per_tile_of_c() -> None:
