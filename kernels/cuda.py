@@ -427,8 +427,11 @@ class TensorCoreLibrary:
         self, a_e4m3: Any, b_t_e4m3: Any, amax: Any, k: int, c: Any, config: tensorcore.WgmmaConfig | None = None
     ) -> None:
         """c (M x N, float32) = A @ B on the current stream through kernels/wgmma.cu's FP8 instance for its shape
-        (`tensorcore.wgmma_fp8_config`), or `config` (one of wgmma.cu's FP8 instances), from `e4m3_operands`
-        (A, M x k, and B^T, N x k) and the largest magnitudes their scales came from."""
+        (`tensorcore.wgmma_fp8_config`), or `config` (one of `tensorcore.WGMMA_FP8_INSTANCES`), from `e4m3_operands`
+        (A, M x k, and B^T, N x k) and the largest magnitudes their scales came from. ValueError for another
+        config."""
+        if config is not None and config not in tensorcore.WGMMA_FP8_INSTANCES:
+            raise ValueError(f"{config.expression()} is not a wgmma FP8 instance")
         m, n = c.shape
         config = config or tensorcore.wgmma_fp8_config(m, n, k, self._multiprocessors)
         self._launch_wgmma(config, [a_e4m3], [b_t_e4m3], c, k, amax)

@@ -13,8 +13,7 @@ other tensor-core precisions run on cuBLAS alone, and float64 on the FMA kernels
 
 from __future__ import annotations
 
-import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import IntEnum
 from types import MappingProxyType
 
@@ -135,9 +134,14 @@ class WgmmaConfig:
         return cdiv(m, BLOCK_M) * cdiv(n, self.block_n)
 
     def blocks(self, m: int, n: int, multiprocessors: int = 0) -> int:
-        """One block per tile of C, or for a persistent instance one per SM where there are more tiles."""
+        """One block per tile of C, or for a persistent instance one per SM (`multiprocessors`, which it needs)
+        where there are more tiles."""
         tiles = self.tiles(m, n)
-        return min(tiles, multiprocessors) if self.persistent else tiles
+        if not self.persistent:
+            return tiles
+        if multiprocessors < 1:
+            raise ValueError(f"{self.expression()} is a persistent grid: it needs the device's SM count")
+        return min(tiles, multiprocessors)
 
 
 WGMMA_CONFIGS: MappingProxyType[Precision, WgmmaConfig] = MappingProxyType(
@@ -155,11 +159,12 @@ WGMMA_CONFIGS: MappingProxyType[Precision, WgmmaConfig] = MappingProxyType(
 WGMMA_FP8_WIDE = WgmmaConfig(OperandKind.E4M3, 176, 4, False, Conversion.TO_E4M3)
 """FP8 on 128 x 176 tiles: 88 totals and 88 tile sums a consumer thread (a 128 x 256 tile's 256 would pass the 255
 a thread can name), 38 KiB a stage. It reads the operands as the 128-wide instance converts them."""
-WGMMA_FP8_WIDE_PERSISTENT = dataclasses.replace(WGMMA_FP8_WIDE, persistent=True)
+WGMMA_FP8_WIDE_PERSISTENT = replace(WGMMA_FP8_WIDE, persistent=True)
 """The same tiles as a persistent grid."""
 FP8_WIDE = "fp8 wide"
+"""`WGMMA_FP8_WIDE`'s key among wgmma.cu's instances."""
 FP8_WIDE_PERSISTENT = "fp8 wide persistent"
-"""The wide instances' keys among wgmma.cu's instances."""
+"""`WGMMA_FP8_WIDE_PERSISTENT`'s key among wgmma.cu's instances."""
 FP8_WIDE_MIN_WAVES = 4
 """FP8 products with at least this many waves of 128 x 176 tiles (a tile a block, a block an SM) run on them: measured
 on an H200 (docs/tensor-cores.md), 0.88-0.90 of cuBLASLt at 4096^3 against the 128-wide tiles' 0.83-0.85, where at
@@ -169,6 +174,10 @@ FP8_PERSISTENT_MAX_K = 6144
 loads while it stores the last, a cost the same per tile whatever k is, so it gains where a tile's products are short
 (H200, docs/tensor-cores.md: 0.92-0.93 of cuBLASLt against 0.88 at 4096^3, 1.05 against 1.01-1.02 at 6144^3, and at
 8192^3 0.88-0.91 against 0.90-0.91)."""
+
+
+WGMMA_FP8_INSTANCES = (WGMMA_CONFIGS[Precision.FP8], WGMMA_FP8_WIDE, WGMMA_FP8_WIDE_PERSISTENT)
+"""FP8's wgmma instances: 128-wide tiles, 128 x 176 tiles a block a tile, and as a persistent grid."""
 
 
 def wgmma_fp8_config(m: int, n: int, k: int, multiprocessors: int) -> WgmmaConfig:

@@ -53,6 +53,9 @@ __global__ void __launch_bounds__(THREADS, 1) matmul_wgmma(const unsigned char* 
     using Sum = typename Op::Sum;
     constexpr int PARTS = SPLIT ? 2 : 1;
     constexpr bool TILE_SUMS = SPLIT || KIND == E4M3;  // each tile's products summed apart, then added here
+    // A persistent block's next tile reuses the stages: the kinds that release each stage as its products are done
+    // (TILE_SUMS) release them all; the others leave their tile's last stage held.
+    static_assert(!PERSISTENT || TILE_SUMS, "a persistent grid for the kinds that sum each tile of K apart");
     constexpr int A_BYTES = BM * ROW_BYTES;
     constexpr int B_BYTES = BN * ROW_BYTES;
     constexpr int STAGE_BYTES = PARTS * (A_BYTES + B_BYTES);
@@ -70,24 +73,26 @@ __global__ void __launch_bounds__(THREADS, 1) matmul_wgmma(const unsigned char* 
     init_stage_barriers<STAGES>(full, empty, CONSUMERS * 128);
 
     // A block multiplies tile blockIdx.x of C, or (PERSISTENT: a block per SM) tiles blockIdx.x, + gridDim.x, ...,
-    // its producer loading a tile's first stages while the consumers still multiply and store the last one. `used`
-    // counts the stages a block's earlier tiles took, so that each stage's barriers keep their phases.
+    // its producer loading a tile's first stages while the consumers still multiply and store the last one.
+    // `stages_before` counts the stages a block's earlier tiles took, so that each stage's barriers keep their phases.
     if (warpgroup == 0) {
         asm volatile("setmaxnreg.dec.sync.aligned.u32 40;");
         if (threadIdx.x == 0) {
-            auto load_tile = [&](int tile, int used) {
+            auto load_tile = [&](int tile, int stages_before) {
                 int tile_m, tile_n;
                 tile_of(tile, tiles_m, tiles_n, tile_m, tile_n);
                 for (int kt = 0; kt < k_tiles; ++kt) {
-                    const int s = (used + kt) % STAGES;
-                    if (used + kt >= STAGES) barrier_wait(&empty[s], (((used + kt) / STAGES) - 1) & 1);
+                    const int stage = stages_before + kt;  // of the block's stages, over all its tiles
+                    const int s = stage % STAGES;
+                    if (stage >= STAGES) barrier_wait(&empty[s], ((stage / STAGES) - 1) & 1);
                     load_stage<PARTS, A_BYTES, B_BYTES>(shared + s * STAGE_BYTES, maps, &full[s], kt * Op::tile_k,
                                                         tile_m * BM, tile_n * BN);
                 }
             };
             if constexpr (PERSISTENT) {
-                for (int tile = blockIdx.x, used = 0; tile < tiles_m * tiles_n; tile += gridDim.x, used += k_tiles)
-                    load_tile(tile, used);
+                for (int tile = blockIdx.x, stages_before = 0; tile < tiles_m * tiles_n;
+                     tile += gridDim.x, stages_before += k_tiles)
+                    load_tile(tile, stages_before);
             } else {
                 load_tile(blockIdx.x, 0);
             }
@@ -102,7 +107,7 @@ __global__ void __launch_bounds__(THREADS, 1) matmul_wgmma(const unsigned char* 
     const int descale = KIND == E4M3 ? -(e4m3_scale_exponent(__uint_as_float(amax[0])) +
                                          e4m3_scale_exponent(__uint_as_float(amax[1])))
                                      : 0;
-    auto multiply_tile = [&](int tile, int used) {
+    auto multiply_tile = [&](int tile, int stages_before) {
         int tile_m, tile_n;
         tile_of(tile, tiles_m, tiles_n, tile_m, tile_n);
         constexpr int SPLIT_REGISTERS = SPLIT ? BN / 2 : 1;
@@ -116,8 +121,8 @@ __global__ void __launch_bounds__(THREADS, 1) matmul_wgmma(const unsigned char* 
         for (int i = 0; i < SPLIT_REGISTERS; ++i) d_small[i] = 0;
 
         for (int kt = 0; kt < k_tiles; ++kt) {
-            const int s = (used + kt) % STAGES;
-            barrier_wait(&full[s], ((used + kt) / STAGES) & 1);
+            const int s = (stages_before + kt) % STAGES;
+            barrier_wait(&full[s], ((stages_before + kt) / STAGES) & 1);
             const unsigned char* stage = shared + s * STAGE_BYTES;
             const u64 a_big = tile_descriptor(stage + half);
             const u64 b_big = tile_descriptor(stage + PARTS * A_BYTES);
@@ -156,19 +161,14 @@ __global__ void __launch_bounds__(THREADS, 1) matmul_wgmma(const unsigned char* 
                 for (int i = 0; i < BN / 2; ++i) d[i] += d_tile[i];
                 barrier_arrive(&empty[s]);
             } else {
-                // keep this tile's products running; the previous tile's are done, so its stage may be refilled
+                // keep this stage's products running; the previous stage's are done, so it may be refilled
                 wgmma_wait<1>();
-                if (kt > 0) barrier_arrive(&empty[(used + kt - 1) % STAGES]);
+                if (kt > 0) barrier_arrive(&empty[(stages_before + kt - 1) % STAGES]);
             }
         }
         wgmma_wait<0>();
         fence_registers(d);
         if constexpr (SPLIT) fence_registers(d_small);
-        // a persistent block's producer waits for the tile's last stage, whose products the wait above saw done
-        // (TILE_SUMS released each stage at once)
-        if constexpr (PERSISTENT && !TILE_SUMS) {
-            if (k_tiles > 0) barrier_arrive(&empty[(used + k_tiles - 1) % STAGES]);
-        }
 
         // SPLIT: the small products' sums join the big ones'
         if constexpr (SPLIT) {
@@ -182,8 +182,9 @@ __global__ void __launch_bounds__(THREADS, 1) matmul_wgmma(const unsigned char* 
         store_warpgroup_tile<BN>(C, d, tile_m * BM + (warpgroup - 1) * 64, tile_n * BN, M, N);
     };
     if constexpr (PERSISTENT) {
-        for (int tile = blockIdx.x, used = 0; tile < tiles_m * tiles_n; tile += gridDim.x, used += k_tiles)
-            multiply_tile(tile, used);
+        for (int tile = blockIdx.x, stages_before = 0; tile < tiles_m * tiles_n;
+             tile += gridDim.x, stages_before += k_tiles)
+            multiply_tile(tile, stages_before);
     } else {
         multiply_tile(blockIdx.x, 0);
     }

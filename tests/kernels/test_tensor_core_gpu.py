@@ -345,6 +345,39 @@ def test_fp8_wide_tiles_compute_what_the_narrow_ones_do(
     np.testing.assert_array_equal(cp.asnumpy(wide_c), cp.asnumpy(narrow_c))
     problem = Reference.of(a, b, np.float32, Precision.FP8).mismatch(cp.asnumpy(wide_c))
     assert problem is None, problem
+    if wide.persistent and (m, n) == (1500, 2100):
+        assert wide.blocks(m, n, cp.cuda.Device().attributes["MultiProcessorCount"]) < wide.tiles(m, n)
+
+
+def test_fp8_products_run_as_the_persistent_grid_give_what_the_narrow_tiles_give(launcher: Any) -> None:
+    """A product that the rule sends to the persistent grid, whose blocks take several tiles each, and five stages
+    of K a tile (not a multiple of the four stages): a stage counted wrong across a block's tiles would show."""
+    import cupy as cp
+
+    m = n = 4096
+    k = 640
+    sms = cp.cuda.Device().attributes["MultiProcessorCount"]
+    assert tensorcore.wgmma_fp8_config(m, n, k, sms) is tensorcore.WGMMA_FP8_WIDE_PERSISTENT
+    assert tensorcore.WGMMA_FP8_WIDE.tiles(m, n) >= 3 * sms
+    rng = np.random.default_rng(17)
+    a, b = (cp.asarray(rng.standard_normal(shape).astype(np.float32)) for shape in ((m, k), (k, n)))
+    tensor_cores = launcher.tensor_cores
+    operands = tensor_cores.e4m3_operands(a, b)
+    chosen, narrow = (cp.full((m, n), cp.nan, cp.float32) for _ in range(2))
+    tensor_cores.wgmma_e4m3(*operands, k, chosen)
+    tensor_cores.wgmma_e4m3(*operands, k, narrow, config=tensorcore.WGMMA_CONFIGS[Precision.FP8])
+    assert bool(cp.array_equal(chosen, narrow))
+
+
+def test_fp8_refuses_an_instance_of_another_kind(launcher: Any) -> None:
+    import cupy as cp
+
+    a, b = cp.ones((8, 8), cp.float32), cp.ones((8, 8), cp.float32)
+    operands = launcher.tensor_cores.e4m3_operands(a, b)
+    with pytest.raises(ValueError, match="not a wgmma FP8 instance"):
+        launcher.tensor_cores.wgmma_e4m3(
+            *operands, 8, cp.empty((8, 8), cp.float32), config=tensorcore.WGMMA_CONFIGS[Precision.BF16]
+        )
 
 
 @pytest.mark.parametrize("precision", [p for p in TENSOR_CORE_PRECISIONS if p is not Precision.FP8])

@@ -90,6 +90,8 @@ def test_fp8_runs_on_wide_tiles_where_they_make_enough_waves_persistent_up_to_it
     assert wide.padded_k(33) == narrow.padded_k(33)
     assert wide.blocks(4096, 4096, 132) == 32 * 24  # 5.8 waves on 132 SMs
     assert persistent.blocks(4096, 4096, 132) == 132 and persistent.blocks(129, 177, 132) == 2 * 2
+    with pytest.raises(ValueError, match="SM count"):
+        persistent.blocks(4096, 4096)
     assert tensorcore.wgmma_fp8_config(4096, 4096, 4096, 132) is persistent
     assert tensorcore.wgmma_fp8_config(4096, 4096, tensorcore.FP8_PERSISTENT_MAX_K, 132) is persistent
     assert tensorcore.wgmma_fp8_config(4096, 4096, tensorcore.FP8_PERSISTENT_MAX_K + 1, 132) is wide
@@ -97,6 +99,13 @@ def test_fp8_runs_on_wide_tiles_where_they_make_enough_waves_persistent_up_to_it
     fewest = tensorcore.FP8_WIDE_MIN_WAVES * 132  # wide tiles, all in one row of tiles
     assert tensorcore.wgmma_fp8_config(128, 176 * fewest, 8192, 132) is wide
     assert tensorcore.wgmma_fp8_config(128, 176 * fewest - 176, 8192, 132) is narrow
+
+
+@pytest.mark.skipif(_nvrtc_missing() is not None, reason=str(_nvrtc_missing()))
+def test_only_the_kinds_that_sum_each_tile_of_k_apart_compile_as_a_persistent_grid() -> None:
+    """The others leave each tile's last stage held, which a persistent block's next tile would wait for."""
+    with pytest.raises(RuntimeError, match="a persistent grid for the kinds that sum each tile of K apart"):
+        compile_tensor_core_source(tensorcore.WGMMA_SOURCE, ["matmul_wgmma<0, 256, 4, false, true>"])
 
 
 def test_one_block_per_tile_of_c() -> None:
