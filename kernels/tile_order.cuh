@@ -16,4 +16,16 @@ __device__ __forceinline__ void tile_of(int block, int tiles_m, int tiles_n, int
     tile_n = in_group / rows;
 }
 
+// Calls work(tile, stages_before) for each tile of C this block takes: tile blockIdx.x, or (PERSISTENT: a block per
+// SM) tiles blockIdx.x, + gridDim.x, ..., with the stages of K (k_tiles a tile) the block's earlier tiles took.
+template <bool PERSISTENT, typename Work>
+__device__ __forceinline__ void for_each_tile(int tiles, int k_tiles, Work&& work) {
+    if constexpr (PERSISTENT) {
+        for (int tile = blockIdx.x, stages_before = 0; tile < tiles; tile += gridDim.x, stages_before += k_tiles)
+            work(tile, stages_before);
+    } else {
+        work(blockIdx.x, 0);
+    }
+}
+
 #endif  // MATMUL_TILE_ORDER_CUH

@@ -72,9 +72,9 @@ __global__ void __launch_bounds__(THREADS, 1) matmul_wgmma(const unsigned char* 
 
     init_stage_barriers<STAGES>(full, empty, CONSUMERS * 128);
 
-    // A block multiplies tile blockIdx.x of C, or (PERSISTENT: a block per SM) tiles blockIdx.x, + gridDim.x, ...,
-    // its producer loading a tile's first stages while the consumers still multiply and store the last one.
-    // `stages_before` counts the stages a block's earlier tiles took, so that each stage's barriers keep their phases.
+    // A block multiplies its tiles of C (for_each_tile), a persistent block's producer loading a tile's first stages
+    // while the consumers still multiply and store the last one. `stages_before` counts the stages a block's earlier
+    // tiles took, so that each stage's barriers keep their phases.
     if (warpgroup == 0) {
         asm volatile("setmaxnreg.dec.sync.aligned.u32 40;");
         if (threadIdx.x == 0) {
@@ -89,13 +89,7 @@ __global__ void __launch_bounds__(THREADS, 1) matmul_wgmma(const unsigned char* 
                                                         tile_m * BM, tile_n * BN);
                 }
             };
-            if constexpr (PERSISTENT) {
-                for (int tile = blockIdx.x, stages_before = 0; tile < tiles_m * tiles_n;
-                     tile += gridDim.x, stages_before += k_tiles)
-                    load_tile(tile, stages_before);
-            } else {
-                load_tile(blockIdx.x, 0);
-            }
+            for_each_tile<PERSISTENT>(tiles_m * tiles_n, k_tiles, load_tile);
         }
         return;
     }
@@ -181,11 +175,5 @@ __global__ void __launch_bounds__(THREADS, 1) matmul_wgmma(const unsigned char* 
         }
         store_warpgroup_tile<BN>(C, d, tile_m * BM + (warpgroup - 1) * 64, tile_n * BN, M, N);
     };
-    if constexpr (PERSISTENT) {
-        for (int tile = blockIdx.x, stages_before = 0; tile < tiles_m * tiles_n;
-             tile += gridDim.x, stages_before += k_tiles)
-            multiply_tile(tile, stages_before);
-    } else {
-        multiply_tile(blockIdx.x, 0);
-    }
+    for_each_tile<PERSISTENT>(tiles_m * tiles_n, k_tiles, multiply_tile);
 }
