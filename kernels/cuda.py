@@ -430,7 +430,7 @@ class TensorCoreLibrary:
         (`tensorcore.wgmma_fp8_config`), or `config` (one of `tensorcore.WGMMA_FP8_INSTANCES`), from `e4m3_operands`
         (A, M x k, and B^T, N x k) and the largest magnitudes their scales came from. ValueError for another
         config."""
-        if config is not None and config not in tensorcore.WGMMA_FP8_INSTANCES:
+        if config is not None and config not in tensorcore.WGMMA_FP8_INSTANCES.values():
             raise ValueError(f"{config.expression()} is not a wgmma FP8 instance")
         m, n = c.shape
         config = config or tensorcore.wgmma_fp8_config(m, n, k, self._multiprocessors)

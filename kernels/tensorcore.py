@@ -176,8 +176,11 @@ loads while it stores the last, a cost the same per tile whatever k is, so it ga
 8192^3 0.88-0.91 against 0.90-0.91)."""
 
 
-WGMMA_FP8_INSTANCES = (WGMMA_CONFIGS[Precision.FP8], WGMMA_FP8_WIDE, WGMMA_FP8_WIDE_PERSISTENT)
-"""FP8's wgmma instances: 128-wide tiles, 128 x 176 tiles a block a tile, and as a persistent grid."""
+WGMMA_FP8_INSTANCES: MappingProxyType[str, WgmmaConfig] = MappingProxyType(
+    {"128 wide": WGMMA_CONFIGS[Precision.FP8], "176 wide": WGMMA_FP8_WIDE, "176 persistent": WGMMA_FP8_WIDE_PERSISTENT}
+)
+"""FP8's wgmma instances, by the name the benchmark gives them: 128-wide tiles, 128 x 176 tiles a block a tile, and
+the same as a persistent grid."""
 
 
 def wgmma_fp8_config(m: int, n: int, k: int, multiprocessors: int) -> WgmmaConfig:

@@ -19,13 +19,18 @@ compute and memory roofs; see docs/roofline.md) under --out.
         --precisions tf32,3xtf32,bf16,fp16                # the tensor-core ladder against cuBLAS in each mode
     python scripts/bench_kernels.py --kernels mma_sync,wgmma --sizes 4096,8192 --dtypes int8   # exact int8 products
     python scripts/bench_kernels.py --kernels wgmma --sizes 4096,8192 --dtypes float32 --precisions fp8 --no-odd
+    python scripts/bench_kernels.py --kernels wgmma --sizes 2048,4096,8192 --dtypes float32 --precisions fp8 \
+        --no-odd --configs all                            # every FP8 instance, where each pays
     python scripts/bench_kernels.py --stack 10000 --sizes 64,256 --dtypes float32   # stacks of products, one launch
 
 fp8 (--precisions fp8) has no cuBLAS row: cuBLAS's GemmEx has no FP8 types. Its reference is cuBLASLt through
 PyTorch, where PyTorch is installed: `torch._scaled_mm` with per-tensor scales and float32 C (row "cublaslt"),
 timed two ways as `wgmma`'s FP8 instance is: from the float32 operands, each side measuring their largest magnitudes,
 scaling them by the same powers of two and rounding them to e4m3 itself (PyTorch's amax, frexp, multiply and cast;
-config ""), and from the e4m3 operands as both read them, the same bytes and scales (config "e4m3 given").
+config ""), and from the e4m3 operands as both read them, the same bytes and scales (config "e4m3 given"). With
+--configs all, each of `wgmma`'s FP8 instances again from the e4m3 operands (configs "e4m3 given, 128 wide", "..., 176
+wide", "..., 176 persistent"), each against cuBLASLt's "e4m3 given" row: what `tensorcore.wgmma_fp8_config`'s
+crossovers are measured by.
 
 int8 (--dtypes int8) products are exact: each is compared with the int64 product element for element (WRONG at one
 difference, on an output poisoned with a value no element of it has), then timed from the same row-major int8 A and
@@ -379,7 +384,9 @@ CUBLASLT = "cublaslt"
 def fp8_rows(bench: Bench, args: argparse.Namespace, sets: list[tuple[Any, Any]], reference: Reference) -> list[Result]:
     """cuBLASLt's and wgmma's FP8 product of one shape (float32 sets), checked against the bound, then timed from the
     float32 operands (config "") and from the e4m3 operands as both read them (config "e4m3 given"); cuBLASLt's rows
-    only where PyTorch is installed, each wgmma ratio to cuBLASLt timed the same way."""
+    only where PyTorch is installed, each wgmma ratio to cuBLASLt timed the same way. With --configs all, each of
+    wgmma's FP8 instances from the e4m3 operands as well (config "e4m3 given, 176 wide", ...), whichever the shape
+    chooses: where its tiles' width and persistence pay."""
     tensor_cores = bench.launcher.tensor_cores
     if tensor_cores is None or WGMMA not in args.kernels:
         return []
@@ -392,16 +399,22 @@ def fp8_rows(bench: Bench, args: argparse.Namespace, sets: list[tuple[Any, Any]]
         ways["e4m3 given"][CUBLASLT] = (cublaslt.from_e4m3, [cublaslt.e4m3_operands(*x) for x in converted])
     ways[""][WGMMA] = (bench.run(WGMMA, Precision.FP8), list(sets))
     ways["e4m3 given"][WGMMA] = (tensor_cores.wgmma_e4m3, converted)
+    if args.configs == "all":
+        for label, instance in tensorcore.WGMMA_FP8_INSTANCES.items():
+            ways[f"e4m3 given, {label}"] = {
+                WGMMA: (functools.partial(tensor_cores.wgmma_e4m3, config=instance), converted)
+            }
     rows = []
+    library_ms: dict[str, float | None] = {}  # cuBLASLt's, by the operands it was timed from
     for config, runs in ways.items():
-        library_ms = None
+        operands = "e4m3 given" if config.startswith("e4m3 given") else ""
         for name, (run, inputs) in runs.items():
             row = Result(name, config, "float32", m, n, k, None, None, None, precision=Precision.FP8)
             rows.append(row)
-            measure(bench, args, row, run, inputs, reference, library_ms, n)
+            measure(bench, args, row, run, inputs, reference, library_ms.get(operands), n)
             if name == CUBLASLT:
-                library_ms = row.ms
-            elif library_ms is None:
+                library_ms[operands] = row.ms
+            elif library_ms.get(operands) is None:
                 row.ratio = None  # nothing to compare with
     return rows
 
