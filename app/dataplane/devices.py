@@ -2,8 +2,10 @@
 
 The supervisor asks this in a process of its own, `python -m app.dataplane.devices --backend auto --devices 0,1`, which
 prints `{"devices": [0, 1]}` or `{"cpu": "why"}`: the supervisor, whose HTTP workers are forked from it, never
-imports CuPy, and this module imports CuPy and nothing of the service, so the answer takes little more than CuPy's
-load and the driver's start (a start's first step, before any engine process starts).
+imports CuPy. This module imports nothing of the service, and of CuPy only its binding of the CUDA runtime
+(`cupy_backends.cuda.api.runtime`, which is `cupy.cuda.runtime`, the same calls and errors), not CuPy itself: the
+question is a start's first step, before any engine process starts, and on an H200 host CuPy's import made it
+0.73-0.93 s where the driver's start alone takes about 0.3 (docs/performance.md, "A cold start").
 """
 
 from __future__ import annotations
@@ -28,9 +30,9 @@ BACKENDS = ("auto", "cpu", "gpu")
 def device_count() -> int:
     """CUDA devices CuPy sees here (0 without CuPy or a driver)."""
     try:
-        import cupy
+        from cupy_backends.cuda.api import runtime
 
-        return int(cupy.cuda.runtime.getDeviceCount())
+        return int(runtime.getDeviceCount())
     except Exception:
         return 0
 
@@ -59,12 +61,12 @@ def _driver_installed() -> bool:
 def gpu_unavailable(device: int) -> GpuUnavailable | None:
     """Why the GPU backend cannot run on `device` (None when it can): no CuPy, no GPU or driver, no such device."""
     try:
-        import cupy
+        from cupy_backends.cuda.api import runtime
     except ImportError:
         return GpuUnavailable("CuPy is not installed (pip install 'matmul-service[gpu]')")
     try:
-        count = cupy.cuda.runtime.getDeviceCount()
-    except cupy.cuda.runtime.CUDARuntimeError as exc:
+        count = runtime.getDeviceCount()
+    except runtime.CUDARuntimeError as exc:
         if exc.status == CUDA_ERROR_NO_DEVICE or (
             exc.status == CUDA_ERROR_INSUFFICIENT_DRIVER and not _driver_installed()
         ):
