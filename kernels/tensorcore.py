@@ -165,10 +165,12 @@ FP8_WIDE = "fp8 wide"
 """`WGMMA_FP8_WIDE`'s key among wgmma.cu's instances."""
 FP8_WIDE_PERSISTENT = "fp8 wide persistent"
 """`WGMMA_FP8_WIDE_PERSISTENT`'s key among wgmma.cu's instances."""
-FP8_WIDE_MIN_WAVES = 4
-"""FP8 products with at least this many waves of 128 x 176 tiles (a tile a block, a block an SM) run on them: measured
-on an H200 (docs/tensor-cores.md), 0.88-0.90 of cuBLASLt at 4096^3 against the 128-wide tiles' 0.83-0.85, where at
-2048^3 (1.5 waves) the wide tiles run 0.70 and the narrow 0.77."""
+FP8_WIDE_MIN_WAVES = 2
+"""FP8 products with at least this many waves of 128 x 176 tiles (a tile a block, a block an SM) run on them. Measured
+on an H200 with `scripts/bench_kernels.py --precisions fp8 --configs all` (docs/tensor-cores.md), ratio to cuBLASLt:
+at 2560^3 (2.3 waves) the wide tiles 0.73-0.74 (persistent, a block a tile) against the 128-wide tiles' 0.70, at
+3072^3 (3.3 waves) the persistent grid 0.75 against 0.73 (and so in two earlier runs), where at 2048^3 (1.5 waves)
+they run 0.67-0.68 against 0.77."""
 FP8_PERSISTENT_MAX_K = 6144
 """Wide FP8 products up to this k run as a persistent grid, longer ones a block per tile: a block's next tile then
 loads while it stores the last, a cost the same per tile whatever k is, so it gains where a tile's products are short
