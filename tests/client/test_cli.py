@@ -155,13 +155,15 @@ def test_with_no_settings_the_service_serves_where_cupy_is_not_installed(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     """What `make run` runs on a machine without a GPU: matmul-service with no setting at all, and no CuPy (the test
-    tools install it, so a `cupy` that cannot be imported stands first on the path). MATMUL_BACKEND=auto serves from
-    the CPU and says why (its probe once failed to import the GPU backend's module without CuPy: no service)."""
+    tools install it, so a `cupy` and a `cupy_backends`, both in CuPy's wheel, that cannot be imported stand first on
+    the path). MATMUL_BACKEND=auto serves from the CPU and says why (its probe once failed to import the GPU backend's
+    module without CuPy: no service)."""
     for name in [name for name in os.environ if name.startswith(ENV_PREFIX)]:
         monkeypatch.delenv(name)
-    (tmp_path / "cupy").mkdir()
-    not_installed = "raise ModuleNotFoundError(\"No module named 'cupy'\", name='cupy')\n"
-    (tmp_path / "cupy" / "__init__.py").write_text(not_installed)
+    for package in ("cupy", "cupy_backends"):
+        (tmp_path / package).mkdir()
+        not_installed = f"raise ModuleNotFoundError(\"No module named '{package}'\", name='{package}')\n"
+        (tmp_path / package / "__init__.py").write_text(not_installed)
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]))
     port = free_port()
     with running_server([str(SCRIPTS / "matmul-service"), "--host", "127.0.0.1", "--port", str(port)], port) as client:
