@@ -11,13 +11,10 @@ import os
 from collections.abc import Collection, Sequence
 from enum import Enum
 
-import uvicorn
 from pydantic import ValidationError
 from pydantic.fields import FieldInfo
 
 from app import __version__, host
-from app.api.accepting import TABLE_VARIABLE, ConnectionTable
-from app.api.connection import GuardedHttpProtocol
 from app.config import MAX_DEFAULT_HTTP_WORKERS, MAX_DEFAULT_SLAB_BYTES, MIN_DEFAULT_SLAB_BYTES, Settings
 from app.dataplane.supervisor import ENGINE_SOCKETS_VARIABLE, EngineSupervisor
 
@@ -140,6 +137,13 @@ def service_main(argv: Sequence[str] | None = None) -> int:
     except RuntimeError as exc:
         supervisor.stop()
         parser.exit(1, f"matmul-service: {exc}\n")
+    # The engines are on a start's longest path (CUDA, the kernels, the self-test): the HTTP side's imports, FastAPI
+    # and uvicorn among them (0.3-0.4 s), come after they are started, not before.
+    import uvicorn
+
+    from app.api.accepting import TABLE_VARIABLE, ConnectionTable
+    from app.api.connection import GuardedHttpProtocol
+
     os.environ[ENGINE_SOCKETS_VARIABLE] = ",".join(supervisor.sockets)
     loop = "auto"
     if settings.http_workers > 1:
