@@ -5,7 +5,9 @@ prints `{"devices": [0, 1]}` or `{"cpu": "why"}`: the supervisor, whose HTTP wor
 imports CuPy. This module imports nothing of the service, and of CuPy only its binding of the CUDA runtime
 (`cupy_backends.cuda.api.runtime`, which is `cupy.cuda.runtime`, the same calls and errors), not CuPy itself: the
 question is a start's first step, before any engine process starts, and on an H200 host CuPy's import made it
-0.72-0.93 s where the driver's start alone takes about 0.3 (docs/performance.md, "A cold start").
+0.72-0.93 s where the driver's start alone takes about 0.3 (docs/performance.md, "A cold start"). What it does not
+see: a CuPy whose binding loads but whose own import fails (built for another NumPy, say). Its engine process then
+fails at start with that import's error in the log, and is restarted, rather than the CPU serving in its place.
 """
 
 from __future__ import annotations
