@@ -21,6 +21,7 @@ from urllib.parse import urlsplit
 
 import dockerfile
 import pytest
+import uvicorn
 import yaml
 from packaging.requirements import Requirement
 
@@ -207,7 +208,7 @@ def test_matmul_service_in_the_image_runs_uvicorn_with_the_connection_protocol_t
         return supervisors[-1]
 
     monkeypatch.setattr(cli, "EngineSupervisor", supervisor)
-    monkeypatch.setattr(cli.uvicorn, "run", lambda *args, **kwargs: runs.append((args, kwargs)))
+    monkeypatch.setattr(uvicorn, "run", lambda *args, **kwargs: runs.append((args, kwargs)))
     assert cli.service_main(SERVICE_ARGS) == 0
 
     [(args, kwargs)] = runs
@@ -239,7 +240,7 @@ def test_matmul_service_in_the_image_derives_what_compose_passes_on_empty(
         return supervisors[-1]
 
     monkeypatch.setattr(cli, "EngineSupervisor", supervisor)
-    monkeypatch.setattr(cli.uvicorn, "run", lambda *args, **kwargs: runs.append(kwargs))
+    monkeypatch.setattr(uvicorn, "run", lambda *args, **kwargs: runs.append(kwargs))
     with caplog.at_level(logging.INFO, logger=cli.__name__):
         assert cli.service_main(SERVICE_ARGS) == 0
 
@@ -258,7 +259,7 @@ def test_matmul_service_says_which_settings_it_was_given(
 ) -> None:
     in_the_image_environment(monkeypatch, MATMUL_SLAB_BYTES=str(300 << 20), MATMUL_BATCHING="false")
     monkeypatch.setattr(cli, "EngineSupervisor", lambda settings: FakeSupervisor(settings, tmp_path))
-    monkeypatch.setattr(cli.uvicorn, "run", lambda *args, **kwargs: None)
+    monkeypatch.setattr(uvicorn, "run", lambda *args, **kwargs: None)
     with caplog.at_level(logging.INFO, logger=cli.__name__):
         assert cli.service_main([*SERVICE_ARGS, "--workers", "3"]) == 0
     [line] = [record.getMessage() for record in caplog.records if record.name == cli.__name__]
