@@ -165,12 +165,6 @@ FP8_WIDE = "fp8 wide"
 """`WGMMA_FP8_WIDE`'s key among wgmma.cu's instances."""
 FP8_WIDE_PERSISTENT = "fp8 wide persistent"
 """`WGMMA_FP8_WIDE_PERSISTENT`'s key among wgmma.cu's instances."""
-FP8_WIDE_MIN_WAVES = 2
-"""FP8 products with at least this many waves of 128 x 176 tiles (a tile a block, a block an SM) run on them. Measured
-on an H200 with `scripts/bench_kernels.py --precisions fp8 --configs all` (docs/tensor-cores.md), ratio to cuBLASLt:
-at 2560^3 (2.3 waves) the wide tiles 0.73-0.74 (persistent, a block a tile) against the 128-wide tiles' 0.70, at
-3072^3 (3.3 waves) the persistent grid 0.75 against 0.73 (and so in two earlier runs), where at 2048^3 (1.5 waves)
-they run 0.67-0.68 against 0.77."""
 FP8_PERSISTENT_MAX_K = 6144
 """Wide FP8 products up to this k run as a persistent grid, longer ones a block per tile: a block's next tile then
 loads while it stores the last, a cost the same per tile whatever k is, so it gains where a tile's products are short
@@ -186,10 +180,18 @@ the same as a persistent grid."""
 
 
 def wgmma_fp8_config(m: int, n: int, k: int, multiprocessors: int) -> WgmmaConfig:
-    """The FP8 instance of an m x n x k product on a device of `multiprocessors` SMs: the wide tiles where they make
-    `FP8_WIDE_MIN_WAVES` waves (as a persistent grid up to `FP8_PERSISTENT_MAX_K`), else the 128-wide ones."""
-    if WGMMA_FP8_WIDE.tiles(m, n) < FP8_WIDE_MIN_WAVES * multiprocessors:
-        return WGMMA_CONFIGS[Precision.FP8]
+    """The FP8 instance of an m x n x k product on a device of `multiprocessors` SMs: the 128 x 176 tiles where they
+    take fewer rounds of blocks than the 128-wide ones (a round: as many tiles as SMs, the last one rounded up), as a
+    persistent grid up to `FP8_PERSISTENT_MAX_K`; else the 128-wide tiles, which take less time a round.
+
+    Measured on an H200 with `scripts/bench_kernels.py --precisions fp8 --configs all` (docs/tensor-cores.md), ratio
+    to cuBLASLt. At 2048^3 both take two rounds, and the 128-wide tiles ran 0.77 against 0.67-0.68. At 2304^3 (two
+    rounds against three) the wide tiles ran 0.82-0.84 against 0.74; at 2560^3 and 2816^3 (three against four)
+    0.73-0.76 and 0.80-0.82 against 0.70-0.72 and 0.76; at 3072^3 (four against five) 0.75 against 0.73; at 3584^3
+    (five against six) within 0.02 of each other; and from 4096^3 on ahead (0.90 against 0.83 there)."""
+    narrow = WGMMA_CONFIGS[Precision.FP8]
+    if cdiv(WGMMA_FP8_WIDE.tiles(m, n), multiprocessors) >= cdiv(narrow.tiles(m, n), multiprocessors):
+        return narrow
     return WGMMA_FP8_WIDE_PERSISTENT if k <= FP8_PERSISTENT_MAX_K else WGMMA_FP8_WIDE
 
 

@@ -95,10 +95,12 @@ def test_fp8_runs_on_wide_tiles_where_they_make_enough_waves_persistent_up_to_it
     assert tensorcore.wgmma_fp8_config(4096, 4096, 4096, 132) is persistent
     assert tensorcore.wgmma_fp8_config(4096, 4096, tensorcore.FP8_PERSISTENT_MAX_K, 132) is persistent
     assert tensorcore.wgmma_fp8_config(4096, 4096, tensorcore.FP8_PERSISTENT_MAX_K + 1, 132) is wide
-    assert tensorcore.wgmma_fp8_config(2048, 2048, 2048, 132) is narrow  # 192 wide tiles, 1.5 waves
-    fewest = tensorcore.FP8_WIDE_MIN_WAVES * 132  # wide tiles, all in one row of tiles
-    assert tensorcore.wgmma_fp8_config(128, 176 * fewest, 8192, 132) is wide
-    assert tensorcore.wgmma_fp8_config(128, 176 * fewest - 176, 8192, 132) is narrow
+    # rounds of 132 blocks: the wide tiles where they take fewer than the 128-wide ones
+    assert tensorcore.wgmma_fp8_config(2048, 2048, 2048, 132) is narrow  # 192 wide tiles against 256: 2 rounds each
+    assert tensorcore.wgmma_fp8_config(2304, 2304, 2304, 132) is persistent  # 252 against 324: 2 rounds against 3
+    assert tensorcore.wgmma_fp8_config(128, 176 * 132, 8192, 132) is wide  # one row: 132 tiles against 182
+    assert tensorcore.wgmma_fp8_config(128, 128 * 132, 8192, 132) is narrow  # 96 tiles against 132: one round each
+    assert tensorcore.wgmma_fp8_config(128, 128 * 132 + 1, 8192, 132) is wide  # 97 against 133: 1 round against 2
 
 
 @pytest.mark.skipif(_nvrtc_missing() is not None, reason=str(_nvrtc_missing()))
