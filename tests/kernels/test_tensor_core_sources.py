@@ -80,7 +80,7 @@ def test_int8_runs_in_turns_up_to_its_k_and_in_tiles_past_it() -> None:
     assert set(tensorcore.WGMMA_INT8_INSTANCES.values()) == {pingpong, tensorcore.WGMMA_INT8}
 
 
-def test_fp8_runs_on_wide_tiles_where_they_make_enough_waves_persistent_up_to_its_k() -> None:
+def test_fp8_runs_on_wide_tiles_where_they_take_fewer_rounds_persistent_up_to_its_k() -> None:
     wide, narrow = tensorcore.WGMMA_FP8_WIDE, tensorcore.WGMMA_CONFIGS[Precision.FP8]
     persistent = tensorcore.WGMMA_FP8_WIDE_PERSISTENT
     assert wide.expression() == "matmul_wgmma<4, 176, 4, false>"
