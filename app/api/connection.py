@@ -35,6 +35,7 @@ the container, the scripts and tests). Its limits are the app's settings, handed
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ipaddress
 import socket
 import threading
@@ -151,6 +152,8 @@ class DirectBody:
         self.length = length
         self.received = 0
         """Bytes of the body in the route's memory so far."""
+        self.last_arrival = 0.0
+        """When bytes last arrived, by the event loop's clock (or when the route began to wait for them)."""
         self.target: memoryview | None = None
 
     async def read_into(self, target: memoryview, idle_timeout_s: float) -> None:
@@ -167,6 +170,8 @@ class DirectBody:
         target[:arrived] = cycle.body
         cycle.body = bytearray()
         self.received = arrived
+        loop = self.protocol.loop
+        self.last_arrival = loop.time()
         if cycle.more_body and not cycle.disconnected:
             self.target = target
             self.protocol.direct = self
@@ -176,10 +181,12 @@ class DirectBody:
                 if cycle.disconnected:
                     raise ClientDisconnect()
                 cycle.message_event.clear()
-                try:
-                    await asyncio.wait_for(cycle.message_event.wait(), idle_timeout_s)
-                except TimeoutError:
-                    raise BodyTimeout.after(idle_timeout_s, self.received) from None
+                quiet_s = loop.time() - self.last_arrival
+                if quiet_s >= idle_timeout_s:
+                    raise BodyTimeout.after(idle_timeout_s, self.received)
+                # woken when the body is whole or the client leaves, or to look again once the quiet could be over
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(cycle.message_event.wait(), idle_timeout_s - quiet_s)
         except BaseException:
             cycle.keep_alive = False
             raise
@@ -194,9 +201,11 @@ class DirectBody:
         return self.target[self.received :]
 
     def arrived(self, nbytes: int) -> bool:
-        """`nbytes` more came; whether the body is whole."""
+        """`nbytes` more came; whether the body is whole. The route waiting in `read_into` is not woken for a piece:
+        a wake-up and a new timeout for each of a large body's hundreds of reads cost the worker more than the
+        reads, so it is woken once the body is whole (`on_message_complete`), and checks the quiet on its timer."""
         self.received += nbytes
-        self.cycle.message_event.set()
+        self.last_arrival = self.protocol.loop.time()
         return self.received == self.length
 
 

@@ -7,6 +7,7 @@ half-way (408) or whose client left."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import socket
 import time
 from collections.abc import Iterator
@@ -124,6 +125,20 @@ def test_a_body_sent_in_pieces_with_pauses_arrives_whole(served: Served) -> None
             sock.sendall(request[start:end])
             time.sleep(0.2)
         answer, echoed = read_whole_answer(sock)
+    assert answer.status == 200 and echoed == body
+
+
+def test_a_body_slower_in_all_than_the_timeout_arrives_whole_while_no_pause_reaches_it(served: Served) -> None:
+    body = a_body(4 << 20, 7)
+    request = echo_request(body)
+    pieces = np.linspace(0, len(request), 5, dtype=int)
+    started = time.monotonic()
+    with served.connect() as sock:
+        for start, end in itertools.pairwise(pieces):
+            sock.sendall(request[start:end])
+            time.sleep(BODY_TIMEOUT_S * 0.6)
+        answer, echoed = read_whole_answer(sock)
+    assert time.monotonic() - started > 2 * BODY_TIMEOUT_S  # the quiet is timed from the last bytes, not the first
     assert answer.status == 200 and echoed == body
 
 
