@@ -27,6 +27,9 @@ from app.config import Settings
 
 GUARD_S = 10
 """How long a test waits for a connection to be served or counted: a hang guard."""
+TIMER_SLACK_S = 0.005
+"""How early a uvloop timer may end by a clock read outside the loop: libuv counts it in milliseconds from the time it
+cached at the start of the loop's turn (a 1 s wait measured 0.99985 s)."""
 HANDOFF_S = Settings.model_fields["accept_handoff_ms"].default / 1e3
 """The hand-off of the loops here: MATMUL_ACCEPT_HANDOFF_MS' default."""
 
@@ -309,7 +312,7 @@ def test_a_failed_accept_is_skipped_or_waited_out_by_its_cause(table_path: str, 
         served = time.perf_counter()
         assert got == b"after" and server.table.held() == 1
         waited = served - listener.failed_at[0]
-        assert waited >= pause_s and (pause_s or waited < ACCEPT_RETRY_S)
+        assert waited >= pause_s - TIMER_SLACK_S and (pause_s or waited < ACCEPT_RETRY_S)
         writer.close()
 
     on_balanced_loop(table_path, test, listener)
