@@ -335,6 +335,11 @@ class HttpConnection(HttpToolsProtocol):
         length = self.declared_length()
         if length is not None and self.cycle is not None and self.cycle.scope is self.scope:
             self.scope["state"][DIRECT_BODY] = DirectBody(self, self.cycle, length)
+            if length > BODY_PIECE_BYTES:
+                # The rest stays in the socket until the app asks for it (DirectBody.read_into, receive()): then it
+                # lands straight in a route's memory, where read now it would be copied four times through the
+                # parser first, up to BODY_PIECE_BYTES of it. An answer given without reading it resumes reading.
+                self.flow.pause_reading()
 
     def declared_length(self) -> int | None:
         """The body's length by its one Content-Length, where it has one and no Transfer-Encoding (the parser has

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import pytest
 
-from app.api.connection import DirectBody, GuardedHttpProtocol
+from app.api.connection import BODY_PIECE_BYTES, READ_BYTES, DirectBody, GuardedHttpProtocol, HttpConnection
 from matmul_tools.prometheus import sample_sums
 from matmul_tools.raw_http import read_until_closed
 from matmul_tools.raw_load import post_request, read_whole_answer, v2_infer_request
@@ -73,9 +73,15 @@ def test_the_event_loop_hands_the_protocol_memory_to_receive_into() -> None:
     assert not issubclass(GuardedHttpProtocol, asyncio.Protocol)
 
 
-@pytest.mark.parametrize("nbytes", [1 << 20, (5 << 20) + 3])
+@pytest.mark.parametrize(
+    ("nbytes", "before_the_route"),
+    [
+        (BODY_PIECE_BYTES, BODY_PIECE_BYTES + READ_BYTES),  # read on until a piece waits for the route
+        ((5 << 20) + 3, READ_BYTES),  # longer than a piece: the reading pauses with the head's read
+    ],
+)
 def test_a_body_is_received_straight_into_the_routes_memory_and_the_connection_serves_on(
-    served: Served, nbytes: int
+    served: Served, nbytes: int, before_the_route: int
 ) -> None:
     bodies = [a_body(nbytes, seed) for seed in (1, 2)]
     before = served.received_directly()
@@ -87,8 +93,28 @@ def test_a_body_is_received_straight_into_the_routes_memory_and_the_connection_s
         sock.sendall(HEALTHZ)
         answer, said = read_whole_answer(sock)
         assert answer.status == 200 and said == b'{"status":"ok"}'
-    # what came before the route asked (a read or a few) went the usual way, the rest straight into its memory
-    assert served.received_directly() - before > len(bodies) * (nbytes - (1 << 20) - (256 << 10))
+    # what came before the route asked went the usual way, the rest straight into its memory
+    assert served.received_directly() - before >= len(bodies) * (nbytes - before_the_route)
+
+
+@pytest.mark.parametrize(("nbytes", "paused"), [(BODY_PIECE_BYTES, False), (BODY_PIECE_BYTES + 1, True)])
+def test_a_body_longer_than_a_piece_waits_in_the_socket_until_the_route_asks(
+    served: Served, monkeypatch: pytest.MonkeyPatch, nbytes: int, paused: bool
+) -> None:
+    reading_paused_at_the_head: list[bool] = []
+    headers_complete = HttpConnection.on_headers_complete
+
+    def spied(self: HttpConnection) -> None:
+        headers_complete(self)
+        reading_paused_at_the_head.append(self.flow.read_paused)
+
+    monkeypatch.setattr(HttpConnection, "on_headers_complete", spied)
+    body = a_body(nbytes, 8)
+    with served.connect() as sock:
+        sock.sendall(echo_request(body))
+        answer, echoed = read_whole_answer(sock)
+    assert answer.status == 200 and echoed == body
+    assert reading_paused_at_the_head == [paused]
 
 
 def read_answers(sock: socket.socket, count: int) -> list[tuple[int, bytes]]:
