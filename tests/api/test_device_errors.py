@@ -10,7 +10,6 @@ from dataclasses import dataclass
 import httpx
 import pytest
 
-from app.api.deps import get_engine
 from app.config import Settings
 from app.engine import DeviceWorker, LocalEngine
 from app.errors import DeviceLost, DeviceOutOfMemory
@@ -50,8 +49,8 @@ async def steered() -> AsyncIterator[Steered]:
     backend = SteeredBackend()
     engine = LocalEngine(DeviceWorker(backend, queue_size=4))
     app = create_app(Settings(backend="cpu", retry_after_s=7, access_log=False))
-    app.dependency_overrides[get_engine] = lambda: engine
     async with app.router.lifespan_context(app):
+        app.state.engine = engine  # in place of the lifespan's, which the lifespan still stops
         engine.start()
         try:
             transport = httpx.ASGITransport(app=app)

@@ -14,7 +14,6 @@ import numpy as np
 import pytest
 from fastapi import FastAPI
 
-from app.api.deps import get_engine
 from app.config import Settings
 from app.engine import DeviceTiming, DeviceWorker, LocalEngine
 from app.errors import Overloaded
@@ -39,8 +38,8 @@ GUARD_S = 30
 
 
 async def _serving(app: FastAPI, engine: LocalEngine) -> AsyncIterator[httpx.AsyncClient]:
-    app.dependency_overrides[get_engine] = lambda: engine
     async with app.router.lifespan_context(app):
+        app.state.engine = engine  # in place of the lifespan's, which the lifespan still stops
         engine.start()
         transport = httpx.ASGITransport(app=app)
         async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:

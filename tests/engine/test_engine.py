@@ -14,7 +14,6 @@ import httpx
 import numpy as np
 import pytest
 
-from app.api.deps import get_engine
 from app.config import Settings
 from app.engine import (
     BatchPolicy,
@@ -51,8 +50,8 @@ async def gated() -> AsyncIterator[tuple[SteeredBackend, LocalEngine, httpx.Asyn
     backend.gate.clear()
     engine = LocalEngine(DeviceWorker(backend, queue_size=1))
     app = create_app(Settings(backend="cpu", retry_after_s=7))
-    app.dependency_overrides[get_engine] = lambda: engine
     async with app.router.lifespan_context(app):
+        app.state.engine = engine  # in place of the lifespan's, which the lifespan still stops
         engine.start()
         transport = httpx.ASGITransport(app=app)
         async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
@@ -493,8 +492,8 @@ async def test_a_bad_operand_in_a_batch_fails_only_its_own_request() -> None:
     backend.submit = counting_submit  # type: ignore[method-assign]
     engine = LocalEngine(DeviceWorker(backend, queue_size=8, batching=BatchPolicy(max_size=8, max_delay_s=0.2)))
     app = create_app(Settings(backend="cpu", access_log=False))
-    app.dependency_overrides[get_engine] = lambda: engine
     async with app.router.lifespan_context(app):
+        app.state.engine = engine  # in place of the lifespan's, which the lifespan still stops
         engine.start()
         transport = httpx.ASGITransport(app=app)
         async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:

@@ -7,7 +7,7 @@ from typing import Annotated, Any, get_args
 from fastapi import APIRouter, Query, Request, Response
 
 from app import codecs
-from app.api.deps import ServiceDep, SettingsDep
+from app.api.deps import service_of, settings_of
 from app.api.exchange import off_loop_if_large, reading_body, requested_deadline_s, unless_disconnected
 from app.api.limits import limit_of
 from app.api.negotiation import choose_encoding
@@ -115,8 +115,6 @@ PrecisionParam = Annotated[
 )
 async def matmul(
     request: Request,
-    service: ServiceDep,
-    settings: SettingsDep,
     kernel: KernelParam = None,
     tile: TileParam = None,
     dtype: DtypeParam = None,
@@ -124,6 +122,7 @@ async def matmul(
 ) -> Response:
     """Compute C = A @ B from JSON, multipart .npy parts or an .npz body; answer JSON or .npy (Accept)."""
     clock = Stopwatch()
+    service, settings = service_of(request), settings_of(request)
     answer_as = choose_encoding(request.headers.get("accept"))
     service.admit()
     content_type = request.headers.get("content-type", "")

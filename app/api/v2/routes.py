@@ -14,15 +14,15 @@ from typing import Annotated, Any, TypeVar
 from fastapi import APIRouter, Depends, Path, Request, Response
 
 from app import __version__, codecs
-from app.api.deps import EngineDep, ServiceDep, SettingsDep
+from app.api.deps import EngineDep, SettingsDep, service_of, settings_of
 from app.api.errors import PROTOCOL_PREFIX
 from app.api.exchange import off_loop_if_large, reading_body, requested_deadline_s, unless_disconnected
 from app.api.limits import infer_body_limit
 from app.api.responses import BuffersResponse, server_timing
-from app.api.v2.models import CatalogueDep
+from app.api.v2.models import CatalogueDep, ModelCatalogue
 from app.api.v2.responses import protocol_error
 from app.api.v2.shared_memory import shared_memory_enabled
-from app.api.v2.statistics import StatisticsDep
+from app.api.v2.statistics import StatisticsDep, statistics_of
 from app.config import SharedMemoryKind
 from app.errors import MatmulError
 from app.service import Stopwatch
@@ -179,16 +179,11 @@ _INFER_BODY: dict[str, Any] = {
 
 
 @_model_route("POST", "/infer", "Infer", "Infer (versioned)", _INFER_ERRORS, openapi_extra=_INFER_BODY)
-async def infer(
-    model: ModelName,
-    request: Request,
-    service: ServiceDep,
-    settings: SettingsDep,
-    catalogue: CatalogueDep,
-    statistics: StatisticsDep,
-) -> Response:
+async def infer(model: ModelName, request: Request) -> Response:
     """C = A @ B; tensors as JSON data or binary tensor data; C in binary when the request asks for it."""
     clock = Stopwatch()
+    service, settings = service_of(request), settings_of(request)
+    catalogue, statistics = ModelCatalogue.of(service.engine), statistics_of(request)
     catalogue.kernel_of(model)
     try:
         service.admit()

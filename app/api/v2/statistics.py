@@ -75,9 +75,13 @@ class InferenceStatistics:
         ]
 
 
-async def get_statistics(request: Request) -> InferenceStatistics:
+def statistics_of(request: Request) -> InferenceStatistics:
     statistics: InferenceStatistics = request.app.state.inference_stats
     return statistics
+
+
+async def get_statistics(request: Request) -> InferenceStatistics:
+    return statistics_of(request)
 
 
 StatisticsDep = Annotated[InferenceStatistics, Depends(get_statistics)]
