@@ -2,9 +2,9 @@
 
 The two routes that carry products (`POST /matmul`, v2 infer) read it through the plain functions here (`service_of`,
 `settings_of`): FastAPI solves a route's dependencies anew for every request, inspecting each parameter's type
-again. Without them, a 64² product through `/matmul` took 0.84-0.99 ms of an HTTP worker's CPU, against 0.89-1.08 ms
-with them (medians 0.88 and 0.98; one worker, CPU backend, 2 CPUs, six runs each in turn). The other routes declare
-them as dependencies (`EngineDep`, ...).
+again. Read this way, a 64² product through `/matmul` took 0.84-0.99 ms of an HTTP worker's CPU, against 0.89-1.08
+ms as dependencies (medians 0.88 and 0.98; one worker, CPU backend, 2 CPUs, six runs each in turn). The other
+routes declare them as dependencies (`EngineDep`, ...).
 
 Every dependency is `async def`, though none awaits: FastAPI runs a plain `def` dependency in its thread pool, a
 thread hop per dependency per request, where an `async def` one is called on the loop."""
