@@ -224,7 +224,9 @@ class Settings(BaseSettings):
         "one's kernel; 1 runs them one after another.",
     )
     echo_route: bool = Field(
-        False, description="Benchmarks only: POST /v1/echo answers with as many bytes as it read (transport ceiling)."
+        False,
+        description="Benchmarks only: POST /v1/echo answers with the bytes it read, or their first answer_bytes "
+        "(transport ceiling).",
     )
     access_log: bool = Field(True, description="One JSON line per request on stderr (logger app.access).")
     inline_codec_bytes: int = Field(

@@ -9,7 +9,7 @@ It answers, computing nothing, with answers of the size the service's would have
   after the JSON header where the output asks for binary data (Triton's binary tensor data extension), none where
   it names a shared-memory region (which is not touched: a client that checks finds it unwritten), JSON data else;
 - the shared-memory extensions' register and unregister calls: 200;
-- `POST /v1/echo`: the body back.
+- `POST /v1/echo`: the body back, or its first `answer_bytes` (a query parameter) as the service answers.
 
 Requests are framed by Content-Length (what every client of the benchmarks sends). `processes` processes of their
 own (`python -m matmul_tools.standin PORT`) accept on one port (SO_REUSEPORT), a thread per connection, each body
@@ -31,6 +31,7 @@ import threading
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
+from urllib.parse import parse_qs
 
 import numpy as np
 
@@ -45,10 +46,11 @@ HEAD_LIMIT = 65536
 
 
 class _Request:
-    """One request's path, lower-cased headers and body (a view of its connection's memory)."""
+    """One request's path, query, lower-cased headers and body (a view of its connection's memory)."""
 
-    def __init__(self, path: bytes, headers: dict[bytes, bytes], body: memoryview) -> None:
-        self.path = path
+    def __init__(self, target: bytes, headers: dict[bytes, bytes], body: memoryview) -> None:
+        self.path, _, query = target.partition(b"?")
+        self.query = parse_qs(query)
         self.headers = headers
         self.body = body
 
@@ -138,7 +140,9 @@ def _infer_answer(model: str, request: _Request) -> Answer:
 def _answer(request: _Request) -> Answer:
     """The head and body answering `request`."""
     if request.path == b"/v1/echo":
-        return [_head(200, {"Content-Type": "application/octet-stream"}, len(request.body)), request.body]
+        asked = request.query.get(b"answer_bytes")
+        echoed = request.body if asked is None else request.body[: int(asked[0])]
+        return [_head(200, {"Content-Type": "application/octet-stream"}, len(echoed)), echoed]
     if request.path == b"/matmul":
         return _matmul_answer(request)
     if REGION_CALL.match(request.path):

@@ -8,12 +8,13 @@ request bytes for every server, so that the client is not what limits. Servers r
 cell runs `--duration` seconds after a warm-up of `--warmup` seconds.
 
 1. This checkout, `matmul-service --workers N` (`--workers`, default 8):
-   - big: two 4096^2 float32 `.npy` parts to /matmul (a `.npy` answer) and the same body to /v1/echo, at
-     `--big-concurrency` (16): products/s, echo requests/s, and payload GB/s (request + answer bytes) of each;
+   - big: two 4096^2 float32 `.npy` parts to /matmul (a `.npy` answer) and the same body to /v1/echo answered
+     with C's bytes, at `--big-concurrency` (16): products/s, echo requests/s, and payload GB/s (request + answer
+     bytes) of each;
    - big-v2: the same operands as v2 binary tensors to /v2/models/matmul/infer (binary answer), and its echo
-     (echo-v2): /v1/echo of a body half the v2 exchange's bytes, so that it moves what a product moves (128 MiB in
-     and 64 MiB out against 96 MiB each way), `--rounds` times in turn (the order swapped every other round):
-     products/s over echoes/s, and payload GB/s over the echo's, in each round;
+     (echo-v2): its body to /v1/echo answered with C's bytes (`answer_bytes`), so that it moves what a product
+     moves, 128 MiB in and 64 MiB out, `--rounds` times in turn (the order swapped every other round): products/s
+     over echoes/s, and payload GB/s over the echo's, in each round;
    - v2: two 64^2 float32 binary tensors to /v2/models/matmul/infer (binary answer) at `--v2-concurrency` (128):
      requests/s and the mean batch (the answer's `batch_size` parameter);
    - json: the same product as a JSON body to /matmul at `--json-concurrency` (64): requests/s, mean batch.
@@ -80,13 +81,13 @@ def requests_for(big: int, small: int) -> dict[str, bytes]:
     x, y = (rng.standard_normal((small, small), dtype=np.float32) for _ in range(2))
     json_body = orjson.dumps({"a": x, "b": y}, option=orjson.OPT_SERIALIZE_NUMPY)
     v2_body, _ = inference_v2_body(a, b)
-    v2_exchange = len(v2_body) + a.shape[0] * b.shape[1] * a.itemsize  # the answer's JSON header aside: <1 KiB
+    echo = f"/v1/echo?answer_bytes={a.shape[0] * b.shape[1] * a.itemsize}"  # C's data; its header aside (<1 KiB)
     return {
         "big": post_request("/matmul", big_content_type, big_body, accept="application/x-npy"),
-        "echo": post_request("/v1/echo", "application/octet-stream", big_body),
+        "echo": post_request(echo, "application/octet-stream", big_body),
         "v2": v2_infer_request(x, y),
         "big-v2": v2_infer_request(a, b),
-        "echo-v2": post_request("/v1/echo", "application/octet-stream", bytes(v2_exchange // 2)),
+        "echo-v2": post_request(echo, "application/octet-stream", v2_body),
         "json": post_request("/matmul", "application/json", json_body),
         "litserve": post_request("/predict", "application/json", json_body),
     }

@@ -10,8 +10,8 @@ operands pass `--max-elements`, MATMUL_MAX_ELEMENTS's default, are left out: the
 - raw-npy: raw keep-alive sockets (matmul_tools.raw_load) sending one prebuilt request, A and B as `.npy` parts to
   /matmul, an `.npy` answer;
 - raw-v2: the same operands as v2 binary tensors to /v2/models/matmul/infer, a binary answer;
-- echo: /v1/echo of a body half the raw-npy exchange's bytes (request and answer), so that it moves what the
-  product moves;
+- echo: the raw-npy request's body to /v1/echo, answered with as many bytes as C's data (`answer_bytes`), so that
+  it moves what the product moves each way;
 - client: `MatmulClient(url).matmul(a, b)` (multipart `.npy`, an `.npy` answer), a thread per connection, each with
   its own client, as a user calls it (each client process times its own window, begun once it has made its
   operands; the processes are started before the first cell).
@@ -95,10 +95,10 @@ def requests_for(cells: list[tuple[int, int]]) -> dict[str, bytes]:
     for n, batch in cells:
         a, b = operands(n, batch)
         body, content_type = npy_matmul_body(a, b)
-        exchange = len(body) + a.nbytes  # C, square as A, as many bytes
+        echo = f"/v1/echo?answer_bytes={a.nbytes}"  # C, square as A, as many bytes
         built[cell_name("raw-npy", n, batch)] = post_request("/matmul", content_type, body, accept="application/x-npy")
         built[cell_name("raw-v2", n, batch)] = v2_infer_request(a, b)
-        built[cell_name("echo", n, batch)] = post_request("/v1/echo", "application/octet-stream", bytes(exchange // 2))
+        built[cell_name("echo", n, batch)] = post_request(echo, "application/octet-stream", body)
     return built
 
 

@@ -14,6 +14,7 @@ import orjson
 import pytest
 from fastapi import FastAPI
 
+from app.api.exchange import POOLED_BODY_BYTES, BodyBuffers
 from app.config import Settings
 from app.main import create_app
 from matmul_tools.bodies import MULTIPART_BOUNDARY, multipart_body, npy_bytes, npz_bytes
@@ -264,6 +265,39 @@ async def test_the_echo_route_answers_with_what_it_read() -> None:
         body = bytes(range(256)) * 1000
         r = await client.post("/v1/echo", content=body)
         assert r.status_code == 200 and r.content == body
+
+
+@pytest.mark.parametrize(
+    ("body_bytes", "answer_bytes"),
+    # a body joined from its pieces, and one read into a lent buffer
+    [(1000, 0), (1000, 1), (1000, 1000), (2 << 20, 0), (2 << 20, 1000), (2 << 20, (2 << 20) - 1), (2 << 20, 2 << 20)],
+)
+async def test_the_echo_answers_with_the_first_answer_bytes_of_its_body(body_bytes: int, answer_bytes: int) -> None:
+    """As a product's exchange moves its operands in and its answer out: 128 MiB in and 64 MiB out at 4096^2."""
+    app = create_app(Settings(backend="cpu", echo_route=True, access_log=False))
+    body = np.random.default_rng(answer_bytes).integers(0, 256, body_bytes, np.uint8).tobytes()
+    async for client in _client_for(app):
+        r = await client.post("/v1/echo", params={"answer_bytes": answer_bytes}, content=body)
+        assert r.status_code == 200 and r.content == body[:answer_bytes]
+
+
+@pytest.mark.parametrize(("answer_bytes", "words"), [(1001, "longer than the body's 1000 bytes"), (-1, "greater")])
+@pytest.mark.parametrize("body_bytes", [1000, 2 << 20])
+async def test_an_echo_asked_for_more_than_its_body_or_fewer_than_none_is_refused(
+    body_bytes: int, answer_bytes: int, words: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """422 naming the parameter; a body read into a lent buffer gives it back."""
+    given: list[int] = []
+    give = BodyBuffers.give
+    monkeypatch.setattr(BodyBuffers, "give", lambda buffers, buffer: given.append(len(buffer)) or give(buffers, buffer))
+    app = create_app(Settings(backend="cpu", echo_route=True, access_log=False))
+    answer_bytes = body_bytes + 1 if answer_bytes > 0 else answer_bytes
+    async for client in _client_for(app):
+        r = await client.post("/v1/echo", params={"answer_bytes": answer_bytes}, content=bytes(body_bytes))
+        assert r.status_code == 422
+        assert r.json()["location"] == ["query", "answer_bytes"]
+        assert words.replace("1000", str(body_bytes)) in r.json()["message"]
+    assert given == ([body_bytes] if answer_bytes > 0 and body_bytes >= POOLED_BODY_BYTES else [])
 
 
 async def test_a_client_that_leaves_during_the_upload_is_not_an_error(small: tuple[FastAPI, httpx.AsyncClient]) -> None:

@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import httpx
 import numpy as np
 
 from matmul_client.client import MatmulClient
@@ -19,6 +20,13 @@ def test_the_stand_in_answers_a_stack_with_the_stack_s_shape() -> None:
     with standing_in() as url, MatmulClient(url) as client:
         assert client.matmul(np.ones((5, 3, 4), np.float32), np.ones((4, 2), np.float32)).shape == (5, 3, 2)
         assert client.matmul(np.ones((3, 4), np.float32), np.ones((1, 4, 2), np.float32)).shape == (1, 3, 2)
+
+
+def test_the_stand_in_echoes_the_first_answer_bytes_as_the_service_does() -> None:
+    body = bytes(range(200))
+    with standing_in() as url:
+        assert httpx.post(f"{url}/v1/echo", content=body).content == body
+        assert httpx.post(f"{url}/v1/echo", params={"answer_bytes": 7}, content=body).content == body[:7]
 
 
 def test_single_products_and_stacks_are_measured_against_each_other_and_the_echo(tmp_path: Path) -> None:
