@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import subprocess
@@ -13,6 +14,7 @@ import pytest
 from app.config import BackendChoice, Settings
 from app.dataplane import devices
 from app.dataplane.supervisor import EngineSupervisor
+from app.main import create_app
 
 pytestmark = pytest.mark.anyio
 
@@ -20,6 +22,17 @@ pytestmark = pytest.mark.anyio
 async def test_probes(client: httpx.AsyncClient) -> None:
     assert (await client.get("/healthz")).json() == {"status": "ok"}
     assert (await client.get("/readyz")).json() == {"status": "ready"}
+
+
+async def test_a_serving_worker_spares_its_start_ups_objects_full_collections(cpu_settings: Settings) -> None:
+    """What the worker holds once started lives as long as it serves (gc.freeze: no full collection walks it), and
+    goes back to the collector when the app stops, so that an app stopped in a process that goes on (a test's) is
+    collected as any garbage is."""
+    gc.unfreeze()  # from a known start, whatever an app still serving in this process froze
+    app = create_app(cpu_settings)
+    async with app.router.lifespan_context(app):
+        assert gc.get_freeze_count() > 0
+    assert gc.get_freeze_count() == 0
 
 
 async def test_info_names_backend_device_and_kernels(client: httpx.AsyncClient) -> None:
