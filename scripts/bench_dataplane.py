@@ -270,9 +270,9 @@ def print_report(report: dict[str, Any]) -> None:
     print()
     for name, value in report["ratios"].items():
         if isinstance(value, list):
-            print(f"{name:48s} " + " / ".join(f"{v:.2f}" if v is not None else "-" for v in value))
+            print(f"{name:48s} " + " / ".join(f"{v:.3f}" if v is not None else "-" for v in value))
         else:
-            print(f"{name:48s} {value:.2f}" if value is not None else f"{name:48s} -")
+            print(f"{name:48s} {value:.3f}" if value is not None else f"{name:48s} -")
     for workers, seconds in report["ready_s"].items():
         print(f"ready with {workers} HTTP workers: {seconds:.1f} s")
 

@@ -500,7 +500,7 @@ def format_row(r: Result) -> str:
     kernel = label(f"{r.kernel}/{r.config}" if r.config else r.kernel, r)
     return (
         f"{kernel:<40} {shape_name(r.m, r.n, r.k, r.batch):<20} {r.dtype:<8} {number(r.ms, '10.3f')} "
-        f"{number(r.gflops, '10.1f')} {number(r.ratio, '7.2f')} {number(r.sgemm_ratio, '7.2f')} "
+        f"{number(r.gflops, '10.1f')} {number(r.ratio, '7.3f')} {number(r.sgemm_ratio, '7.2f')} "
         f"{number(r.error_ratio, '9.3f')} "
         f"{number(r.relative_error, '9.1e')}  {r.note}"
     )

@@ -265,7 +265,7 @@ def print_table(cells: dict[str, dict[str, Any]]) -> None:
         print(
             f"| {cell['n']} | {cell['batch']} | {cell['kind']} | {_figure(cell['answers_per_s'], 1)} | "
             f"{_figure(cell['products_per_s'], 0)} | {_figure(cell.get('over_single'))} | "
-            f"{_figure(cell.get('over_echo'))} | {_figure(cell.get('over_clients_alone'))}{bound} |"
+            f"{_figure(cell.get('over_echo'), 3)} | {_figure(cell.get('over_clients_alone'), 3)}{bound} |"
         )
 
 

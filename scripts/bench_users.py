@@ -717,7 +717,7 @@ def print_report(report: dict[str, Any]) -> None:
         [
             cell["server"], str(cell["size"]), str(cell["concurrency"]), *([str(cell.get("round", 0))] * several),
             cell["client"], _figure(cell.get("products_per_s"), 1), _figure(cell.get("latency_ms", {}).get("p50")),
-            _figure(cell.get("latency_ms", {}).get("p99")), _figure(cell.get("ratio_to_raw")), _errors(cell),
+            _figure(cell.get("latency_ms", {}).get("p99")), _figure(cell.get("ratio_to_raw"), 3), _errors(cell),
         ]
         for cell in cells
     ]  # fmt: skip
@@ -745,13 +745,13 @@ def print_report(report: dict[str, Any]) -> None:
         for cell in cells:
             if cell["client"] in RAW_OF:
                 ratios.setdefault((cell["server"], cell["size"], cell["client"]), []).append(
-                    _figure(cell.get("ratio_to_raw"))
+                    _figure(cell.get("ratio_to_raw"), 3)
                 )
         rows = []
         for (server, n, kind), found in ratios.items():
             floor = mean.get((server, n, RAW_OF[kind]))
             mine = mean.get((server, n, kind))
-            rows.append([server, str(n), kind, " / ".join(found), _figure(mine / floor if mine and floor else None)])
+            rows.append([server, str(n), kind, " / ".join(found), _figure(mine / floor if mine and floor else None, 3)])
         print(markdown(["server", "size", "client", "vs raw by round", "vs raw, means"], rows))
     costs = [cell for cell in cells if "client_cost" in cell]
     if costs:

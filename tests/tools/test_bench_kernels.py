@@ -87,3 +87,9 @@ def test_int8_is_a_dtype_the_sweep_takes(dtypes: str, accepted: bool) -> None:
     else:
         with pytest.raises(SystemExit):
             bench.parse_args(["--dtypes", dtypes])
+
+
+def test_a_ratio_just_under_a_bar_is_not_printed_as_the_bar() -> None:
+    """The bars are ratios such as 0.9 of cuBLASLt: 0.8958 must not read as 0.90 in the table."""
+    row = bench.Result("wgmma", "e4m3 given", "float32", 4096, 4096, 4096, 0.1253, 1_097_000.0, 0.8958, 1.592)
+    assert " 0.896 " in bench.format_row(row)

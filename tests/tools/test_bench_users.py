@@ -100,7 +100,7 @@ def test_rounds_reverse_the_clients_every_other_time_and_ratios_stay_within_thei
     assert [cell["ratio_to_raw"] for cell in cells] == [0.9, None, 1.2, None]
     assert bench.mean_products(cells) == {("default", 64, "client"): 105.0, ("default", 64, "raw-npy"): 100.0}
     bench.print_report({"cells": cells, "servers": {"default": {}}, "notes": []})
-    assert "| default |   64 | client | 0.90 / 1.20     |          1.05 |" in capsys.readouterr().out
+    assert "| default |   64 | client | 0.900 / 1.200   |         1.050 |" in capsys.readouterr().out
 
 
 def test_a_cell_at_its_clients_own_rate_is_client_bound_and_the_stand_in_cells_are_not_judged() -> None:
