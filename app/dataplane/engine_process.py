@@ -25,7 +25,6 @@ import asyncio
 import base64
 import binascii
 import contextlib
-import gc
 import logging
 import mmap
 import os
@@ -241,10 +240,6 @@ class EngineServer:
             pass
         finally:
             await self._hang_up(peer)
-
-    async def started(self) -> None:
-        """Return once the engine has left STARTING (while `serve` runs)."""
-        await self._started.wait()
 
     def _load(self) -> int:
         return self.worker.load
@@ -472,19 +467,10 @@ async def _serve(settings: Settings, device: int | None, why_cpu: str, path: str
         loop.add_signal_handler(signum, server.stop)
     loop.add_reader(sys.stdin.fileno(), _stop_at_end_of_file, server)
     worker.start()
-    freezing = asyncio.create_task(_freeze_once_started(server))
     await server.serve(path)
-    freezing.cancel()
     if server.exit_code == 0:
         await worker.stop()
     return server.exit_code
-
-
-async def _freeze_once_started(server: EngineServer) -> None:
-    """Once the backend has started (its kernels compiled, auto's choices timed), what the process holds lives as
-    long as it: no full collection walks it again (gc.freeze; docs/throughput.md, "Full collections")."""
-    await server.started()
-    gc.freeze()
 
 
 def _failed(key: int, load: int, error: MatmulError) -> wire.Failed:

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import gc
 import os
 import signal
 import socket
@@ -19,7 +18,7 @@ import pytest
 from app.config import Settings
 from app.dataplane import wire
 from app.dataplane.engine_client import EngineClient
-from app.dataplane.engine_process import _event_loop, _freeze_once_started
+from app.dataplane.engine_process import _event_loop
 from app.dataplane.slab import Arena
 from app.dataplane.supervisor import EngineSupervisor
 from app.engine import EngineState, ProductRequest
@@ -212,31 +211,6 @@ def test_the_engine_process_runs_on_uvloop_where_it_is_installed() -> None:
         assert isinstance(loop, uvloop.Loop)
     finally:
         loop.close()
-
-
-async def test_the_engine_process_freezes_what_it_holds_once_its_backend_has_started() -> None:
-    """What exists once the kernels are compiled and auto's choices timed lives as long as the process: the
-    collector's full collections are spared it (gc.freeze), and not before the start (the compiling makes much that
-    is garbage)."""
-
-    class Starting:
-        def __init__(self) -> None:
-            self.event = asyncio.Event()
-
-        async def started(self) -> None:
-            await self.event.wait()
-
-    gc.unfreeze()  # from a known start, whatever an app still serving in this process froze
-    server = Starting()
-    freezing = asyncio.create_task(_freeze_once_started(server))  # type: ignore[arg-type]
-    try:
-        await asyncio.sleep(0.05)
-        assert not freezing.done() and gc.get_freeze_count() == 0
-        server.event.set()
-        await asyncio.wait_for(freezing, 5)
-        assert gc.get_freeze_count() > 0
-    finally:
-        gc.unfreeze()
 
 
 def _two_engines() -> EngineClient:
