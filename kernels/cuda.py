@@ -171,8 +171,10 @@ def tensor_core_instances(compute_capability: tuple[int, int]) -> dict[str, Mapp
         tensorcore.WGMMA_SOURCE: {
             **tensorcore.WGMMA_CONFIGS,
             Precision.INT8: tensorcore.WGMMA_INT8,
-            tensorcore.FP8_WIDE: tensorcore.WGMMA_FP8_WIDE,
-            tensorcore.FP8_WIDE_PERSISTENT: tensorcore.WGMMA_FP8_WIDE_PERSISTENT,
+            **{
+                config.expression(): config
+                for config in (*tensorcore.WGMMA_FP8_WIDE.values(), *tensorcore.WGMMA_FP8_WIDE_PERSISTENT.values())
+            },
         },
         tensorcore.WGMMA_PINGPONG_SOURCE: {Precision.INT8: tensorcore.WGMMA_INT8_PINGPONG},
         tensorcore.DMMA_SOURCE: tensorcore.DMMA_CONFIGS,
@@ -313,7 +315,7 @@ class TensorCoreLibrary:
             for config in sources.get(source, {}).values()
         ]
         self._wgmma: dict[_Instance, Any] = {config: allowed(config) for config in wgmma_configs}
-        """Each wgmma instance by its config: the precisions', int8's two and FP8's wide tiles' two grids."""
+        """Each wgmma instance by its config: the precisions', int8's two and FP8's wide tiles, each in both grids."""
         self._dmma: dict[bool, Any] = {key: allowed(c) for key, c in sources.get(tensorcore.DMMA_SOURCE, {}).items()}
         self._mma_sync: dict[Precision, Any] = {
             key: allowed(config) for key, config in sources.get(tensorcore.MMA_SYNC_SOURCE, {}).items()

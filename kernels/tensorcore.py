@@ -156,43 +156,60 @@ WGMMA_CONFIGS: MappingProxyType[Precision, WgmmaConfig] = MappingProxyType(
     }
 )
 
-WGMMA_FP8_WIDE = WgmmaConfig(OperandKind.E4M3, 176, 4, False, Conversion.TO_E4M3)
-"""FP8 on 128 x 176 tiles: 88 totals and 88 tile sums a consumer thread (a 128 x 256 tile's 256 would pass the 255
-a thread can name), 38 KiB a stage. It reads the operands as the 128-wide instance converts them."""
-WGMMA_FP8_WIDE_PERSISTENT = replace(WGMMA_FP8_WIDE, persistent=True)
-"""The same tiles as a persistent grid."""
-FP8_WIDE = "fp8 wide"
-"""`WGMMA_FP8_WIDE`'s key among wgmma.cu's instances."""
-FP8_WIDE_PERSISTENT = "fp8 wide persistent"
-"""`WGMMA_FP8_WIDE_PERSISTENT`'s key among wgmma.cu's instances."""
+FP8_WIDTHS = (176, 192, 208)
+"""The widths of FP8's wide tiles, 128 x BN: BN / 2 totals and as many tile sums a consumer thread (208 of the 232 it
+is given at the widest; a 128 x 256 tile's 256 would pass the 255 a thread can name), 38 to 42 KiB a stage. They read
+the operands as the 128-wide instance converts them."""
+WGMMA_FP8_WIDE: MappingProxyType[int, WgmmaConfig] = MappingProxyType(
+    {width: WgmmaConfig(OperandKind.E4M3, width, 4, False, Conversion.TO_E4M3) for width in FP8_WIDTHS}
+)
+"""FP8's wide tiles by width, a block a tile."""
+WGMMA_FP8_WIDE_PERSISTENT: MappingProxyType[int, WgmmaConfig] = MappingProxyType(
+    {width: replace(config, persistent=True) for width, config in WGMMA_FP8_WIDE.items()}
+)
+"""The same tiles as persistent grids."""
 FP8_PERSISTENT_MAX_K = 6144
 """Wide FP8 products up to this k run as a persistent grid, longer ones a block per tile: a block's next tile then
 loads while it stores the last, a cost the same per tile whatever k is, so it gains where a tile's products are short
 (H200, docs/tensor-cores.md: 0.92-0.93 of cuBLASLt against 0.88 at 4096^3, 1.05 against 1.01-1.02 at 6144^3, and at
 8192^3 0.88-0.91 against 0.90-0.91)."""
+FP8_TILE_COST_COLUMNS = 46
+"""What a block spends on a tile beside its products (its first loads, its stores, its adds' tail), in columns of
+products: a round of 128 x BN tiles takes as long as BN + 46 columns would. Fitted to the widths' times at 6144^3 on an
+H200 (docs/tensor-cores.md), it orders the widths' measured times at every size from 2304^3 to 8192^3 but at 8192^3,
+where they were within 0.03 of each other and changed order between runs."""
 
 
 WGMMA_FP8_INSTANCES: MappingProxyType[str, WgmmaConfig] = MappingProxyType(
-    {"128 wide": WGMMA_CONFIGS[Precision.FP8], "176 wide": WGMMA_FP8_WIDE, "176 persistent": WGMMA_FP8_WIDE_PERSISTENT}
+    {
+        "128 wide": WGMMA_CONFIGS[Precision.FP8],
+        **{f"{width} wide": WGMMA_FP8_WIDE[width] for width in FP8_WIDTHS},
+        **{f"{width} persistent": WGMMA_FP8_WIDE_PERSISTENT[width] for width in FP8_WIDTHS},
+    }
 )
-"""FP8's wgmma instances, by the name the benchmark gives them: 128-wide tiles, 128 x 176 tiles a block a tile, and
-the same as a persistent grid."""
+"""FP8's wgmma instances, by the name the benchmark gives them: 128-wide tiles, and each wide tile a block a tile
+and as a persistent grid."""
 
 
 def wgmma_fp8_config(m: int, n: int, k: int, multiprocessors: int) -> WgmmaConfig:
-    """The FP8 instance of an m x n x k product on a device of `multiprocessors` SMs: the 128 x 176 tiles where they
-    take fewer rounds of blocks than the 128-wide ones (a round: as many tiles as SMs, the last one rounded up), as a
-    persistent grid up to `FP8_PERSISTENT_MAX_K`; else the 128-wide tiles, which take less time a round.
+    """The FP8 instance of an m x n x k product on a device of `multiprocessors` SMs: the width of tile (128, or one of
+    `FP8_WIDTHS`) whose rounds of blocks take least time, a round of 128 x BN tiles (as many tiles as SMs, the last one
+    rounded up) counted as BN + `FP8_TILE_COST_COLUMNS` columns of products; a wide one as a persistent grid up to
+    `FP8_PERSISTENT_MAX_K`.
 
     Measured on an H200 with `scripts/bench_kernels.py --precisions fp8 --configs all` (docs/tensor-cores.md), ratio
-    to cuBLASLt. At 2048^3 both take two rounds, and the 128-wide tiles ran 0.77 against 0.67-0.68. At 2304^3 (two
-    rounds against three) the wide tiles ran 0.82-0.84 against 0.74; at 2560^3 and 2816^3 (three against four)
-    0.73-0.76 and 0.80-0.82 against 0.70-0.72 and 0.76; at 3072^3 (four against five) 0.75 against 0.73; at 3584^3
-    (five against six) within 0.02 of each other; and from 4096^3 on ahead (0.90 against 0.83 there)."""
+    to cuBLASLt. At 2048^3 the 128-wide tiles (two rounds) ran 0.77 against 0.67-0.68 for 176 wide (two rounds);
+    at 3072^3, 192 wide (three rounds) 0.89 against 0.85 for 208 (three) and 0.75 for 176 (four); at 4096^3, 208 wide
+    (five rounds) 0.93 against 0.89 for 176 (six); at 6144^3 0.95 against 0.92."""
     narrow = WGMMA_CONFIGS[Precision.FP8]
-    if cdiv(WGMMA_FP8_WIDE.tiles(m, n), multiprocessors) >= cdiv(narrow.tiles(m, n), multiprocessors):
+
+    def cost(config: WgmmaConfig) -> int:
+        return cdiv(config.tiles(m, n), multiprocessors) * (config.block_n + FP8_TILE_COST_COLUMNS)
+
+    best = min((narrow, *WGMMA_FP8_WIDE.values()), key=cost)
+    if best is narrow:
         return narrow
-    return WGMMA_FP8_WIDE_PERSISTENT if k <= FP8_PERSISTENT_MAX_K else WGMMA_FP8_WIDE
+    return WGMMA_FP8_WIDE_PERSISTENT[best.block_n] if k <= FP8_PERSISTENT_MAX_K else best
 
 
 WGMMA_INT8 = WgmmaConfig(OperandKind.S8, 256, 4, False, Conversion.COPY_S8)

@@ -111,6 +111,8 @@ template <int COUNT> __device__ __forceinline__ void fence_registers(int (&d)[CO
     "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, " \
     "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, " \
     "%80, %81, %82, %83, %84, %85, %86, %87"
+#define WGMMA_D96 WGMMA_D88 ", %88, %89, %90, %91, %92, %93, %94, %95"
+#define WGMMA_D104 WGMMA_D96 ", %96, %97, %98, %99, %100, %101, %102, %103"
 // The accumulators as asm operands, 8 at a time: "f" for float32 sums, "r" for int32 ones.
 #define WGMMA_F8(i) \
     "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]), "+f"(d[i + 5]), "+f"(d[i + 6]), \
@@ -124,9 +126,13 @@ template <int COUNT> __device__ __forceinline__ void fence_registers(int (&d)[CO
     WGMMA_F64, WGMMA_F8(64), WGMMA_F8(72), WGMMA_F8(80), WGMMA_F8(88), WGMMA_F8(96), WGMMA_F8(104), WGMMA_F8(112), \
         WGMMA_F8(120)
 #define WGMMA_F88 WGMMA_F64, WGMMA_F8(64), WGMMA_F8(72), WGMMA_F8(80)
+#define WGMMA_F96 WGMMA_F88, WGMMA_F8(88)
+#define WGMMA_F104 WGMMA_F96, WGMMA_F8(96)
 #define WGMMA_R64 \
     WGMMA_R8(0), WGMMA_R8(8), WGMMA_R8(16), WGMMA_R8(24), WGMMA_R8(32), WGMMA_R8(40), WGMMA_R8(48), WGMMA_R8(56)
 #define WGMMA_R88 WGMMA_R64, WGMMA_R8(64), WGMMA_R8(72), WGMMA_R8(80)
+#define WGMMA_R96 WGMMA_R88, WGMMA_R8(88)
+#define WGMMA_R104 WGMMA_R96, WGMMA_R8(96)
 #define WGMMA_R128 \
     WGMMA_R64, WGMMA_R8(64), WGMMA_R8(72), WGMMA_R8(80), WGMMA_R8(88), WGMMA_R8(96), WGMMA_R8(104), WGMMA_R8(112), \
         WGMMA_R8(120)
@@ -157,11 +163,16 @@ template <int COUNT> __device__ __forceinline__ void fence_registers(int (&d)[CO
 
 template <int KIND, int N>
 __device__ __forceinline__ void wgmma(typename Operand<KIND>::Sum (&d)[N / 2], u64 a, u64 b, int accumulate) {
-    static_assert(N == 128 || N == 176 || N == 256, "a warpgroup tile is 64 x 128, 64 x 176 or 64 x 256");
+    static_assert(N == 128 || N == 176 || N == 192 || N == 208 || N == 256,
+                  "a warpgroup tile is 64 x 128, 64 x 176, 64 x 192, 64 x 208 or 64 x 256");
     if constexpr (N == 128) {
         WGMMA_OF_KIND(128, 64, "%64", "%65", "%66")
     } else if constexpr (N == 176) {
         WGMMA_OF_KIND(176, 88, "%88", "%89", "%90")
+    } else if constexpr (N == 192) {
+        WGMMA_OF_KIND(192, 96, "%96", "%97", "%98")
+    } else if constexpr (N == 208) {
+        WGMMA_OF_KIND(208, 104, "%104", "%105", "%106")
     } else {
         WGMMA_OF_KIND(256, 128, "%128", "%129", "%130")
     }

@@ -29,8 +29,8 @@ timed two ways as `wgmma`'s FP8 instance is: from the float32 operands, each sid
 scaling them by the same powers of two and rounding them to e4m3 itself (PyTorch's amax, frexp, multiply and cast;
 config ""), and from the e4m3 operands as both read them, the same bytes and scales (config "e4m3 given"). With
 --configs all, each of `wgmma`'s FP8 instances again from the e4m3 operands (configs "e4m3 given, 128 wide", "..., 176
-wide", "..., 176 persistent"), each against cuBLASLt's "e4m3 given" row: what `tensorcore.wgmma_fp8_config`'s
-crossovers are measured by.
+wide", "..., 176 persistent", and so on for each width of `tensorcore.FP8_WIDTHS`), each against cuBLASLt's "e4m3
+given" row: what `tensorcore.wgmma_fp8_config`'s choice of width and grid is measured by.
 
 int8 (--dtypes int8) products are exact: each is compared with the int64 product element for element (WRONG at one
 difference, on an output poisoned with a value no element of it has), then timed from the same row-major int8 A and

@@ -317,22 +317,23 @@ def test_fp8_products_hold_the_bound_whatever_the_operands_scale(launcher: Any, 
     assert problem is None, problem
 
 
-@pytest.mark.parametrize(
-    "wide", [tensorcore.WGMMA_FP8_WIDE, tensorcore.WGMMA_FP8_WIDE_PERSISTENT], ids=["tiles", "persistent"]
-)
+WIDE_FP8_INSTANCES = {label: config for label, config in tensorcore.WGMMA_FP8_INSTANCES.items() if config.block_n > 128}
+
+
+@pytest.mark.parametrize("wide", WIDE_FP8_INSTANCES.values(), ids=list(WIDE_FP8_INSTANCES))
 @pytest.mark.parametrize(
     ("m", "n", "k"),
     [(300, 129, 129), (129, 700, 640), (17, 9, 33), (1000, 1000, 1), (256, 384, 8192), (130, 360, 300),
-     (128, 176, 256), (1500, 2100, 300), (1500, 2100, 1)],
+     (128, 176, 256), (128, 208, 256), (1500, 2500, 300), (1500, 2500, 1)],
     ids=str,
 )  # fmt: skip
 def test_fp8_wide_tiles_compute_what_the_narrow_ones_do(
     launcher: Any, wide: tensorcore.WgmmaConfig, m: int, n: int, k: int
 ) -> None:
-    """The 128 x 176 instance that large FP8 products run on (`tensorcore.wgmma_fp8_config`), a block a tile or as a
-    persistent grid, sums each tile of K as the 128-wide one does, so their products are the same bit for bit, within
-    the bound: across tile edges in m and n, k shorter than a tile and many tiles long, and (1500 x 2100: 144 wide
-    tiles) blocks of the persistent grid that take two tiles on an SM count of 132."""
+    """Each wide instance that large FP8 products run on (128 x 176, 192 or 208 tiles, `tensorcore.wgmma_fp8_config`),
+    a block a tile or as a persistent grid, sums each tile of K as the 128-wide one does, so their products are the
+    same bit for bit, within the bound: across tile edges in m and n, k shorter than a tile and many tiles long, and
+    (1500 x 2500: 156 to 180 tiles) blocks of the persistent grid that take two tiles on an SM count of 132."""
     import cupy as cp
 
     rng = np.random.default_rng(16)
@@ -345,7 +346,7 @@ def test_fp8_wide_tiles_compute_what_the_narrow_ones_do(
     np.testing.assert_array_equal(cp.asnumpy(wide_c), cp.asnumpy(narrow_c))
     problem = Reference.of(a, b, np.float32, Precision.FP8).mismatch(cp.asnumpy(wide_c))
     assert problem is None, problem
-    if wide.persistent and (m, n) == (1500, 2100):
+    if wide.persistent and (m, n) == (1500, 2500):
         assert wide.blocks(m, n, cp.cuda.Device().attributes["MultiProcessorCount"]) < wide.tiles(m, n)
 
 
@@ -357,8 +358,8 @@ def test_fp8_products_run_as_the_persistent_grid_give_what_the_narrow_tiles_give
     m = n = 4096
     k = 640
     sms = cp.cuda.Device().attributes["MultiProcessorCount"]
-    assert tensorcore.wgmma_fp8_config(m, n, k, sms) is tensorcore.WGMMA_FP8_WIDE_PERSISTENT
-    assert tensorcore.WGMMA_FP8_WIDE.tiles(m, n) >= 3 * sms
+    chosen_config = tensorcore.wgmma_fp8_config(m, n, k, sms)
+    assert chosen_config.persistent and chosen_config.tiles(m, n) >= 3 * sms
     rng = np.random.default_rng(17)
     a, b = (cp.asarray(rng.standard_normal(shape).astype(np.float32)) for shape in ((m, k), (k, n)))
     tensor_cores = launcher.tensor_cores

@@ -19,8 +19,8 @@ SOURCES = {
     tensorcore.WGMMA_SOURCE: [
         *(config.expression() for config in tensorcore.WGMMA_CONFIGS.values()),
         tensorcore.WGMMA_INT8.expression(),
-        tensorcore.WGMMA_FP8_WIDE.expression(),
-        tensorcore.WGMMA_FP8_WIDE_PERSISTENT.expression(),
+        *(config.expression() for config in tensorcore.WGMMA_FP8_WIDE.values()),
+        *(config.expression() for config in tensorcore.WGMMA_FP8_WIDE_PERSISTENT.values()),
     ],
     tensorcore.WGMMA_PINGPONG_SOURCE: [tensorcore.WGMMA_INT8_PINGPONG.expression()],
     tensorcore.MMA_SYNC_SOURCE: [config.expression() for config in tensorcore.MMA_SYNC_CONFIGS.values()],
@@ -43,7 +43,7 @@ def test_compiles_for_sm90a_without_spilling(source: str) -> None:
 
 def test_every_tensor_core_precision_has_an_instance_that_fits_in_shared_memory() -> None:
     assert set(tensorcore.WGMMA_CONFIGS) == set(TENSOR_CORE_PRECISIONS)
-    for config in (*tensorcore.WGMMA_CONFIGS.values(), tensorcore.WGMMA_INT8, tensorcore.WGMMA_FP8_WIDE):
+    for config in (*tensorcore.WGMMA_CONFIGS.values(), tensorcore.WGMMA_INT8, *tensorcore.WGMMA_FP8_WIDE.values()):
         assert config.smem_bytes() <= MAX_DYNAMIC_SMEM
         # a tile row is one 128-byte swizzle span, and a TMA box has at most 256 rows
         assert config.tile_k * config.element_bytes == tensorcore.ROW_BYTES
@@ -80,27 +80,62 @@ def test_int8_runs_in_turns_up_to_its_k_and_in_tiles_past_it() -> None:
     assert set(tensorcore.WGMMA_INT8_INSTANCES.values()) == {pingpong, tensorcore.WGMMA_INT8}
 
 
-def test_fp8_runs_on_wide_tiles_where_they_take_fewer_rounds_persistent_up_to_its_k() -> None:
-    wide, narrow = tensorcore.WGMMA_FP8_WIDE, tensorcore.WGMMA_CONFIGS[Precision.FP8]
-    persistent = tensorcore.WGMMA_FP8_WIDE_PERSISTENT
-    assert wide.expression() == "matmul_wgmma<4, 176, 4, false>"
-    assert persistent.expression() == "matmul_wgmma<4, 176, 4, false, true>"
-    assert wide.smem_bytes() <= MAX_DYNAMIC_SMEM
-    assert wide.boxes == (128, 176) and wide.conversion is narrow.conversion
-    assert wide.padded_k(33) == narrow.padded_k(33)
-    assert wide.blocks(4096, 4096, 132) == 32 * 24  # 5.8 waves on 132 SMs
-    assert persistent.blocks(4096, 4096, 132) == 132 and persistent.blocks(129, 177, 132) == 2 * 2
+def test_fp8_wide_tiles_read_what_the_narrow_ones_read_and_fit() -> None:
+    narrow = tensorcore.WGMMA_CONFIGS[Precision.FP8]
+    assert tensorcore.FP8_WIDTHS == (176, 192, 208)
+    for width in tensorcore.FP8_WIDTHS:
+        wide, persistent = tensorcore.WGMMA_FP8_WIDE[width], tensorcore.WGMMA_FP8_WIDE_PERSISTENT[width]
+        assert wide.expression() == f"matmul_wgmma<4, {width}, 4, false>"
+        assert persistent.expression() == f"matmul_wgmma<4, {width}, 4, false, true>"
+        assert wide.smem_bytes() <= MAX_DYNAMIC_SMEM
+        assert wide.boxes == (128, width) and wide.conversion is narrow.conversion
+        assert wide.padded_k(33) == narrow.padded_k(33)
+    assert list(tensorcore.WGMMA_FP8_INSTANCES) == [
+        "128 wide",
+        "176 wide",
+        "192 wide",
+        "208 wide",
+        "176 persistent",
+        "192 persistent",
+        "208 persistent",
+    ]
+    persistent = tensorcore.WGMMA_FP8_WIDE_PERSISTENT[208]
+    assert tensorcore.WGMMA_FP8_WIDE[208].blocks(4096, 4096, 132) == 32 * 20  # 4.8 rounds on 132 SMs
+    assert persistent.blocks(4096, 4096, 132) == 132 and persistent.blocks(129, 209, 132) == 2 * 2
     with pytest.raises(ValueError, match="SM count"):
         persistent.blocks(4096, 4096)
-    assert tensorcore.wgmma_fp8_config(4096, 4096, 4096, 132) is persistent
-    assert tensorcore.wgmma_fp8_config(4096, 4096, tensorcore.FP8_PERSISTENT_MAX_K, 132) is persistent
-    assert tensorcore.wgmma_fp8_config(4096, 4096, tensorcore.FP8_PERSISTENT_MAX_K + 1, 132) is wide
-    # rounds of 132 blocks: the wide tiles where they take fewer than the 128-wide ones
-    assert tensorcore.wgmma_fp8_config(2048, 2048, 2048, 132) is narrow  # 192 wide tiles against 256: 2 rounds each
-    assert tensorcore.wgmma_fp8_config(2304, 2304, 2304, 132) is persistent  # 252 against 324: 2 rounds against 3
-    assert tensorcore.wgmma_fp8_config(128, 176 * 132, 8192, 132) is wide  # one row: 132 tiles against 182
-    assert tensorcore.wgmma_fp8_config(128, 128 * 132, 8192, 132) is narrow  # 96 tiles against 132: one round each
-    assert tensorcore.wgmma_fp8_config(128, 128 * 132 + 1, 8192, 132) is wide  # 97 against 133: 1 round against 2
+
+
+@pytest.mark.parametrize(
+    ("m", "n", "k", "width"),
+    [
+        # rounds of 132 blocks, each round of 128 x BN tiles counted as BN + 46 columns
+        (2048, 2048, 2048, 128),  # 128 wide: 256 tiles, 2 rounds of 174; 176 wide: 192 tiles, 2 rounds of 222
+        (2304, 2304, 2304, 176),  # 176: 252 tiles, 2 rounds (444); 192: 216, 2 (476); 128: 324, 3 (522)
+        (3072, 3072, 3072, 192),  # 192: 384 tiles, 3 rounds (714); 208: 360, 3 (762); 176: 432, 4 (888)
+        (4096, 4096, 4096, 208),  # 208: 640 tiles, 5 rounds (1,270); 176: 768, 6 (1,332); 128: 1,024, 8 (1,392)
+        (6144, 6144, 6144, 208),  # 208: 1,440 tiles, 11 rounds (2,794); 176: 1,680, 13 (2,886)
+        (8192, 8192, 8192, 192),  # 192: 2,752 tiles, 21 rounds (4,998); 208: 2,560, 20 (5,080); 176: 3,008, 23
+        (128, 128 * 132, 8192, 128),  # one row of 132 tiles: one round at every width, the narrowest's the shortest
+        (128, 208 * 132, 8192, 208),  # 208: one round (254); 192: 143 tiles, 2 (476); 128: 215, 2 (348)
+    ],
+)
+def test_fp8_runs_on_the_width_whose_rounds_cost_least(m: int, n: int, k: int, width: int) -> None:
+    chosen = tensorcore.wgmma_fp8_config(m, n, k, 132)
+    assert chosen.block_n == width
+    assert chosen is (
+        tensorcore.WGMMA_CONFIGS[Precision.FP8]
+        if width == 128
+        else tensorcore.WGMMA_FP8_WIDE_PERSISTENT[width]
+        if k <= tensorcore.FP8_PERSISTENT_MAX_K
+        else tensorcore.WGMMA_FP8_WIDE[width]
+    )
+
+
+def test_fp8_wide_tiles_run_as_a_persistent_grid_up_to_its_k() -> None:
+    max_k = tensorcore.FP8_PERSISTENT_MAX_K
+    assert tensorcore.wgmma_fp8_config(4096, 4096, max_k, 132) is tensorcore.WGMMA_FP8_WIDE_PERSISTENT[208]
+    assert tensorcore.wgmma_fp8_config(4096, 4096, max_k + 1, 132) is tensorcore.WGMMA_FP8_WIDE[208]
 
 
 @pytest.mark.skipif(_nvrtc_missing() is not None, reason=str(_nvrtc_missing()))
