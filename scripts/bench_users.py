@@ -27,7 +27,9 @@ answer against the float64 product of its own operands (numerics.reference's bou
 seconds more, then `--seconds` measured: products/s, p50/p99 latency (ms) of the 200 answers, other answers by
 status. For `client` and the raw senders, also each one's own cost: the mean of (wall time of an exchange - the
 server's timing "total", from the answer's Server-Timing) per product, beside that mean server total; so a gap
-between a client and its raw sender shows on which side of the socket it lies.
+between a client and its raw sender shows on which side of the socket it lies. And every cell's CPU a product in
+its client processes (user and system, all their threads, over the measured window): what each sender spends of the
+cores it shares with the server.
 
 Prints Markdown tables (each cell with its ratio to the raw sender of the same route: client / raw-npy, triton /
 raw-v2, and triton-grpc / raw-v2, the protocol over gRPC against its HTTP floor; the client's cost; products/s by
@@ -58,6 +60,7 @@ import json
 import multiprocessing
 import os
 import platform
+import resource
 import shutil
 import socket
 import subprocess
@@ -395,6 +398,10 @@ class Tally:
     unchecked: int = 0
     """Connections that had no 200 answer in the whole cell."""
     wrong: list[str] = field(default_factory=list)
+    cpu_user_s: float = 0.0
+    """CPU seconds of the client processes in the measured window, in user mode (every thread of each)."""
+    cpu_system_s: float = 0.0
+    """The same in the kernel, on their behalf."""
 
     def add(self, other: Tally) -> None:
         self.latencies_ms += other.latencies_ms
@@ -406,6 +413,8 @@ class Tally:
         self.checked += other.checked
         self.unchecked += other.unchecked
         self.wrong += other.wrong
+        self.cpu_user_s += other.cpu_user_s
+        self.cpu_system_s += other.cpu_system_s
 
 
 class Window:
@@ -523,6 +532,7 @@ def _run_share(share: Share) -> Tally:
             raise TimeoutError("the cell failed, or no start came from the parent")
         window.start = start
         window.end = window.start + share.seconds
+        cpu = _cpu_in_window(window)
     except (threading.BrokenBarrierError, TimeoutError) as exc:
         window.end = 0.0
         warmed.abort()
@@ -534,7 +544,18 @@ def _run_share(share: Share) -> Tally:
     total = Tally()
     for tally in tallies:
         total.add(tally)
+    total.cpu_user_s, total.cpu_system_s = cpu
     return total
+
+
+def _cpu_in_window(window: Window) -> tuple[float, float]:
+    """This process's user and system CPU seconds (all its threads) from the window's start to its end, on the
+    thread that waits for them; a window that a failing connection closes early ends there."""
+    time.sleep(max(window.start - time.time(), 0.0))
+    began = resource.getrusage(resource.RUSAGE_SELF)
+    time.sleep(max(window.end - time.time(), 0.0))
+    ended = resource.getrusage(resource.RUSAGE_SELF)
+    return ended.ru_utime - began.ru_utime, ended.ru_stime - began.ru_stime
 
 
 Clients = TogetherPool[Share, Tally]
@@ -597,6 +618,11 @@ def measure_cell(
         "unchecked_connections": total.unchecked,
         "wrong": total.wrong,
     }
+    if latencies.size:
+        cell["client_cpu_us"] = {
+            "user": 1e6 * total.cpu_user_s / latencies.size,
+            "system": 1e6 * total.cpu_system_s / latencies.size,
+        }
     if total.wrong:
         cell["failure"] = f"{len(total.wrong)} wrong answers"
     elif not latencies.size:
@@ -755,17 +781,20 @@ def print_report(report: dict[str, Any]) -> None:
         print(markdown(["server", "size", "client", "vs raw by round", "vs raw, means"], rows))
     costs = [cell for cell in cells if "client_cost" in cell]
     if costs:
-        print("\n## Each sender's own cost per product beside the server's timing total (mean ms)\n")
+        print("\n## Each sender's own cost per product beside the server's timing total (mean ms), and its processes'"
+              " CPU a product (us)\n")  # fmt: skip
         rows = [
             [
                 cell["server"], str(cell["size"]), str(cell["concurrency"]), cell["client"],
                 _figure(cell["products_per_s"], 1),
                 _figure(cell["latency_ms"]["mean"]), _figure(cell["client_cost"]["server_total_ms"]),
-                _figure(cell["client_cost"]["client_ms"]),
+                _figure(cell["client_cost"]["client_ms"]), _figure(cell["client_cpu_us"]["user"], 0),
+                _figure(cell["client_cpu_us"]["system"], 0),
             ]
             for cell in costs
         ]  # fmt: skip
-        print(markdown(["server", "size", "conc", "client", "products/s", "wall", "server total", "own cost"], rows))
+        headers = ["server", "size", "conc", "client", "products/s", "wall", "server total", "own cost", "user", "sys"]
+        print(markdown(headers, rows))
     servers = list(report["servers"])
     if len(servers) > 1:
         print("\n## Products/s by server\n")

@@ -4,6 +4,7 @@ back and checked, its chart drawn again from that JSON; and the pieces it checks
 from __future__ import annotations
 
 import json
+import os
 import socket
 import threading
 from pathlib import Path
@@ -55,6 +56,10 @@ def test_every_cell_of_the_smallest_grid_answers_right(tmp_path: Path) -> None:
         assert 0 < cell["latency_ms"]["p50"] <= cell["latency_ms"]["p99"]
         assert cell["checked_connections"] == cell["concurrency"] and cell["unchecked_connections"] == 0
         assert cell["processes"] == 2
+    for cell in report["cells"]:  # the client processes' CPU over the window, a product: never none, never more
+        cpu = cell["client_cpu_us"]  # than every core of the machine for the whole window
+        assert cpu["user"] > 0 and cpu["system"] >= 0, cell
+        assert (cpu["user"] + cpu["system"]) * cell["products"] <= 1e6 * cell["seconds"] * (os.cpu_count() or 1) * 1.1
     by_kind = {(cell["size"], cell["client"]): cell for cell in cells}
     for n in (16, 64):
         client, raw = by_kind[n, "client"], by_kind[n, "raw-npy"]
@@ -74,7 +79,7 @@ def test_every_cell_of_the_smallest_grid_answers_right(tmp_path: Path) -> None:
     assert server["settings"] == {"MATMUL_HTTP_WORKERS": "1", "MATMUL_BACKEND": "cpu"}
     assert report["host"]["cpu_count"] >= 1 and report["server_failures"] == {}
     assert "| workers=1 |   64 |    3 | triton-grpc |" in done.stdout
-    assert "Each sender's own cost per product" in done.stdout
+    assert "Each sender's own cost per product" in done.stdout and "processes' CPU a product (us)" in done.stdout
     assert "| workers=1 |   64 |    3 | raw-v2  |" in done.stdout.split("over its clients alone")[1]
     assert out.with_suffix(".png").read_bytes().startswith(PNG_MAGIC)
 
