@@ -176,8 +176,8 @@ loads while it stores the last, a cost the same per tile whatever k is, so it ga
 FP8_TILE_COST_COLUMNS = 46
 """What a block spends on a tile beside its products (its first loads, its stores, its adds' tail), in columns of
 products: a round of 128 x BN tiles takes as long as BN + 46 columns would. Fitted to the widths' times at 6144^3 on an
-H200 (docs/tensor-cores.md), it orders the widths' measured times at every size from 2304^3 to 8192^3 but at 8192^3,
-where they were within 0.03 of each other and changed order between runs."""
+H200 (docs/tensor-cores.md), it orders the widths' measured times at every size from 2304^3 to 7168^3; at 8192^3 they
+were within 0.03-0.06 of each other and changed order between runs."""
 
 
 WGMMA_FP8_INSTANCES: MappingProxyType[str, WgmmaConfig] = MappingProxyType(
