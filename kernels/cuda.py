@@ -177,6 +177,7 @@ def tensor_core_instances(compute_capability: tuple[int, int]) -> dict[str, Mapp
             },
         },
         tensorcore.WGMMA_PINGPONG_SOURCE: {Precision.INT8: tensorcore.WGMMA_INT8_PINGPONG},
+        tensorcore.WGMMA_ROWS_SOURCE: {Precision.TF32: tensorcore.WGMMA_TF32_ROWS},
         tensorcore.DMMA_SOURCE: tensorcore.DMMA_CONFIGS,
         tensorcore.MMA_SYNC_SOURCE: tensorcore.MMA_SYNC_CONFIGS,
     }
@@ -311,11 +312,12 @@ class TensorCoreLibrary:
         self._multiprocessors = int(cupy.cuda.Device().attributes["MultiProcessorCount"])
         wgmma_configs = [
             config
-            for source in (tensorcore.WGMMA_SOURCE, tensorcore.WGMMA_PINGPONG_SOURCE)
+            for source in (tensorcore.WGMMA_SOURCE, tensorcore.WGMMA_PINGPONG_SOURCE, tensorcore.WGMMA_ROWS_SOURCE)
             for config in sources.get(source, {}).values()
         ]
         self._wgmma: dict[_Instance, Any] = {config: allowed(config) for config in wgmma_configs}
-        """Each wgmma instance by its config: the precisions', int8's two and FP8's wide tiles, each in both grids."""
+        """Each wgmma instance by its config: the precisions', TF32's from the rows, int8's two and FP8's wide tiles,
+        each in both grids."""
         self._dmma: dict[bool, Any] = {key: allowed(c) for key, c in sources.get(tensorcore.DMMA_SOURCE, {}).items()}
         self._mma_sync: dict[Precision, Any] = {
             key: allowed(config) for key, config in sources.get(tensorcore.MMA_SYNC_SOURCE, {}).items()
@@ -378,8 +380,9 @@ class TensorCoreLibrary:
         if precision is Precision.FP8:
             self.wgmma_e4m3(*self.e4m3_operands(a, b), a.shape[1], c)
             return
-        # Every operand is converted, TF32's too, which the tensor cores could read as it is: they would truncate it,
-        # an error of one sign that grows with k, past the bound (numerics/precision.py) for operands of one sign.
+        if precision is Precision.TF32:
+            self.wgmma_tf32(a, b, c)
+            return
         a_parts = self.converted(config, a, transposed=False)
         b_parts = self.converted(config, b, transposed=True)
         self._launch_wgmma(config, a_parts, b_parts, c, a.shape[1])
@@ -408,12 +411,59 @@ class TensorCoreLibrary:
 
         def k_major(x: Any) -> list[Any]:
             """x's rows as the kernel reads them: in place where they start on 16 bytes, else copied, padded."""
-            if k % tensorcore.STRIDE_ALIGNMENT == 0 and x.data.ptr % tensorcore.STRIDE_ALIGNMENT == 0:
+            if _rows_lie_aligned(x):
                 return [x]
             return self.converted(operands, x, transposed=False)
 
         b_parts = k_major(b) if b_transposed else self.converted(operands, b, transposed=True)
         self._launch_wgmma(config, k_major(a), b_parts, c, k)
+
+    def wgmma_tf32(
+        self, a: Any, b: Any, c: Any, config: tensorcore.WgmmaConfig | tensorcore.RowsConfig | None = None
+    ) -> None:
+        """c = a @ b in TF32 on the current stream (2-D C-contiguous CuPy float32 arrays) through the instance B's rows
+        allow, or `config`, one of `tensorcore.WGMMA_TF32_INSTANCES`: kernels/wgmma_rows.cu where B's rows are whole
+        16-byte units from a 16-byte boundary, reading B where it lies and A too where its rows allow (else copied,
+        padded), the copies rounding both to TF32; else kernels/wgmma.cu on both operands converted (A rounded, B
+        transposed and rounded). Neither lets the tensor cores truncate an operand, an error of one sign that grows
+        with k, past the bound (numerics/precision.py) for operands of one sign. ValueError for another config, or
+        for the rows' instance where B's rows do not allow it."""
+        if config is not None and config not in tensorcore.WGMMA_TF32_INSTANCES.values():
+            raise ValueError(f"{config.expression()} is not a wgmma TF32 instance")
+        (m, k), n = a.shape, b.shape[1]
+        if config is None:
+            config = tensorcore.WGMMA_TF32_ROWS if _rows_lie_aligned(b) else tensorcore.WGMMA_CONFIGS[Precision.TF32]
+        if isinstance(config, tensorcore.WgmmaConfig):
+            if not _nothing_to_multiply(c, k):
+                a_parts = self.converted(config, a, transposed=False)
+                self._launch_wgmma(config, a_parts, self.converted(config, b, transposed=True), c, k)
+            return
+        if not _rows_lie_aligned(b):
+            raise ValueError(f"{config.expression()} reads B's rows as they lie: they are not whole 16-byte units")
+        if _nothing_to_multiply(c, k):
+            return
+        if _rows_lie_aligned(a):
+            a_rows = a
+        else:
+            (a_rows,) = self.converted(tensorcore.WGMMA_CONFIGS[Precision.TF32], a, transposed=False)
+
+        def matrix(x: Any, rows: int, columns: int, box_rows: int, box_columns: int) -> tma.Matrix2d:
+            return tma.Matrix2d(x.data.ptr, x.itemsize, rows, columns, x.strides[0], box_rows, box_columns, tf32=True)
+
+        maps = self._device_maps(
+            matrix(b, k, n, config.tile_k, config.box_columns), matrix(a_rows, m, k, config.block_n, config.tile_k)
+        )
+        self._wgmma[config](
+            (config.blocks(m, n), 1, 1),
+            (tensorcore.THREADS, 1, 1),
+            (maps, c, np.int32(m), np.int32(n), np.int32(k)),
+            shared_mem=config.smem_bytes(),
+        )
+
+    def _device_maps(self, *matrices: tma.Matrix2d) -> Any:
+        """The tensor maps of `matrices`, in their order, in device memory, as the wgmma kernels take them."""
+        maps = b"".join(tma.encode(matrix) for matrix in matrices)
+        return self._cp.asarray(np.frombuffer(maps, np.uint8))
 
     def e4m3_operands(self, a: Any, b: Any) -> tuple[Any, Any, Any]:
         """A and B^T as kernels/wgmma.cu's FP8 instance reads them (uint8 e4m3 bits, K-major, rows padded to the
@@ -465,9 +515,9 @@ class TensorCoreLibrary:
             )
 
         a_box, b_box = config.boxes
-        maps = [tma.encode(matrix(part, m, a_box)) for part in a_parts]
-        maps += [tma.encode(matrix(part, n, b_box)) for part in b_parts]
-        device_maps = self._cp.asarray(np.frombuffer(b"".join(maps), np.uint8))
+        device_maps = self._device_maps(
+            *(matrix(part, m, a_box) for part in a_parts), *(matrix(part, n, b_box) for part in b_parts)
+        )
         scales = () if isinstance(config, tensorcore.PingPongConfig) else (amax,)
         self._wgmma[config](
             (config.blocks(m, n, self._multiprocessors), 1, 1),
@@ -509,6 +559,12 @@ class TensorCoreLibrary:
             (a, b, c, np.int32(m), np.int32(n), np.int32(k)),
             shared_mem=config.smem_bytes(),
         )
+
+
+def _rows_lie_aligned(x: Any) -> bool:
+    """Whether the copy engine can read x's rows where they lie: whole 16-byte units from a 16-byte boundary."""
+    alignment = tensorcore.STRIDE_ALIGNMENT
+    return bool(x.shape[1] * x.itemsize % alignment == 0 and x.data.ptr % alignment == 0)
 
 
 def _check_int8_sums_fit(k: int) -> None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from enum import IntEnum
 from types import MappingProxyType
+from typing import ClassVar
 
 from kernels.registry import cdiv
 from numerics.precision import Precision
@@ -23,8 +24,9 @@ from numerics.precision import Precision
 WGMMA = "wgmma"
 WGMMA_SUMMARY = (
     "Tensor cores (Hopper wgmma, sm_90a), fed by TMA bulk copies through a 4-stage mbarrier pipeline; operands "
-    "converted on the device first. Precisions tf32, 3xtf32, bf16, fp16, fp8 (e4m3, a power-of-two scale per "
-    "operand); int8 operands into exact int32."
+    "converted on the device first, but TF32's, read where they lie and rounded by the copies where B's rows are "
+    "whole 16-byte units. Precisions tf32, 3xtf32, bf16, fp16, fp8 (e4m3, a power-of-two scale per operand); int8 "
+    "operands into exact int32."
 )
 WGMMA_SOURCE = "wgmma.cu"
 WGMMA_PINGPONG_SOURCE = "wgmma_pingpong.cu"
@@ -210,6 +212,45 @@ def wgmma_fp8_config(m: int, n: int, k: int, multiprocessors: int) -> WgmmaConfi
     if best is narrow:
         return narrow
     return WGMMA_FP8_WIDE_PERSISTENT[best.block_n] if k <= FP8_PERSISTENT_MAX_K else best
+
+
+WGMMA_ROWS_SOURCE = "wgmma_rows.cu"
+"""TF32 from A and B as they lie: each block a tile of C^T = B^T A^T, B^T's fragments loaded into registers from B's
+rows, the copies rounding both operands to TF32."""
+
+
+@dataclass(frozen=True)
+class RowsConfig:
+    """One instance of kernels/wgmma_rows.cu's kernel: a block per 128 x block_n tile of C^T (128 of N by block_n of
+    M), B's tile copied in boxes of 32 columns by tile_k rows of K, A's in one box of block_n rows."""
+
+    block_n: int
+    stages: int
+
+    tile_k: ClassVar[int] = ROW_BYTES // ELEMENT_BYTES[OperandKind.TF32]
+    box_columns: ClassVar[int] = 32
+    """Columns of B in one of its boxes: a 128-byte row of the swizzle."""
+
+    def expression(self) -> str:
+        return f"matmul_wgmma_rows<{self.block_n}, {self.stages}>"
+
+    def smem_bytes(self) -> int:
+        """The tiles of every stage, a full and an empty mbarrier per stage, and the alignment slack."""
+        return self.stages * (BLOCK_M + self.block_n) * ROW_BYTES + 2 * self.stages * 8 + ALIGNMENT_SLACK
+
+    def blocks(self, m: int, n: int) -> int:
+        return cdiv(n, BLOCK_M) * cdiv(m, self.block_n)
+
+
+WGMMA_TF32_ROWS = RowsConfig(256, 4)
+"""TF32 where B's rows are whole 16-byte units from a 16-byte boundary (n a multiple of 4): no pass over either
+operand (A's rows copied, padded, only where they are not such units). The two passes took 0.076 ms of the 0.42 the
+pass-fed instance took at 4096^3 on an H200, where the product alone ran 1.01 of cuBLAS TF32."""
+WGMMA_TF32_INSTANCES: MappingProxyType[str, WgmmaConfig | RowsConfig] = MappingProxyType(
+    {"rows": WGMMA_TF32_ROWS, "passes": WGMMA_CONFIGS[Precision.TF32]}
+)
+"""TF32's two wgmma instances, by the name the benchmark gives them: from the operands as they lie, or after the
+passes converting them."""
 
 
 WGMMA_INT8 = WgmmaConfig(OperandKind.S8, 256, 4, False, Conversion.COPY_S8)

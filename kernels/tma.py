@@ -14,6 +14,9 @@ MAP_ALIGNMENT = 64
 """CUtensorMap is declared alignas(64)."""
 DATA_TYPE_BY_BYTES = {1: 0, 2: 1, 4: 2}
 """CU_TENSOR_MAP_DATA_TYPE_UINT8, _UINT16 and _UINT32: the copies move bits, whatever the kernel reads them as."""
+DATA_TYPE_TFLOAT32 = 11
+"""CU_TENSOR_MAP_DATA_TYPE_TFLOAT32: float32 elements that the copy rounds to TF32 (to nearest, ties to even; the
+low 13 bits of the mantissa zero) as it writes them into shared memory, subnormals kept."""
 INTERLEAVE_NONE = 0
 SWIZZLE_128B = 3
 L2_PROMOTION_128B = 2
@@ -34,7 +37,7 @@ def _encode_tiled() -> Callable[..., int]:
 class Matrix2d:
     """A row-major matrix in device memory as the copies see it: `rows` rows of `columns` elements, the rows
     `row_bytes` apart (a multiple of 16), copied in boxes of `box_rows` x `box_columns` (box_columns * element
-    bytes = 128, the swizzle's span)."""
+    bytes = 128, the swizzle's span); `tf32`: float32 elements, rounded to TF32 by the copy."""
 
     address: int
     element_bytes: int
@@ -43,6 +46,7 @@ class Matrix2d:
     row_bytes: int
     box_rows: int
     box_columns: int
+    tf32: bool = False
 
 
 def encode(matrix: Matrix2d) -> bytes:
@@ -57,7 +61,7 @@ def encode(matrix: Matrix2d) -> bytes:
     element_strides = (ctypes.c_uint32 * 2)(1, 1)
     result = _encode_tiled()(
         ctypes.c_void_p(destination),
-        ctypes.c_int(DATA_TYPE_BY_BYTES[matrix.element_bytes]),
+        ctypes.c_int(DATA_TYPE_TFLOAT32 if matrix.tf32 else DATA_TYPE_BY_BYTES[matrix.element_bytes]),
         ctypes.c_uint32(2),
         ctypes.c_void_p(matrix.address),
         dims,

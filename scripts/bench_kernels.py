@@ -30,7 +30,9 @@ scaling them by the same powers of two and rounding them to e4m3 itself (PyTorch
 config ""), and from the e4m3 operands as both read them, the same bytes and scales (config "e4m3 given"). With
 --configs all, each of `wgmma`'s FP8 instances again from the e4m3 operands (configs "e4m3 given, 128 wide", "..., 176
 wide", "..., 176 persistent", and so on for each width of `tensorcore.FP8_WIDTHS`), each against cuBLASLt's "e4m3
-given" row: what `tensorcore.wgmma_fp8_config`'s choice of width and grid is measured by.
+given" row: what `tensorcore.wgmma_fp8_config`'s choice of width and grid is measured by. With --configs all, tf32
+rows also time each of `wgmma`'s TF32 instances on the same operands (configs "rows", reading A and B as they lie,
+and "passes", converting them first), against cuBLAS TF32.
 
 int8 (--dtypes int8) products are exact: each is compared with the int64 product element for element (WRONG at one
 difference, on an output poisoned with a value no element of it has), then timed from the same row-major int8 A and
@@ -246,6 +248,8 @@ def run_sweep(args: argparse.Namespace) -> tuple[list[Result], dict[str, Any]]:
                         own = Result(name, "", dtype, m, n, k, None, None, None, precision=precision)
                         rows.append(own)
                         measure(bench, args, own, bench.run(name, precision), sets, in_mode, library.ms)
+                if precision is Precision.TF32 and args.configs == "all":
+                    rows += tf32_instance_rows(bench, args, sets, in_mode, library.ms)
                 del in_mode
             if dtype == "float64" and DMMA in args.kernels and bench.launcher.runs(DMMA):
                 own = Result(DMMA, "", dtype, m, n, k, None, None, None)
@@ -322,6 +326,27 @@ def _torch_bmm() -> Callable[[Any, Any, Any], Any] | None:
         return tensors[x.data.ptr]
 
     return lambda a, b, c: torch.bmm(tensor(a), tensor(b), out=tensor(c))
+
+
+def tf32_instance_rows(
+    bench: Bench, args: argparse.Namespace, sets: list[tuple[Any, Any]], reference: Reference, library_ms: float | None
+) -> list[Result]:
+    """With --configs all, each of wgmma's TF32 instances (config "rows", reading the operands as they lie, and
+    "passes", converting them first) on the same float32 sets, whichever the shape chooses; "rows" only where B's rows
+    are whole 16-byte units (n a multiple of 4)."""
+    tensor_cores = bench.launcher.tensor_cores
+    if tensor_cores is None or WGMMA not in args.kernels:
+        return []
+    (m, k), n = sets[0][0].shape, sets[0][1].shape[1]
+    rows = []
+    for label, instance in tensorcore.WGMMA_TF32_INSTANCES.items():
+        if instance is tensorcore.WGMMA_TF32_ROWS and n % 4:
+            continue
+        row = Result(WGMMA, label, "float32", m, n, k, None, None, None, precision=Precision.TF32)
+        rows.append(row)
+        run = functools.partial(tensor_cores.wgmma_tf32, config=instance)
+        measure(bench, args, row, run, sets, reference, library_ms)
+    return rows
 
 
 def int8_rows(bench: Bench, args: argparse.Namespace, m: int, n: int, k: int) -> list[Result]:

@@ -381,6 +381,80 @@ def test_fp8_refuses_an_instance_of_another_kind(launcher: Any) -> None:
         )
 
 
+# TF32 from the rows (B's rows whole 16-byte units): k not a multiple of 4 (A's rows copied), tile edges in m and n
+# (a tile of C^T is 128 of n by 256 of m), k shorter than a tile of 32 and many tiles long
+TF32_ROWS_SHAPES = [(1, 1, 4), (17, 36, 12), (129, 33, 132), (256, 32, 128), (257, 100, 388), (300, 8192, 260),
+                    (1500, 700, 2500), (4093, 4096, 4100)]  # fmt: skip
+
+
+def _same_bits_or_both_nan(x: np.ndarray, y: np.ndarray) -> bool:
+    nan = np.isnan(x)
+    return bool(np.array_equal(nan, np.isnan(y)) and np.array_equal(x.view(np.uint32)[~nan], y.view(np.uint32)[~nan]))
+
+
+@pytest.mark.parametrize(("m", "k", "n"), TF32_ROWS_SHAPES, ids=str)
+def test_tf32_from_the_rows_computes_what_the_passes_feed(launcher: Any, m: int, k: int, n: int) -> None:
+    """The TF32 instance reading A and B where they lie, rounded to TF32 by the copies into shared memory, gives the
+    product of the instance fed by the rounding passes bit for bit (the same operands, rounded alike, summed in the
+    same order): with NaN, infinities, float32's largest (rounded up to infinity), subnormals and zeros of either sign
+    among the operands."""
+    import cupy as cp
+
+    rng = np.random.default_rng(m + 3 * k + 7 * n)
+    a, b = rng.standard_normal((m, k)).astype(np.float32), rng.standard_normal((k, n)).astype(np.float32)
+    largest = np.finfo(np.float32).max
+    specials = np.array([np.nan, np.inf, -np.inf, largest, 1e-40, -1e-41, 0.0, -0.0], np.float32)
+    a.flat[: min(a.size, specials.size)] = specials[: a.size]
+    b.flat[: min(b.size, 3)] = np.array([largest, 1e-40, -0.0], np.float32)[: b.size]
+    a_device, b_device = cp.asarray(a), cp.asarray(b)
+    tensor_cores = launcher.tensor_cores
+    rows, passes = (cp.full((m, n), cp.nan, cp.float32) for _ in range(2))
+    tensor_cores.wgmma_tf32(a_device, b_device, rows, config=tensorcore.WGMMA_TF32_ROWS)
+    tensor_cores.wgmma_tf32(a_device, b_device, passes, config=tensorcore.WGMMA_CONFIGS[Precision.TF32])
+    assert _same_bits_or_both_nan(cp.asnumpy(rows), cp.asnumpy(passes))
+    if m * n >= 64:  # the specials reach a few rows and columns only
+        assert int(cp.count_nonzero(cp.isfinite(rows))) > m * n // 2
+
+
+def test_the_copies_round_to_tf32_as_numerics_does(launcher: Any) -> None:
+    """A @ I through the instance reading the rows is A as its tensor maps' copies rounded it: to nearest, ties to
+    even, as numerics/precision.py's to_tf32 (and the pass) rounds. Half the columns are exact ties, where rounding
+    ties away from zero would differ on half of them and truncation on all; float32's largest rounds up to infinity
+    (whose products with the identity's zeros make its row NaN, as in float64)."""
+    import cupy as cp
+
+    rng = np.random.default_rng(5)
+    size = 64
+    magnitudes = rng.integers(0x00800000, 0x7F000000, (size, size), dtype=np.uint32)  # normal, finite
+    bits = magnitudes | (rng.integers(0, 2, (size, size), dtype=np.uint32) << np.uint32(31))
+    bits[:, : size // 2] = (bits[:, : size // 2] & np.uint32(0xFFFFE000)) | np.uint32(0x1000)
+    bits[0, -1] = 0x7F7FFFFF
+    a = bits.view(np.float32)
+    c = cp.full((size, size), cp.nan, cp.float32)
+    launcher.tensor_cores.wgmma_tf32(
+        cp.asarray(a), cp.eye(size, dtype=cp.float32), c, config=tensorcore.WGMMA_TF32_ROWS
+    )
+    with np.errstate(invalid="ignore"):  # the infinity times the identity's zeros: row 0 is NaN but its last column
+        expected = (to_tf32(a).astype(np.float64) @ np.eye(size)).astype(np.float32)
+    assert expected[0, -1] == np.inf
+    assert _same_bits_or_both_nan(cp.asnumpy(c), expected)
+
+
+def test_tf32_refuses_an_instance_of_another_kind_and_the_rows_where_they_are_not_whole_units(launcher: Any) -> None:
+    import cupy as cp
+
+    a = cp.ones((8, 8), cp.float32)
+    bf16 = tensorcore.WGMMA_CONFIGS[Precision.BF16]
+    with pytest.raises(ValueError, match="not a wgmma TF32 instance"):
+        launcher.tensor_cores.wgmma_tf32(a, a, cp.empty((8, 8), cp.float32), config=bf16)
+    b = cp.ones((8, 6), cp.float32)  # rows of 24 bytes
+    with pytest.raises(ValueError, match="not whole 16-byte units"):
+        launcher.tensor_cores.wgmma_tf32(a, b, cp.empty((8, 6), cp.float32), config=tensorcore.WGMMA_TF32_ROWS)
+    passes = cp.full((8, 6), cp.nan, cp.float32)
+    launcher.tensor_cores.wgmma_tf32(a, b, passes)  # the pass-fed instance takes them
+    assert bool(cp.all(passes == 8.0))
+
+
 @pytest.mark.parametrize("precision", [p for p in TENSOR_CORE_PRECISIONS if p is not Precision.FP8])
 @pytest.mark.parametrize("transposed", [False, True], ids=["rows", "transposed"])
 @pytest.mark.parametrize("width", [45, 48])  # rows converted one element a thread, or four at a time

@@ -23,6 +23,7 @@ SOURCES = {
         *(config.expression() for config in tensorcore.WGMMA_FP8_WIDE_PERSISTENT.values()),
     ],
     tensorcore.WGMMA_PINGPONG_SOURCE: [tensorcore.WGMMA_INT8_PINGPONG.expression()],
+    tensorcore.WGMMA_ROWS_SOURCE: [tensorcore.WGMMA_TF32_ROWS.expression()],
     tensorcore.MMA_SYNC_SOURCE: [config.expression() for config in tensorcore.MMA_SYNC_CONFIGS.values()],
     tensorcore.DMMA_SOURCE: [config.expression() for config in tensorcore.DMMA_CONFIGS.values()],
     tensorcore.OPERANDS_SOURCE: tensorcore.operand_expressions(),
@@ -48,6 +49,19 @@ def test_every_tensor_core_precision_has_an_instance_that_fits_in_shared_memory(
         # a tile row is one 128-byte swizzle span, and a TMA box has at most 256 rows
         assert config.tile_k * config.element_bytes == tensorcore.ROW_BYTES
         assert config.block_n <= 256 and tensorcore.BLOCK_M <= 256
+
+
+def test_tf32_from_the_rows_tiles_c_transposed_in_boxes_the_copy_engine_takes() -> None:
+    rows = tensorcore.WGMMA_TF32_ROWS
+    assert rows.expression() == "matmul_wgmma_rows<256, 4>"
+    assert rows.smem_bytes() <= MAX_DYNAMIC_SMEM
+    # B's boxes: 32 columns of float32, one 128-byte swizzle span, by a stage's rows of K; A's: block_n rows of that K
+    assert rows.box_columns * 4 == rows.tile_k * 4 == tensorcore.ROW_BYTES
+    assert rows.block_n <= 256  # a TMA box has at most 256 rows
+    # a block per 128 x 256 tile of C^T: 128 of N by 256 of M
+    assert rows.blocks(4096, 4096) == 16 * 32
+    assert rows.blocks(257, 4) == 2 and rows.blocks(256, 132) == 2 and rows.blocks(1, 4) == 1
+    assert set(tensorcore.WGMMA_TF32_INSTANCES.values()) == {rows, tensorcore.WGMMA_CONFIGS[Precision.TF32]}
 
 
 @pytest.mark.parametrize(
