@@ -421,37 +421,36 @@ class TensorCoreLibrary:
     def wgmma_tf32(
         self, a: Any, b: Any, c: Any, config: tensorcore.WgmmaConfig | tensorcore.RowsConfig | None = None
     ) -> None:
-        """c = a @ b in TF32 on the current stream (2-D C-contiguous CuPy float32 arrays) through the instance B's rows
-        allow, or `config`, one of `tensorcore.WGMMA_TF32_INSTANCES`: kernels/wgmma_rows.cu where B's rows are whole
-        16-byte units from a 16-byte boundary, reading B where it lies and A too where its rows allow (else copied,
-        padded), the copies rounding both to TF32; else kernels/wgmma.cu on both operands converted (A rounded, B
-        transposed and rounded). Neither lets the tensor cores truncate an operand, an error of one sign that grows
-        with k, past the bound (numerics/precision.py) for operands of one sign. ValueError for another config, or
-        for the rows' instance where B's rows do not allow it."""
+        """c = a @ b in TF32 on the current stream (2-D C-contiguous CuPy float32 arrays) through
+        `tensorcore.WGMMA_TF32_ROWS`, or `config`, one of `tensorcore.WGMMA_TF32_INSTANCES`. The rows' instance
+        (kernels/wgmma_rows.cu) reads A and B where they lie, their rows copied into padded ones only where they are
+        not whole 16-byte units from a 16-byte boundary, and its copies round both to TF32; the passes' one
+        (kernels/wgmma.cu) reads them converted (A rounded, B transposed and rounded). Neither lets the tensor cores
+        truncate an operand, an error of one sign that grows with k, past the bound (numerics/precision.py) for
+        operands of one sign. ValueError for another config."""
         if config is not None and config not in tensorcore.WGMMA_TF32_INSTANCES.values():
             raise ValueError(f"{config.expression()} is not a wgmma TF32 instance")
+        config = config or tensorcore.WGMMA_TF32_ROWS
         (m, k), n = a.shape, b.shape[1]
-        if config is None:
-            config = tensorcore.WGMMA_TF32_ROWS if _rows_lie_aligned(b) else tensorcore.WGMMA_CONFIGS[Precision.TF32]
-        if isinstance(config, tensorcore.WgmmaConfig):
-            if not _nothing_to_multiply(c, k):
-                a_parts = self.converted(config, a, transposed=False)
-                self._launch_wgmma(config, a_parts, self.converted(config, b, transposed=True), c, k)
-            return
-        if not _rows_lie_aligned(b):
-            raise ValueError(f"{config.expression()} reads B's rows as they lie: they are not whole 16-byte units")
         if _nothing_to_multiply(c, k):
             return
-        if _rows_lie_aligned(a):
-            a_rows = a
-        else:
-            (a_rows,) = self.converted(tensorcore.WGMMA_CONFIGS[Precision.TF32], a, transposed=False)
+        passes = tensorcore.WGMMA_CONFIGS[Precision.TF32]
+        if isinstance(config, tensorcore.WgmmaConfig):
+            a_parts = self.converted(config, a, transposed=False)
+            self._launch_wgmma(config, a_parts, self.converted(config, b, transposed=True), c, k)
+            return
+
+        def rows_of(x: Any) -> Any:
+            """x where its rows lie aligned, else its rows copied into padded ones (rounded to TF32 already)."""
+            return x if _rows_lie_aligned(x) else self.converted(passes, x, transposed=False)[0]
 
         def matrix(x: Any, rows: int, columns: int, box_rows: int, box_columns: int) -> tma.Matrix2d:
             return tma.Matrix2d(x.data.ptr, x.itemsize, rows, columns, x.strides[0], box_rows, box_columns, tf32=True)
 
+        # held until the launch: a copy let go of before it could give its memory to the next one
+        b_rows, a_rows = rows_of(b), rows_of(a)
         maps = self._device_maps(
-            matrix(b, k, n, config.tile_k, config.box_columns), matrix(a_rows, m, k, config.block_n, config.tile_k)
+            matrix(b_rows, k, n, config.tile_k, config.box_columns), matrix(a_rows, m, k, config.block_n, config.tile_k)
         )
         self._wgmma[config](
             (config.blocks(m, n), 1, 1),

@@ -24,9 +24,8 @@ from numerics.precision import Precision
 WGMMA = "wgmma"
 WGMMA_SUMMARY = (
     "Tensor cores (Hopper wgmma, sm_90a), fed by TMA bulk copies through a 4-stage mbarrier pipeline; operands "
-    "converted on the device first, but TF32's, read where they lie and rounded by the copies where B's rows are "
-    "whole 16-byte units. Precisions tf32, 3xtf32, bf16, fp16, fp8 (e4m3, a power-of-two scale per operand); int8 "
-    "operands into exact int32."
+    "converted on the device first, but TF32's, read where they lie and rounded by the copies. Precisions tf32, "
+    "3xtf32, bf16, fp16, fp8 (e4m3, a power-of-two scale per operand); int8 operands into exact int32."
 )
 WGMMA_SOURCE = "wgmma.cu"
 WGMMA_PINGPONG_SOURCE = "wgmma_pingpong.cu"
@@ -216,7 +215,7 @@ def wgmma_fp8_config(m: int, n: int, k: int, multiprocessors: int) -> WgmmaConfi
 
 WGMMA_ROWS_SOURCE = "wgmma_rows.cu"
 """TF32 from A and B as they lie: each block a tile of C^T = B^T A^T, B^T's fragments loaded into registers from B's
-rows, the copies rounding both operands to TF32."""
+rows, the copies rounding both operands to TF32. It runs every TF32 product of `wgmma`."""
 
 
 @dataclass(frozen=True)
@@ -243,9 +242,9 @@ class RowsConfig:
 
 
 WGMMA_TF32_ROWS = RowsConfig(256, 4)
-"""TF32 where B's rows are whole 16-byte units from a 16-byte boundary (n a multiple of 4): no pass over either
-operand (A's rows copied, padded, only where they are not such units). The two passes took 0.076 ms of the 0.42 the
-pass-fed instance took at 4096^3 on an H200, where the product alone ran 1.01 of cuBLAS TF32."""
+"""TF32's instance: no pass over an operand whose rows are whole 16-byte units from a 16-byte boundary (a multiple
+of 4 long), and a copy into padded rows, not a transpose, over one that is not. The two passes took 0.076 ms of the
+0.42 the pass-fed instance took at 4096^3 on an H200, where the product alone ran 1.01 of cuBLAS TF32."""
 WGMMA_TF32_INSTANCES: MappingProxyType[str, WgmmaConfig | RowsConfig] = MappingProxyType(
     {"rows": WGMMA_TF32_ROWS, "passes": WGMMA_CONFIGS[Precision.TF32]}
 )

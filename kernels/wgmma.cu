@@ -17,7 +17,8 @@
 // type of wgmma takes; kernels/operands.cu writes them so from the float32 operands (converting to bf16 or fp16,
 // rounding to TF32, splitting for 3xTF32, or scaling and rounding to e4m3), or from int8 ones as they are, with rows
 // padded to 16 bytes as TMA requires. C is M x N row-major, float32 (int32 for int8), written straight from the accumulators.
-// TF32 runs here only where B's rows are not whole 16-byte units: kernels/wgmma_rows.cu reads both operands as they lie.
+// TF32's products run in kernels/wgmma_rows.cu, which reads both operands as they lie; the TF32 instance here, fed by
+// the passes, is what tests and the benchmark hold it to.
 //
 // S8 (int8): the integer tensor cores multiply int8 by int8 and sum into int32, exactly (the host rules out an
 // overflow: k * 128 * 128 must fit). A row of a tile is still 128 bytes, now 128 elements of K, and one wgmma

@@ -18,9 +18,10 @@
 // pair of B's columns n and n + 1 (for k = t and t + 4): which columns a warp's rows are is free (its sums' rows are
 // then those columns of C), so they are chosen for the banks (`columns_of_b`).
 //
-// Each consumer loads a tile of K's fragments once its previous tile's products are done (ptxas serializes every
-// wgmma of a kernel that writes a wgmma's input registers while any wgmma may read them); the other consumer's
-// products keep the tensor cores busy meanwhile.
+// Each consumer loads a stage's fragments once its previous stage's products are done; the other consumer's products
+// keep the tensor cores busy meanwhile (loading them earlier, into a second set of registers, was no faster:
+// docs/tensor-cores.md). An operand whose rows are not whole 16-byte units, as TMA needs them, is copied first into
+// padded rows (kernels/operands.cu), not transposed.
 
 #include "async_copy.cuh"
 #include "tile_order.cuh"
@@ -59,8 +60,8 @@ __device__ __forceinline__ ColumnsOfB columns_of_b(int consumer, int warp, int g
 }
 
 // maps: the TMA tensor maps in global memory, 128 bytes each, both of TFLOAT32 elements: B (K rows of N, boxes of
-// 32 x 32) and A (M rows of K, boxes of BN rows of 32). C: M x N, row-major; N a multiple of 4 (B's rows are whole
-// 16-byte units). Launched with THREADS threads, a 1-D grid of a block per 128 x BN tile of C^T (128 of N by BN of
+// 32 x 32) and A (M rows of K, boxes of BN rows of 32), their rows whole 16-byte units (copied, padded, where the
+// operands' own are not). C: M x N, row-major. Launched with THREADS threads, a 1-D grid of a block per 128 x BN tile of C^T (128 of N by BN of
 // M), and `smem_bytes()` bytes of dynamic shared memory.
 template <int BN, int STAGES>
 __global__ void __launch_bounds__(THREADS, 1) matmul_wgmma_rows(const unsigned char* __restrict__ maps,
@@ -143,15 +144,24 @@ __global__ void __launch_bounds__(THREADS, 1) matmul_wgmma_rows(const unsigned c
 
     // The sums' layout (wgmma_common.cuh's store_warpgroup_tile): lane l holds, for each 8 columns j of the tile (M
     // here), columns 8j + 2(l % 4) and the next, in its rows g (registers 4j, 4j + 1) and g + 8 (4j + 2, 4j + 3),
-    // which are C's columns n and n + 1: so each register pair of a column is one 8-byte store into a row of C.
+    // which are C's columns n and n + 1: so each register pair of a column is one 8-byte store into a row of C where
+    // its rows start on 8 bytes (N even; n is, so n + 1 < N too).
     const int n = n0 + at.column();
-    if (n >= N) return;  // N is a multiple of 4, and n even: n + 1 < N too
+    if (n >= N) return;
+    const bool pairs = N % 2 == 0;
 #pragma unroll
     for (int j = 0; j < BN / 8; ++j) {
 #pragma unroll
         for (int v = 0; v < 2; ++v) {
             const int m = m0 + 8 * j + 2 * (lane % 4) + v;
-            if (m < M) store_pair(C + static_cast<size_t>(m) * N + n, d[4 * j + v], d[4 * j + 2 + v]);
+            if (m >= M) continue;
+            float* out = C + static_cast<size_t>(m) * N + n;
+            if (pairs) {
+                store_pair(out, d[4 * j + v], d[4 * j + 2 + v]);
+            } else {
+                out[0] = d[4 * j + v];
+                if (n + 1 < N) out[1] = d[4 * j + 2 + v];
+            }
         }
     }
 }

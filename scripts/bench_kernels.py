@@ -332,16 +332,13 @@ def tf32_instance_rows(
     bench: Bench, args: argparse.Namespace, sets: list[tuple[Any, Any]], reference: Reference, library_ms: float | None
 ) -> list[Result]:
     """With --configs all, each of wgmma's TF32 instances (config "rows", reading the operands as they lie, and
-    "passes", converting them first) on the same float32 sets, whichever the shape chooses; "rows" only where B's rows
-    are whole 16-byte units (n a multiple of 4)."""
+    "passes", converting them first) on the same float32 sets."""
     tensor_cores = bench.launcher.tensor_cores
     if tensor_cores is None or WGMMA not in args.kernels:
         return []
     (m, k), n = sets[0][0].shape, sets[0][1].shape[1]
     rows = []
     for label, instance in tensorcore.WGMMA_TF32_INSTANCES.items():
-        if instance is tensorcore.WGMMA_TF32_ROWS and n % 4:
-            continue
         row = Result(WGMMA, label, "float32", m, n, k, None, None, None, precision=Precision.TF32)
         rows.append(row)
         run = functools.partial(tensor_cores.wgmma_tf32, config=instance)
