@@ -445,7 +445,8 @@ class TensorCoreLibrary:
             return x if _rows_lie_aligned(x) else self.converted(passes, x, transposed=False)[0]
 
         def matrix(x: Any, rows: int, columns: int, box_rows: int, box_columns: int) -> tma.Matrix2d:
-            return tma.Matrix2d(x.data.ptr, x.itemsize, rows, columns, x.strides[0], box_rows, box_columns, tf32=True)
+            row_bytes = x.shape[1] * x.itemsize  # not strides[0]: a one-row view's may be anything
+            return tma.Matrix2d(x.data.ptr, x.itemsize, rows, columns, row_bytes, box_rows, box_columns, tf32=True)
 
         # held until the launch: a copy let go of before it could give its memory to the next one
         b_rows, a_rows = rows_of(b), rows_of(a)

@@ -334,7 +334,7 @@ def tf32_instance_rows(
     """With --configs all, each of wgmma's TF32 instances (config "rows", reading the operands as they lie, and
     "passes", converting them first) on the same float32 sets."""
     tensor_cores = bench.launcher.tensor_cores
-    if tensor_cores is None or WGMMA not in args.kernels:
+    if tensor_cores is None or WGMMA not in args.kernels or not bench.launcher.runs(WGMMA):
         return []
     (m, k), n = sets[0][0].shape, sets[0][1].shape[1]
     rows = []
