@@ -61,8 +61,8 @@ __device__ __forceinline__ ColumnsOfB columns_of_b(int consumer, int warp, int g
 
 // maps: the TMA tensor maps in global memory, 128 bytes each, both of TFLOAT32 elements: B (K rows of N, boxes of
 // 32 x 32) and A (M rows of K, boxes of BN rows of 32), their rows whole 16-byte units (copied, padded, where the
-// operands' own are not). C: M x N, row-major. Launched with THREADS threads, a 1-D grid of a block per 128 x BN tile of C^T (128 of N by BN of
-// M), and `smem_bytes()` bytes of dynamic shared memory.
+// operands' own are not). C: M x N, row-major. Launched with THREADS threads, a 1-D grid of a block per 128 x BN
+// tile of C^T (128 of N by BN of M), and `smem_bytes()` bytes of dynamic shared memory.
 template <int BN, int STAGES>
 __global__ void __launch_bounds__(THREADS, 1) matmul_wgmma_rows(const unsigned char* __restrict__ maps,
                                                                 float* __restrict__ C, int M, int N, int K) {
