@@ -417,6 +417,36 @@ def test_tf32_from_the_rows_computes_what_the_passes_feed(launcher: Any, m: int,
     assert int(cp.count_nonzero(cp.isfinite(rows))) > m * n // 2  # the specials reach a few rows and columns only
 
 
+@pytest.mark.parametrize(("m", "k", "n"), [(17, 33, 13), (129, 35, 131), (300, 259, 258)], ids=str)
+def test_tf32_from_the_rows_never_reads_the_padding_of_its_copies(
+    launcher: Any, monkeypatch: pytest.MonkeyPatch, m: int, k: int, n: int
+) -> None:
+    """Rows that are not whole 16-byte units are copied into padded ones, whose padding `converted` leaves as the
+    allocator had it. The tensor maps' widths are the operands' own, so the copies fill zeros past them and never
+    read the padding: poisoned with NaN here, it changes no element of the product."""
+    import cupy as cp
+
+    tensor_cores = launcher.tensor_cores
+    converted = tensor_cores.converted
+
+    def poisoned(config: Any, x: Any, *, transposed: bool, amax: Any = None) -> list[Any]:
+        parts = converted(config, x, transposed=transposed, amax=amax)
+        width = x.shape[0] if transposed else x.shape[1]
+        for part in parts:
+            part[:, width:] = cp.nan
+        return parts
+
+    rng = np.random.default_rng(m + k + n)
+    a, b = (cp.asarray(rng.standard_normal(shape).astype(np.float32)) for shape in ((m, k), (k, n)))
+    clean = cp.full((m, n), cp.nan, cp.float32)
+    tensor_cores.wgmma_tf32(a, b, clean)
+    monkeypatch.setattr(tensor_cores, "converted", poisoned)
+    padded = cp.full((m, n), cp.nan, cp.float32)
+    tensor_cores.wgmma_tf32(a, b, padded)
+    assert bool(cp.all(cp.isfinite(clean)))
+    assert bool(cp.array_equal(padded, clean))
+
+
 def test_the_copies_round_to_tf32_as_numerics_does(launcher: Any) -> None:
     """A @ I through the instance reading the rows is A as its tensor maps' copies rounded it: to nearest, ties to
     even, as numerics/precision.py's to_tf32 (and the pass) rounds. Half the columns are exact ties, where rounding
