@@ -173,7 +173,10 @@ class _LaunchEvents:
 
     @classmethod
     def create(cls, cupy: Any) -> _LaunchEvents:
-        return cls(*(cupy.cuda.Event() for _ in range(6)))
+        """The events, `copied_out` made blocking: the watcher thread waits on it for as long as the launch runs, and
+        a wait on an event without cudaEventBlockingSync spins, keeping a core busy that the HTTP workers need."""
+        copy_in, copied_in, launch, launched, copy_out = (cupy.cuda.Event() for _ in range(5))
+        return cls(copy_in, copied_in, launch, launched, copy_out, copied_out=cupy.cuda.Event(block=True))
 
     def timing(self, cupy: Any, staging_ms: float) -> DeviceTiming:
         elapsed = cupy.cuda.get_elapsed_time

@@ -3,6 +3,8 @@ its outputs NaN-poisoned and different operands for every kernel, and the servic
 
 from __future__ import annotations
 
+import threading
+import time
 from typing import Any
 
 import httpx
@@ -320,6 +322,25 @@ def test_the_next_launch_copies_while_the_previous_one_computes(backend: Any) ->
         launch.result()
     # 128 MB of the first product were still being copied out when the second kernel began
     assert ms(first.events.copy_in, second.events.launch) < ms(first.events.copy_in, first.events.copied_out)
+
+
+def test_no_thread_spins_while_a_launch_runs(backend: Any) -> None:
+    """The watcher thread sleeps in its wait for a launch: the process's CPU time over the wait is a small part of
+    it, where a spinning wait on the event would take one core for all of it."""
+    f64 = np.dtype(np.float64)
+    rng = np.random.default_rng(16)
+    a, b = rng.standard_normal((4096, 4096)), rng.standard_normal((4096, 4096))
+    plan = backend.plan(ProductRequest(4096, 4096, 4096, "float64", "naive"))
+    backend.submit([(a, b)], f64, plan, on_done=_nothing).result()  # pinned buffers pooled, the kernel loaded
+    called_back = threading.Event()
+    launch = backend.submit([(a, b)], f64, plan, on_done=called_back.set)
+    cpu_began, wall_began = time.process_time(), time.perf_counter()
+    assert called_back.wait(timeout=60)
+    cpu_s, wall_s = time.process_time() - cpu_began, time.perf_counter() - wall_began
+    (c,), timing = launch.result()
+    assert timing.kernel_ms > 20, f"the naive float64 product took {timing.kernel_ms:.1f} ms: too short to tell"
+    assert cpu_s < 0.25 * wall_s, f"{cpu_s * 1e3:.0f} ms of CPU over a wait of {wall_s * 1e3:.0f} ms"
+    assert_close_to_reference(c, a, b, f64)
 
 
 def _two_launches_in_flight(backend: Any, plan: Plan, a: np.ndarray, b: np.ndarray) -> None:
