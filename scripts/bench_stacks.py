@@ -16,6 +16,11 @@ operands pass `--max-elements`, MATMUL_MAX_ELEMENTS's default, are left out: the
   its own client, as a user calls it (each client process times its own window, begun once it has made its
   operands; the processes are started before the first cell).
 
+With `--rounds R`, each (n, B)'s cells are measured R times on the service, every other round in reverse order, and
+each product cell's ratios are taken against the single products' and the echo's cells of its own round; a table
+after the cells gives every round's ratio to the echo and the ratio of the rounds' answers together (their sum over
+the echo's sum), which a drift of the host between cells moves less than any one round's.
+
 Each (n, B)'s raw `.npy` request is answered once and checked before its cells, and every client connection's first
 answer (a stack's first CLIENT_CHECKED matrices), against the float64 product of the operands (numerics.reference's
 bound). Products/s are answers/s times B.
@@ -71,6 +76,9 @@ CLIENT_CHECKED = 8
 checked whole, once, before its cells)."""
 RAW = ("raw-npy", "raw-v2", "echo")
 CLIENTS = (*RAW, "client")
+
+CellKey = tuple[str, int, int, int]
+"""A cell's client kind, n, stack size and round."""
 
 
 def operands(n: int, batch: int) -> tuple[np.ndarray, np.ndarray]:
@@ -216,60 +224,95 @@ def run_cells(
     url: str,
     args: argparse.Namespace,
     service: bool,
-    cells: dict[str, dict[str, Any]],
+    cells: dict[CellKey, dict[str, Any]],
     save: Callable[[], None],
 ) -> None:
-    """Every cell against `url` (the service, else the stand-in) into `cells`, the report saved after each, so that a
-    run cut short keeps what it measured."""
+    """Every cell against `url` (the service `--rounds` times, else the stand-in once) into `cells`, the report saved
+    after each, so that a run cut short keeps what it measured."""
+    rounds = args.rounds if service else 1
     for n, batch in cells_of(args):
         if service:
             check_first_answers(url, n, batch)
-        for kind in args.clients:
-            name = cell_name(kind, n, batch)
-            if kind == "client":
-                found = client_cell(clients, url, n, batch, args, check=service)
-            else:
-                found = raw_cell(raw, url, name, args.connections[batch], args)
-            found |= {"kind": kind, "n": n, "batch": batch, "connections": args.connections[batch]}
-            found["products_per_s"] = None if kind == "echo" else found["answers_per_s"] * batch
-            cells[name] = found
-            save()
-            print(f"  {name}: {found['answers_per_s']:.1f} answers/s", flush=True)
+        for round_ in range(rounds):
+            for kind in args.clients[::-1] if round_ % 2 else args.clients:
+                name = cell_name(kind, n, batch)
+                if kind == "client":
+                    found = client_cell(clients, url, n, batch, args, check=service)
+                else:
+                    found = raw_cell(raw, url, name, args.connections[batch], args)
+                found |= {"kind": kind, "n": n, "batch": batch, "round": round_, "connections": args.connections[batch]}
+                found["products_per_s"] = None if kind == "echo" else found["answers_per_s"] * batch
+                cells[kind, n, batch, round_] = found
+                save()
+                print(f"  {name}, round {round_}: {found['answers_per_s']:.1f} answers/s", flush=True)
 
 
-def add_ratios(cells: dict[str, dict[str, Any]], alone: dict[str, dict[str, Any]]) -> None:
-    """Each cell's products/s over single products' (same client and size), its answers/s over its echo's,
-    and every cell's answers/s over its clients' own against the stand-in."""
-    for name, cell in cells.items():
-        single = cells.get(cell_name(cell["kind"], cell["n"], 1))
+def add_ratios(cells: dict[CellKey, dict[str, Any]], alone: dict[CellKey, dict[str, Any]]) -> None:
+    """Each cell's products/s over single products' (same client, size and round), its answers/s over its round's
+    echo's, and every cell's answers/s over its clients' own against the stand-in."""
+    for (kind, n, batch, round_), cell in cells.items():
+        single = cells.get((kind, n, 1, round_))
         if cell["products_per_s"] and single and single["products_per_s"]:
             cell["over_single"] = cell["products_per_s"] / single["products_per_s"]
-        echo = cells.get(cell_name("echo", cell["n"], cell["batch"]))
-        if cell["kind"] != "echo" and echo and echo["answers_per_s"]:
+        echo = cells.get(("echo", n, batch, round_))
+        if kind != "echo" and echo and echo["answers_per_s"]:
             cell["over_echo"] = cell["answers_per_s"] / echo["answers_per_s"]
-        own = alone.get(name)
+        own = alone.get((kind, n, batch, 0))
         if own and own["answers_per_s"]:
             cell["over_clients_alone"] = cell["answers_per_s"] / own["answers_per_s"]
             cell["client_bound"] = cell["over_clients_alone"] >= CLIENT_BOUND
+
+
+def over_echo_by_rounds(cells: dict[CellKey, dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each product cell's answers/s over its echo's, round by round and over the rounds together (the sum of its
+    rounds' answers/s over the sum of the echo's, rounds where both were measured)."""
+    found: dict[tuple[str, int, int], list[tuple[float, float]]] = {}
+    for (kind, n, batch, round_), cell in cells.items():
+        echo = cells.get(("echo", n, batch, round_))
+        if kind != "echo" and echo and echo["answers_per_s"]:
+            found.setdefault((kind, n, batch), []).append((cell["answers_per_s"], echo["answers_per_s"]))
+    return [
+        {
+            "kind": kind,
+            "n": n,
+            "batch": batch,
+            "over_echo_by_round": [ours / echo for ours, echo in pairs],
+            "over_echo": sum(ours for ours, _ in pairs) / sum(echo for _, echo in pairs),
+        }
+        for (kind, n, batch), pairs in found.items()
+    ]
 
 
 def _figure(value: float | None, digits: int = 2) -> str:
     return "-" if value is None else f"{value:,.{digits}f}"
 
 
-def print_table(cells: dict[str, dict[str, Any]]) -> None:
+def _client(cell: dict[str, Any], rounds: int) -> str:
+    return f"{cell['kind']}, round {cell['round']}" if rounds > 1 else cell["kind"]
+
+
+def print_table(cells: dict[CellKey, dict[str, Any]], rounds: int) -> None:
     print("| n | B | client | answers/s | products/s | x single | / echo of its bytes | / its clients alone |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for cell in cells.values():
         bound = " (client-bound)" if cell.get("client_bound") else ""
         print(
-            f"| {cell['n']} | {cell['batch']} | {cell['kind']} | {_figure(cell['answers_per_s'], 1)} | "
+            f"| {cell['n']} | {cell['batch']} | {_client(cell, rounds)} | {_figure(cell['answers_per_s'], 1)} | "
             f"{_figure(cell['products_per_s'], 0)} | {_figure(cell.get('over_single'))} | "
             f"{_figure(cell.get('over_echo'), 3)} | {_figure(cell.get('over_clients_alone'), 3)}{bound} |"
         )
 
 
-def print_stages(cells: dict[str, dict[str, Any]]) -> None:
+def print_rounds(by_rounds: list[dict[str, Any]]) -> None:
+    print("\nOver the echo of its bytes, round by round and the rounds together:")
+    print("| n | B | client | by round | together |")
+    print("| --- | --- | --- | --- | --- |")
+    for row in by_rounds:
+        each = " / ".join(_figure(ratio, 3) for ratio in row["over_echo_by_round"])
+        print(f"| {row['n']} | {row['batch']} | {row['kind']} | {each} | {_figure(row['over_echo'], 3)} |")
+
+
+def print_stages(cells: dict[CellKey, dict[str, Any]], rounds: int) -> None:
     """Where each raw product cell's time went in the server: the mean of each Server-Timing stage, in ms."""
     # the product routes report every stage; the stand-in only its total, the echo nothing
     timed = [cell for cell in cells.values() if len(cell.get("server_timing_ms", {})) > 1]
@@ -281,7 +324,7 @@ def print_stages(cells: dict[str, dict[str, Any]]) -> None:
     print("| --- " * (4 + len(stages)) + "|")
     for cell in timed:
         said = " | ".join(_figure(cell["server_timing_ms"].get(stage)) for stage in stages)
-        print(f"| {cell['n']} | {cell['batch']} | {cell['kind']} | {cell['connections']} | {said} |")
+        print(f"| {cell['n']} | {cell['batch']} | {_client(cell, rounds)} | {cell['connections']} | {said} |")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -304,6 +347,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--client-processes", type=int, default=8)
     parser.add_argument("--duration", type=float, default=5.0, help="measured seconds a cell")
     parser.add_argument("--warmup", type=float, default=2.0, help="seconds of load before each cell's")
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="times each (n, B)'s cells are measured on the service, every other round in reverse (default 1)",
+    )
     parser.add_argument("--no-clients-alone", action="store_true", help="measure no client against the stand-in")
     parser.add_argument("--standin-processes", type=int, default=8)
     parser.add_argument("--ready-timeout", type=float, default=300.0)
@@ -319,6 +368,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.error("--connections must name every stack size of --stacks")
     if any(c not in CLIENTS for c in args.clients):
         parser.error(f"--clients must be among {list(CLIENTS)}")
+    if args.rounds < 1:
+        parser.error("--rounds must be at least 1")
     if 1 not in args.stacks:
         parser.error("--stacks must include 1: stacks are measured against single products")
     return args
@@ -330,8 +381,8 @@ def main(argv: list[str] | None = None) -> int:
     env = {"MATMUL_ECHO_ROUTE": "true", "MATMUL_ACCESS_LOG": "false"}
     if args.backend != "auto":
         env["MATMUL_BACKEND"] = args.backend
-    cells: dict[str, dict[str, Any]] = {}
-    alone: dict[str, dict[str, Any]] = {}
+    cells: dict[CellKey, dict[str, Any]] = {}
+    alone: dict[CellKey, dict[str, Any]] = {}
     report: dict[str, Any] = {
         "date": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"),
         "settings": env,
@@ -340,7 +391,8 @@ def main(argv: list[str] | None = None) -> int:
 
     def save() -> None:
         add_ratios(cells, alone)
-        report.update(cells=list(cells.values()), clients_alone=list(alone.values()))
+        by_rounds = over_echo_by_rounds(cells)
+        report.update(cells=list(cells.values()), clients_alone=list(alone.values()), over_echo_by_rounds=by_rounds)
         args.out.write_text(json.dumps(report, indent=1) + "\n", encoding="utf-8")
 
     spawn = multiprocessing.get_context("spawn")
@@ -366,8 +418,10 @@ def main(argv: list[str] | None = None) -> int:
             run_cells(raw, clients, service.url, args, True, cells, save)
         finally:
             service.stop()
-    print_table(cells)
-    print_stages(cells)
+    print_table(cells, args.rounds)
+    if args.rounds > 1:
+        print_rounds(over_echo_by_rounds(cells))
+    print_stages(cells, args.rounds)
     wrong = [problem for cell in cells.values() for problem in cell.get("wrong", [])]
     if wrong:
         print(f"wrong answers: {wrong[:3]}", file=sys.stderr)
