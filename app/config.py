@@ -207,13 +207,7 @@ class Settings(BaseSettings):
         description="Run queued products of one shape, dtype and kernel as one launch; with no queue delay a lone "
         "product is launched at once.",
     )
-    max_batch_size: int = Field(
-        32,
-        ge=1,
-        le=1024,
-        description="Most products in one batched launch; fewer of large ones, whose launch keeps each of its stacks "
-        "of A, B and C within 2^24 elements (a 4096^2 product runs alone).",
-    )
+    max_batch_size: int = Field(32, ge=1, le=1024, description="Most products in one batched launch.")
     max_queue_delay_us: int = Field(
         0,
         ge=0,

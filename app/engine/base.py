@@ -19,11 +19,6 @@ from numerics.roofline import DevicePeaks, minimum_global_elements
 AUTO = "auto"
 NUMPY = "numpy"
 
-BATCH_ELEMENTS = 1 << 24
-"""Most elements in each of a batched launch's stacks of A, B and C (64 MiB of float32): 32 products of 256^2, 16 of
-1024^2, 4 of 2048^2, and a 4096^2 product alone. A product that large keeps the device busy by itself; merged with
-others it only waits for their copies and compute before its own answer goes back (app/engine/device_worker.py)."""
-
 Pairs = Sequence[tuple[np.ndarray, np.ndarray]]
 """The operands of one launch: (a, b) pairs, all of one shape. On the GPU backend an operand may also be a device
 array (a view of a client's CUDA shared memory, `open_device_memory`)."""

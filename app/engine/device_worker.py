@@ -26,7 +26,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
-import math
 import queue
 import threading
 from collections.abc import Callable
@@ -37,7 +36,7 @@ from time import perf_counter
 import numpy as np
 
 from app.awaiting import settled
-from app.engine.base import BATCH_ELEMENTS, Backend, Launch, Outcome, Plan
+from app.engine.base import Backend, Launch, Outcome, Plan
 from app.errors import (
     DeadlineExceeded,
     DeviceFailure,
@@ -47,7 +46,7 @@ from app.errors import (
     NotReady,
     Overloaded,
 )
-from app.shapes import products_in, result_shape
+from app.shapes import products_in
 
 log = logging.getLogger(__name__)
 
@@ -66,16 +65,10 @@ class EngineState(StrEnum):
 @dataclass(frozen=True)
 class BatchPolicy:
     """Dynamic batching: up to `max_size` queued products of one shape, dtype and kernel run as one launch,
-    the first waiting at most `max_delay_s` for others to join, and no more of them than keep each of the launch's
-    stacks of A, B and C within `max_elements`: a product that reaches it runs alone, at once."""
+    the first waiting at most `max_delay_s` for others to join."""
 
     max_size: int
     max_delay_s: float
-    max_elements: int = BATCH_ELEMENTS
-
-    def size_for(self, elements: int) -> int:
-        """Most products in one launch whose largest matrix (A, B or C) has `elements` elements: at least one."""
-        return max(1, min(self.max_size, self.max_elements // max(elements, 1)))
 
 
 class _JobState(StrEnum):
@@ -101,8 +94,6 @@ class _Job:
     stack: bool
     """Whether the product is a stack (app/shapes.py): a launch of its own, never merged with other jobs. Kept
     apart from the operands, which a dropped job lets go."""
-    elements: int
-    """Elements of the largest of its A, B and C, which bound how many products its launch may take."""
     enqueued_at: float
     state: _JobState = _JobState.QUEUED
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -259,7 +250,6 @@ class DeviceWorker:
             left_queue=self._left_queue,
             batch_key=(a.shape, b.shape, dtype, plan.kernel, label, plan.precision, *_where(a, b, out)),
             stack=a.ndim > 2 or b.ndim > 2,
-            elements=max(a.size, b.size, math.prod(result_shape(a, b))),
             enqueued_at=perf_counter(),
         )
         self._queue.put(job)
@@ -349,16 +339,14 @@ class DeviceWorker:
 
     def _gather(self, first: _Job, device_idle: bool) -> list[_Job]:
         """`first` and the jobs of the same shape, dtype and kernel that arrive within the batching delay (none
-        while the device is busy: the batch takes what is queued), up to the batch size for their shape; other jobs
-        pulled meanwhile are held, in order, for the next rounds. A stack is a launch of its own: it is never
-        merged; nor is a product too large to share a launch, which waits for no one."""
+        while the device is busy: the batch takes what is queued), up to the batch size; other jobs pulled
+        meanwhile are held, in order, for the next rounds. A stack is a launch of its own: it is never merged."""
         policy = self.batching
-        size = 1 if policy is None else policy.size_for(first.elements)
-        if policy is None or size == 1 or first.stack or not self.backend.batchable(first.plan):
+        if policy is None or policy.max_size == 1 or first.stack or not self.backend.batchable(first.plan):
             return [first]
         batch = [first]
         deadline = perf_counter() + (policy.max_delay_s if device_idle else 0.0)
-        while len(batch) < size:
+        while len(batch) < policy.max_size:
             try:
                 job = self._queue.get(timeout=max(deadline - perf_counter(), 0.0))
             except queue.Empty:

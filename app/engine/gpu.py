@@ -37,7 +37,6 @@ from app.engine.base import (
     ALL_DTYPES,
     ALL_PRECISIONS,
     AUTO,
-    BATCH_ELEMENTS,
     DeviceTiming,
     Finished,
     KernelInfo,
@@ -206,6 +205,11 @@ class _GpuLaunch:
 
     def result(self) -> tuple[list[np.ndarray], DeviceTiming]:
         return self.backend._collect(self)
+
+
+AUTO_PROBE_ELEMENTS = 1 << 24
+"""Most elements in one operand stack of auto's batched probe (64 MiB of float32): 32 products of the 256^2
+probe, 16 of 1024^2, 4 of 2048^2, one of 4096^2."""
 
 
 RANDOM_BLOCK = 1 << 20
@@ -464,10 +468,10 @@ class GpuBackend:
     def _tune_auto(self) -> None:
         """Time every kernel on one shape per class, in float32, and let `auto` pick the fastest of each: the
         fastest per product, a kernel that batches being timed on a batch of up to `auto_batch` products in one
-        launch (at most BATCH_ELEMENTS per operand stack, as the batcher merges them). With batching on, small
-        products share launches, and a kernel that cannot batch them pays a launch each: timed one at a time, `fast`
-        won the 256^3 probe on some starts, and 64^2 products at 128 connections then ran 1,112/s in batches of 1,
-        against 4,168/s in batches of 25 when a batching kernel had won.
+        launch (at most AUTO_PROBE_ELEMENTS per operand stack). With batching on, small products share launches,
+        and a kernel that cannot batch them pays a launch each: timed one at a time, `fast` won the 256^3 probe
+        on some starts, and 64^2 products at 128 connections then ran 1,112/s in batches of 1, against 4,168/s in
+        batches of 25 when a batching kernel had won.
 
         The tensor-core precisions have their own choices, between cuBLAS and the tensor-core kernels: their
         conversion passes and launches cost more than cuBLAS's at small sizes, and less at large ones. So has float64
@@ -527,7 +531,7 @@ class GpuBackend:
         of one launch where that takes AUTO_BEATEN times `fastest_ms` (the fastest of the class so far), else of
         AUTO_REPEATS more."""
         cp = self._cp
-        batch = min(self._auto_batch, max(1, BATCH_ELEMENTS // size**2)) if self.batchable(plan) else 1
+        batch = min(self._auto_batch, max(1, AUTO_PROBE_ELEMENTS // size**2)) if self.batchable(plan) else 1
         shape = (batch, size, size) if batch > 1 else (size, size)
         with self._compute:  # the operands are written in the order of the launches that read them
             a, b = (random.array(shape, operand_dtype(np.dtype(dtype))) for _ in range(2))

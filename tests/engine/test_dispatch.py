@@ -114,25 +114,17 @@ async def _queued_together(
 
 
 @pytest.mark.parametrize(
-    ("max_size", "max_elements", "unbatchable", "launches"),
-    [
-        (8, 1 << 24, set(), [1, 3]),
-        (2, 1 << 24, set(), [1, 2, 1]),
-        (8, 13, set(), [1, 2, 1]),
-        (8, 11, set(), [1, 1, 1, 1]),
-        (8, 1 << 24, {"numpy"}, [1, 1, 1, 1]),
-    ],
-    ids=["room for all", "room for two", "elements for two", "too large to share", "kernel not batchable"],
+    ("max_size", "unbatchable", "launches"),
+    [(8, set(), [1, 3]), (2, set(), [1, 2, 1]), (8, {"numpy"}, [1, 1, 1, 1])],
+    ids=["room for all", "room for two", "kernel not batchable"],
 )
-async def test_a_batch_takes_no_more_than_its_size_and_elements_and_only_a_batchable_kernel(
-    max_size: int, max_elements: int, unbatchable: set[str], launches: list[int]
+async def test_a_batch_takes_no_more_than_its_size_and_only_a_batchable_kernel(
+    max_size: int, unbatchable: set[str], launches: list[int]
 ) -> None:
-    """Three 2 x 3 @ 3 x 1 products queued together: A, the largest of their matrices, has 6 elements."""
     backend = SteeredBackend()
     backend.unbatchable = unbatchable
     products = [(np.full((2, 3), i + 1.0), np.ones((3, 1))) for i in range(3)]
-    policy = BatchPolicy(max_size=max_size, max_delay_s=0.01, max_elements=max_elements)
-    async with _engine(backend, policy) as engine:
+    async with _engine(backend, BatchPolicy(max_size=max_size, max_delay_s=0.01)) as engine:
         outcomes = await _queued_together(backend, engine, products)
     assert [s.products for s in backend.submitted] == launches
     sizes = [size for size in launches[1:] for _ in range(size)]
@@ -237,18 +229,6 @@ async def test_with_the_device_idle_a_batch_waits_its_window_for_products_to_joi
         outcomes = await asyncio.wait_for(asyncio.gather(first, second), GATE_TIMEOUT_S)
     assert [s.products for s in backend.submitted] == [2]
     assert [(o.c.tolist(), o.batch_size) for o in outcomes] == [([[1.0], [1.0]], 2), ([[2.0], [2.0]], 2)]
-
-
-async def test_a_product_too_large_to_share_a_launch_waits_for_no_one() -> None:
-    backend = SteeredBackend()
-    # a window far longer than the test: a product with room for company would wait it out with the device idle
-    policy = BatchPolicy(max_size=2, max_delay_s=3600, max_elements=5)
-    async with _engine(backend, policy) as engine:
-        outcome = await asyncio.wait_for(
-            multiply(engine, np.ones((2, 3)), np.ones((3, 1)), F64, "numpy"), GATE_TIMEOUT_S
-        )
-    assert outcome.c.tolist() == [[3.0], [3.0]] and outcome.batch_size == 1
-    assert [s.products for s in backend.submitted] == [1]
 
 
 async def test_a_batch_of_two_spoiled_by_one_operand_fails_only_that_product() -> None:
