@@ -14,7 +14,8 @@ cell runs `--duration` seconds after a warm-up of `--warmup` seconds.
    - big-v2: the same operands as v2 binary tensors to /v2/models/matmul/infer (binary answer), and its echo
      (echo-v2): its body to /v1/echo answered with C's bytes (`answer_bytes`), so that it moves what a product
      moves, 128 MiB in and 64 MiB out, `--rounds` times in turn (the order swapped every other round): products/s
-     over echoes/s, and payload GB/s over the echo's, in each round;
+     over echoes/s, and payload GB/s over the echo's, in each round, and the rounds' products/s together over their
+     echoes/s together (which a drift of the host between cells moves less than any one round's);
    - v2: two 64^2 float32 binary tensors to /v2/models/matmul/infer (binary answer) at `--v2-concurrency` (128):
      requests/s and the mean batch (the answer's `batch_size` parameter);
    - json: the same product as a JSON body to /matmul at `--json-concurrency` (64): requests/s, mean batch.
@@ -333,6 +334,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             found["products_per_s_over_echoes_per_s"] for found in v2_rounds
         ],
         "big v2 payload GB/s over its echo's, by round": [found["payload_over_echo"] for found in v2_rounds],
+        "big v2 products/s over echoes/s of its bytes, the rounds together": ratio(
+            {"ok_per_s": sum(found["big-v2"]["ok_per_s"] for found in v2_rounds)},
+            {"ok_per_s": sum(found["echo-v2"]["ok_per_s"] for found in v2_rounds)},
+        ),
         "big /matmul, this over the baseline": ratio(this["big"], baseline),
     }
     big_cells = [("big", this["big"]), ("echo", this["echo"])]

@@ -54,6 +54,11 @@ def test_every_cell_measured_and_the_ratios_are_of_its_figures(tmp_path: Path) -
         assert by_rate == found["big-v2"]["ok_per_s"] / found["echo-v2"]["ok_per_s"]
         assert by_payload == found["big-v2"]["payload_gb_per_s"] / found["echo-v2"]["payload_gb_per_s"]
         assert found["big-v2"]["mean_batch_size"] >= 1 and found["echo-v2"]["mean_batch_size"] is None
+    together = ratios["big v2 products/s over echoes/s of its bytes, the rounds together"]
+    assert together == sum(found["big-v2"]["ok_per_s"] for found in rounds) / sum(
+        found["echo-v2"]["ok_per_s"] for found in rounds
+    )
+    assert f"{'big v2 products/s over echoes/s of its bytes, the rounds together':48s} {together:.3f}" in done.stdout
     # the echo of the v2 exchange's bytes moves what a product moves, within the answer's JSON header
     big_v2, echo_v2 = rounds[0]["big-v2"], rounds[0]["echo-v2"]
     per_product = big_v2["payload_gb_per_s"] / big_v2["ok_per_s"]
