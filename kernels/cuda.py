@@ -434,11 +434,11 @@ class TensorCoreLibrary:
         (m, k), n = a.shape, b.shape[1]
         if _nothing_to_multiply(c, k):
             return
-        passes = tensorcore.WGMMA_CONFIGS[Precision.TF32]
         if isinstance(config, tensorcore.WgmmaConfig):
             a_parts = self.converted(config, a, transposed=False)
             self._launch_wgmma(config, a_parts, self.converted(config, b, transposed=True), c, k)
             return
+        passes = tensorcore.WGMMA_CONFIGS[Precision.TF32]
 
         def rows_of(x: Any) -> Any:
             """x where its rows lie aligned, else its rows copied into padded ones (rounded to TF32 already)."""
