@@ -27,6 +27,7 @@ from app import codecs
 from app.api.errors import status_of
 from app.codecs.multipart import decode_multipart
 from app.errors import MalformedPayload, MatmulError
+from app.shapes import OPERAND_DIMENSIONS
 from matmul_tools.bodies import multipart_body, npy_bytes, npz_bytes, zip_members
 
 LIMITS = codecs.Limits(max_dim=64, max_elements=1024, max_result_elements=4096)
@@ -156,7 +157,8 @@ def decodes_or_refuses(decode: Callable[..., Any], *args: Any) -> Any:
 
 
 def assert_within_limits(matrix: np.ndarray) -> None:
-    assert matrix.ndim == 2 and min(matrix.shape) >= 0
+    """A matrix or a stack of them (app.shapes), every dimension, the batch's too, and the elements within LIMITS."""
+    assert matrix.ndim in OPERAND_DIMENSIONS and min(matrix.shape) >= 0
     assert max(matrix.shape) <= LIMITS.max_dim and matrix.size <= LIMITS.max_elements
     codecs.operands.check_dtype(matrix.dtype, "decoded")
 
@@ -503,6 +505,7 @@ def test_npz_members_compressed_oddly_or_encrypted_are_refused(member: bytes, me
 
 @given(st.binary(max_size=256) | json_bodies | mutated(json_bodies))
 @example(b'{"a": ' + b"[" * 100 + b"1" + b"]" * 100 + b', "b": [[1]]}')  # deeper than NumPy's 64 dimensions
+@example(b'{"a": [[[1]]], "b": [[[]]]}')  # stacks of one, b's matrix with no columns
 def test_any_json_bytes_decode_or_are_refused(data: bytes) -> None:
     assert_operands_sane(decodes_or_refuses(codecs.json.decode_json, data, LIMITS))
 
