@@ -103,8 +103,9 @@ class Settings(BaseSettings):
         ge=0,
         le=1000,
         description="With several HTTP workers, how long one that holds more connections than another leaves a new "
-        "connection to those that hold fewer before it takes it itself (they may all be busy): each new connection "
-        "goes to the worker holding the fewest. 0: whichever worker wakes first takes it.",
+        "connection to those that hold fewer before it takes it itself, when none of them accepted one meanwhile (they "
+        "may all be busy): each new connection goes to the worker holding the fewest. 0: whichever worker wakes first "
+        "takes it.",
     )
     slab_bytes: int = Field(
         default_factory=_host_slab_bytes,

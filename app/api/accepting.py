@@ -8,12 +8,17 @@ that placement alone. A user with a few threads met a service of two or three wo
 So with several workers `matmul-service` runs each one's event loop from `new_event_loop` (uvicorn's `--loop`
 import string). That loop serves the shared socket with an `Acceptor` instead of its own server: when a connection
 waits, a worker that holds more connections than another accepting worker leaves it to the ones that hold fewer for
-MATMUL_ACCEPT_HANDOFF_MS, and takes it itself only if none has by then (they may all be busy). The counts are a
-`ConnectionTable`, a small file every worker maps (MATMUL_CONNECTION_TABLE, made by `matmul-service` before the
-workers start), one slot of (pid, open connections) per accepting worker: a worker claims one when it starts
-accepting (after its start-up) and frees it when it stops (before it drains), so that no worker waits on one that
-cannot take a connection. A worker counts a connection from its accept to its protocol's `connection_lost`. A worker
-that dies leaves its slot, which no one reads once its pid is gone, and the worker that replaces it claims a free one.
+MATMUL_ACCEPT_HANDOFF_MS, and takes it itself only if no worker accepted a connection by then (they may all be busy).
+Where one did, the connection that waits at the hand-off's end may have come during it, and it is left to them in
+turn. Taking it then can put eight connections opened one after another on four workers as 3, 2, 2 and 1 (seen
+once in CI, on a loaded two-CPU machine): a worker that holds fewer may itself be asleep in a hand-off of its own.
+
+The counts are a `ConnectionTable`, a small file every worker maps (MATMUL_CONNECTION_TABLE, made by `matmul-service`
+before the workers start), one slot of (pid, open connections, connections accepted) per accepting worker: a worker
+claims one when it starts accepting (after its start-up) and frees it when it stops (before it drains), so that no
+worker waits on one that cannot take a connection. A worker counts a connection from its accept to its protocol's
+`connection_lost`. A worker that dies leaves its slot, which no one reads once its pid is gone, and the worker that
+replaces it claims a free one.
 
 Without the variable (one worker, or uvicorn started by hand) the loop is uvloop's own, unchanged.
 """
@@ -43,8 +48,8 @@ ACCEPT_RETRY_S = 1.0
 """How long a worker stops accepting after the system refused it a socket (out of descriptors): asyncio's own."""
 OUT_OF_SOCKETS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
 """What `accept` fails with when the system has no socket to give: the connection waits in the backlog meanwhile."""
-_SLOT_WORDS = 2
-"""A slot's 64-bit words: the worker's pid (0 where free) and the connections it holds."""
+_SLOT_WORDS = 3
+"""A slot's 64-bit words: the worker's pid (0 where free), the connections it holds, and those it has accepted."""
 
 log = logging.getLogger(__name__)
 
@@ -78,8 +83,9 @@ class ConnectionTable:
                 if claimed is None:
                     raise RuntimeError(f"the connection table {path} has no free slot of {self.slots}")
                 self.slot: int = claimed
-                self._words[claimed * _SLOT_WORDS + 1] = 0
-                self._words[claimed * _SLOT_WORDS] = self.pid
+                base = claimed * _SLOT_WORDS
+                self._words[base + 1] = self._words[base + 2] = 0
+                self._words[base] = self.pid
             finally:
                 fcntl.flock(file, fcntl.LOCK_UN)
 
@@ -107,6 +113,17 @@ class ConnectionTable:
         if not self.released:
             self._words[self.slot * _SLOT_WORDS + 1] += change
 
+    def accepted_one(self) -> None:
+        """This worker accepted a connection: it holds one more, and `accepts` counts one more."""
+        if not self.released:
+            self.add(1)
+            self._words[self.slot * _SLOT_WORDS + 2] += 1
+
+    def accepts(self) -> int:
+        """The connections every worker accepted since it claimed its slot: it changes when any of them accepts one
+        (or a worker leaves or claims a slot)."""
+        return sum(self._words[slot * _SLOT_WORDS + 2] for slot in range(self.slots))
+
     def fewest(self) -> bool:
         """Whether no other live worker holds fewer connections than this one."""
         mine = self.held()
@@ -121,8 +138,9 @@ class ConnectionTable:
         if self.released:
             return
         self.released = True
-        self._words[self.slot * _SLOT_WORDS + 1] = 0
-        self._words[self.slot * _SLOT_WORDS] = 0
+        base = self.slot * _SLOT_WORDS
+        self._words[base + 1] = self._words[base + 2] = 0
+        self._words[base] = 0
         self._words.release()
         self._map.close()
 
@@ -218,8 +236,11 @@ class Acceptor(asyncio.AbstractServer):
     async def accept_forever(self) -> None:
         while True:
             await self._readable()
-            if not self.table.fewest():
+            if self.handoff_s and not self.table.fewest():
+                accepts = self.table.accepts()
                 await asyncio.sleep(self.handoff_s)
+                if self.table.accepts() != accepts:
+                    continue  # a worker took one meanwhile: what waits now may have come since, theirs first
             try:
                 connection, _ = self.listener.accept()
             except (BlockingIOError, InterruptedError, ConnectionAbortedError):
@@ -231,7 +252,7 @@ class Acceptor(asyncio.AbstractServer):
                 log.error("accepting a connection failed (%s); accepting again in %g s", exc, ACCEPT_RETRY_S)
                 await asyncio.sleep(ACCEPT_RETRY_S)
                 continue
-            self.table.add(1)
+            self.table.accepted_one()
             task = self.loop.create_task(self.adopt(connection))
             self.adopting.add(task)
             task.add_done_callback(self.adopting.discard)

@@ -1,6 +1,7 @@
 """The HTTP workers' shared connection table and the acceptor that reads it (app.api.accepting), in this process on a
-BalancedLoop, over real sockets: a worker holds a slot only while it accepts; a connection is counted from its accept
-to its end, left for the hand-off to a live worker that holds fewer and then taken all the same, counted off when its
+BalancedLoop, over real sockets: a worker holds a slot only while it accepts, and the table counts every worker's
+accepts; a connection is counted from its accept to its end, left for the hand-off to a live worker that holds fewer
+and then taken all the same, left again when another worker accepted during the hand-off, counted off when its
 protocol cannot be made; a failed accept is skipped or waited out by its cause, a failed acceptor stops its worker;
 and a worker that is gone is neither read nor kept from its slot. Whole servers balancing their workers:
 tests/server/test_workers.py.
@@ -94,6 +95,21 @@ def test_a_released_slot_is_not_written_again(table_path: str, sleeper: subproce
     assert successor.held() == 0
 
 
+def test_the_table_counts_every_workers_accepts_while_it_holds_its_slot(
+    table_path: str, sleeper: subprocess.Popen[bytes]
+) -> None:
+    mine, theirs = ConnectionTable(table_path), ConnectionTable(table_path, pid=sleeper.pid)
+    mine.accepted_one()
+    theirs.accepted_one()
+    theirs.accepted_one()
+    assert (mine.accepts(), theirs.accepts(), mine.held(), theirs.held()) == (3, 3, 1, 2)
+    theirs.add(-2)
+    assert mine.accepts() == 3  # connections that ended were accepted all the same
+    theirs.release()
+    assert mine.accepts() == 1
+    assert ConnectionTable(table_path, pid=sleeper.pid).accepts() == 1  # a slot claimed again starts from none
+
+
 def test_a_full_table_says_so(table_path: str, sleeper: subprocess.Popen[bytes]) -> None:
     for _ in range(4):
         ConnectionTable(table_path, pid=sleeper.pid)
@@ -129,12 +145,13 @@ def on_balanced_loop(
     table_path: str,
     test: Callable[[BalancedLoop, socket.socket], Coroutine[Any, Any, None]],
     listener: socket.socket | None = None,
+    handoff_s: float = HANDOFF_S,
 ) -> None:
-    """Run `test` on a BalancedLoop over the table at `table_path`, with a listening socket (`listener`, else a new
-    one) bound as uvicorn binds it, and not yet listening."""
+    """Run `test` on a BalancedLoop over the table at `table_path` with a hand-off of `handoff_s`, with a listening
+    socket (`listener`, else a new one) bound as uvicorn binds it, and not yet listening."""
     listener = socket.socket() if listener is None else listener
     listener.bind(("127.0.0.1", 0))
-    loop = BalancedLoop(table_path, HANDOFF_S)
+    loop = BalancedLoop(table_path, handoff_s)
     try:
         loop.run_until_complete(asyncio.wait_for(test(loop, listener), GUARD_S))
     finally:
@@ -214,6 +231,44 @@ def test_a_connection_left_to_a_worker_that_holds_fewer_is_taken_once_no_one_has
         await until(lambda: server.table.held() == 0)
 
     on_balanced_loop(table_path, test)
+
+
+def test_a_connection_that_came_during_a_hand_off_in_which_another_worker_accepted_is_left_to_it_again(
+    table_path: str, sleeper: subprocess.Popen[bytes]
+) -> None:
+    """This worker holds one and the other none. The other accepts the connection this one left it, and a second one
+    comes during the hand-off: at the hand-off's end this worker leaves the second to the other for a hand-off more
+    (it may be the other's to take, as the first was), and takes it when no one accepted in that one."""
+    handoff_s = 0.2  # long beside the loop's turns: this loop runs both workers' parts, in its timers' order
+
+    async def test(loop: BalancedLoop, listener: socket.socket) -> None:
+        theirs = ConnectionTable(table_path, pid=sleeper.pid)
+        server = await serving(loop, Echo, listener)
+        port = listener.getsockname()[1]
+        first = await echoed(port, b"first")
+        assert not server.table.fewest()
+        began = loop.time()
+        _, left = await asyncio.open_connection("127.0.0.1", port)
+        OPEN.append(left.transport)
+        await asyncio.sleep(handoff_s / 4)
+        taken, _ = listener.accept()  # the other worker takes the connection left to it, which then ends
+        theirs.accepted_one()
+        taken.close()
+        left.close()
+        theirs.add(-1)
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        OPEN.append(writer.transport)
+        writer.write(b"second")
+        await asyncio.sleep(began + 1.5 * handoff_s - loop.time())
+        assert server.table.held() == 1, "the second connection was taken at the end of the first hand-off"
+        assert await reader.readexactly(len(b"second")) == b"second"
+        assert loop.time() - began >= 2 * handoff_s - TIMER_SLACK_S
+        assert server.table.held() == 2
+        for opened in (first[1], writer):
+            opened.close()
+        await until(lambda: server.table.held() == 0)
+
+    on_balanced_loop(table_path, test, handoff_s=handoff_s)
 
 
 def test_a_connection_whose_protocol_cannot_be_made_is_closed_and_counted_off(table_path: str) -> None:
