@@ -35,6 +35,7 @@ def started(tmp_path: Path, workers: int) -> Iterator[LocalService]:
     service = LocalService.matmul_service(free_port(), env, tmp_path / "service.log", workers=workers)
     try:
         service.wait_ready(GUARD_S)
+        worker_pids(service, workers)  # every worker accepting: the ready probes may all have reached the first one up
         yield service
     finally:
         service.stop()
