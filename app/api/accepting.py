@@ -10,8 +10,8 @@ import string). That loop serves the shared socket with an `Acceptor` instead of
 waits, a worker that holds more connections than another accepting worker leaves it to the ones that hold fewer for
 MATMUL_ACCEPT_HANDOFF_MS, and takes it itself only if no worker accepted a connection by then (they may all be busy).
 Where one did, the connection that waits at the hand-off's end may have come during it, and it is left to them in
-turn. Taking it then can put eight connections opened one after another on four workers as 3, 2, 2 and 1 (seen
-once in CI, on a loaded two-CPU machine): a worker that holds fewer may itself be asleep in a hand-off of its own.
+turn: taking it would give it to a worker that holds more while one that holds fewer, asleep in a hand-off of its
+own or slow to wake, would take it in a moment.
 
 The counts are a `ConnectionTable`, a small file every worker maps (MATMUL_CONNECTION_TABLE, made by `matmul-service`
 before the workers start), one slot of (pid, open connections, connections accepted) per accepting worker: a worker
