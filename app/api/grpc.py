@@ -296,6 +296,8 @@ def _document(request: Any) -> tuple[dict[str, Any], _RawContents]:
         }
         typed = TYPED_CONTENTS.get(tensor.datatype)
         if tensor.HasField("contents"):
+            if tensor.datatype not in inference_v2.DATATYPES:
+                raise inference_v2.unsupported_datatype(tensor.name, tensor.datatype)
             if typed is None:
                 raise MalformedPayload(
                     f"input '{tensor.name}' is {tensor.datatype}: send it as raw contents", location=[tensor.name]

@@ -90,7 +90,8 @@ def _shape(tensor: Mapping[str, Any], name: str, limits: Limits) -> tuple[int, .
     return tuple(shape)
 
 
-def _json_tensor(data: Any, shape: tuple[int, ...], name: str, may_hold_booleans: bool) -> np.ndarray:
+def _json_tensor(data: Any, shape: tuple[int, ...], name: str, datatype: str, may_hold_booleans: bool) -> np.ndarray:
+    """An input's JSON data as the array its datatype declares, as its binary data would be (`_in_datatype`)."""
     try:
         array = np.array(data)
     except ValueError:
@@ -104,7 +105,32 @@ def _json_tensor(data: Any, shape: tuple[int, ...], name: str, may_hold_booleans
             f"input '{name}' has {array.size} values but its shape {list(shape)} needs {math.prod(shape)}",
             location=[name],
         )
-    return array.reshape(shape)
+    return _in_datatype(array.reshape(shape), name, datatype)
+
+
+def _in_datatype(values: np.ndarray, name: str, datatype: str) -> np.ndarray:
+    """JSON numbers as the datatype their input declares, as its binary data would hold them: INT8 takes integers
+    from -128 to 127, the floating types any number within their range (rounded to their nearest, as a client's
+    own conversion to binary data would); any other is refused, naming its element, rather than multiplied as a
+    value the input cannot hold."""
+    dtype = DATATYPES[datatype]
+    with np.errstate(over="ignore", invalid="ignore"):
+        if dtype.kind == "i":
+            limits = np.iinfo(dtype)
+            held = (values >= limits.min) & (values <= limits.max) & (values == np.trunc(values))
+            converted = values.astype(dtype)
+        else:
+            converted = values.astype(dtype)
+            held = np.isfinite(converted)
+    if not held.all():
+        where = [int(i) for i in np.unravel_index(int(np.argmin(held)), values.shape)]
+        element = f"{name}{''.join(f'[{i}]' for i in where)} = {values[tuple(where)].item()!r}"
+        if dtype.kind == "i":
+            says = f"is not an int8 (an integer from {limits.min} to {limits.max})"
+        else:
+            says = f"is beyond {datatype}'s range (up to {np.finfo(dtype).max.item():g} in magnitude)"
+        raise InvalidMatrix(f"input '{name}' is {datatype}: {element} {says}", location=[name, *where])
+    return converted
 
 
 def _header_length(value: str, body_size: int) -> int:
@@ -158,6 +184,13 @@ class _Following:
         return taken
 
 
+def unsupported_datatype(name: str, datatype: Any) -> InvalidMatrix:
+    """The refusal of an input whose datatype this model does not take."""
+    return InvalidMatrix(
+        f"input '{name}' has datatype {datatype!r}; this model takes {list(DATATYPES)}", location=[name]
+    )
+
+
 BinarySource = Callable[[str, int], memoryview]
 """The binary data of the input named, of the size its binary_data_size declares (checked against its shape)."""
 
@@ -182,9 +215,7 @@ def decode_infer_document(
         name = str(tensor["name"])
         datatype = tensor.get("datatype")
         if not isinstance(datatype, str) or datatype not in DATATYPES:
-            raise InvalidMatrix(
-                f"input '{name}' has datatype {datatype!r}; this model takes {list(DATATYPES)}", location=[name]
-            )
+            raise unsupported_datatype(name, datatype)
         declared.append(datatype)
         shape = _shape(tensor, name, limits)
         tensor_parameters = _object(tensor.get("parameters", {}), f"input '{name}' parameters")
@@ -205,7 +236,7 @@ def decode_infer_document(
         if size is None:
             if "data" not in tensor:
                 raise InvalidMatrix(f"input '{name}' has neither data nor parameters.binary_data_size", location=[name])
-            arrays[name] = _json_tensor(tensor["data"], shape, name, may_hold_booleans)
+            arrays[name] = _json_tensor(tensor["data"], shape, name, datatype, may_hold_booleans)
             continue
         expected = _tensor_bytes(shape, datatype)
         if size != expected:
@@ -224,6 +255,7 @@ def decode_infer_document(
         shared = _shared_memory(output_parameters, f"output '{OUTPUT}'", ["outputs", 0])
         if shared is not None:
             output_region = SharedOutput(*shared)
+            _check_apart(output_region, arrays)
     request_id = doc.get("id")
     if request_id is not None and not isinstance(request_id, str):
         raise BadRequest(f"the request's 'id' must be a string, got {json_type(request_id)}", location=["id"])
@@ -233,6 +265,22 @@ def decode_infer_document(
         binary_output=binary_output,
         output_region=output_region,
     )
+
+
+def _check_apart(output: SharedOutput, inputs: Mapping[str, Matrix]) -> None:
+    """C's window must not share a byte with an input's in the same region: a kernel writing C there would overwrite
+    an operand it has still to read, and the answer would depend on the kernel's order of work."""
+    for name, tensor in sorted(inputs.items()):
+        if not isinstance(tensor, SharedTensor) or tensor.region != output.region:
+            continue
+        start, end = tensor.offset, tensor.offset + math.prod(tensor.shape) * tensor.dtype.itemsize
+        if max(start, output.offset) < min(end, output.offset + output.byte_size):
+            raise SharedMemoryError(
+                f"output '{OUTPUT}' at bytes {output.offset} to {output.offset + output.byte_size} of region "
+                f"'{output.region}' overlaps input '{name}' at bytes {start} to {end}: the product would overwrite "
+                "an operand it reads; place C apart from its inputs",
+                location=["outputs", 0],
+            )
 
 
 def _tensor_bytes(shape: tuple[int, ...], datatype: str) -> int:

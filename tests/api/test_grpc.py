@@ -224,7 +224,9 @@ def test_int8_inputs_answer_their_exact_int32_product(triton: grpcclient.Inferen
     assert output.datatype == "INT32"
     assert np.array_equal(np.frombuffer(response.raw_output_contents[0], "<i4").reshape(list(output.shape)), expected)
     assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert refused.value.details().startswith("b[1999][2] = 200 is not an int8")
+    assert refused.value.details() == (
+        "input 'B' is INT8: B[1999][2] = 200 is not an int8 (an integer from -128 to 127)"
+    )
 
 
 @pytest.mark.parametrize(
@@ -569,7 +571,8 @@ async def test_readiness_is_false_while_the_engine_is_not_ready(monkeypatch: pyt
 @pytest.mark.parametrize(
     ("contents", "message"),
     [("one raw contents too many", "1 raw input contents belong to no input"),
-     ("FP16 as typed contents", "input 'A' is FP16: send it as raw contents")],
+     ("FP16 as typed contents", "input 'A' is FP16: send it as raw contents"),
+     ("INT32 as typed contents", "input 'A' has datatype 'INT32'; this model takes ['FP16', 'FP32', 'FP64', 'INT8']")],
 )  # fmt: skip
 async def test_raw_and_typed_contents_that_do_not_fit_the_inputs_are_refused_saying_why(
     contents: str, message: str
@@ -577,10 +580,14 @@ async def test_raw_and_typed_contents_that_do_not_fit_the_inputs_are_refused_say
     request = _infer_request(np.ones((2, 3), np.float32), np.ones((3, 2), np.float32))
     if contents == "one raw contents too many":
         request.raw_input_contents.append(bytes(4))
-    else:
+    elif contents == "FP16 as typed contents":
         del request.raw_input_contents[0]
         request.inputs[0].datatype = "FP16"
         request.inputs[0].contents.fp32_contents.extend([1.0] * 6)
+    else:  # a datatype the model does not take, in the typed field that would hold it
+        del request.raw_input_contents[0]
+        request.inputs[0].datatype = "INT32"
+        request.inputs[0].contents.int_contents.extend([1] * 6)
     async with (
         serving_in_process(_in_process_settings()) as (address, _, _),
         grpc.aio.insecure_channel(address) as channel,

@@ -287,8 +287,13 @@ def _infer_body(a_parameters: dict[str, object], c_parameters: dict[str, object]
         ({"shared_memory_region": "{name}", "shared_memory_byte_size": -64}, None, "must be a byte count"),
         (
             {"shared_memory_region": "{name}", "shared_memory_byte_size": 64},
-            {"shared_memory_region": "{name}", "shared_memory_byte_size": 63},
+            {"shared_memory_region": "{name}", "shared_memory_byte_size": 63, "shared_memory_offset": 64},
             "more than the 63 bytes its shared_memory_byte_size gives",
+        ),
+        (
+            {"shared_memory_region": "{name}", "shared_memory_byte_size": 64},
+            {"shared_memory_region": "{name}", "shared_memory_byte_size": 64, "shared_memory_offset": 32},
+            "output 'C' at bytes 32 to 96 of region '{name}' overlaps input 'A' at bytes 0 to 64",
         ),
         (
             {"shared_memory_region": "{name}", "shared_memory_byte_size": 64},

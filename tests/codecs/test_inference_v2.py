@@ -165,6 +165,64 @@ def test_json_data_refusals(data: Any, message: str) -> None:
     assert refusal(doc({**A, "data": data}, B)) == ("invalid_matrix", message, ["A"])
 
 
+@pytest.mark.parametrize(
+    ("datatype", "values"),
+    [
+        ("FP16", [0.1, -2.0, 65504.0, 2.0**-24, 1e-9, 3.0]),
+        ("FP32", [0.1, -2.0, 3.4e38, 1e-45, 1.0 / 3.0, 7.0]),
+        ("FP64", [0.1, -2.0, 1e300, 5e-324, 1.0 / 3.0, 7.0]),
+        ("INT8", [-128, 127, 0, 1, -1, 5]),
+    ],
+)
+def test_json_data_is_the_array_its_binary_data_would_be(datatype: str, values: list[float]) -> None:
+    """A client's values in JSON decode to what the same values in the input's datatype sent as binary data do:
+    the datatype's own, rounded as the client's conversion would round them (0.1 in FP32 is 0.100000001490116...,
+    in FP16 0.0999755859375), beside another input of any datatype."""
+    dtype = {"FP16": "<f2", "FP32": "<f4", "FP64": "<f8", "INT8": "i1"}[datatype]
+    typed = np.array(values, dtype).reshape(2, 3)
+    a_json = {"name": "A", "datatype": datatype, "shape": [2, 3], "data": values}
+    a_binary = {"name": "A", "datatype": datatype, "shape": [2, 3], "parameters": {"binary_data_size": typed.nbytes}}
+    for other in ("FP64", "FP32"):
+        b = {**B, "datatype": other}
+        from_json = decode_infer(doc(a_json, b), None, LIMITS).operands.a
+        header = doc(a_binary, b)
+        from_binary = decode_infer(header + typed.tobytes(), str(len(header)), LIMITS).operands.a
+        assert isinstance(from_json, np.ndarray) and isinstance(from_binary, np.ndarray)
+        assert from_json.dtype == from_binary.dtype == np.dtype(dtype)
+        np.testing.assert_array_equal(from_json, from_binary)
+
+
+@pytest.mark.parametrize(
+    ("datatype", "data", "message", "where"),
+    [
+        ("INT8", [1, 2, 3, 4, 1000, 6], "A[1][1] = 1000 is not an int8 (an integer from -128 to 127)", [1, 1]),
+        ("INT8", [1, -129, 3, 4, 5, 6], "A[0][1] = -129 is not an int8 (an integer from -128 to 127)", [0, 1]),
+        ("INT8", [1, 2, 1.5, 4, 5, 6], "A[0][2] = 1.5 is not an int8 (an integer from -128 to 127)", [0, 2]),
+        (
+            "FP16",
+            [100000, 0.1, 3, 4, 5, 6],
+            "A[0][0] = 100000.0 is beyond FP16's range (up to 65504 in magnitude)",
+            [0, 0],
+        ),
+        ("FP16", [1, 2, 3, 4, 5, -65520], "A[1][2] = -65520 is beyond FP16's range (up to 65504 in magnitude)", [1, 2]),
+        (
+            "FP32",
+            [1, 2, 3, 1e39, 5, 6],
+            "A[1][0] = 1e+39 is beyond FP32's range (up to 3.40282e+38 in magnitude)",
+            [1, 0],
+        ),
+    ],
+)
+def test_json_data_its_datatype_cannot_hold_is_refused(
+    datatype: str, data: list[float], message: str, where: list[int]
+) -> None:
+    """Next to an input of another datatype too (no int8 product to check them when they are staged): a value
+    the declared datatype cannot hold is refused where it is, never multiplied as sent or wrapped."""
+    for other in ("FP32", "FP64"):
+        body = doc({**A, "datatype": datatype, "data": data}, {**B, "datatype": other})
+        assert refusal(body) == ("invalid_matrix", f"input 'A' is {datatype}: {message}", ["A", *where])
+
+
 def test_nested_json_data_is_read_row_major() -> None:
     request = decode_infer(doc({**A, "data": [[1, 2, 3], [4, 5, 6]]}, B), None, LIMITS)
     np.testing.assert_array_equal(request.operands.a, [[1, 2, 3], [4, 5, 6]])
@@ -407,6 +465,36 @@ def test_an_input_in_shared_memory_with_data_too_is_refused() -> None:
         "input 'A' is in shared memory and must carry neither data nor binary_data_size",
         ["A"],
     )
+
+
+@pytest.mark.parametrize(
+    ("a_offset", "c_offset", "overlap"),
+    [(0, 0, True), (0, 23, True), (8, 0, True), (0, 24, False), (16, 0, False), (40, 0, False)],
+)
+def test_an_output_window_over_an_input_in_its_region_is_refused(a_offset: int, c_offset: int, overlap: bool) -> None:
+    """A (2x3 FP32, 24 bytes) at `a_offset` of region r, C's 16-byte window at `c_offset`: refused when they share a
+    byte, whichever lies first; B in region s, and windows that only touch, are apart."""
+    a = in_region(A, shared_memory_region="r", shared_memory_byte_size=24, shared_memory_offset=a_offset)
+    b = in_region(B, shared_memory_region="s", shared_memory_byte_size=12)
+    window = {"shared_memory_region": "r", "shared_memory_byte_size": 16, "shared_memory_offset": c_offset}
+    body = doc(a, b, outputs=[{"name": "C", "parameters": window}])
+    if not overlap:
+        assert decode_infer(body, None, LIMITS).output_region == SharedOutput("r", c_offset, 16)
+        return
+    assert refusal(body) == (
+        "shared_memory",
+        f"output 'C' at bytes {c_offset} to {c_offset + 16} of region 'r' overlaps input 'A' at bytes {a_offset} to "
+        f"{a_offset + 24}: the product would overwrite an operand it reads; place C apart from its inputs",
+        ["outputs", 0],
+    )
+
+
+def test_an_empty_output_window_overlaps_nothing() -> None:
+    """An empty stack's C has no bytes: its window of 0 at an input's offset writes none of it."""
+    a = in_region(A, shared_memory_region="r", shared_memory_byte_size=24)
+    window = {"shared_memory_region": "r", "shared_memory_byte_size": 0, "shared_memory_offset": 8}
+    request = decode_infer(doc(a, B, outputs=[{"name": "C", "parameters": window}]), None, LIMITS)
+    assert request.output_region == SharedOutput("r", 8, 0)
 
 
 def test_the_output_region_is_checked() -> None:
