@@ -38,7 +38,16 @@ def decode_npz(body: bytes | bytearray, limits: Limits, max_member_bytes: int) -
     """An `.npz` archive (as written by np.savez or np.savez_compressed) holding `a.npy` and `b.npy`."""
     try:
         archive = zipfile.ZipFile(io.BytesIO(body))
-        members = {info.filename.removesuffix(".npy"): info for info in archive.infolist()}
+        members: dict[str, zipfile.ZipInfo] = {}
+        for info in archive.infolist():
+            member = info.filename.removesuffix(".npy")
+            if member in members:  # a dict would keep the last: refused, as multipart refuses a part sent twice
+                raise InvalidMatrix(
+                    f"the .npz archive holds '{member}' twice (members '{members[member].filename}' and "
+                    f"'{info.filename}')",
+                    location=[member],
+                )
+            members[member] = info
         require_operands(members, ".npz archive")
         parts: dict[str, bytearray] = {}
         for member, info in members.items():

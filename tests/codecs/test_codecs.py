@@ -5,6 +5,8 @@ from __future__ import annotations
 import io
 import re
 import tracemalloc
+import warnings
+import zipfile
 from collections.abc import Callable
 
 import numpy as np
@@ -209,6 +211,21 @@ class TestParts:
     def test_npz_members_must_be_exactly_a_and_b(self, members: dict[str, np.ndarray], words: str) -> None:
         with pytest.raises(InvalidMatrix, match=words.replace("[", r"\[").replace("]", r"\]")):
             codecs.npz.decode_npz(npz_bytes(**members), LIMITS, max_member_bytes=1 << 20)
+
+    @pytest.mark.parametrize(("first", "second"), [("a.npy", "a.npy"), ("a", "a.npy"), ("b.npy", "b")])
+    def test_an_npz_member_held_twice_is_refused(self, first: str, second: str) -> None:
+        """Both copies are refused rather than the last one multiplied, as a multipart part sent twice is."""
+        buffer = io.BytesIO()
+        with zipfile.ZipFile(buffer, "w") as archive, warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # zipfile warns of the duplicate name it writes
+            archive.writestr("a.npy" if first.startswith("b") else "b.npy", npy_bytes(np.eye(2)))
+            archive.writestr(first, npy_bytes(np.ones((2, 2))))
+            archive.writestr(second, npy_bytes(np.full((2, 2), 7.0)))
+        member = first.removesuffix(".npy")
+        words = f"the .npz archive holds '{member}' twice (members '{first}' and '{second}')"
+        with pytest.raises(InvalidMatrix) as refused:
+            codecs.npz.decode_npz(buffer.getvalue(), LIMITS, max_member_bytes=1 << 20)
+        assert (refused.value.message, refused.value.location) == (words, [member])
 
     def test_npz_that_is_not_a_zip(self) -> None:
         with pytest.raises(MalformedPayload, match=r"not a valid \.npz"):
