@@ -208,7 +208,7 @@ class Product:
                 total_ms=(finished - clock.received) * 1e3,
             ),
             gflops=flops * self.outcome.batch_size / (device.kernel_ms * 1e6)
-            if flops and device.kernel_ms > 0
+            if flops and self.outcome.batch_size and device.kernel_ms > 0
             else None,
             batch_size=self.outcome.batch_size,
             roofline=self.roofline,

@@ -140,7 +140,7 @@ def roofline(
         global_bytes = global_elements * dtype.itemsize
     else:  # int8 operands, int32 C: only kernels that read each operand once run these (`minimum_global_elements`)
         global_bytes = (m * k + k * n) * operand_bytes + m * n * dtype.itemsize
-    seconds = kernel_ms / 1e3
+    seconds = kernel_ms / 1e3 if batch_size else 0.0  # an empty stack ran no arithmetic to rate
     achieved_flops = flops * batch_size / seconds if flops and seconds > 0 else None
     peak = peaks.flops_per_s.get(roof_name(dtype, precision))
     return Roofline(

@@ -73,6 +73,31 @@ async def test_an_npy_or_npz_stack_comes_back_as_a_stack(
     assert_close_to_reference(c, a, b, np.float32)
 
 
+@pytest.mark.parametrize(("a_shape", "b_shape"), [((0, 4, 5), (0, 5, 2)), ((0, 4, 5), (5, 2)), ((3, 4, 5), (3, 5, 2))])
+async def test_a_stacks_rates_are_its_launchs_and_an_empty_one_has_none(
+    client: httpx.AsyncClient, a_shape: tuple[int, ...], b_shape: tuple[int, ...]
+) -> None:
+    """roofline.md: `flops` is each product's, `batch_size` the products of the launch, and the rates the launch's;
+    an empty stack ran no arithmetic, so it has no rates to give (null, their headers left out), not rates of 0."""
+    a, b = stack_operands(a_shape, b_shape)
+    body = multipart_body([("a", npy_bytes(a)), ("b", npy_bytes(b))])
+    r = await client.post("/matmul", content=body, headers={"content-type": MULTIPART_CONTENT_TYPE})
+    assert r.status_code == 200, r.text
+    answer = r.json()
+    assert answer["batch_size"] == a_shape[0] and answer["roofline"]["flops"] == 2 * 4 * 2 * 5
+    rates = (answer["gflops"], answer["roofline"]["global_gbps"], answer["roofline"]["peak_fraction"])
+    if a_shape[0] == 0:
+        assert rates == (None, None, None)
+    else:
+        kernel_s = answer["timing"]["kernel_ms"] / 1e3
+        assert answer["gflops"] == pytest.approx(3 * 2 * 4 * 2 * 5 / kernel_s / 1e9)
+    npy = await client.post(
+        "/matmul", content=body, headers={"content-type": MULTIPART_CONTENT_TYPE, "accept": "application/x-npy"}
+    )
+    assert ("x-matmul-gflops" in npy.headers) is (a_shape[0] > 0)
+    assert ("x-matmul-roofline-global-gbps" in npy.headers) is (a_shape[0] > 0)
+
+
 @pytest.mark.parametrize("binary", [True, False], ids=["binary", "json"])
 async def test_a_v2_stack_keeps_its_batch_dimension(client: httpx.AsyncClient, binary: bool) -> None:
     a, b = stack_operands((5, 3, 4), (4, 6), seed=2)

@@ -169,6 +169,13 @@ def test_nothing_to_rate_gives_nulls_not_errors(
     assert line.global_gbps is None if kernel_ms == 0 else line.global_gbps == pytest.approx(4.8e-3)
 
 
+def test_an_empty_stack_is_not_rated() -> None:
+    """A launch of no products did no arithmetic and moved no bytes: its rates are unknown, not 0."""
+    line = roofline(minimum_global_elements(4, 2, 5), (4, 2, 5), FLOAT32, 0, 0.01, gpu_peaks((9, 0), **H100))
+    assert line.flops == 2 * 4 * 2 * 5 and line.global_bytes == 4 * (4 * 5 + 5 * 2 + 4 * 2)
+    assert (line.peak_fraction, line.global_gbps) == (None, None)
+
+
 ROOFLINE_FIELDS = ["flops", "global_bytes", "intensity", "peak_gflops", "peak_fraction", "global_gbps", "dram_gbps"]
 
 
