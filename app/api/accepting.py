@@ -8,10 +8,12 @@ that placement alone. A user with a few threads met a service of two or three wo
 So with several workers `matmul-service` runs each one's event loop from `new_event_loop` (uvicorn's `--loop`
 import string). That loop serves the shared socket with an `Acceptor` instead of its own server: when a connection
 waits, a worker that holds more connections than another accepting worker leaves it to the ones that hold fewer for
-MATMUL_ACCEPT_HANDOFF_MS, and takes it itself only if no worker accepted a connection by then (they may all be busy).
-Where one did, the connection that waits at the hand-off's end may have come during it, and it is left to them in
-turn: taking it would give it to a worker that holds more while one that holds fewer, asleep in a hand-off of its
-own or slow to wake, would take it in a moment.
+MATMUL_ACCEPT_HANDOFF_MS, and takes it itself only if none of those accepted a connection by then (they may all be
+busy). Where one did, the connection that waits at the hand-off's end may have come during it, and it is left to them
+in turn: taking it would give it to a worker that holds more while one that holds fewer, asleep in a hand-off of its
+own or slow to wake, would take it in a moment. What the workers that hold more accept meanwhile does not count:
+were it to, the first of two waiting workers to take a connection would hold the other back at every hand-off after,
+and take a burst of connections nearly alone.
 
 The counts are a `ConnectionTable`, a small file every worker maps (MATMUL_CONNECTION_TABLE, made by `matmul-service`
 before the workers start), one slot of (pid, open connections, connections accepted) per accepting worker: a worker
@@ -114,24 +116,25 @@ class ConnectionTable:
             self._words[self.slot * _SLOT_WORDS + 1] += change
 
     def accepted_one(self) -> None:
-        """This worker accepted a connection: it holds one more, and `accepts` counts one more."""
+        """This worker accepted a connection: it holds one more, and has accepted one more."""
         if not self.released:
             self.add(1)
             self._words[self.slot * _SLOT_WORDS + 2] += 1
 
-    def accepts(self) -> int:
-        """The connections every worker accepted since it claimed its slot: it changes when any of them accepts one
-        (or a worker leaves or claims a slot)."""
-        return sum(self._words[slot * _SLOT_WORDS + 2] for slot in range(self.slots))
+    def accepted(self, slot: int | None = None) -> int:
+        """The connections the worker of `slot` (this one's by default) accepted since it claimed the slot (0 once it
+        is freed, and for the next worker to claim it)."""
+        return self._words[(self.slot if slot is None else slot) * _SLOT_WORDS + 2]
 
-    def fewest(self) -> bool:
-        """Whether no other live worker holds fewer connections than this one."""
+    def fewer(self) -> dict[int, int]:
+        """The other live workers that hold fewer connections than this one: each one's slot, and the connections it
+        has accepted so far (empty where this worker holds the fewest)."""
         mine = self.held()
-        for slot in range(self.slots):
-            pid = self._pid(slot)
-            if slot != self.slot and pid and self.held(slot) < mine and _alive(pid):
-                return False
-        return True
+        return {
+            slot: self.accepted(slot)
+            for slot in range(self.slots)
+            if slot != self.slot and (pid := self._pid(slot)) and self.held(slot) < mine and _alive(pid)
+        }
 
     def release(self) -> None:
         """Free this worker's slot and unmap the table (it stops accepting); once only."""
@@ -236,11 +239,10 @@ class Acceptor(asyncio.AbstractServer):
     async def accept_forever(self) -> None:
         while True:
             await self._readable()
-            if self.handoff_s and not self.table.fewest():
-                accepts = self.table.accepts()
+            if self.handoff_s and (fewer := self.table.fewer()):
                 await asyncio.sleep(self.handoff_s)
-                if self.table.accepts() != accepts:
-                    continue  # a worker took one meanwhile: what waits now may have come since, theirs first
+                if any(self.table.accepted(slot) != accepted for slot, accepted in fewer.items()):
+                    continue  # one that holds fewer took one meanwhile: what waits may have come since, theirs first
             try:
                 connection, _ = self.listener.accept()
             except (BlockingIOError, InterruptedError, ConnectionAbortedError):

@@ -61,10 +61,10 @@ def test_the_slot_of_a_worker_that_is_gone_is_not_read_and_is_claimed_again(
 ) -> None:
     mine, gone = ConnectionTable(table_path), ConnectionTable(table_path, pid=sleeper.pid)
     mine.add(2)
-    assert not mine.fewest()  # the other holds none while it lives
+    assert mine.fewer() == {gone.slot: 0}  # the other holds none while it lives
     sleeper.kill()
     sleeper.wait()
-    assert mine.fewest()
+    assert mine.fewer() == {}
     replacement = ConnectionTable(table_path)
     assert replacement.slot == gone.slot
     assert replacement.held() == 0
@@ -74,11 +74,11 @@ def test_a_worker_holding_more_than_a_live_one_is_not_the_fewest(
     table_path: str, sleeper: subprocess.Popen[bytes]
 ) -> None:
     mine, theirs = ConnectionTable(table_path), ConnectionTable(table_path, pid=sleeper.pid)
-    assert mine.fewest() and theirs.fewest()
+    assert mine.fewer() == theirs.fewer() == {}
     mine.add(1)
-    assert not mine.fewest() and theirs.fewest()
+    assert (mine.fewer(), theirs.fewer()) == ({theirs.slot: 0}, {})
     theirs.add(1)
-    assert mine.fewest() and theirs.fewest()
+    assert mine.fewer() == theirs.fewer() == {}
     mine.release()
     mine.release()  # once only
     assert ConnectionTable(table_path).slot == mine.slot  # a released slot is free
@@ -95,19 +95,20 @@ def test_a_released_slot_is_not_written_again(table_path: str, sleeper: subproce
     assert successor.held() == 0
 
 
-def test_the_table_counts_every_workers_accepts_while_it_holds_its_slot(
+def test_the_table_counts_each_workers_accepts_while_it_holds_its_slot(
     table_path: str, sleeper: subprocess.Popen[bytes]
 ) -> None:
     mine, theirs = ConnectionTable(table_path), ConnectionTable(table_path, pid=sleeper.pid)
     mine.accepted_one()
     theirs.accepted_one()
     theirs.accepted_one()
-    assert (mine.accepts(), theirs.accepts(), mine.held(), theirs.held()) == (3, 3, 1, 2)
+    assert (mine.accepted(), mine.accepted(theirs.slot), mine.held(), theirs.held()) == (1, 2, 1, 2)
+    assert theirs.fewer() == {mine.slot: 1}  # with the accepts of each worker that holds fewer
     theirs.add(-2)
-    assert mine.accepts() == 3  # connections that ended were accepted all the same
+    assert mine.accepted(theirs.slot) == 2  # connections that ended were accepted all the same
     theirs.release()
-    assert mine.accepts() == 1
-    assert ConnectionTable(table_path, pid=sleeper.pid).accepts() == 1  # a slot claimed again starts from none
+    assert mine.accepted(theirs.slot) == 0
+    assert ConnectionTable(table_path, pid=sleeper.pid).accepted() == 0  # a slot claimed again starts from none
 
 
 def test_a_full_table_says_so(table_path: str, sleeper: subprocess.Popen[bytes]) -> None:
@@ -220,7 +221,7 @@ def test_a_connection_left_to_a_worker_that_holds_fewer_is_taken_once_no_one_has
         server = await serving(loop, Echo, listener)
         port = listener.getsockname()[1]
         first = await echoed(port, b"first")
-        assert first[2] == b"first" and not server.table.fewest()
+        assert first[2] == b"first" and server.table.fewer()
         began = loop.time()  # the loop's own clock, the one its timers count (in whole milliseconds)
         second = await echoed(port, b"second")
         assert second[2] == b"second"
@@ -246,7 +247,7 @@ def test_a_connection_that_came_during_a_hand_off_in_which_another_worker_accept
         server = await serving(loop, Echo, listener)
         port = listener.getsockname()[1]
         first = await echoed(port, b"first")
-        assert not server.table.fewest()
+        assert server.table.fewer() == {theirs.slot: 0}
         began = loop.time()
         _, left = await asyncio.open_connection("127.0.0.1", port)
         OPEN.append(left.transport)
@@ -269,6 +270,42 @@ def test_a_connection_that_came_during_a_hand_off_in_which_another_worker_accept
         await until(lambda: server.table.held() == 0)
 
     on_balanced_loop(table_path, test, handoff_s=handoff_s)
+
+
+def test_what_a_worker_that_holds_more_accepts_during_a_hand_off_does_not_hold_this_one_back(
+    table_path: str, sleeper: subprocess.Popen[bytes]
+) -> None:
+    """This worker holds one, a second holds none and never accepts, a third holds five and accepts a connection
+    during this one's hand-off: at the hand-off's end this worker takes the connection that waits. Were the third's
+    accept to count, two waiting workers would hold each other back in turn and one would take a burst nearly alone."""
+    handoff_s = 0.2
+    busier = subprocess.Popen(["sleep", "60"])
+
+    async def test(loop: BalancedLoop, listener: socket.socket) -> None:
+        ConnectionTable(table_path, pid=sleeper.pid)
+        more = ConnectionTable(table_path, pid=busier.pid)
+        more.add(5)
+        server = await serving(loop, Echo, listener)
+        port = listener.getsockname()[1]
+        first = await echoed(port, b"first")
+        began = loop.time()
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        OPEN.append(writer.transport)
+        writer.write(b"second")
+        await asyncio.sleep(handoff_s / 4)
+        more.accepted_one()  # the busier worker accepts another connection meanwhile
+        assert await reader.readexactly(len(b"second")) == b"second"
+        assert handoff_s - TIMER_SLACK_S <= loop.time() - began < 1.5 * handoff_s
+        assert server.table.held() == 2
+        for opened in (first[1], writer):
+            opened.close()
+        await until(lambda: server.table.held() == 0)
+
+    try:
+        on_balanced_loop(table_path, test, handoff_s=handoff_s)
+    finally:
+        busier.kill()
+        busier.wait()
 
 
 def test_a_connection_whose_protocol_cannot_be_made_is_closed_and_counted_off(table_path: str) -> None:
@@ -322,11 +359,11 @@ def test_a_worker_holds_a_slot_only_while_it_accepts(table_path: str, sleeper: s
         other.add(1)
         assert other.slot == 0  # this worker, starting, holds none
         server = await serving(loop, Echo, listener)
-        assert server.table.slot == 1 and other.fewest() is False
+        assert server.table.slot == 1 and other.fewer() == {1: 0}
         _, draining, got = await echoed(listener.getsockname()[1], b"in flight")
         assert got == b"in flight" and server.table.held() == 1
         server.close()
-        assert other.fewest()  # the stopping worker is not read
+        assert other.fewer() == {}  # the stopping worker is not read
         successor = ConnectionTable(table_path)
         assert successor.slot == 1
         draining.close()
