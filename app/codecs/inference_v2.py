@@ -244,14 +244,14 @@ def decode_infer_document(
         arrays[name] = np.frombuffer(binary(name, expected), DATATYPES[datatype]).reshape(shape)
 
     parameters = _object(doc.get("parameters", {}), "parameters")
-    binary_output = bool(parameters.get("binary_data_output", False))
+    binary_output = _flag(parameters, "binary_data_output", False, ["parameters", "binary_data_output"])
     outputs = doc.get("outputs")
     output_region = None
     if outputs is not None:
         if not isinstance(outputs, list) or [_object(o, "each output").get("name") for o in outputs] != [OUTPUT]:
             raise InvalidMatrix(f"outputs, when given, must be exactly [{OUTPUT!r}]", location=["outputs"])
         output_parameters = _object(outputs[0].get("parameters", {}), "output parameters")
-        binary_output = bool(output_parameters.get("binary_data", binary_output))
+        binary_output = _flag(output_parameters, "binary_data", binary_output, ["outputs", 0, "binary_data"])
         shared = _shared_memory(output_parameters, f"output '{OUTPUT}'", ["outputs", 0])
         if shared is not None:
             output_region = SharedOutput(*shared)
@@ -265,6 +265,14 @@ def decode_infer_document(
         binary_output=binary_output,
         output_region=output_region,
     )
+
+
+def _flag(parameters: Mapping[str, Any], name: str, default: bool, location: list[str | int]) -> bool:
+    """A boolean parameter: true or false, never a string or a number read as one ("false" is a true string)."""
+    value = parameters.get(name, default)
+    if not isinstance(value, bool):
+        raise InvalidParameter(f"{name} must be true or false, got {value!r}", location=location)
+    return value
 
 
 def _check_apart(output: SharedOutput, inputs: Mapping[str, Matrix]) -> None:

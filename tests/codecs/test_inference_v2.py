@@ -108,6 +108,21 @@ def test_binary_output_is_asked_for_in_the_parameters_or_the_output(
     assert decode_infer(doc(**fields), None, LIMITS).binary_output is binary
 
 
+@pytest.mark.parametrize("value", ["false", "true", 0, 1, None, [True]])
+def test_binary_output_flags_must_be_booleans(value: Any) -> None:
+    """The string "false" is not false: a flag that is not a boolean is refused, never read for its truth."""
+    assert refusal(doc(parameters={"binary_data_output": value})) == (
+        "invalid_parameter",
+        f"binary_data_output must be true or false, got {value!r}",
+        ["parameters", "binary_data_output"],
+    )
+    assert refusal(doc(outputs=[{"name": "C", "parameters": {"binary_data": value}}])) == (
+        "invalid_parameter",
+        f"binary_data must be true or false, got {value!r}",
+        ["outputs", 0, "binary_data"],
+    )
+
+
 @pytest.mark.parametrize(
     ("parameters", "expected"),
     [
