@@ -95,7 +95,11 @@ def _json_tensor(data: Any, shape: tuple[int, ...], name: str, datatype: str, ma
     try:
         array = np.array(data)
     except ValueError:
-        raise InvalidMatrix(f"input '{name}' data is ragged", location=[name]) from None
+        depth = _nesting(data)
+        says = f"nested {depth} lists deep, more than an array has dimensions ({MAX_NESTING})"
+        raise InvalidMatrix(
+            f"input '{name}' data is {says if depth > MAX_NESTING else 'ragged'}", location=[name]
+        ) from None
     if array.dtype.kind not in "iuf" and array.size:
         raise InvalidMatrix(f"input '{name}' data must be numbers, found {array.dtype.kind!r} values", location=[name])
     if may_hold_booleans and any(isinstance(x, bool) for x in np.ravel(np.array(data, dtype=object))):
@@ -106,6 +110,18 @@ def _json_tensor(data: Any, shape: tuple[int, ...], name: str, datatype: str, ma
             location=[name],
         )
     return _in_datatype(array.reshape(shape), name, datatype)
+
+
+MAX_NESTING = 64
+"""NumPy's most dimensions of an array: JSON data nested deeper is refused for that, not for being ragged."""
+
+
+def _nesting(data: Any) -> int:
+    """How many lists deep `data` is along its first elements."""
+    depth = 0
+    while isinstance(data, list) and data:
+        data, depth = data[0], depth + 1
+    return depth
 
 
 def _in_datatype(values: np.ndarray, name: str, datatype: str) -> np.ndarray:

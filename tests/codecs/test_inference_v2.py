@@ -3,6 +3,7 @@ which input, which value, which limit) and its location; and the response's enco
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import numpy as np
@@ -170,6 +171,10 @@ def test_a_shape_over_the_limits_names_the_limit() -> None:
     ("data", "message"),
     [
         ([[1, 2, 3], [4, 5]], "input 'A' data is ragged"),
+        (
+            functools.reduce(lambda inner, _: [inner], range(65), [1]),
+            "input 'A' data is nested 66 lists deep, more than an array has dimensions (64)",
+        ),
         (["1", "2", "3", "4", "5", "6"], "input 'A' data must be numbers, found 'U' values"),
         ([1, 2, 3, 4, 5, True], "input 'A' data holds booleans, expected numbers"),
         ([1, 2, 3, 4, 5], "input 'A' has 5 values but its shape [2, 3] needs 6"),
