@@ -19,7 +19,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.requests import ClientDisconnect
 
 from app.api.connection import DIRECT_BODY, DirectBody
-from app.api.limits import BodyLimit
+from app.api.limits import BodyLimit, declared_bytes
 from app.awaiting import settled
 from app.codecs import Body
 from app.config import Settings
@@ -82,11 +82,12 @@ async def read_body(request: Request, limit: BodyLimit, buffers: BodyBuffers) ->
     """The whole body, refused with 413 as soon as it passes `limit` (declared or received). One that declares at
     least `buffers.min_bytes` comes in a bytearray taken from `buffers`: give it back when done (`reading_body`
     does)."""
-    declared = request.headers.get("content-length", "")
-    if declared.isdigit() and not limit.admits(declared):
-        raise limit.declared_over(int(declared))
-    if declared.isdigit() and int(declared) >= buffers.min_bytes:
-        buffer = buffers.take(int(declared))
+    header = request.headers.get("content-length", "")
+    declared = declared_bytes(header)
+    if header.isdigit() and not limit.admits(header):
+        raise limit.declared_over(header[:40] if declared is None else declared)
+    if declared is not None and declared >= buffers.min_bytes:
+        buffer = buffers.take(declared)
         try:
             await _read_into(request, memoryview(buffer), limit.what)
         except BaseException:
@@ -139,10 +140,10 @@ async def reading_body(
     when the block ends: end it only once nothing views the body (operands decoded from it are staged by then,
     or held by the product that reads them)."""
     buffers: BodyBuffers = request.app.state.body_buffers
-    declared = request.headers.get("content-length", "")
+    declared = declared_bytes(request.headers.get("content-length", ""))
     lent = None
-    if lend is not None and declared.isdigit() and limit.admits(declared) and buffers.min_bytes <= int(declared):
-        lent = lend(int(declared))
+    if lend is not None and declared is not None and buffers.min_bytes <= declared <= limit.max_bytes:
+        lent = lend(declared)
     if lent is not None:
         try:
             body = lent.memory.data

@@ -47,7 +47,22 @@ class BodyLimit:
     def admits(self, declared: str) -> bool:
         """Whether a size declared as a header's digits is within the limit (without turning a huge one into an
         int)."""
-        return len(declared.lstrip("0")) <= len(str(self.max_bytes)) and int(declared) <= self.max_bytes
+        size = declared_bytes(declared)
+        return size is not None and size <= self.max_bytes
+
+
+MAX_DECLARED_DIGITS = 19
+"""The most significant digits of a size a header declares that is read (an int64's): Python's int() refuses 4,301
+digits and more, and no body is larger."""
+
+
+def declared_bytes(value: str) -> int | None:
+    """The size a header declares (Content-Length, Inference-Header-Content-Length): ASCII digits (str.isdigit also
+    takes '²'), leading zeros aside, at most MAX_DECLARED_DIGITS of them; None for any other value."""
+    digits = value.lstrip("0")
+    if value.isascii() and value.isdigit() and len(digits) <= MAX_DECLARED_DIGITS:
+        return int(digits or "0")
+    return None
 
 
 def body_limit(settings: Settings) -> BodyLimit:

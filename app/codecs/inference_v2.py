@@ -150,12 +150,19 @@ def _in_datatype(values: np.ndarray, name: str, datatype: str) -> np.ndarray:
 
 
 def _header_length(value: str, body_size: int) -> int:
-    """The JSON header's length: ASCII digits (str.isdigit also takes '²'), from 1 to the body's size."""
+    """The JSON header's length: ASCII digits (str.isdigit also takes '²'), from 1 to the body's size; leading zeros
+    aside before any is turned into an int (int() refuses 4,301 digits and more)."""
     digits = value.lstrip("0")
-    if value.isascii() and value.isdigit() and len(digits) <= len(str(body_size)) and 0 < int(value) <= body_size:
-        return int(value)
+    if (
+        value.isascii()
+        and value.isdigit()
+        and len(digits) <= len(str(body_size))
+        and 0 < int(digits or "0") <= body_size
+    ):
+        return int(digits)
     raise MalformedPayload(
-        f"{HEADER_LENGTH} is {value!r}, but the body has {body_size} bytes", location=[HEADER_LENGTH]
+        f"{HEADER_LENGTH} is {value[:40]!r}{'...' if len(value) > 40 else ''}, but the body has {body_size} bytes",
+        location=[HEADER_LENGTH],
     )
 
 

@@ -217,6 +217,41 @@ async def test_binary_framing_that_does_not_add_up(client: httpx.AsyncClient, li
     assert words in r.json()["error"]
 
 
+@pytest.mark.parametrize(
+    ("declared", "status", "words"),
+    [
+        ("0" * 4400 + "{length}", 200, ""),  # leading zeros are no length: read as the length they end with
+        ("0" * 4400 + "9999", 422, "Inference-Header-Content-Length is '0000"),
+        ("9" * 5000, 413, "the JSON header is " + "9" * 40),
+        ("1" + "0" * 19, 413, "the JSON header is 1" + "0" * 19),
+    ],
+    ids=["zeros then the length", "zeros then too long", "5000 nines", "20 digits"],
+)
+async def test_a_header_length_of_thousands_of_digits_is_read_or_refused_never_a_500(
+    client: httpx.AsyncClient, declared: str, status: int, words: str
+) -> None:
+    """Python's int() refuses 4,301 digits and more (ValueError): a length is read from its significant digits
+    only, and refused (413 over the JSON limit, 422 past the body's end) rather than converted."""
+    a, b = np.ones((2, 2), np.float32), np.ones((2, 2), np.float32)
+    body, headers = binary_request(a, b)
+    headers["inference-header-content-length"] = declared.format(length=headers["inference-header-content-length"])
+    r = await client.post("/v2/models/matmul/infer", content=body, headers=headers)
+    assert r.status_code == status, r.text
+    assert words in r.text
+
+
+async def test_a_content_length_of_thousands_of_digits_is_read_or_refused_never_a_500(
+    client: httpx.AsyncClient,
+) -> None:
+    """The same for Content-Length on the product routes: leading zeros aside, its value; past the limit, a 413."""
+    a, b = np.ones((2, 2), np.float32), np.ones((2, 2), np.float32)
+    body, headers = binary_request(a, b)
+    for declared, status in (("0" * 4400 + str(len(body)), 200), ("9" * 5000, 413)):
+        sent = {**headers, "content-length": declared}
+        r = await client.post("/v2/models/matmul/infer", content=body, headers=sent)
+        assert r.status_code == status, r.text
+
+
 async def test_statistics_count_successes_failures_and_stages(client: httpx.AsyncClient) -> None:
     for _ in range(3):
         assert (await client.post("/v2/models/matmul_numpy/infer", json=ab())).status_code == 200
