@@ -256,6 +256,11 @@ def decode_infer_document(
                 raise SharedMemoryError(message, location=[name])
             arrays[name] = SharedTensor(region, region_offset, shape, DATATYPES[datatype])
             continue
+        if size is not None and "data" in tensor:
+            raise InvalidMatrix(
+                f"input '{name}' carries both data and parameters.binary_data_size: send its values one way",
+                location=[name],
+            )
         if size is None:
             if "data" not in tensor:
                 raise InvalidMatrix(f"input '{name}' has neither data nor parameters.binary_data_size", location=[name])

@@ -572,7 +572,9 @@ async def test_readiness_is_false_while_the_engine_is_not_ready(monkeypatch: pyt
     ("contents", "message"),
     [("one raw contents too many", "1 raw input contents belong to no input"),
      ("FP16 as typed contents", "input 'A' is FP16: send it as raw contents"),
-     ("INT32 as typed contents", "input 'A' has datatype 'INT32'; this model takes ['FP16', 'FP32', 'FP64', 'INT8']")],
+     ("INT32 as typed contents", "input 'A' has datatype 'INT32'; this model takes ['FP16', 'FP32', 'FP64', 'INT8']"),
+     ("typed contents with a binary_data_size",
+      "input 'A' carries both data and parameters.binary_data_size: send its values one way")],
 )  # fmt: skip
 async def test_raw_and_typed_contents_that_do_not_fit_the_inputs_are_refused_saying_why(
     contents: str, message: str
@@ -584,10 +586,14 @@ async def test_raw_and_typed_contents_that_do_not_fit_the_inputs_are_refused_say
         del request.raw_input_contents[0]
         request.inputs[0].datatype = "FP16"
         request.inputs[0].contents.fp32_contents.extend([1.0] * 6)
-    else:  # a datatype the model does not take, in the typed field that would hold it
+    elif contents == "INT32 as typed contents":  # a datatype the model does not take, in the field that would hold it
         del request.raw_input_contents[0]
         request.inputs[0].datatype = "INT32"
         request.inputs[0].contents.int_contents.extend([1] * 6)
+    else:  # A's values twice over, B's raw contents the only ones: A took them, and B found none (INTERNAL)
+        del request.raw_input_contents[0]
+        request.inputs[0].contents.fp32_contents.extend([1.0] * 6)
+        request.inputs[0].parameters["binary_data_size"].int64_param = 24
     async with (
         serving_in_process(_in_process_settings()) as (address, _, _),
         grpc.aio.insecure_channel(address) as channel,

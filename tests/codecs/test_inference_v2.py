@@ -243,6 +243,20 @@ def test_json_data_its_datatype_cannot_hold_is_refused(
         assert refusal(body) == ("invalid_matrix", f"input 'A' is {datatype}: {message}", ["A", *where])
 
 
+def test_an_input_with_both_data_and_a_binary_size_is_refused() -> None:
+    """Its values one way only: the binary data would silently win over the JSON data sent beside it."""
+    a = {**A, "parameters": {"binary_data_size": 24}}
+    header = doc(a, B)
+    body = header + np.full((2, 3), 9.0, np.float32).tobytes()
+    with pytest.raises(MatmulError) as caught:
+        decode_infer(body, str(len(header)), LIMITS)
+    assert (caught.value.code, caught.value.message, caught.value.location) == (
+        "invalid_matrix",
+        "input 'A' carries both data and parameters.binary_data_size: send its values one way",
+        ["A"],
+    )
+
+
 def test_nested_json_data_is_read_row_major() -> None:
     request = decode_infer(doc({**A, "data": [[1, 2, 3], [4, 5, 6]]}, B), None, LIMITS)
     np.testing.assert_array_equal(request.operands.a, [[1, 2, 3], [4, 5, 6]])
