@@ -60,12 +60,37 @@ STATUS_CODES: Mapping[int, grpc.StatusCode] = {
 """The gRPC status of each HTTP status the service answers with (app.api.errors.STATUS)."""
 OPEN_METHODS = frozenset({"ServerLive", "ServerReady"})
 """The RPCs that need no API key, as the HTTP health probes need none."""
+MAX_DETAILS_CHARS = 2048
+"""The longest status message sent: one that echoes a client's 100 KB name would pass the 8-16 KiB of metadata gRPC
+clients take, and the client would read RESOURCE_EXHAUSTED instead of the status."""
+UNSERVED_METHODS = frozenset(
+    {
+        "RepositoryIndex",
+        "RepositoryModelLoad",
+        "RepositoryModelUnload",
+        "TraceSetting",
+        "LogSettings",
+        "ModelStreamInfer",
+    }
+)
+"""The protocol's RPCs this service answers with UNIMPLEMENTED (after the API key, as every other)."""
 MESSAGE_OVERHEAD_BYTES = 1 << 20
 """Room for a message's fields beside the tensors' bytes, within the size limits."""
 STOP_GRACE_S = 10.0
 """How long calls in flight may take to finish when the worker stops, before they are cancelled."""
 
 Handler = Callable[["InferenceServicer", Any, grpc.aio.ServicerContext], Awaitable[Any]]
+
+
+def _details(error: MatmulError) -> str:
+    """The status message of `error`: its message, cut to MAX_DETAILS_CHARS."""
+    message = error.message
+    return message if len(message) <= MAX_DETAILS_CHARS else message[: MAX_DETAILS_CHARS - 3] + "..."
+
+
+async def _abort(context: grpc.aio.ServicerContext, error: MatmulError) -> None:
+    """End the call with the status matching `error`'s HTTP status and its message (abort raises)."""
+    await context.abort(STATUS_CODES.get(status_of(error), grpc.StatusCode.INTERNAL), _details(error))
 
 
 def _rpc(handler: Handler) -> Handler:
@@ -79,7 +104,7 @@ def _rpc(handler: Handler) -> Handler:
             self._check_key(method, context)
             return await handler(self, request, context)
         except MatmulError as exc:
-            await context.abort(STATUS_CODES.get(status_of(exc), grpc.StatusCode.INTERNAL), exc.message)
+            await _abort(context, exc)
             raise  # abort raises; this line is never reached
         except Exception:
             log.exception("the gRPC call %s failed", method)
@@ -87,6 +112,22 @@ def _rpc(handler: Handler) -> Handler:
             raise
 
     return answer
+
+
+def _unserved_rpc(method: str) -> Handler:
+    """A call of the protocol that this service does not serve: UNIMPLEMENTED once the API key is checked, and nothing
+    logged. The generated base class raises NotImplementedError for it, which gRPC logged with its traceback on every
+    call, with or without a key."""
+
+    async def unserved(self: InferenceServicer, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        try:
+            self._check_key(method, context)
+        except MatmulError as exc:
+            await _abort(context, exc)
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED, f"{method} is not served: this service has one fixed model")
+
+    unserved.__name__ = method
+    return unserved
 
 
 def _named_rpc(handler: Handler, reply: Any) -> Handler:
@@ -128,6 +169,14 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):  # type: ignore[m
         self._keys = [key.get_secret_value().encode() for key in settings.api_keys]
 
     # ------------------------------------------------------------------------------------- the calls
+
+    # model repositories, tracing, logging and streaming (UNSERVED_METHODS)
+    RepositoryIndex = _unserved_rpc("RepositoryIndex")
+    RepositoryModelLoad = _unserved_rpc("RepositoryModelLoad")
+    RepositoryModelUnload = _unserved_rpc("RepositoryModelUnload")
+    TraceSetting = _unserved_rpc("TraceSetting")
+    LogSettings = _unserved_rpc("LogSettings")
+    ModelStreamInfer = _unserved_rpc("ModelStreamInfer")
 
     def _check_key(self, method: str, context: grpc.aio.ServicerContext) -> None:
         """With MATMUL_API_KEYS set, the call's metadata must carry one (authorization: Bearer, or x-api-key)."""

@@ -6,6 +6,7 @@ each checked against their own float64 product."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import re
 import uuid
 from collections.abc import AsyncIterator, Iterator
@@ -507,10 +508,58 @@ async def keyed_in_process() -> AsyncIterator[pb_grpc.GRPCInferenceServiceStub]:
 
 
 def test_the_tables_hold_every_rpc_the_service_serves() -> None:
-    served = {method.name for method in pb.DESCRIPTOR.services_by_name["GRPCInferenceService"].methods}
-    served &= set(vars(grpc_front.InferenceServicer))
-    assert served == set(KEYED_RPCS) | set(OPEN_RPCS)
+    """Every RPC of the protocol is the servicer's own: served (keyed or open), or answered UNIMPLEMENTED."""
+    rpcs = {method.name for method in pb.DESCRIPTOR.services_by_name["GRPCInferenceService"].methods}
+    assert rpcs <= set(vars(grpc_front.InferenceServicer))
+    assert rpcs == set(KEYED_RPCS) | set(OPEN_RPCS) | grpc_front.UNSERVED_METHODS
     assert set(OPEN_RPCS) == grpc_front.OPEN_METHODS
+
+
+@pytest.mark.anyio
+async def test_a_status_message_echoing_a_huge_name_is_cut_not_lost() -> None:
+    """A 100 KB model name is echoed in NOT_FOUND's message: cut to MAX_DETAILS_CHARS, the client reads NOT_FOUND, not
+    RESOURCE_EXHAUSTED for metadata past its limit."""
+    name = "m" * 100_000
+    async with (
+        serving_in_process(_in_process_settings()) as (address, _, _),
+        grpc.aio.insecure_channel(address) as channel,
+    ):
+        with pytest.raises(grpc.aio.AioRpcError) as raised:
+            await pb_grpc.GRPCInferenceServiceStub(channel).ModelMetadata(pb.ModelMetadataRequest(name=name))
+    details = str(raised.value.details())
+    assert raised.value.code() == grpc.StatusCode.NOT_FOUND, details[:200]
+    assert len(details) == grpc_front.MAX_DETAILS_CHARS and details.endswith("m...")
+
+
+UNSERVED_RPCS: dict[str, Any] = {
+    "RepositoryIndex": pb.RepositoryIndexRequest(),
+    "RepositoryModelLoad": pb.RepositoryModelLoadRequest(model_name="matmul"),
+    "RepositoryModelUnload": pb.RepositoryModelUnloadRequest(model_name="matmul"),
+    "TraceSetting": pb.TraceSettingRequest(),
+    "LogSettings": pb.LogSettingsRequest(),
+}
+
+
+@pytest.mark.anyio
+async def test_the_rpcs_not_served_are_unimplemented_after_the_key_and_log_nothing(
+    keyed_in_process: pb_grpc.GRPCInferenceServiceStub, caplog: pytest.LogCaptureFixture
+) -> None:
+    """They used to raise the base class's NotImplementedError, which gRPC logged with its traceback on every call,
+    keyed or not: anyone reaching the port could fill the log."""
+    key = PAST_THE_KEY["first as a bearer token"]
+    calls = [(getattr(keyed_in_process, rpc), request) for rpc, request in UNSERVED_RPCS.items()]
+    stream = keyed_in_process.ModelStreamInfer
+    for metadata, expected in (([], grpc.StatusCode.UNAUTHENTICATED), (key, grpc.StatusCode.UNIMPLEMENTED)):
+        for call, request in calls:
+            with pytest.raises(grpc.aio.AioRpcError) as raised:
+                await call(request, metadata=metadata)
+            assert raised.value.code() == expected, raised.value.details()
+        with pytest.raises(grpc.aio.AioRpcError) as raised:
+            async for _ in stream(iter([KEYED_RPCS["ModelInfer"]]), metadata=metadata):
+                pass
+        assert raised.value.code() == expected
+    assert raised.value.details() == "ModelStreamInfer is not served: this service has one fixed model"
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == []
 
 
 @pytest.mark.anyio
