@@ -194,6 +194,31 @@ async def test_each_body_limit_admits_its_bound_and_refuses_one_byte_more(
                 assert r.json()["code"] == "payload_too_large"
 
 
+@pytest.mark.parametrize("content_type", [None, "application/octet-stream", "application/json"])
+async def test_a_shared_memory_registration_has_the_json_limit_whatever_its_content_type(
+    content_type: str | None,
+) -> None:
+    """A registration is read as JSON whatever it is labelled (tritonclient labels it nothing), so MATMUL_MAX_JSON_BYTES
+    holds for it whatever it is labelled: one byte more than the limit is 413, the limit itself is read."""
+    settings = Settings(
+        backend="cpu", max_body_bytes=8192, max_json_bytes=2048, shared_memory="system", access_log=False
+    )
+    headers = {} if content_type is None else {"content-type": content_type}
+    async for client in _client_for(create_app(settings)):
+        for size in (2048, 2049):
+            body = orjson.dumps({"key": "/no-such-object", "byte_size": 64})
+            r = await client.post(
+                "/v2/systemsharedmemory/region/r/register", content=body + b" " * (size - len(body)), headers=headers
+            )
+            if size == 2048:  # read, and refused for what it names
+                assert r.status_code == 400 and "/no-such-object" in r.json()["error"], r.text
+            else:
+                assert r.status_code == 413, r.text
+                assert (
+                    r.json()["error"] == "the JSON body is 2049 bytes, over the limit of 2048 (MATMUL_MAX_JSON_BYTES)"
+                )
+
+
 @pytest.mark.parametrize("streamed", [False, True], ids=["declared", "streamed"])
 async def test_the_json_header_before_binary_tensors_has_the_json_limit(
     small: tuple[FastAPI, httpx.AsyncClient], streamed: bool

@@ -121,6 +121,11 @@ def test_registration_errors_name_the_problem(
         ({"key": "/x", "offset": -1, "byte_size": 8}, "offset"),
         ({"offset": 0, "byte_size": 8}, "key"),
         ({"key": "/x", "byte_size": 8, "handle": 1}, "handle"),
+        # counts are integers: pydantic's lax mode read true as 1 byte and "64" or 64.0 as 64
+        ({"key": "/x", "byte_size": True}, "byte_size: Input should be a valid integer"),
+        ({"key": "/x", "byte_size": "64"}, "byte_size: Input should be a valid integer"),
+        ({"key": "/x", "byte_size": 64.0}, "byte_size: Input should be a valid integer"),
+        ({"key": "/x", "offset": "0", "byte_size": 64}, "offset: Input should be a valid integer"),
     ],
 )
 def test_malformed_registrations_are_400(server: Server, body: dict[str, object], problem: str) -> None:

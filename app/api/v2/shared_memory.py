@@ -17,7 +17,10 @@ from typing import Annotated, Any, Protocol
 from fastapi import APIRouter, Path, Request, Response
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from app.api.deps import settings_of
 from app.api.errors import PROTOCOL_PREFIX
+from app.api.exchange import reading_body
+from app.api.limits import json_limit
 from app.api.v2.responses import protocol_error
 from app.config import Settings, SharedMemoryKind
 from app.errors import BadRequest, NotFound
@@ -40,7 +43,7 @@ class RegionRegistry(Protocol):
 class SystemRegionRegistration(BaseModel):
     """The body of a system shared-memory register request."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     key: str = Field(max_length=256, description="The shared-memory object's name, as given to shm_open (`/name`).")
     offset: int = Field(0, ge=0, description="Where the region starts in the object, in bytes.")
@@ -48,7 +51,7 @@ class SystemRegionRegistration(BaseModel):
 
 
 class RawHandle(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     b64: str = Field(max_length=256, description="The cudaIpcMemHandle_t (64 bytes), base64.")
 
@@ -56,7 +59,7 @@ class RawHandle(BaseModel):
 class CudaRegionRegistration(BaseModel):
     """The body of a CUDA shared-memory register request."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     raw_handle: RawHandle
     device_id: int = Field(ge=0, description="The CUDA device the memory is on.")
@@ -94,9 +97,12 @@ def _regions(request: Request, kind: SharedMemoryKind) -> RegionRegistry:
 
 
 async def _registration(request: Request, model: type[BaseModel]) -> Any:
-    """The register request's body, read as JSON whatever its Content-Type (tritonclient sends none)."""
+    """The register request's body, read as JSON whatever its Content-Type (tritonclient sends none), so within
+    MATMUL_MAX_JSON_BYTES whatever its Content-Type too; its fields strictly of their types (a string or a boolean is
+    no byte count)."""
     try:
-        return model.model_validate_json(await request.body())
+        async with reading_body(request, json_limit(settings_of(request))) as body:
+            return model.model_validate_json(bytes(body))  # a registration is a few hundred bytes
     except ValidationError as exc:
         problems = "; ".join(
             f"{'.'.join(map(str, error['loc'])) or 'body'}: {error['msg']}" for error in exc.errors(include_url=False)
