@@ -125,19 +125,19 @@ def _nesting(data: Any) -> int:
 
 
 def _in_datatype(values: np.ndarray, name: str, datatype: str) -> np.ndarray:
-    """JSON numbers as the datatype their input declares, as its binary data would hold them: INT8 takes integers
-    from -128 to 127, the floating types any number within their range (rounded to their nearest, as a client's
-    own conversion to binary data would); any other is refused, naming its element, rather than multiplied as a
-    value the input cannot hold."""
+    """JSON numbers (or gRPC's typed contents) as the datatype their input declares, as its binary data would hold
+    them: INT8 takes integers from -128 to 127, the floating types any number within their range (rounded to their
+    nearest, as a client's own conversion to binary data would) and NaN and infinities as they are; any other is
+    refused, naming its element, rather than multiplied as a value the input cannot hold."""
     dtype = DATATYPES[datatype]
     with np.errstate(over="ignore", invalid="ignore"):
         if dtype.kind == "i":
             limits = np.iinfo(dtype)
             held = (values >= limits.min) & (values <= limits.max) & (values == np.trunc(values))
             converted = values.astype(dtype)
-        else:
+        else:  # NaN and infinities (gRPC's typed contents carry them; JSON cannot) are kept as sent, as in binary data
             converted = values.astype(dtype)
-            held = np.isfinite(converted)
+            held = np.isfinite(converted) | ~np.isfinite(values)
     if not held.all():
         where = [int(i) for i in np.unravel_index(int(np.argmin(held)), values.shape)]
         element = f"{name}{''.join(f'[{i}]' for i in where)} = {values[tuple(where)].item()!r}"

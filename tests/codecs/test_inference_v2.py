@@ -10,7 +10,7 @@ import numpy as np
 import orjson
 import pytest
 
-from app.codecs.inference_v2 import decode_infer, encode_infer, encode_infer_in_region
+from app.codecs.inference_v2 import decode_infer, decode_infer_document, encode_infer, encode_infer_in_region
 from app.codecs.operands import Limits, RequestOptions
 from app.errors import MatmulError
 from app.shared_memory import SharedOutput, SharedTensor
@@ -210,6 +210,17 @@ def test_json_data_is_the_array_its_binary_data_would_be(datatype: str, values: 
         assert isinstance(from_json, np.ndarray) and isinstance(from_binary, np.ndarray)
         assert from_json.dtype == from_binary.dtype == np.dtype(dtype)
         np.testing.assert_array_equal(from_json, from_binary)
+
+
+@pytest.mark.parametrize("datatype", ["FP16", "FP32", "FP64"])
+def test_nan_and_infinities_in_typed_contents_are_kept_as_binary_data_keeps_them(datatype: str) -> None:
+    """JSON cannot carry them, gRPC's typed contents can: they are values of the floating types, not out of range."""
+    values = [float("nan"), float("inf"), float("-inf"), 1.0, 65504.0, -2.5]
+    document = {"inputs": [{**A, "datatype": datatype, "data": values}, B]}
+    a = decode_infer_document(document, lambda name, size: memoryview(b""), LIMITS).operands.a
+    dtype = {"FP16": "<f2", "FP32": "<f4", "FP64": "<f8"}[datatype]
+    assert isinstance(a, np.ndarray) and a.dtype == np.dtype(dtype)
+    np.testing.assert_array_equal(a, np.array(values, dtype).reshape(2, 3))
 
 
 @pytest.mark.parametrize(
