@@ -60,9 +60,10 @@ STATUS_CODES: Mapping[int, grpc.StatusCode] = {
 """The gRPC status of each HTTP status the service answers with (app.api.errors.STATUS)."""
 OPEN_METHODS = frozenset({"ServerLive", "ServerReady"})
 """The RPCs that need no API key, as the HTTP health probes need none."""
-MAX_DETAILS_CHARS = 2048
-"""The longest status message sent: one that echoes a client's 100 KB name would pass the 8-16 KiB of metadata gRPC
-clients take, and the client would read RESOURCE_EXHAUSTED instead of the status."""
+MAX_DETAILS_BYTES = 2048
+"""The most UTF-8 bytes of a status message sent. One that echoes a client's 100 KB name would pass the 8-16 KiB of
+metadata gRPC clients take, and the client would read RESOURCE_EXHAUSTED instead of the status; in the grpc-message
+header each byte past ASCII takes three (percent-encoded), so 2 KiB stays under 8 KiB whatever the text."""
 UNSERVED_METHODS = frozenset(
     {
         "RepositoryIndex",
@@ -83,9 +84,11 @@ Handler = Callable[["InferenceServicer", Any, grpc.aio.ServicerContext], Awaitab
 
 
 def _details(error: MatmulError) -> str:
-    """The status message of `error`: its message, cut to MAX_DETAILS_CHARS."""
-    message = error.message
-    return message if len(message) <= MAX_DETAILS_CHARS else message[: MAX_DETAILS_CHARS - 3] + "..."
+    """The status message of `error`: its message, cut to MAX_DETAILS_BYTES of UTF-8 (at a whole character)."""
+    encoded = error.message.encode()
+    if len(encoded) <= MAX_DETAILS_BYTES:
+        return error.message
+    return encoded[: MAX_DETAILS_BYTES - 3].decode(errors="ignore") + "..."
 
 
 async def _abort(context: grpc.aio.ServicerContext, error: MatmulError) -> None:
