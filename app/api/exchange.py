@@ -19,9 +19,10 @@ from starlette.concurrency import run_in_threadpool
 from starlette.requests import ClientDisconnect
 
 from app.api.connection import DIRECT_BODY, DirectBody
-from app.api.limits import BodyLimit, declared_bytes
+from app.api.limits import BodyLimit
 from app.awaiting import settled
 from app.codecs import Body
+from app.codecs.operands import declared_size
 from app.config import Settings
 from app.engine import LentMemory
 from app.errors import ClientGone, InvalidParameter, MalformedPayload
@@ -83,9 +84,9 @@ async def read_body(request: Request, limit: BodyLimit, buffers: BodyBuffers) ->
     least `buffers.min_bytes` comes in a bytearray taken from `buffers`: give it back when done (`reading_body`
     does)."""
     header = request.headers.get("content-length", "")
-    declared = declared_bytes(header)
+    declared = declared_size(header)
     if header.isdigit() and not limit.admits(header):
-        raise limit.declared_over(header[:40] if declared is None else declared)
+        raise limit.declared_over(header)
     if declared is not None and declared >= buffers.min_bytes:
         buffer = buffers.take(declared)
         try:
@@ -140,7 +141,7 @@ async def reading_body(
     when the block ends: end it only once nothing views the body (operands decoded from it are staged by then,
     or held by the product that reads them)."""
     buffers: BodyBuffers = request.app.state.body_buffers
-    declared = declared_bytes(request.headers.get("content-length", ""))
+    declared = declared_size(request.headers.get("content-length", ""))
     lent = None
     if lend is not None and declared is not None and buffers.min_bytes <= declared <= limit.max_bytes:
         lent = lend(declared)

@@ -20,6 +20,7 @@ from app.api.errors import error_response_for
 from app.api.middleware import HttpMiddleware
 from app.codecs import JSON_MEDIA_TYPE
 from app.codecs.inference_v2 import HEADER_LENGTH
+from app.codecs.operands import declared_size
 from app.config import Settings
 from app.errors import BodyTimeout, MalformedPayload, PayloadTooLarge
 
@@ -34,11 +35,12 @@ class BodyLimit:
     variable: str
     """The setting that sets it."""
 
-    def declared_over(self, declared: int | str) -> PayloadTooLarge:
-        """The refusal of a size declared up front (Content-Length, Inference-Header-Content-Length)."""
-        return PayloadTooLarge(
-            f"the {self.what} is {declared} bytes, over the limit of {self.max_bytes} ({self.variable})"
-        )
+    def declared_over(self, declared: str) -> PayloadTooLarge:
+        """The refusal of a size declared up front (Content-Length, Inference-Header-Content-Length), as its header
+        gave it: its value, or how many digits it has where that is too many to read."""
+        size = declared_size(declared)
+        said = str(size) if size is not None else f"a {len(declared.lstrip('0'))}-digit number of"
+        return PayloadTooLarge(f"the {self.what} is {said} bytes, over the limit of {self.max_bytes} ({self.variable})")
 
     def passed(self) -> PayloadTooLarge:
         """The refusal of a body that passed the limit as it arrived."""
@@ -47,22 +49,8 @@ class BodyLimit:
     def admits(self, declared: str) -> bool:
         """Whether a size declared as a header's digits is within the limit (without turning a huge one into an
         int)."""
-        size = declared_bytes(declared)
+        size = declared_size(declared)
         return size is not None and size <= self.max_bytes
-
-
-MAX_DECLARED_DIGITS = 19
-"""The most significant digits of a size a header declares that is read (an int64's): Python's int() refuses 4,301
-digits and more, and no body is larger."""
-
-
-def declared_bytes(value: str) -> int | None:
-    """The size a header declares (Content-Length, Inference-Header-Content-Length): ASCII digits (str.isdigit also
-    takes '²'), leading zeros aside, at most MAX_DECLARED_DIGITS of them; None for any other value."""
-    digits = value.lstrip("0")
-    if value.isascii() and value.isdigit() and len(digits) <= MAX_DECLARED_DIGITS:
-        return int(digits or "0")
-    return None
 
 
 def body_limit(settings: Settings) -> BodyLimit:
@@ -95,7 +83,7 @@ def infer_body_limit(settings: Settings, headers: Headers) -> BodyLimit:
         return json_limit(settings)
     header_limit = json_limit(settings, "JSON header")
     if header_length.isascii() and header_length.isdigit() and not header_limit.admits(header_length):
-        raise header_limit.declared_over(header_length[:40])
+        raise header_limit.declared_over(header_length)
     return limit_of(settings, headers)
 
 
@@ -112,7 +100,7 @@ class BodyLimitMiddleware(HttpMiddleware):
             if not (declared.isascii() and declared.isdigit()):
                 error = MalformedPayload(f"Content-Length {declared[:40]!r} is not a byte count")
             elif not limit.admits(declared):
-                error = limit.declared_over(declared[:40])
+                error = limit.declared_over(declared)
         if error is not None:
             await error_response_for(scope["path"], error, settings.retry_after_s)(scope, receive, send)
             return

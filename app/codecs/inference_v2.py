@@ -17,7 +17,7 @@ import numpy as np
 import orjson
 
 from app.codecs.json import json_type
-from app.codecs.operands import Body, Limits, Operands, RequestOptions, check_shape
+from app.codecs.operands import Body, Limits, Operands, RequestOptions, check_shape, declared_size
 from app.errors import BadRequest, InvalidMatrix, InvalidParameter, MalformedPayload, SharedMemoryError
 from app.shapes import OPERAND_DIMENSIONS
 from app.shared_memory import Matrix, SharedOutput, SharedTensor
@@ -150,16 +150,10 @@ def _in_datatype(values: np.ndarray, name: str, datatype: str) -> np.ndarray:
 
 
 def _header_length(value: str, body_size: int) -> int:
-    """The JSON header's length: ASCII digits (str.isdigit also takes '²'), from 1 to the body's size; leading zeros
-    aside before any is turned into an int (int() refuses 4,301 digits and more)."""
-    digits = value.lstrip("0")
-    if (
-        value.isascii()
-        and value.isdigit()
-        and len(digits) <= len(str(body_size))
-        and 0 < int(digits or "0") <= body_size
-    ):
-        return int(digits)
+    """The JSON header's length: a size declared (`declared_size`) from 1 to the body's size."""
+    declared = declared_size(value)
+    if declared is not None and 0 < declared <= body_size:
+        return declared
     raise MalformedPayload(
         f"{HEADER_LENGTH} is {value[:40]!r}{'...' if len(value) > 40 else ''}, but the body has {body_size} bytes",
         location=[HEADER_LENGTH],

@@ -106,6 +106,20 @@ def check_shape(shape: tuple[int, ...], name: str, limits: Limits, max_elements:
         )
 
 
+MAX_DECLARED_DIGITS = 19
+"""The most significant digits of a size a header declares that is read (an int64's): Python's int() refuses 4,301
+digits and more, and no body is larger."""
+
+
+def declared_size(value: str) -> int | None:
+    """The size a header declares (Content-Length, Inference-Header-Content-Length): ASCII digits (str.isdigit also
+    takes '²'), leading zeros aside, at most MAX_DECLARED_DIGITS of them; None for any other value."""
+    digits = value.lstrip("0")
+    if value.isascii() and value.isdigit() and len(digits) <= MAX_DECLARED_DIGITS:
+        return int(digits or "0")
+    return None
+
+
 def require_operands(names: Iterable[str], container: str) -> None:
     present = set(names)
     missing = [name for name in OPERANDS if name not in present]

@@ -99,9 +99,10 @@ BODY_LIMIT = "over the limit of 2048 (MATMUL_MAX_BODY_BYTES)"
     ("declared", "content_type", "status", "message"),
     [
         (b"x" * 50, b"application/json", 422, f"Content-Length {'x' * 40!r} is not a byte count"),
-        (b"9" * 50, b"application/json", 413, f"the JSON body is {'9' * 40} bytes, {JSON_LIMIT}"),
+        (b"9" * 50, b"application/json", 413, f"the JSON body is a 50-digit number of bytes, {JSON_LIMIT}"),
         (b"1025", b"application/json", 413, f"the JSON body is 1025 bytes, {JSON_LIMIT}"),
-        (b"01025", b"Application/JSON; charset=utf-8", 413, f"the JSON body is 01025 bytes, {JSON_LIMIT}"),
+        (b"01025", b"Application/JSON; charset=utf-8", 413, f"the JSON body is 1025 bytes, {JSON_LIMIT}"),
+        (b"0" * 60 + b"1025", b"application/json", 413, f"the JSON body is 1025 bytes, {JSON_LIMIT}"),
         (b"2049", b"application/x-npz", 413, f"the body is 2049 bytes, {BODY_LIMIT}"),
         (b"2049", b"", 413, f"the body is 2049 bytes, {BODY_LIMIT}"),
     ],

@@ -222,10 +222,11 @@ async def test_binary_framing_that_does_not_add_up(client: httpx.AsyncClient, li
     [
         ("0" * 4400 + "{length}", 200, ""),  # leading zeros are no length: read as the length they end with
         ("0" * 4400 + "9999", 422, "Inference-Header-Content-Length is '0000"),
-        ("9" * 5000, 413, "the JSON header is " + "9" * 40),
-        ("1" + "0" * 19, 413, "the JSON header is 1" + "0" * 19),
+        ("9" * 5000, 413, "the JSON header is a 5000-digit number of bytes, over the limit of"),
+        ("1" + "0" * 19, 413, "the JSON header is a 20-digit number of bytes, over the limit of"),
+        ("0" * 100 + "9" * 12, 413, "the JSON header is 999999999999 bytes, over the limit of"),
     ],
-    ids=["zeros then the length", "zeros then too long", "5000 nines", "20 digits"],
+    ids=["zeros then the length", "zeros then too long", "5000 nines", "20 digits", "zeros then 12 nines"],
 )
 async def test_a_header_length_of_thousands_of_digits_is_read_or_refused_never_a_500(
     client: httpx.AsyncClient, declared: str, status: int, words: str

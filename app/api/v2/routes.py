@@ -17,12 +17,13 @@ from app import __version__, codecs
 from app.api.deps import EngineDep, SettingsDep, service_of, settings_of
 from app.api.errors import PROTOCOL_PREFIX
 from app.api.exchange import off_loop_if_large, reading_body, requested_deadline_s, unless_disconnected
-from app.api.limits import declared_bytes, infer_body_limit
+from app.api.limits import infer_body_limit
 from app.api.responses import BuffersResponse, server_timing
 from app.api.v2.models import CatalogueDep, ModelCatalogue
 from app.api.v2.responses import protocol_error
 from app.api.v2.shared_memory import shared_memory_enabled
 from app.api.v2.statistics import StatisticsDep, statistics_of
+from app.codecs.operands import declared_size
 from app.config import SharedMemoryKind
 from app.errors import MatmulError
 from app.service import Stopwatch
@@ -190,7 +191,7 @@ async def infer(model: ModelName, request: Request) -> Response:
         header_length = request.headers.get(codecs.inference_v2.HEADER_LENGTH)
         # binary tensors are decoded as views of the body: in the engine's memory, with the first one aligned
         # (after the JSON header), they are not copied again
-        data_at = None if header_length is None else declared_bytes(header_length)
+        data_at = None if header_length is None else declared_size(header_length)
         lend = None if data_at is None else partial(service.engine.lend, data_at=data_at)
         async with reading_body(request, infer_body_limit(settings, request.headers), lend) as body:
             clock.mark_read()
