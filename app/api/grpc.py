@@ -127,7 +127,7 @@ def _unserved_rpc(method: str) -> Handler:
             self._check_key(method, context)
         except MatmulError as exc:
             await _abort(context, exc)
-        await context.abort(grpc.StatusCode.UNIMPLEMENTED, f"{method} is not served: this service has one fixed model")
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED, f"{method} is not served by matmul-service")
 
     unserved.__name__ = method
     return unserved

@@ -561,7 +561,7 @@ async def test_the_rpcs_not_served_are_unimplemented_after_the_key_and_log_nothi
             async for _ in stream(iter([KEYED_RPCS["ModelInfer"]]), metadata=metadata):
                 pass
         assert raised.value.code() == expected
-    assert raised.value.details() == "ModelStreamInfer is not served: this service has one fixed model"
+    assert raised.value.details() == "ModelStreamInfer is not served by matmul-service"
     assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == []
 
 
