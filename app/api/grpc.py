@@ -64,17 +64,6 @@ MAX_DETAILS_BYTES = 2048
 """The most UTF-8 bytes of a status message sent. One that echoes a client's 100 KB name would pass the 8-16 KiB of
 metadata gRPC clients take, and the client would read RESOURCE_EXHAUSTED instead of the status; in the grpc-message
 header each byte past ASCII takes three (percent-encoded), so 2 KiB stays under 8 KiB whatever the text."""
-UNSERVED_METHODS = frozenset(
-    {
-        "RepositoryIndex",
-        "RepositoryModelLoad",
-        "RepositoryModelUnload",
-        "TraceSetting",
-        "LogSettings",
-        "ModelStreamInfer",
-    }
-)
-"""The protocol's RPCs this service answers with UNIMPLEMENTED (after the API key, as every other)."""
 MESSAGE_OVERHEAD_BYTES = 1 << 20
 """Room for a message's fields beside the tensors' bytes, within the size limits."""
 STOP_GRACE_S = 10.0
@@ -173,7 +162,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):  # type: ignore[m
 
     # ------------------------------------------------------------------------------------- the calls
 
-    # model repositories, tracing, logging and streaming (UNSERVED_METHODS)
+    # model repositories, tracing, logging and streaming: not served
     RepositoryIndex = _unserved_rpc("RepositoryIndex")
     RepositoryModelLoad = _unserved_rpc("RepositoryModelLoad")
     RepositoryModelUnload = _unserved_rpc("RepositoryModelUnload")
