@@ -71,6 +71,8 @@ AnswerFormat = Literal["npy", "json"]
 FORMATS: tuple[RequestFormat, ...] = ("npy", "json", "npz")
 DEFAULT_URL = "http://localhost:8000"
 DEFAULT_TIMEOUT_S = 60.0
+MAX_TIMEOUT_S = 86_400.0
+"""The longest timeout a client takes: a day (what the operating system's timers take has its own bound)."""
 DEFAULT_CONNECTIONS = 8
 """Connections a client opens at most, hence products it has in flight at once (`multiply_many`, async calls)."""
 _ACCEPT = {"npy": NPY_MEDIA_TYPE, "json": JSON_MEDIA_TYPE}
@@ -92,6 +94,14 @@ _FRAMING = frozenset({"host", "content-length", "transfer-encoding", "connection
 """Headers the client writes itself: one given too would frame the request twice."""
 _FIELD_VALUE = re.compile(r"[\t\x20-\x7e\x80-\xff]*")
 """What a header's value may hold (RFC 9110: visible characters, spaces and tabs; obs-text as latin-1)."""
+ERROR_BODY_BYTES = 1 << 16
+"""The most of an error answer's body read: its message is cut to 500 characters anyway."""
+INFO_BODY_BYTES = 1 << 24
+"""The most of a GET /v1/info answer's body read."""
+JSON_BYTES_PER_ELEMENT = 32
+"""The most bytes a product's element takes in a JSON answer (a float64 written in full is 24, with its comma 25)."""
+JSON_ANSWER_EXTRA_BYTES = 1 << 20
+"""The most bytes a JSON answer holds beside its elements (its other fields)."""
 T = TypeVar("T")
 
 
@@ -166,6 +176,9 @@ class Payload:
     parts: tuple[Buffer, ...]
     content_type: str
     answer: AnswerFormat
+    product_shape: tuple[int, ...] | None
+    """The shape of the product the operands make (numpy.matmul's), which a 200 answer must have; None where they do
+    not multiply (the server refuses them)."""
 
     @property
     def size(self) -> int:
@@ -219,16 +232,30 @@ def _npz(a: np.ndarray, b: np.ndarray) -> bytes:
     return buffer.getvalue()
 
 
-def _json_matrix(array: np.ndarray) -> bytes:
-    """A matrix as nested JSON lists. JSON has no NaN or Infinity: those elements are written as null, which the
-    server reads as NaN (the server's answers write them so too)."""
+def _json_matrix(array: np.ndarray, name: str) -> bytes:
+    """A matrix (or a stack of them) as nested JSON lists. JSON has no NaN or Infinity, so an operand holding one is
+    refused here: `.npy` and `.npz` bodies carry them."""
     if array.dtype.hasobject:
         raise ValueError("object arrays cannot be sent: the server reads numbers only")
-    values: Any = array
-    if array.dtype.kind == "f" and not np.isfinite(array).all():
-        values = array.astype(np.float64).astype(object)  # Python floats, which None can stand among
-        values[~np.isfinite(array)] = None
-    return json.dumps(values.tolist(), separators=(",", ":")).encode()
+    if array.dtype.kind in "fc" and not np.isfinite(array).all():
+        where = tuple(int(i) for i in np.argwhere(~np.isfinite(array))[0])
+        element = name + "".join(f"[{i}]" for i in where)
+        raise ValueError(
+            f"{element} is {array[where]}, which JSON cannot carry: send it as .npy or .npz (format='npy')"
+        )
+    return json.dumps(array.tolist(), separators=(",", ":")).encode()
+
+
+def product_shape(a: tuple[int, ...], b: tuple[int, ...]) -> tuple[int, ...] | None:
+    """The shape numpy.matmul gives operands of shapes `a` and `b` that are matrices or stacks of them (their leading
+    dimensions broadcast), None where they do not multiply."""
+    if len(a) < 2 or len(b) < 2 or a[-1] != b[-2]:
+        return None
+    try:
+        stack = np.broadcast_shapes(a[:-2], b[:-2])
+    except ValueError:
+        return None
+    return (*stack, a[-2], b[-1])
 
 
 def encode_payload(
@@ -237,14 +264,15 @@ def encode_payload(
     """The body that sends `a` and `b` in `format`; the answer defaults to JSON for JSON, else `.npy`. A `.npy`
     body holds views of `a` and `b`: change them and the payload changes too."""
     answer = answer or ("json" if format == "json" else "npy")
+    shape = product_shape(np.shape(a), np.shape(b))
     if format == "npy":
         parts, content_type = _multipart({"a": a, "b": b})
-        return Payload(parts, content_type, answer)
+        return Payload(parts, content_type, answer, shape)
     if format == "npz":
-        return Payload((_npz(a, b),), NPZ_MEDIA_TYPE, answer)
+        return Payload((_npz(a, b),), NPZ_MEDIA_TYPE, answer, shape)
     if format == "json":
-        content = b"".join((b'{"a":', _json_matrix(a), b',"b":', _json_matrix(b), b"}"))
-        return Payload((content,), JSON_MEDIA_TYPE, answer)
+        content = b"".join((b'{"a":', _json_matrix(a, "a"), b',"b":', _json_matrix(b, "b"), b"}"))
+        return Payload((content,), JSON_MEDIA_TYPE, answer, shape)
     raise ValueError(f"format {format!r} is not one of {list(FORMATS)}")
 
 
@@ -273,11 +301,15 @@ def _error(status: int, headers: Mapping[str, str], body: bytes) -> MatmulServic
         text = body[:500].decode("utf-8", "replace")
         code, message, location = "http_error", text or http.client.responses.get(status, ""), None
     if status == 503:
-        retry_after = headers.get("retry-after")
-        seconds = float(retry_after) if retry_after and retry_after.isdigit() else None
+        retry_after = headers.get("retry-after", "")
+        seconds = float(retry_after) if _DELAY_SECONDS.fullmatch(retry_after) else None
         return Unavailable(status, code, message, location, retry_after_s=seconds)
-    family = RequestRejected if 400 <= status < 500 else ServerError
+    family = RequestRejected if 400 <= status < 500 else ServerError if status >= 500 else MatmulServiceError
     return family(status, code, message, location)
+
+
+_DELAY_SECONDS = re.compile(r"[0-9]{1,9}")
+"""A Retry-After that is a number of seconds (ASCII digits: str.isdigit would take '²'); an HTTP date is not read."""
 
 
 def _read_exactly(response: Answer, into: memoryview) -> None:
@@ -377,15 +409,23 @@ def _npy_header(response: Answer) -> tuple[tuple[int, ...], bool, np.dtype]:
     return shape, fortran_order, dtype
 
 
-def _read_npy(response: Answer, memory: AnswerMemory) -> np.ndarray:
+def _check_product(shape: tuple[int, ...], dtype: np.dtype, expected: tuple[int, ...] | None) -> None:
+    """A 200 answer's array is the product asked for: numbers, of the shape the operands make."""
+    if dtype.kind not in "fiu":
+        raise http.client.HTTPException(f"the answer's dtype {dtype.str!r} is not a number's")
+    if shape != expected:
+        made = "operands that do not multiply" if expected is None else f"the product's {expected}"
+        raise http.client.HTTPException(f"the answer's shape is {shape}, not {made}")
+
+
+def _read_npy(response: Answer, memory: AnswerMemory, expected: tuple[int, ...] | None) -> np.ndarray:
     """A `.npy` answer read into memory from `memory`: its header as NumPy writes it, else through NumPy's own parser
-    (no pickles, bounded), then its data into the array's memory."""
+    (no pickles, bounded), then its data into the array's memory, once the header says the product asked for."""
     try:
         shape, fortran_order, dtype = _npy_header(response)
     except ValueError as exc:
         raise http.client.HTTPException(f"the answer is not a .npy file this client reads: {exc}") from exc
-    if dtype.hasobject:
-        raise http.client.HTTPException("the answer is a .npy array of Python objects")
+    _check_product(shape, dtype, expected)
     count = math.prod(shape)
     if response.length is not None and response.length != count * dtype.itemsize:
         raise http.client.HTTPException(
@@ -396,18 +436,21 @@ def _read_npy(response: Answer, memory: AnswerMemory) -> np.ndarray:
     return data.view(dtype).reshape(shape, order="F" if fortran_order else "C")
 
 
-def _product(memory: AnswerMemory, response: Answer) -> Product:
+def _product(memory: AnswerMemory, expected: tuple[int, ...] | None, response: Answer) -> Product:
+    """The product in a 200 answer, which must have the `expected` shape; the error any other answer says."""
     if response.status != 200:
-        raise _error(response.status, response.headers, response.read())
+        raise _error(response.status, response.headers, response.read(ERROR_BODY_BYTES))
     headers = response.headers
     try:
         if headers.get("content-type", "").startswith(NPY_MEDIA_TYPE):
-            c = _read_npy(response, memory)
+            c = _read_npy(response, memory, expected)
         else:
             dtype = np.dtype(headers["x-matmul-dtype"])
             shape = tuple(int(side) for side in headers["x-matmul-shape"].split("x"))  # a matrix's, or a stack's
+            _check_product(shape, dtype, expected)
+            body = _whole(response, JSON_BYTES_PER_ELEMENT * math.prod(shape) + JSON_ANSWER_EXTRA_BYTES)
             # JSON has no NaN: the server writes non-finite elements as null, which NumPy reads back as NaN.
-            c = np.array(json.loads(response.read())["result"], dtype=np.float64).reshape(shape).astype(dtype)
+            c = np.array(json.loads(body)["result"], dtype=np.float64).reshape(shape).astype(dtype)
         tile, gflops = headers.get("x-matmul-tile"), headers.get("x-matmul-gflops")
         return Product(
             c=c,
@@ -424,10 +467,19 @@ def _product(memory: AnswerMemory, response: Answer) -> Product:
         raise http.client.HTTPException(f"a 200 answer that is not a product of this service: {exc!r}") from exc
 
 
+def _whole(response: Answer, most: int) -> bytes:
+    """An answer's whole body, refused where it is (or says it is) longer than `most` bytes."""
+    if response.length is None or response.length <= most:
+        body = response.read(most)
+        if response.finished():
+            return body
+    raise http.client.HTTPException(f"an answer of more than {most} bytes")
+
+
 def _json_object(response: Answer) -> dict[str, Any]:
-    body = response.read()
     if response.status != 200:
-        raise _error(response.status, response.headers, body)
+        raise _error(response.status, response.headers, response.read(ERROR_BODY_BYTES))
+    body = _whole(response, INFO_BODY_BYTES)
     try:
         said = json.loads(body)
     except ValueError as exc:
@@ -438,7 +490,7 @@ def _json_object(response: Answer) -> dict[str, Any]:
 
 
 def _status(response: Answer) -> int:
-    response.read()
+    response.read(ERROR_BODY_BYTES)  # to its end, which leaves the connection for the next request
     return response.status
 
 
@@ -482,9 +534,10 @@ def _use_kernel_timeouts(sock: socket.socket, timeout: float) -> None:
 
 
 class _SocketReader(io.RawIOBase):
-    """A blocking socket's receiving side, its timeout the kernel's (`_use_kernel_timeouts`): a receive given up
-    is a TimeoutError, as a Python timeout's is (`socket.makefile` would return None for it, which a buffered
-    reader takes for a short read).
+    """A socket's receiving side. On a blocking socket, its timeout the kernel's (`_use_kernel_timeouts`), a receive
+    given up is a TimeoutError, as a Python timeout's is (`socket.makefile` would return None for it, which a
+    buffered reader takes for a short read). While `polling`, a receive takes only what has come already, and
+    returns None where nothing has.
 
     Each receive returns what has come: MSG_WAITALL would save a 512^2 answer from the stand-in three of its 4.7
     receives, but the kernel's timeout bounds a whole call, so a body that stopped half way would be given up
@@ -493,15 +546,34 @@ class _SocketReader(io.RawIOBase):
     def __init__(self, sock: socket.socket) -> None:
         super().__init__()
         self.sock = sock
+        self.polling = False
+        self._dontwait = hasattr(socket, "MSG_DONTWAIT") and not isinstance(sock, ssl.SSLSocket)
 
     def readable(self) -> bool:
         return True
 
-    def readinto(self, buffer: Any) -> int:
+    def readinto(self, buffer: Any) -> int | None:
+        if self.polling:
+            return self._poll_into(buffer)
         try:
             return self.sock.recv_into(buffer)
         except BlockingIOError as exc:
             raise TimeoutError("timed out receiving") from exc
+
+    def _poll_into(self, buffer: Any) -> int | None:
+        if self._dontwait:  # one system call
+            try:
+                return self.sock.recv_into(buffer, 0, socket.MSG_DONTWAIT)
+            except BlockingIOError:
+                return None
+        timeout = self.sock.gettimeout()
+        self.sock.settimeout(0.0)
+        try:
+            return self.sock.recv_into(buffer)
+        except (BlockingIOError, ssl.SSLWantReadError):
+            return None
+        finally:
+            self.sock.settimeout(timeout)
 
 
 class _Connection:
@@ -510,7 +582,8 @@ class _Connection:
 
     def __init__(self, sock: socket.socket) -> None:
         self.sock = sock
-        self._reader = self._reader_of(sock)
+        self._raw = _SocketReader(sock)
+        self._reader = io.BufferedReader(self._raw)
         self.served = 0
         """Answers read to their end on this connection, which may serve the next request while this is not 0."""
 
@@ -553,17 +626,22 @@ class _Connection:
         except (OSError, http.client.HTTPException) as exc:
             raise _transport_error(exc, "read") from exc
 
-    @staticmethod
-    def _reader_of(sock: socket.socket) -> io.BufferedReader:
-        """A TLS connection's reader is the socket's own file; a blocking one's reads straight from the socket."""
-        if sock.gettimeout() is None:
-            return io.BufferedReader(_SocketReader(sock))
-        return sock.makefile("rb")
+    def holds_more(self) -> bool:
+        """Whether bytes beyond the answers read have come (a server that sent more than it framed): the next answer
+        read here would be those bytes, so the connection serves no other request."""
+        self._raw.polling = True
+        try:
+            return bool(self._reader.peek(1))
+        except OSError:
+            return True
+        finally:
+            self._raw.polling = False
 
     def reconnect(self, sock: socket.socket) -> None:
         """Go on over a new socket (the server closed the old one)."""
         self.close()
-        self.sock, self._reader, self.served = sock, self._reader_of(sock), 0
+        self.sock, self._raw, self.served = sock, _SocketReader(sock), 0
+        self._reader = io.BufferedReader(self._raw)
 
     def close(self) -> None:
         self._reader.close()  # it holds the socket open until closed
@@ -623,8 +701,9 @@ class _Connections:
             self._keep(connection)
 
     def _keep(self, connection: _Connection) -> None:
+        clean = connection.served and not connection.holds_more()
         with self._lock:
-            if connection.served and not self._closed:
+            if clean and not self._closed:
                 self._idle.append(connection)
                 return
         connection.close()
@@ -737,12 +816,14 @@ class MatmulClient:
     ) -> None:
         if connections < 1:
             raise ValueError(f"connections must be at least 1, not {connections}")
-        if not timeout > 0:
-            raise ValueError(f"timeout must be a positive number of seconds, not {timeout}")
+        if not 0 < timeout <= MAX_TIMEOUT_S:
+            raise ValueError(f"timeout must be a number of seconds over 0 and at most {MAX_TIMEOUT_S:g}, not {timeout}")
         self.format = format
         self.connections = connections
         sent = dict(headers or {})
         if api_key is not None:
+            if not (api_key.isascii() and api_key.isprintable()):  # error messages end up in logs: the key is not shown
+                raise ValueError("the API key (not shown) has a character that is not printable ASCII")
             sent["Authorization"] = f"Bearer {api_key}"
         self._pool = _Connections(url, timeout, connections, sent)
         self._answers = AnswerMemory(kept=connections)
@@ -793,7 +874,7 @@ class MatmulClient:
     def send(self, payload: Payload, **options: Unpack[Options]) -> Product:
         """Send a body encoded beforehand with `encode_payload` (to send the same operands many times)."""
         headers = {"Content-Type": payload.content_type, "Accept": _ACCEPT[payload.answer]}
-        read = partial(_product, self._answers)
+        read = partial(_product, self._answers, payload.product_shape)
         return self._pool.exchange("POST", _product_path(options), read, payload.parts, headers)
 
     def info(self) -> dict[str, Any]:

@@ -11,12 +11,24 @@ from __future__ import annotations
 
 import http.client
 import io
+import re
 from typing import Protocol
 
 MAX_LINE_BYTES = 65536
 """The longest status line or header field read (http.client's own bound)."""
 MAX_FIELDS = 100
 """The most header fields an answer may have (http.client's own bound)."""
+MAX_INTERIM = 16
+"""The most 1xx interim answers read past before the answer itself."""
+MAX_CHUNKED_BYTES = 1 << 32
+"""The longest chunked body read (4 GiB: twice a product answer at the server's default limit of 2^28 elements)."""
+PIECE_BYTES = 1 << 20
+"""The most bytes read in one call where a server's own count says how many are to come: memory is taken as bytes
+arrive, never for what a server merely claims."""
+_CONTENT_LENGTH = re.compile(r"[0-9]{1,18}")
+"""A Content-Length this client reads: ASCII digits (str.isdigit would take '²'), at most 18 of them."""
+_CHUNK_SIZE = re.compile(rb"[0-9A-Fa-f]{1,15}")
+"""A chunk's size: hexadecimal digits (int(..., 16) would take '-1' and '0x10'), under 2^60."""
 
 
 class Reader(Protocol):
@@ -62,12 +74,12 @@ def _head_lines(reader: Reader) -> list[str]:
 
 def _head(reader: Reader) -> tuple[str, int, dict[str, str]]:
     """The status line's version and code and the header fields (names lower-cased, repeated ones joined with
-    ', '), past any 1xx interim answers."""
-    while True:
+    ', '), past any 1xx interim answers (at most MAX_INTERIM of them)."""
+    for _ in range(MAX_INTERIM + 1):
         status, *lines = _head_lines(reader)
         version, _, rest = status.partition(" ")
         code = rest[:3]
-        if not version.startswith("HTTP/1.") or not code.isdigit() or rest[3:4] not in ("", " "):
+        if not version.startswith("HTTP/1.") or not (code.isascii() and code.isdigit()) or rest[3:4] not in ("", " "):
             raise http.client.BadStatusLine(status)
         if len(lines) > MAX_FIELDS:
             raise http.client.HTTPException(f"got more than {MAX_FIELDS} headers")
@@ -80,26 +92,39 @@ def _head(reader: Reader) -> tuple[str, int, dict[str, str]]:
             fields[name] = f"{fields[name]}, {value}" if name in fields else value
         if code == "101" or not code.startswith("1"):
             return version, int(code), fields
+    raise http.client.HTTPException(f"more than {MAX_INTERIM} interim answers")
+
+
+def _read_claimed(reader: Reader, size: int) -> bytes:
+    """`size` bytes, or fewer at the connection's end, read a piece at a time (`PIECE_BYTES`)."""
+    if size <= PIECE_BYTES:
+        return reader.read(size)
+    data = bytearray()
+    while len(data) < size and (piece := reader.read(min(PIECE_BYTES, size - len(data)))):
+        data += piece
+    return bytes(data)
 
 
 def _chunks(reader: Reader) -> bytes:
-    """A chunked body, whole, and its trailer fields read past."""
+    """A chunked body, whole (at most MAX_CHUNKED_BYTES), and its trailer fields read past."""
     body = bytearray()
     while True:
         size_line = _line(reader).split(b";", 1)[0].strip()
-        try:
-            size = int(size_line, 16)
-        except ValueError:
-            raise http.client.HTTPException(f"a malformed chunk size: {size_line[:20]!r}") from None
+        if not _CHUNK_SIZE.fullmatch(size_line):
+            raise http.client.HTTPException(f"a malformed chunk size: {size_line[:20]!r}")
+        size = int(size_line, 16)
         if size == 0:
             while _line(reader) not in (b"\r\n", b"\n", b""):
                 pass
             return bytes(body)
-        chunk = reader.read(size)
+        if len(body) + size > MAX_CHUNKED_BYTES:
+            raise http.client.HTTPException(f"a chunked body of more than {MAX_CHUNKED_BYTES} bytes")
+        chunk = _read_claimed(reader, size)
         if len(chunk) < size:
             raise http.client.IncompleteRead(bytes(body) + chunk, size - len(chunk))
         body += chunk
-        reader.read(2)  # the chunk's CRLF
+        if _line(reader) not in (b"\r\n", b"\n"):
+            raise http.client.HTTPException("a chunk longer than its size")
 
 
 class Answer:
@@ -118,8 +143,8 @@ class Answer:
             self._reader, self.length = io.BufferedReader(io.BytesIO(body)), len(body)
         elif "content-length" in self.headers:
             declared = self.headers["content-length"]
-            if not declared.isdigit():
-                raise http.client.HTTPException(f"a malformed Content-Length: {declared[:40]!r}")
+            if not _CONTENT_LENGTH.fullmatch(declared):
+                raise http.client.HTTPException(f"a Content-Length this client does not read: {declared[:40]!r}")
             self.length = int(declared)
         else:  # the body ends where the connection does
             self.length, self.will_close = None, True
@@ -129,15 +154,16 @@ class Answer:
         """Whether the body was read to its end."""
         return self.length == 0
 
-    def read(self, amount: int | None = None) -> bytes:
-        """The next `amount` bytes of the body (all the rest when None); fewer only at its end."""
+    def read(self, amount: int) -> bytes:
+        """The next `amount` bytes of the body, fewer at its end: a caller that reads a body whole says how much of
+        it it takes, and an answer that says it has more is left unfinished."""
         if self.length is None:
-            data = self._reader.read(-1 if amount is None else amount)
-            if amount is None or not data:
+            data = _read_claimed(self._reader, amount)
+            if len(data) < amount:
                 self.length = 0
             return data
-        wanted = self.length if amount is None else min(amount, self.length)
-        data = self._reader.read(wanted)
+        wanted = min(amount, self.length)
+        data = _read_claimed(self._reader, wanted)
         self.length -= len(data)
         if len(data) < wanted:
             raise http.client.IncompleteRead(data, self.length)

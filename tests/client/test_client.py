@@ -18,6 +18,7 @@ import pytest
 
 from matmul_client.client import (
     FORMATS,
+    MAX_TIMEOUT_S,
     STACK_OPERAND_BYTES,
     AnswerMemory,
     AsyncMatmulClient,
@@ -370,6 +371,18 @@ def test_a_proxys_answer_is_a_server_error_in_its_own_words(
     assert (caught.value.status, caught.value.code, caught.value.message) == (502, "http_error", message)
 
 
+@pytest.mark.parametrize("status", [101, 204, 301])
+def test_an_answer_that_is_neither_a_product_nor_an_error_is_no_server_failure(
+    stub: Callable[..., Stub], status: int
+) -> None:
+    """A redirect or a 204 is not a product, nor a failure of the server's: the family of every answer that is not a
+    product, not ServerError's 5xx."""
+    server = stub(http_answer(status, b"", "location: http://elsewhere/"))
+    with MatmulClient(server.url) as client, pytest.raises(MatmulServiceError) as caught:
+        client.matmul(np.ones((1, 1)), np.ones((1, 1)))
+    assert type(caught.value) is MatmulServiceError and caught.value.status == status
+
+
 def test_a_retry_after_that_is_a_date_gives_no_seconds(stub: Callable[..., Stub]) -> None:
     body = orjson.dumps({"code": "overloaded", "message": "full", "location": None})
     server = stub(http_answer(503, body, "retry-after: Fri, 27 Nov 2026 12:00:00 GMT"))
@@ -511,6 +524,94 @@ def test_a_npy_answer_whose_header_claims_more_than_numpy_reads_is_refused(stub:
         client.matmul(np.ones((1, 1)), np.ones((1, 1)))
 
 
+@pytest.mark.parametrize(
+    ("answer", "said"),
+    [
+        # sizes a server claims, which were allocated (MemoryError) or overflowed (OverflowError) before a byte came
+        (http_answer(500, b"").replace(b"content-length: 0", b"content-length: %d" % 2**70), "Content-Length"),
+        (http_answer(500, b"short").replace(b"content-length: 5", b"content-length: 200000000000"), "IncompleteRead"),
+        (b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n400000000000000000\r\n", "chunk size"),
+        (
+            http_answer(200, b"").replace(b"content-length: 0", b"content-type: application/x-npy")
+            + npy_file("{'descr': '<f8', 'fortran_order': False, 'shape': (1099511627776, 1099511627776), }", b""),
+            "shape is (1099511627776, 1099511627776), not the product's (1, 1)",
+        ),
+        # a digit that str.isdigit takes and int() does not
+        (http_answer(500, b"").replace(b"content-length: 0", "content-length: \u00b2".encode("latin-1")), "Length"),
+        ("HTTP/1.1 \u00b200 OK\r\n\r\n".encode("latin-1"), "BadStatusLine"),
+    ],
+)
+def test_a_size_a_server_claims_takes_no_memory_before_its_bytes_come(
+    stub: Callable[..., Stub], answer: bytes, said: str
+) -> None:
+    server = stub(answer, close_after=True)
+    with MatmulClient(server.url) as client, pytest.raises(httpx.RemoteProtocolError, match=re.escape(said)):
+        client.matmul(np.ones((1, 1)), np.ones((1, 1)))
+
+
+def test_an_info_answer_claiming_more_than_its_bound_is_a_protocol_error(stub: Callable[..., Stub]) -> None:
+    server = stub(http_answer(200, b"{}").replace(b"content-length: 2", b"content-length: 200000000000"))
+    with MatmulClient(server.url) as client, pytest.raises(httpx.RemoteProtocolError, match="more than 16777216 bytes"):
+        client.info()
+
+
+def test_a_retry_after_in_digits_other_than_ascii_gives_no_seconds(stub: Callable[..., Stub]) -> None:
+    body = orjson.dumps({"code": "overloaded", "message": "full", "location": None})
+    server = stub(http_answer(503, body) + b"")
+    server.answer = server.answer.replace(b"\r\n\r\n", "\r\nretry-after: \u00b2\r\n\r\n".encode("latin-1"), 1)
+    with MatmulClient(server.url) as client, pytest.raises(Unavailable) as caught:
+        client.matmul(np.ones((1, 1)), np.ones((1, 1)))
+    assert caught.value.retry_after_s is None
+
+
+@pytest.mark.parametrize("dtype", ["<U1", "|S4", "|V4", "<M8[s]", "<m8[s]", "<c8", "|b1"])
+def test_an_answer_that_is_not_an_array_of_numbers_is_a_protocol_error(stub: Callable[..., Stub], dtype: str) -> None:
+    c = np.zeros((2, 2), dtype)
+    server = stub(npy_answer(c))
+    with MatmulClient(server.url) as client, pytest.raises(httpx.RemoteProtocolError, match="is not a number's"):
+        client.matmul(np.ones((2, 2)), np.ones((2, 2)))
+
+
+@pytest.mark.parametrize("format", ["npy", "json"])
+def test_an_answer_of_another_shape_than_the_products_is_a_protocol_error(
+    stub: Callable[..., Stub], format: RequestFormat
+) -> None:
+    """A 3x3 answer to a product of two 2x2 matrices, as `.npy` or as JSON (its X-Matmul-Shape the answer's), and any
+    product answer to operands that do not multiply: never returned as the product."""
+    c = np.arange(9.0).reshape(3, 3)
+    json_answer = http_answer(200, orjson.dumps({"result": c.tolist()}), *product_headers(c)[1:])
+    server = stub(npy_answer(c) if format == "npy" else json_answer)
+    with MatmulClient(server.url, format=format) as client:
+        with pytest.raises(httpx.RemoteProtocolError, match=r"shape is \(3, 3\), not the product's \(2, 2\)"):
+            client.matmul(np.ones((2, 2)), np.ones((2, 2)))
+        with pytest.raises(httpx.RemoteProtocolError, match="not operands that do not multiply"):
+            client.matmul(np.ones((3, 2)), np.ones((3, 3)))
+        np.testing.assert_array_equal(client.matmul(np.ones((3, 1)), np.ones((1, 3))), c)
+
+
+def test_a_connection_holding_bytes_past_its_answer_serves_no_other_request(stub: Callable[..., Stub]) -> None:
+    """A server that sends two answers to one request: the first is the request's, and the second, which would
+    have been taken for the next request's answer (and every answer after it one behind), goes with its
+    connection."""
+    first, second = np.full((2, 2), 1.0), np.full((2, 2), 2.0)
+    server = stub(npy_answer(first) + npy_answer(second))
+    with MatmulClient(server.url) as client:
+        for _ in range(3):
+            np.testing.assert_array_equal(client.matmul(np.ones((2, 2)), np.ones((2, 2))), first)
+    assert (server.connections, len(server.requests)) == (3, 3)
+
+
+def test_json_operands_that_json_cannot_carry_are_refused_before_sending(stub: Callable[..., Stub]) -> None:
+    server = stub(npy_answer(np.ones((2, 2))))
+    with MatmulClient(server.url, format="json") as client:
+        for bad, said in ((np.nan, "nan"), (np.inf, "inf"), (-np.inf, "-inf")):
+            a = np.ones((2, 3, 2), np.float32)
+            a[1, 2, 0] = bad
+            with pytest.raises(ValueError, match=re.escape(f"a[1][2][0] is {said}, which JSON cannot carry")):
+                client.matmul(a, np.ones((2, 2)))
+    assert server.requests == []
+
+
 def test_an_answers_memory_serves_the_next_answer_only_once_its_last_view_is_gone() -> None:
     memory = AnswerMemory(kept=2, min_bytes=1024)
     first = memory.take(4096).view(np.float32)
@@ -614,9 +715,14 @@ def test_a_url_that_is_not_http_and_headers_that_would_split_a_request_are_refus
         MatmulClient("ftp://host/")
     with pytest.raises(ValueError, match="connections"):
         MatmulClient(connections=0)
-    for timeout in (0, -1.0, float("nan")):
-        with pytest.raises(ValueError, match="timeout must be a positive"):
+    for timeout in (0, -1.0, float("nan"), float("inf"), 1e30, MAX_TIMEOUT_S * 2):  # inf and 1e30 overflowed a timer
+        with pytest.raises(ValueError, match="timeout must be a number of seconds over 0 and at most 86400"):
             MatmulClient(timeout=timeout)
+    MatmulClient(timeout=MAX_TIMEOUT_S).close()
+    for key in ("ключ-secret", "bad\nkey-secret"):  # refused without the key in the message, which logs keep
+        with pytest.raises(ValueError, match="API key") as refused:
+            MatmulClient(api_key=key)
+        assert "secret" not in str(refused.value)
     refused = [("X-Trace", "t\r\nInjected: 1"), ("X Trace", "t"), ("X-Trace", "t\n"), ("X-Trace", "\u20ac")]
     refused += [("Host", "elsewhere"), ("content-length", "0"), ("Transfer-Encoding", "chunked")]
     for name, value in refused:

@@ -8,7 +8,7 @@ import io
 
 import pytest
 
-from matmul_client.http11 import MAX_FIELDS, MAX_LINE_BYTES, Answer
+from matmul_client.http11 import MAX_FIELDS, MAX_INTERIM, MAX_LINE_BYTES, PIECE_BYTES, Answer
 
 
 class Trickle(io.RawIOBase):
@@ -52,8 +52,8 @@ def test_a_content_length_body_is_read_to_its_end_and_no_further() -> None:
     got, reader = answer(b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\nhelloHTTP/1.1 next answer")
     into = bytearray(3)
     assert got.readinto(memoryview(into)) == 3 and into == b"hel" and got.length == 2 and not got.finished()
-    assert got.read() == b"lo" and got.finished()
-    assert got.read() == b"" and got.readinto(memoryview(bytearray(4))) == 0
+    assert got.read(100) == b"lo" and got.finished()
+    assert got.read(100) == b"" and got.readinto(memoryview(bytearray(4))) == 0
     assert reader.read() == b"HTTP/1.1 next answer", "the next answer's bytes are left for it"
 
 
@@ -64,21 +64,30 @@ def test_lines_ended_by_a_bare_line_feed_are_lines() -> None:
 
 def test_interim_answers_are_read_past() -> None:
     got, _ = answer(b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 201 Created\r\nContent-Length: 2\r\n\r\nok")
-    assert got.status == 201 and got.read() == b"ok"
+    assert got.status == 201 and got.read(2) == b"ok"
+
+
+def test_interim_answers_without_end_are_refused() -> None:
+    """A server that sends 100 Continue again and again is not read forever."""
+    raw = b"HTTP/1.1 100 Continue\r\n\r\n" * (MAX_INTERIM + 1) + b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n"
+    with pytest.raises(http.client.HTTPException, match=f"more than {MAX_INTERIM} interim"):
+        answer(raw)
+    got, _ = answer(raw.replace(b"HTTP/1.1 100 Continue\r\n\r\n", b"", 1))
+    assert got.status == 200
 
 
 def test_a_chunked_body_is_joined_and_its_trailer_read_past() -> None:
     head = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
     raw = head + b"4;ext=1\r\nwiki\r\n5\r\npedia\r\n0\r\nX-Trailer: 1\r\n\r\n"
     got, reader = answer(raw + b"rest")
-    assert got.length == 9 and got.read(4) == b"wiki" and got.read() == b"pedia" and got.finished()
+    assert got.length == 9 and got.read(4) == b"wiki" and got.read(100) == b"pedia" and got.finished()
     assert reader.read() == b"rest"
 
 
 def test_a_body_without_a_length_ends_with_the_connection() -> None:
     got, _ = answer(b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\n\r\nall of it")
     assert got.will_close and got.length is None and not got.finished()
-    assert got.read(3) == b"all" and got.read() == b" of it" and got.finished()
+    assert got.read(3) == b"all" and got.read(100) == b" of it" and got.finished()
 
 
 @pytest.mark.parametrize(
@@ -112,10 +121,29 @@ def test_answers_that_have_no_body(method: str, status: int) -> None:
         (b"HTTP/1.1 200 OK\r\n" + b"X: 1\r\n" * (MAX_FIELDS + 1) + b"\r\n", http.client.HTTPException, "more than"),
         (b"HTTP/1.1 200 OK\r\nno colon here\r\n\r\n", http.client.HTTPException, "malformed header"),
         (b"HTTP/1.1 200 OK\r\n folded: x\r\n\r\n", http.client.HTTPException, "malformed header"),
-        (b"HTTP/1.1 200 OK\r\nContent-Length: -1\r\n\r\n", http.client.HTTPException, "malformed Content-Length"),
+        (b"HTTP/1.1 200 OK\r\nContent-Length: -1\r\n\r\n", http.client.HTTPException, "Content-Length this"),
+        # str.isdigit takes these, int() does not (a ValueError, not the protocol error it is)
+        ("HTTP/1.1 200 OK\r\nContent-Length: \u00b2\r\n\r\n".encode("latin-1"), http.client.HTTPException, "Length"),
+        ("HTTP/1.1 \u00b200 OK\r\n\r\n".encode("latin-1"), http.client.BadStatusLine, "00 OK"),
+        # 2^70 bytes: int() reads it, and a read of that many was an OverflowError
+        (b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % 2**70, http.client.HTTPException, "Content-Length this"),
         (b"HTTP/1.1 200 OK\r\nContent-Length: 5", http.client.IncompleteRead, ""),
         (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n", http.client.HTTPException, "chunk size"),
         (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n9\r\nshort", http.client.IncompleteRead, ""),
+        # int(..., 16) takes a sign and a prefix: -1 had read to the connection's end
+        (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n-1\r\nx", http.client.HTTPException, "chunk size"),
+        (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n0x1\r\nx", http.client.HTTPException, "chunk size"),
+        # 2^70 bytes claimed by one chunk: a read of that many was an OverflowError
+        (
+            b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n400000000000000000\r\n",
+            http.client.HTTPException,
+            "chunk",
+        ),
+        (
+            b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n2\r\nabc\r\n0\r\n\r\n",
+            http.client.HTTPException,
+            "longer",
+        ),
     ],
 )
 def test_a_malformed_answer_is_refused(raw: bytes, error: type[Exception], said: str) -> None:
@@ -127,5 +155,14 @@ def test_a_malformed_answer_is_refused(raw: bytes, error: type[Exception], said:
 def test_a_body_cut_short_is_an_incomplete_read() -> None:
     got, _ = answer(b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\nonly6b")
     with pytest.raises(http.client.IncompleteRead) as cut:
-        got.read()
+        got.read(100)
     assert cut.value.partial == b"only6b" and cut.value.expected == 4
+
+
+def test_a_body_is_read_as_its_bytes_come_not_as_its_length_claims() -> None:
+    """A Content-Length of 200 GB over a body of a few bytes: the read takes memory for what came (a piece at a time),
+    where reading the claimed length at once had asked for all of it (a MemoryError)."""
+    got, _ = answer(b"HTTP/1.1 200 OK\r\nContent-Length: 200000000000\r\n\r\n" + b"x" * (PIECE_BYTES + 3))
+    with pytest.raises(http.client.IncompleteRead) as cut:
+        got.read(got.length or 0)
+    assert cut.value.partial == b"x" * (PIECE_BYTES + 3)
