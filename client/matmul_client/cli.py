@@ -27,6 +27,8 @@ from matmul_client.client import (
 
 URL_VARIABLE = "MATMUL_URL"
 API_KEY_VARIABLE = "MATMUL_API_KEY"
+MAX_TIMEOUT_S = 86_400.0
+"""A day: more is a typing slip, and a socket cannot wait an infinite or astronomical time (an OverflowError)."""
 
 
 def _load_operand(path: str, parser: argparse.ArgumentParser) -> np.ndarray:
@@ -38,13 +40,13 @@ def _load_operand(path: str, parser: argparse.ArgumentParser) -> np.ndarray:
 
 
 def _seconds(text: str) -> float:
-    """A timeout given on the command line: a positive number of seconds."""
+    """A timeout given on the command line: a positive number of seconds, at most MAX_TIMEOUT_S."""
     try:
         seconds = float(text)
     except ValueError:
         seconds = math.nan
-    if not seconds > 0:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a positive number of seconds")
+    if not 0 < seconds <= MAX_TIMEOUT_S:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive number of seconds up to {MAX_TIMEOUT_S:.0f}")
     return seconds
 
 
@@ -89,7 +91,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--format", choices=FORMATS, default="npy", help="request body: npy (multipart, the default), json or npz"
     )
-    parser.add_argument("--timeout", type=_seconds, default=DEFAULT_TIMEOUT_S, help="seconds to wait for the answer")
+    parser.add_argument(
+        "--timeout",
+        type=_seconds,
+        default=DEFAULT_TIMEOUT_S,
+        help=f"seconds to wait for the answer (default: {DEFAULT_TIMEOUT_S:.0f}, at most {MAX_TIMEOUT_S:.0f}: a day)",
+    )
     parser.add_argument(
         "--api-key",
         default=os.environ.get(API_KEY_VARIABLE),
