@@ -27,12 +27,23 @@ from matmul_client.client import (
 
 URL_VARIABLE = "MATMUL_URL"
 API_KEY_VARIABLE = "MATMUL_API_KEY"
+ZIP_MAGIC = b"PK\x03\x04"
+"""How a zip file, hence an .npz archive, begins."""
 MAX_TIMEOUT_S = 86_400.0
 """A day: more is a typing slip, and a socket cannot wait an infinite or astronomical time (an OverflowError)."""
 
 
 def _load_operand(path: str, parser: argparse.ArgumentParser) -> np.ndarray:
-    try:  # mapped, not read: the file's pages go to the socket as they are
+    """The array of a .npy file. Anything else is refused before np.load, which opens a .npz archive too (an NpzFile of
+    named arrays, not an array)."""
+    try:
+        with open(path, "rb") as file:
+            opening = file.read(len(np.lib.format.MAGIC_PREFIX))
+        if opening.startswith(ZIP_MAGIC):
+            parser.error(f"cannot read {path} as a .npy file: it is a .npz archive; save each operand with np.save")
+        if opening != np.lib.format.MAGIC_PREFIX:
+            parser.error(f"cannot read {path} as a .npy file: it does not begin with NumPy's magic string")
+        # mapped, not read: the file's pages go to the socket as they are
         array: np.ndarray = np.load(path, mmap_mode="r", allow_pickle=False)
     except (OSError, ValueError) as exc:
         parser.error(f"cannot read {path} as a .npy file: {exc}")

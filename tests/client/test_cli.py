@@ -101,12 +101,29 @@ def test_client_refuses_a_timeout_that_is_not_positive_seconds_up_to_a_day(
     assert f"--timeout: {timeout!r} is not a positive number of seconds up to 86400" in capsys.readouterr().err
 
 
-def test_client_refuses_a_file_that_is_not_npy(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    (tmp_path / "a.npy").write_text("not a matrix")
+@pytest.mark.parametrize("text", ["not a matrix", ""])
+def test_client_refuses_a_file_that_is_not_npy(text: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """An empty file too, which np.load met with an EOFError."""
+    (tmp_path / "a.npy").write_text(text)
     with pytest.raises(SystemExit) as stopped:
         client_main([str(tmp_path / "a.npy"), str(tmp_path / "a.npy"), "-o", str(tmp_path / "c.npy")])
     assert stopped.value.code == 2
-    assert "cannot read" in capsys.readouterr().err
+    assert "as a .npy file: it does not begin with NumPy's magic string" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("format", FORMATS)
+def test_client_refuses_an_npz_archive_as_an_operand(
+    format: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """np.load opens an archive too: sent, its key names made a string array (a 422 about a 1-D 'a'), or a crash."""
+    np.savez(tmp_path / "ab.npz", a=np.ones((2, 3)), b=np.ones((3, 1)))
+    np.save(tmp_path / "b.npy", np.ones((3, 1)))
+    argv = [str(tmp_path / "ab.npz"), str(tmp_path / "b.npy"), "-o", str(tmp_path / "c.npy"), "--format", format]
+    with pytest.raises(SystemExit) as stopped:
+        client_main(argv)
+    assert stopped.value.code == 2
+    assert f"cannot read {tmp_path / 'ab.npz'} as a .npy file: it is a .npz archive" in capsys.readouterr().err
+    assert not (tmp_path / "c.npy").exists()
 
 
 def test_the_console_script_is_installed(served_url: str, tmp_path: Path) -> None:
