@@ -10,7 +10,6 @@ import math
 import os
 import sys
 from collections.abc import Sequence
-from pathlib import Path
 
 import httpx
 import numpy as np
@@ -61,6 +60,21 @@ def _seconds(text: str) -> float:
     return seconds
 
 
+def _output(text: str) -> str:
+    """Where the product is saved, checked before it is computed: a file that may be written, or a new one in a
+    directory that exists and may be written."""
+    folder = os.path.dirname(text) or "."
+    if os.path.isdir(text):
+        raise argparse.ArgumentTypeError(f"{text!r} is a directory; name the file to write the product to")
+    if not os.path.basename(text):
+        raise argparse.ArgumentTypeError(f"{text!r} names no file to write the product to")
+    if not os.path.isdir(folder):
+        raise argparse.ArgumentTypeError(f"{text!r} cannot be written: there is no directory {folder!r}")
+    if not os.access(text if os.path.exists(text) else folder, os.W_OK):
+        raise argparse.ArgumentTypeError(f"{text!r} cannot be written: permission denied")
+    return text
+
+
 def _summary(product: Product, output: str) -> str:
     tile = f" (tile {product.tile})" if product.tile is not None else ""
     tile += f" in {product.precision}" if product.precision != "fp32" else ""
@@ -80,7 +94,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("a", help="the left operand, a .npy file: a matrix, or a stack of them (3-D)")
     parser.add_argument("b", help="the right operand, a .npy file: a matrix, or a stack of them (3-D)")
-    parser.add_argument("-o", "--output", required=True, help="where to save the product (.npy)")
+    parser.add_argument(
+        "-o",
+        "--output",
+        type=_output,
+        required=True,
+        help="the file to save the product in, as .npy (no suffix is added)",
+    )
     parser.add_argument(
         "--url",
         default=os.environ.get(URL_VARIABLE, DEFAULT_URL),
@@ -136,7 +156,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     except httpx.TransportError as exc:
         print(f"matmul-client: cannot reach {args.url}: {exc}", file=sys.stderr)
         return 1
-    np.save(Path(args.output), product.c, allow_pickle=False)
+    try:  # a file object, since np.save adds .npy to a name that does not end with it
+        with open(args.output, "wb") as file:
+            np.save(file, product.c, allow_pickle=False)
+    except OSError as exc:
+        print(f"matmul-client: cannot write {args.output}: {exc}", file=sys.stderr)
+        return 1
     if not args.quiet:
         print(_summary(product, args.output), file=sys.stderr)
     return 0

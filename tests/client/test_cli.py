@@ -44,6 +44,62 @@ def test_client_writes_the_product_and_says_where_the_time_went(
     assert "server ms: total" in said and "queue" in said and "kernel" in said
 
 
+def test_client_writes_the_product_to_the_name_it_is_given(
+    served_url: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """np.save adds .npy to a name without it: -o c.out wrote c.out.npy, and the command said c.out."""
+    output = tmp_path / "c.out"
+    argv = [*save_operands(tmp_path, np.ones((3, 2)), np.ones((2, 1))), "-o", str(output), "--url", served_url]
+    assert client_main(argv) == 0
+    assert np.load(output).tolist() == [[2.0]] * 3
+    assert capsys.readouterr().err.startswith(f"{output}: 3x1 float64")
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["a.npy", "b.npy", "c.out"]
+
+
+@pytest.mark.parametrize(
+    ("output", "said"),
+    [
+        ("out", "is a directory"),
+        ("out/", "is a directory"),
+        ("nodir/", "names no file"),
+        ("nodir/c.npy", "cannot be written: there is no directory"),
+    ],
+)
+def test_client_refuses_an_output_it_cannot_write_before_sending(
+    output: str, said: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """With no server to send to: the product is not computed to be lost (-o nodir/c.npy failed after it was), nor
+    saved beside a directory (-o out wrote out.npy)."""
+    (tmp_path / "out").mkdir()
+    argv = [*save_operands(tmp_path, np.ones((1, 1)), np.ones((1, 1))), "-o", f"{tmp_path}/{output}"]
+    with pytest.raises(SystemExit) as stopped:
+        client_main([*argv, "--url", f"http://127.0.0.1:{free_port()}"])
+    assert stopped.value.code == 2
+    assert f"argument -o/--output: '{tmp_path}/{output}' {said}" in capsys.readouterr().err
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["a.npy", "b.npy", "out"]
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root may write in any directory")
+def test_client_refuses_an_output_in_a_directory_it_may_not_write(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (tmp_path / "locked").mkdir(mode=0o500)
+    argv = [*save_operands(tmp_path, np.ones((1, 1)), np.ones((1, 1))), "-o", str(tmp_path / "locked" / "c.npy")]
+    with pytest.raises(SystemExit) as stopped:
+        client_main([*argv, "--url", f"http://127.0.0.1:{free_port()}"])
+    assert stopped.value.code == 2
+    assert "c.npy' cannot be written: permission denied" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="Linux's /dev/full: every write fails with ENOSPC")
+def test_client_reports_a_product_it_cannot_write(
+    served_url: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = [*save_operands(tmp_path, np.ones((1, 1)), np.ones((1, 1))), "-o", "/dev/full", "--url", served_url]
+    assert client_main(argv) == 1
+    assert "matmul-client: cannot write /dev/full: [Errno 28] No space left on device" in capsys.readouterr().err
+
+
 def test_client_reports_the_servers_error(served_url: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     argv = [*save_operands(tmp_path, np.ones((2, 3)), np.ones((2, 3))), "-o", str(tmp_path / "c.npy")]
     assert client_main([*argv, "--url", served_url]) == 1
