@@ -10,6 +10,7 @@ import math
 import os
 import sys
 from collections.abc import Sequence
+from urllib.parse import urlsplit
 
 import httpx
 import numpy as np
@@ -60,6 +61,33 @@ def _seconds(text: str) -> float:
     return seconds
 
 
+def _url(text: str) -> str:
+    """The server's URL, given by --url or $MATMUL_URL: http or https, a host, and a port if any from 1 to 65535, in
+    ASCII (the Host header carries nothing else: an international domain name goes in its xn-- form)."""
+    try:
+        parts = urlsplit(text)
+        usable = parts.scheme in ("http", "https") and bool(parts.hostname) and parts.port != 0
+    except ValueError:  # an IPv6 address's [ left open, a port that is not a number or is over 65535
+        usable = False
+    if not (usable and text.isascii()):
+        raise argparse.ArgumentTypeError(
+            f"{text!r} (from --url or ${URL_VARIABLE}) is not a server's URL such as {DEFAULT_URL}: http or https, "
+            "a host, and a port if any from 1 to 65535, in ASCII"
+        )
+    return text
+
+
+def _api_key(text: str) -> str:
+    """An API key, given by --api-key or $MATMUL_API_KEY: printable ASCII, all a header carries as the server reads
+    it. Never echoed: error messages end up in logs."""
+    if not (text.isascii() and text.isprintable()):
+        raise argparse.ArgumentTypeError(
+            f"the key (from --api-key or ${API_KEY_VARIABLE}; not shown) has a character that is not printable ASCII, "
+            "which a header cannot carry"
+        )
+    return text
+
+
 def _output(text: str) -> str:
     """Where the product is saved, checked before it is computed: a file that may be written, or a new one in a
     directory that exists and may be written."""
@@ -103,6 +131,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument(
         "--url",
+        type=_url,
         default=os.environ.get(URL_VARIABLE, DEFAULT_URL),
         help=f"the server (default: ${URL_VARIABLE}, else {DEFAULT_URL})",
     )
@@ -130,6 +159,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument(
         "--api-key",
+        type=_api_key,
         default=os.environ.get(API_KEY_VARIABLE),
         help=f"sent as a bearer token, for servers with MATMUL_API_KEYS (default: ${API_KEY_VARIABLE})",
     )

@@ -139,6 +139,55 @@ def test_client_sends_the_api_key_it_is_given(
         assert client_main(argv) == 0 and (tmp_path / "c.npy").exists()
 
 
+@pytest.mark.parametrize(
+    "url",
+    [
+        "localhost:18123",
+        "http://127.0.0.1:99999",
+        "http://127.0.0.1:0",
+        "http://127.0.0.1:port",
+        "http://[::1",
+        "http://ключ.рф:8000",
+        "http://",
+        "",
+    ],
+)
+@pytest.mark.parametrize("given_by", ["--url", "$MATMUL_URL"])
+def test_client_refuses_a_url_that_is_not_a_servers(
+    url: str, given_by: str, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each was a ValueError's traceback, from the client's constructor, urllib or the Host header's encoding."""
+    argv = [*save_operands(tmp_path, np.ones((1, 1)), np.ones((1, 1))), "-o", str(tmp_path / "c.npy")]
+    if given_by == "--url":
+        argv += ["--url", url]
+    else:
+        monkeypatch.setenv("MATMUL_URL", url)
+    with pytest.raises(SystemExit) as stopped:
+        client_main(argv)
+    assert stopped.value.code == 2
+    assert f"argument --url: {url!r} (from --url or $MATMUL_URL) is not a server's URL" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("key", ["bad\nkey-7f3a", "ключ-secret-7f3a", "tab\tkey-7f3a", "caf\xe9-7f3a"])
+@pytest.mark.parametrize("given_by", ["--api-key", "$MATMUL_API_KEY"])
+def test_client_refuses_an_api_key_a_header_cannot_carry_without_showing_it(
+    key: str, given_by: str, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The client's ValueError printed the key, into whatever logs the command's output."""
+    argv = [*save_operands(tmp_path, np.ones((1, 1)), np.ones((1, 1))), "-o", str(tmp_path / "c.npy")]
+    argv += ["--url", f"http://127.0.0.1:{free_port()}"]
+    if given_by == "--api-key":
+        argv += ["--api-key", key]
+    else:
+        monkeypatch.setenv("MATMUL_API_KEY", key)
+    with pytest.raises(SystemExit) as stopped:
+        client_main(argv)
+    assert stopped.value.code == 2
+    said = capsys.readouterr().err
+    assert "argument --api-key: the key (from --api-key or $MATMUL_API_KEY; not shown) has a character" in said
+    assert "7f3a" not in said
+
+
 def test_client_without_a_server(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     url = f"http://127.0.0.1:{free_port()}"
     argv = [*save_operands(tmp_path, np.ones((1, 1)), np.ones((1, 1))), "-o", str(tmp_path / "c.npy"), "--url", url]
