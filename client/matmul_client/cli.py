@@ -118,7 +118,10 @@ def _summary(product: Product, output: str) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     """matmul-client: C = A @ B computed by a matmul-service, from .npy files to a .npy file."""
     parser = argparse.ArgumentParser(
-        prog="matmul-client", description="Multiply two .npy matrices on a matmul-service and save the product."
+        prog="matmul-client",
+        description="Multiply two .npy matrices on a matmul-service and save the product.",
+        epilog="exit status: 0 when the product is saved; 2 for arguments refused before anything is sent; 1 when the "
+        "server answers an error or cannot be reached, or the product cannot be written",
     )
     parser.add_argument("a", help="the left operand, a .npy file: a matrix, or a stack of them (3-D)")
     parser.add_argument("b", help="the right operand, a .npy file: a matrix, or a stack of them (3-D)")
