@@ -19,6 +19,7 @@ from matmul_client.client import (
     DEFAULT_TIMEOUT_S,
     DEFAULT_URL,
     FORMATS,
+    MAX_TIMEOUT_S,
     MatmulClient,
     MatmulServiceError,
     Options,
@@ -29,8 +30,6 @@ URL_VARIABLE = "MATMUL_URL"
 API_KEY_VARIABLE = "MATMUL_API_KEY"
 ZIP_MAGIC = b"PK\x03\x04"
 """How a zip file, hence an .npz archive, begins."""
-MAX_TIMEOUT_S = 86_400.0
-"""A day: more is a typing slip, and a socket cannot wait an infinite or astronomical time (an OverflowError)."""
 
 
 def _load_operand(path: str, parser: argparse.ArgumentParser) -> np.ndarray:
