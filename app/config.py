@@ -123,7 +123,10 @@ class Settings(BaseSettings):
     )
     retry_after_s: int = Field(1, ge=1, le=3600, description="Retry-After sent with 503 answers.")
     max_body_bytes: int = Field(
-        1 << 30, ge=1024, description="Largest request body accepted; larger bodies get 413 before being read."
+        1 << 30,
+        ge=1024,
+        description="Largest request body accepted; larger bodies get 413 before being read. A gRPC message may hold "
+        "this and 1 MiB for its other fields, up to 2 GiB - 1 bytes, the most gRPC carries.",
     )
     max_dim: int = Field(65_536, ge=1, le=1 << 30, description="Largest size of any matrix dimension.")
     max_elements: int = Field(1 << 28, ge=1, description="Largest number of elements of either operand.")

@@ -66,6 +66,9 @@ metadata gRPC clients take, and the client would read RESOURCE_EXHAUSTED instead
 header each byte past ASCII takes three (percent-encoded), so 2 KiB stays under 8 KiB whatever the text."""
 MESSAGE_OVERHEAD_BYTES = 1 << 20
 """Room for a message's fields beside the tensors' bytes, within the size limits."""
+MAX_MESSAGE_BYTES = (1 << 31) - 1
+"""The largest message gRPC carries: its message-size options are C ints, and protobuf encodes no message of 2 GiB.
+A MATMUL_MAX_BODY_BYTES past it, less MESSAGE_OVERHEAD_BYTES, holds over HTTP alone."""
 STOP_GRACE_S = 10.0
 """How long calls in flight may take to finish when the worker stops, before they are cancelled."""
 
@@ -259,7 +262,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):  # type: ignore[m
                 timing = product.describe().timing
             finally:
                 product.release()
-            _check_answer_fits(response, message_limit(self.settings))
+            _check_answer_fits(response, self.settings)
         except MatmulError:
             self.statistics.record_failure(model, clock.elapsed_ms())
             raise
@@ -402,18 +405,26 @@ def _infer_response(product: Product, model: str, decoded: inference_v2.InferReq
 
 
 def message_limit(settings: Settings) -> int:
-    """The largest message either way: the body limit over HTTP, and room for the fields beside the tensors."""
-    return settings.max_body_bytes + MESSAGE_OVERHEAD_BYTES
+    """The largest message either way: the body limit over HTTP, and room for the fields beside the tensors, up to
+    the most gRPC carries."""
+    return min(settings.max_body_bytes + MESSAGE_OVERHEAD_BYTES, MAX_MESSAGE_BYTES)
 
 
-def _check_answer_fits(response: Any, limit: int) -> None:
+def _message_limit_source(settings: Settings) -> str:
+    """What sets message_limit, in the words of the answers it refuses."""
+    if settings.max_body_bytes + MESSAGE_OVERHEAD_BYTES > MAX_MESSAGE_BYTES:
+        return "the most gRPC carries; MATMUL_MAX_BODY_BYTES is more, over HTTP only"
+    return "MATMUL_MAX_BODY_BYTES and 1 MiB for the other fields"
+
+
+def _check_answer_fits(response: Any, settings: Settings) -> None:
     """PayloadTooLarge (RESOURCE_EXHAUSTED) for an answer past the message limit, saying what to do instead, rather
     than the transport's own failure to send it: a product's C can be far larger than its operands (m x 1 @ 1 x n)."""
-    size = response.ByteSize()
+    size, limit = response.ByteSize(), message_limit(settings)
     if size > limit:
         raise PayloadTooLarge(
-            f"the answer is {size} bytes, over the gRPC message limit of {limit} (MATMUL_MAX_BODY_BYTES and 1 MiB for "
-            "the other fields): ask for C in shared memory, or over HTTP"
+            f"the answer is {size} bytes, over the gRPC message limit of {limit} ({_message_limit_source(settings)}): "
+            "ask for C in shared memory, or over HTTP"
         )
 
 
@@ -432,4 +443,7 @@ async def start_server(settings: Settings, engine: EngineClient, statistics: Inf
     server.add_insecure_port(address)  # RuntimeError where it cannot listen there
     await server.start()
     log.info("gRPC inference protocol on %s", address)
+    if settings.max_body_bytes + MESSAGE_OVERHEAD_BYTES > limit:
+        # a warning: uvicorn's HTTP workers show no info of the service's loggers
+        log.warning("gRPC messages are limited to %d bytes (%s)", limit, _message_limit_source(settings))
     return server

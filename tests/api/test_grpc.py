@@ -465,6 +465,32 @@ async def test_tensors_of_the_body_limit_are_served_and_a_message_past_the_grpc_
             assert raised.value.code() == code and words in str(raised.value.details()), raised.value.details()
 
 
+@pytest.mark.anyio
+async def test_a_body_limit_past_what_grpc_carries_caps_the_grpc_messages_alone_and_says_so(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """MATMUL_MAX_BODY_BYTES of 4 GiB, for HTTP: gRPC, on by default, starts with the largest message it carries,
+    2 GiB - 1 (the body limit and 1 MiB would not fit its 32-bit option), serves, and the log says so; a limit that
+    fits is not capped."""
+    assert grpc_front.message_limit(_in_process_settings(max_body_bytes=(1 << 31) - 1 - MIB)) == (1 << 31) - 1
+    settings = _in_process_settings(max_body_bytes=4 << 30)
+    assert grpc_front.message_limit(settings) == (1 << 31) - 1
+    with caplog.at_level(logging.INFO, logger=grpc_front.__name__):
+        async with serving_in_process(settings) as (address, _, _):
+            client = grpcaio.InferenceServerClient(url=address)
+            try:
+                a, b = _operands(14)
+                result = await client.infer("matmul", _inputs(a, b))
+            finally:
+                await client.close()
+    assert_close_to_reference(result.as_numpy("C"), a, b, np.dtype(np.float32))
+    [warning] = [record.getMessage() for record in caplog.records if record.levelno == logging.WARNING]
+    assert warning == (
+        "gRPC messages are limited to 2147483647 bytes "
+        "(the most gRPC carries; MATMUL_MAX_BODY_BYTES is more, over HTTP only)"
+    )
+
+
 # ---------------------------------------------------------------------------------- API keys, every RPC
 
 KEYED_RPCS: dict[str, Any] = {
