@@ -8,10 +8,10 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from enum import Enum
 
-from pydantic import ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from pydantic.fields import FieldInfo
 
 from app import __version__, host
@@ -21,6 +21,7 @@ from app.dataplane.supervisor import ENGINE_SOCKETS_VARIABLE, EngineSupervisor
 FLAG_ALIASES = {"http_workers": ("--workers",)}
 """Shorter flags for settings, as uvicorn and gunicorn spell them."""
 ENV_PREFIX = Settings.model_config.get("env_prefix", "")
+ENV_FILE = Settings.model_config.get("env_file")
 METRICS_DIR_VARIABLE = "PROMETHEUS_MULTIPROC_DIR"
 GRACEFUL_SHUTDOWN_VARIABLE = "UVICORN_TIMEOUT_GRACEFUL_SHUTDOWN"
 
@@ -65,13 +66,10 @@ def service_parser() -> argparse.ArgumentParser:
         "what no flag sets comes from the environment (or .env), else the default.",
     )
     parser.add_argument("--host", default="0.0.0.0", help="interface to listen on (default: 0.0.0.0)")
-    parser.add_argument("--port", type=int, default=8000, help="port to listen on (default: 8000)")
+    parser.add_argument("--port", default=8000, help="port to listen on (default: 8000)")
     parser.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
-    # uvicorn.run reads no UVICORN_* variable (only uvicorn's own command line does), so this one is read here.
     parser.add_argument(
         "--timeout-graceful-shutdown",
-        type=int,
-        default=os.environ.get(GRACEFUL_SHUTDOWN_VARIABLE),
         metavar="SECONDS",
         help="on SIGTERM, how long each HTTP worker waits for the requests in flight before it closes them "
         f"(default: ${GRACEFUL_SHUTDOWN_VARIABLE}, else uvicorn's: no limit)",
@@ -79,6 +77,44 @@ def service_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"matmul-service {__version__}")
     _add_setting_flags(parser)
     return parser
+
+
+class UvicornOptions(BaseModel):
+    """What matmul-service passes on to uvicorn beside the settings, checked as they are."""
+
+    model_config = ConfigDict(frozen=True)
+
+    host: str
+    port: int
+    timeout_graceful_shutdown: int | None = Field(ge=0)
+
+
+def uvicorn_options(args: argparse.Namespace) -> UvicornOptions:
+    """uvicorn's options from the flags; the graceful shutdown's, where no flag gives it, from
+    UVICORN_TIMEOUT_GRACEFUL_SHUTDOWN (uvicorn.run reads no UVICORN_* variable, only uvicorn's own command line does).
+    ValidationError where one is invalid."""
+    graceful = args.timeout_graceful_shutdown
+    if graceful is None:
+        graceful = os.environ.get(GRACEFUL_SHUTDOWN_VARIABLE) or None
+    return UvicornOptions(host=args.host, port=args.port, timeout_graceful_shutdown=graceful)
+
+
+def _setting_source(name: str, flags: Collection[str], variables: Collection[str]) -> str:
+    """Where a setting's value came from: its flag, else its variable, else the .env file."""
+    if name in flags:
+        return "--" + name.replace("_", "-")
+    variable = f"{ENV_PREFIX}{name}".upper()
+    return f"${variable}" if variable in variables else f"{variable} in {ENV_FILE}"
+
+
+def _problems(error: ValidationError, sources: Mapping[str, str]) -> list[str]:
+    """One line for each invalid value of `error`, naming where it came from (`sources`, by field). A default derived
+    from an invalid value (MATMUL_SLAB_BYTES' from MATMUL_HTTP_WORKERS') is left out: that value is named."""
+    return [
+        f"{sources[str(problem['loc'][0])]} {problem['input']!r}: {problem['msg']}"
+        for problem in error.errors()
+        if problem["type"] != "default_factory_not_called"
+    ]
 
 
 def _serving_line(settings: Settings, flags: Collection[str]) -> str:
@@ -119,15 +155,23 @@ def service_main(argv: Sequence[str] | None = None) -> int:
     parser = service_parser()
     args = parser.parse_args(argv)
 
+    variables = {name.upper() for name, value in os.environ.items() if value}
     given = {name: getattr(args, name) for name in Settings.model_fields if getattr(args, name) is not None}
     # The HTTP workers read their settings from the environment; flags become variables so that they do.
     os.environ.update({f"{ENV_PREFIX}{name}".upper(): str(value) for name, value in given.items()})
+    problems: list[str] = []
+    try:
+        options = uvicorn_options(args)
+    except ValidationError as exc:
+        flag = args.timeout_graceful_shutdown is not None
+        graceful = "--timeout-graceful-shutdown" if flag else f"${GRACEFUL_SHUTDOWN_VARIABLE}"
+        problems += _problems(exc, {"port": "--port", "timeout_graceful_shutdown": graceful})
     try:
         settings = Settings()
     except ValidationError as exc:
-        problem = exc.errors()[0]
-        flag = "--" + str(problem["loc"][0]).replace("_", "-")
-        parser.error(f"{flag} {problem['input']!r}: {problem['msg']}")
+        problems += _problems(exc, {name: _setting_source(name, given, variables) for name in Settings.model_fields})
+    if problems:
+        parser.error("\n  ".join(["invalid settings:", *problems]))
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s supervisor %(levelname)s %(message)s")
     logging.getLogger(__name__).info("serving with %s", _serving_line(settings, given))
@@ -159,12 +203,12 @@ def service_main(argv: Sequence[str] | None = None) -> int:
         uvicorn.run(
             "app.main:create_app",
             factory=True,
-            host=args.host,
-            port=args.port,
+            host=options.host,
+            port=options.port,
             log_level=args.log_level,
             access_log=False,
             http=GuardedHttpProtocol,  # type: ignore[arg-type]  # a BufferedProtocol: uvicorn calls what it is given
-            timeout_graceful_shutdown=args.timeout_graceful_shutdown,
+            timeout_graceful_shutdown=options.timeout_graceful_shutdown,
             workers=settings.http_workers,
             loop=loop,
             # no WebSocket routes; and an upgraded connection would leave the protocol that counts its end

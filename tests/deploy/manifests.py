@@ -207,7 +207,7 @@ def graceful_shutdown_s(pod: Pod) -> int | None:
     variables = {key: value for key, value in os.environ.items() if key != name}
     given = {**SERVICE_ENV, **pod.environment()}.get(name)
     with mock.patch.dict(os.environ, variables if given is None else {**variables, name: given}, clear=True):
-        timeout: int | None = cli.service_parser().parse_args([]).timeout_graceful_shutdown
+        timeout = cli.uvicorn_options(cli.service_parser().parse_args([])).timeout_graceful_shutdown
     return timeout
 
 

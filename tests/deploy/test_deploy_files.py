@@ -170,9 +170,10 @@ def test_matmul_service_gives_in_flight_requests_a_graceful_shutdown_in_the_imag
     """uvicorn.run reads no UVICORN_* variable; matmul-service's --timeout-graceful-shutdown takes its default from
     UVICORN_TIMEOUT_GRACEFUL_SHUTDOWN, so on SIGTERM each HTTP worker waits that long for in-flight requests."""
     in_the_image_environment(monkeypatch)
-    assert cli.service_parser().parse_args(SERVICE_ARGS).timeout_graceful_shutdown == 30
+    args = cli.service_parser().parse_args(SERVICE_ARGS)
+    assert cli.uvicorn_options(args).timeout_graceful_shutdown == 30
     monkeypatch.delenv(cli.GRACEFUL_SHUTDOWN_VARIABLE)
-    assert cli.service_parser().parse_args(SERVICE_ARGS).timeout_graceful_shutdown is None, "uvicorn's default"
+    assert cli.uvicorn_options(args).timeout_graceful_shutdown is None, "uvicorn's default"
 
 
 class FakeSupervisor:
