@@ -66,7 +66,7 @@ def service_parser() -> argparse.ArgumentParser:
         "what no flag sets comes from the environment (or .env), else the default.",
     )
     parser.add_argument("--host", default="0.0.0.0", help="interface to listen on (default: 0.0.0.0)")
-    parser.add_argument("--port", default=8000, help="port to listen on (default: 8000)")
+    parser.add_argument("--port", default=8000, help="port to listen on, 0 to 65535 (default: 8000)")
     parser.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     parser.add_argument(
         "--timeout-graceful-shutdown",
@@ -85,7 +85,7 @@ class UvicornOptions(BaseModel):
     model_config = ConfigDict(frozen=True)
 
     host: str
-    port: int
+    port: int = Field(ge=0, le=65535)
     timeout_graceful_shutdown: int | None = Field(ge=0)
 
 

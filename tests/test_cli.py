@@ -69,3 +69,16 @@ def test_the_graceful_shutdown_is_named_as_its_variable_or_its_flag(
     assert refusal(capsys, "--timeout-graceful-shutdown", "-1") == [
         "--timeout-graceful-shutdown '-1': Input should be greater than or equal to 0"
     ]
+
+
+@pytest.mark.parametrize("port", ["70000", "65536", "-1"])
+def test_a_port_past_the_ports_is_refused_not_wrapped(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], port: str
+) -> None:
+    """--port 70000 listened on 4464 (70000 - 65536); MATMUL_GRPC_PORT is checked as well."""
+    monkeypatch.setenv("MATMUL_GRPC_PORT", port)
+    bound = "less than or equal to 65535" if port != "-1" else "greater than or equal to 0"
+    assert refusal(capsys, "--port", port) == [
+        f"--port '{port}': Input should be {bound}",
+        f"$MATMUL_GRPC_PORT '{port}': Input should be {bound}",
+    ]
