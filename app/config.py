@@ -6,7 +6,7 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Annotated, Any
 
-from pydantic import Field, SecretStr, field_validator
+from pydantic import Field, NonNegativeInt, SecretStr, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from app import host
@@ -85,9 +85,9 @@ class Settings(BaseSettings):
     backend: BackendChoice = Field(
         BackendChoice.AUTO, description="cpu, gpu, or auto (the GPU when CuPy sees a device, else the CPU)."
     )
-    devices: Annotated[list[int], NoDecode] = Field(
+    devices: Annotated[list[NonNegativeInt], NoDecode] = Field(
         default_factory=list,
-        description="Comma-separated CUDA device ordinals, one GPU worker each (none: every visible device).",
+        description="Comma-separated distinct CUDA device ordinals, one GPU worker each (none: every visible device).",
     )
     http_workers: int = Field(
         default_factory=_host_http_workers,
@@ -252,6 +252,15 @@ class Settings(BaseSettings):
     def _empty_is_unset(cls, value: Any) -> Any:
         """MATMUL_KERNEL_CACHE_DIR set empty is the default folder, not the current directory."""
         return None if value == "" else value
+
+    @field_validator("devices")
+    @classmethod
+    def _each_device_once(cls, devices: list[int]) -> list[int]:
+        """MATMUL_DEVICES names a device once: a second engine process on it would share the device, not add one."""
+        repeated = sorted({device for device in devices if devices.count(device) > 1})
+        if repeated:
+            raise ValueError(f"a device may be named once only; repeated: {', '.join(map(str, repeated))}")
+        return devices
 
     @field_validator("api_keys", "devices", "shared_memory", mode="before")
     @classmethod

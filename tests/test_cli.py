@@ -82,3 +82,14 @@ def test_a_port_past_the_ports_is_refused_not_wrapped(
         f"--port '{port}': Input should be {bound}",
         f"$MATMUL_GRPC_PORT '{port}': Input should be {bound}",
     ]
+
+
+def test_devices_that_no_engine_can_start_on_are_named_before_any_starts(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """MATMUL_DEVICES=-1,0,0 reached the device probe, whose parser read -1,0,0 as a flag."""
+    monkeypatch.setenv("MATMUL_DEVICES", "-1,0,0")
+    assert refusal(capsys) == ["$MATMUL_DEVICES '-1': Input should be greater than or equal to 0"]
+    assert refusal(capsys, "--devices", "1,0,1") == [
+        "--devices ['1', '0', '1']: Value error, a device may be named once only; repeated: 1"
+    ]

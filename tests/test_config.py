@@ -143,6 +143,20 @@ def test_the_lists_still_split() -> None:
     assert given.devices == [0, 1] and [key.get_secret_value() for key in given.api_keys] == ["k1", "k2"]
 
 
+@pytest.mark.parametrize(
+    ("devices", "said"),
+    [
+        ("-1,0", r"devices\.0\n  Input should be greater than or equal to 0"),
+        ("1,0,1,2,0", r"devices\n  Value error, a device may be named once only; repeated: 0, 1"),
+    ],
+)
+def test_the_devices_are_ordinals_each_named_once(monkeypatch: pytest.MonkeyPatch, devices: str, said: str) -> None:
+    """Two engine processes on one device would share it (and one socket), not double it."""
+    monkeypatch.setenv("MATMUL_DEVICES", devices)
+    with pytest.raises(ValidationError, match=said):
+        settings()
+
+
 def test_batching_is_on_without_a_queue_delay_by_default() -> None:
     defaults = settings()
     assert defaults.batching is True and defaults.max_queue_delay_us == 0
