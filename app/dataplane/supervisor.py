@@ -114,7 +114,8 @@ class EngineSupervisor:
     def _probe(self) -> dict[str, object]:
         backend, devices = self.settings.backend.value, ",".join(map(str, self.settings.devices))
         done = subprocess.run(
-            [sys.executable, "-m", "app.dataplane.devices", "--backend", backend, "--devices", devices],
+            # one argument: a value of its own would be read as a flag if it began with "-"
+            [sys.executable, "-m", "app.dataplane.devices", "--backend", backend, f"--devices={devices}"],
             env=self.environment,
             capture_output=True,
             text=True,

@@ -131,7 +131,7 @@ def probe_devices(*arguments: str) -> subprocess.CompletedProcess[str]:
 
 
 def test_the_device_probe_answers_in_json_and_refuses_gpu_without_one() -> None:
-    assert json.loads(probe_devices("--backend", "cpu", "--devices", "0,1").stdout) == {"cpu": "MATMUL_BACKEND=cpu"}
+    assert json.loads(probe_devices("--backend", "cpu", "--devices=0,1").stdout) == {"cpu": "MATMUL_BACKEND=cpu"}
     if devices.gpu_unavailable(0) is None:
         pytest.skip("this machine has a GPU: the refusals below need one missing")
     auto = probe_devices("--backend", "auto")
@@ -143,6 +143,24 @@ def test_the_device_probe_answers_in_json_and_refuses_gpu_without_one() -> None:
     assert said.startswith(f"RuntimeError: MATMUL_BACKEND=gpu, but the GPU backend cannot start: {devices.NO_GPU}")
     wrong = probe_devices("--backend", "tpu")
     assert wrong.returncode == 2 and "invalid choice: 'tpu'" in wrong.stderr
+
+
+def test_the_supervisor_gives_the_probe_the_devices_as_one_argument(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`--devices=LIST`: argparse reads it as the flag's value whatever the list begins with."""
+    commands: list[list[str]] = []
+
+    def run(command: list[str], **_: object) -> subprocess.CompletedProcess[str]:
+        commands.append(command)
+        return subprocess.CompletedProcess(command, 0, stdout='{"devices": [1, 0]}', stderr="")
+
+    monkeypatch.setattr(subprocess, "run", run)
+    supervisor = EngineSupervisor(Settings(backend=BackendChoice.GPU, devices=[1, 0]))
+    try:
+        assert supervisor._probe() == {"devices": [1, 0]}
+    finally:
+        supervisor.stop()
+    [command] = commands
+    assert command[-3:] == ["--backend", "gpu", "--devices=1,0"]
 
 
 def test_the_supervisor_says_why_the_gpu_backend_cannot_start() -> None:
