@@ -181,6 +181,14 @@ class Settings(BaseSettings):
         description="Longest a product may wait in the queue before 504; a request may ask for less with the "
         "X-Request-Timeout header (seconds).",
     )
+    engine_silence_s: float = Field(
+        10.0,
+        gt=0,
+        le=3600,
+        description="How long an HTTP worker waits for any word from a ready engine process (it sends its status "
+        "every 0.5 s) before taking it for hung: /readyz says so, and the products waiting on it get 503 "
+        "engine_unresponsive (their shared memory held until the engine answers or exits).",
+    )
     grpc_port: int = Field(
         8001,
         ge=0,

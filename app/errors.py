@@ -28,7 +28,8 @@ to HTTP statuses, so the service, the codecs and the engine raise them and never
     │   ├── Overloaded            overloaded             the worker's queue is full
     │   ├── NotReady              not_ready              kernels still compiling, or the device failed
     │   ├── DeviceOutOfMemory     device_out_of_memory   the product does not fit in device memory now
-    │   └── DeviceLost            device_lost            a sticky CUDA error: the process must restart
+    │   ├── DeviceLost            device_lost            a sticky CUDA error: the process must restart
+    │   └── EngineUnresponsive    engine_unresponsive    the engine process has said nothing for too long
     ├── DeadlineExceeded          deadline_exceeded      still queued when the request's deadline passed
     ├── ClientGone                client_gone            the client disconnected (nobody reads this answer)
     └── DeviceFailure             device_failure         the device raised an error we did not expect
@@ -145,6 +146,10 @@ class DeviceOutOfMemory(ServiceUnavailable):
 
 class DeviceLost(ServiceUnavailable):
     code = "device_lost"
+
+
+class EngineUnresponsive(ServiceUnavailable):
+    code = "engine_unresponsive"
 
 
 class DeadlineExceeded(MatmulError):

@@ -26,7 +26,7 @@ import os
 import socket
 from collections.abc import Callable
 from functools import partial
-from time import perf_counter
+from time import monotonic, perf_counter
 from typing import Any, Literal
 
 import msgspec
@@ -40,7 +40,7 @@ from app.engine import EngineState, KernelInfo, LentMemory, Outcome, Plan, Produ
 from app.engine.autotune import SHAPE_CLASSES, AutoChoice
 from app.engine.base import DeviceTiming
 from app.engine.staging import cast_into, check_in_format, reads_elements
-from app.errors import DeviceLost, NotReady, Overloaded, SharedMemoryError, error_of
+from app.errors import DeviceLost, EngineUnresponsive, NotReady, Overloaded, SharedMemoryError, error_of
 from app.shared_memory import Matrix, SharedOutput, SharedTensor
 from numerics.precision import Precision, operand_dtype
 from numerics.roofline import DevicePeaks
@@ -58,9 +58,12 @@ WELCOME_TIMEOUT_S = 120.0
 class EngineLink:
     """One engine process: the channel to it, its requests in flight, what it last said about itself."""
 
-    def __init__(self, path: str, arena: Arena) -> None:
+    def __init__(self, path: str, arena: Arena, silence_s: float) -> None:
         self.path = path
         self.arena = arena
+        self.silence_s = silence_s
+        """How long a ready engine may say nothing (it sends a status every STATUS_EVERY_S) before it is taken for
+        hung."""
         self.welcome: wire.Welcome | None = None
         self.status: wire.Status | None = None
         self.lost: str | None = None
@@ -77,7 +80,11 @@ class EngineLink:
         self._pending: dict[int, asyncio.Future[wire.Reply]] = {}
         self._ids = itertools.count()
         self._load = 0
-        self._task: asyncio.Task[None] | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+        self._heard_at = 0.0
+        """When the engine last said anything (time.monotonic)."""
+        self._silent: asyncio.Future[None] | None = None
+        """Settled once the engine has said nothing for `silence_s`; a new one when it speaks again."""
 
     # ------------------------------------------------------------------------------------------ state
 
@@ -94,13 +101,26 @@ class EngineLink:
     def state(self) -> EngineState:
         if self._writer is None or self.status is None:
             return EngineState.FAILED if self.lost else EngineState.STARTING
+        if self.is_silent:
+            return EngineState.FAILED
         return EngineState(self.status.state)
 
     @property
     def failure(self) -> str | None:
         if self._writer is None:
             return self.lost
+        if self.is_silent:
+            return self._silence()
         return None if self.status is None else self.status.failure
+
+    @property
+    def is_silent(self) -> bool:
+        """Whether the engine, connected and ready when it last spoke, has said nothing for `silence_s`."""
+        return self._silent is not None and self._silent.done()
+
+    def _silence(self) -> str:
+        pid = self.welcome.engine_pid if self.welcome else "?"
+        return f"the engine process {pid} has said nothing for more than {self.silence_s:g} s"
 
     @property
     def in_flight(self) -> int:
@@ -115,14 +135,40 @@ class EngineLink:
     # --------------------------------------------------------------------------------------- channel
 
     def start(self) -> None:
-        self._task = asyncio.create_task(self._keep_connected(), name=f"engine-link {self.path}")
+        self._silent = asyncio.get_running_loop().create_future()
+        self._tasks = [
+            asyncio.create_task(self._keep_connected(), name=f"engine-link {self.path}"),
+            asyncio.create_task(self._watch_silence(), name=f"engine-silence {self.path}"),
+        ]
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
+        for task in self._tasks:
+            task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+                await task
         self._drop("the HTTP worker is shutting down")
+
+    async def wait_for(self, reply: asyncio.Future[wire.Reply]) -> None:
+        """Until the reply has come; EngineUnresponsive if the engine falls silent first (the reply still comes if
+        it speaks again, to whoever waits for it then)."""
+        silent = self._silent
+        if silent is not None and not reply.done():
+            await asyncio.wait((reply, silent), return_when=asyncio.FIRST_COMPLETED)
+        if not reply.done():
+            raise EngineUnresponsive(f"{self._silence()}; the product was given up")
+
+    async def _watch_silence(self) -> None:
+        """Settle `_silent` once a ready engine has said nothing for `silence_s` (it is stopped, or its event loop
+        is stuck): a hung engine keeps its socket open, so its end says nothing."""
+        while True:
+            await asyncio.sleep(self.silence_s / 4)
+            ready = (
+                self._writer is not None and self.status is not None and self.status.state == EngineState.READY.value
+            )
+            silent = self._silent
+            if ready and silent is not None and not silent.done() and monotonic() - self._heard_at > self.silence_s:
+                log.error("%s: taken for hung until it speaks again", self._silence())
+                silent.set_result(None)
 
     async def _keep_connected(self) -> None:
         while True:
@@ -178,6 +224,10 @@ class EngineLink:
                 future.set_exception(DeviceLost(f"{why}; the product was lost with it"))
 
     def _take(self, message: wire.FromEngine) -> None:
+        self._heard_at = monotonic()
+        if self.is_silent:
+            log.warning("the engine process on %s speaks again", self.path)
+            self._silent = asyncio.get_running_loop().create_future()
         match message:
             case wire.Welcome(version=version) if version != wire.PROTOCOL_VERSION:
                 raise _Refused(
@@ -242,7 +292,7 @@ class EngineClient:
         if not paths:
             raise ValueError("an engine client needs at least one engine process")
         self.arena = Arena(settings.slab_bytes)
-        self.links = [EngineLink(path, self.arena) for path in paths]
+        self.links = [EngineLink(path, self.arena, settings.engine_silence_s) for path in paths]
         self.inline_bytes = settings.inline_codec_bytes
         self._all_were_ready = False
         """Every engine process has been ready at once (start-up is over): from then on one ready engine serves."""
@@ -574,10 +624,11 @@ class EngineClient:
         read_in_place: tuple[np.ndarray, ...],
     ) -> Outcome:
         try:
-            message = await asyncio.shield(reply)
-        except asyncio.CancelledError:
+            await link.wait_for(reply)
+            message = reply.result()
+        except (asyncio.CancelledError, EngineUnresponsive):
             # The engine may still be writing C, and reading operands that lie in a lent body: the slab is freed,
-            # and those operands let go of, by the reply to the cancel, not now.
+            # and those operands let go of, by the reply to the cancel (or the engine's end), not now.
             link.cancel(key)
             reply.add_done_callback(partial(_release_after_reply, slab, read_in_place))
             raise

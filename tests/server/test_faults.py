@@ -140,6 +140,35 @@ def test_a_killed_engine_process_fails_what_it_held_and_a_new_one_serves(
     assert int(_info(service)["devices"][0]["engine_pid"]) != victim  # type: ignore[index]
 
 
+def test_a_hung_engine_process_fails_what_waits_on_it_and_serves_again_once_it_speaks(serve: Serve) -> None:
+    """The engine process is stopped (SIGSTOP: a hung engine keeps its socket open, so no end of it tells the HTTP
+    worker anything). The product waiting on it gets 503 once the engine has said nothing for
+    MATMUL_ENGINE_SILENCE_S, rather than waiting for ever; /readyz says why. Once the engine goes on (SIGCONT) the
+    service serves again, and the given-up product's shared memory comes back when the engine answers it."""
+    service = serve({**ENV, "MATMUL_ENGINE_SILENCE_S": "1"}, 1)
+    engine = int(_info(service)["devices"][0]["engine_pid"])  # type: ignore[index]
+    os.kill(engine, signal.SIGSTOP)
+    try:
+        answer = httpx.post(f"{service.url}/matmul", json={"a": [[1, 2]], "b": [[3], [4]]}, timeout=60)
+        ready = httpx.get(f"{service.url}/readyz", timeout=10)
+        held = _info(service)["slabs"]["used_bytes"]  # type: ignore[index]
+    finally:
+        os.kill(engine, signal.SIGCONT)
+    said = f"the engine process {engine} has said nothing for more than 1 s"
+    # given up while it waited (or, on a slow machine, refused at once if the silence came before it)
+    assert answer.status_code == 503 and answer.headers["retry-after"], answer.text
+    assert answer.json()["code"] in {"engine_unresponsive", "not_ready"} and said in answer.json()["message"]
+    assert ready.status_code == 503 and said in ready.json()["message"]
+    # the engine may still write the product's C: its shared memory is not lent again while the engine is stopped
+    assert answer.json()["code"] == "not_ready" or held > 0
+    _serves_again(service)
+    for _ in range(600):
+        if _info(service)["slabs"]["used_bytes"] == 0:  # type: ignore[index]
+            break
+        time.sleep(0.05)
+    assert _info(service)["slabs"]["used_bytes"] == 0  # type: ignore[index]
+
+
 def _gpus() -> int:
     listed = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, check=False)
     return len([line for line in listed.stdout.splitlines() if line.startswith("GPU ")])
