@@ -16,7 +16,7 @@ from pydantic.fields import FieldInfo
 
 from app import __version__, host
 from app.config import MAX_DEFAULT_HTTP_WORKERS, MAX_DEFAULT_SLAB_BYTES, MIN_DEFAULT_SLAB_BYTES, Settings
-from app.dataplane.supervisor import ENGINE_SOCKETS_VARIABLE, EngineSupervisor
+from app.dataplane.supervisor import ENGINE_SOCKETS_VARIABLE, SUPERVISOR_PID_VARIABLE, EngineSupervisor
 
 FLAG_ALIASES = {"http_workers": ("--workers",)}
 """Shorter flags for settings, as uvicorn and gunicorn spell them."""
@@ -189,6 +189,7 @@ def service_main(argv: Sequence[str] | None = None) -> int:
     from app.api.connection import GuardedHttpProtocol
 
     os.environ[ENGINE_SOCKETS_VARIABLE] = ",".join(supervisor.sockets)
+    os.environ[SUPERVISOR_PID_VARIABLE] = str(os.getpid())
     loop = "auto"
     if settings.http_workers > 1:
         # every worker's /metrics merges the values all of them keep in this folder (app.metrics)

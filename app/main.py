@@ -31,7 +31,7 @@ from app.api.routes import docs, include_routers
 from app.api.v2.statistics import InferenceStatistics
 from app.config import Settings
 from app.dataplane.engine_client import EngineClient
-from app.dataplane.supervisor import ENGINE_SOCKETS_VARIABLE, EngineSupervisor
+from app.dataplane.supervisor import ENGINE_SOCKETS_VARIABLE, EngineSupervisor, end_with_supervisor
 from app.metrics import ServiceMetrics
 
 
@@ -52,6 +52,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[dict[str, Any]]:
         cap_malloc_arenas()  # before the codec thread pool starts its threads
+        end_with_supervisor()
         resolved = settings if settings is not None else Settings()
         async with AsyncExitStack() as stack:
             engine = EngineClient(await _engine_sockets(resolved, stack), resolved)

@@ -13,6 +13,7 @@ crash, a kill. A process that dies within `STEADY_S` of starting is restarted af
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import json
 import logging
 import os
@@ -35,12 +36,33 @@ log = logging.getLogger(__name__)
 ENGINE_SOCKETS_VARIABLE = "MATMUL_ENGINE_SOCKETS"
 """Set by `matmul-service` for its HTTP workers: the engine processes' sockets, comma-separated. Not a setting:
 an HTTP worker started without it starts engine processes of its own."""
+SUPERVISOR_PID_VARIABLE = "MATMUL_SUPERVISOR_PID"
+"""Set by `matmul-service` for its HTTP workers: its own pid, the process whose death ends them
+(`end_with_supervisor`)."""
+PR_SET_PDEATHSIG = 1
+"""prctl's option: the signal the kernel sends this process when the thread that started it ends (linux/prctl.h)."""
 WATCH_EVERY_S = 0.05
 STEADY_S = 10.0
 MAX_BACKOFF_S = 5.0
 FIRST_BACKOFF_S = 0.1
 STOP_TIMEOUT_S = 90.0
 """Longest a stopping engine may drain before it is killed (longer than a product's default deadline)."""
+
+
+def end_with_supervisor() -> None:
+    """In an HTTP worker that `matmul-service` started (as a process of its own: with more than one worker), ask the
+    kernel for SIGTERM, a graceful stop, when `matmul-service` dies, whatever kills it (SIGKILL included): an orphaned
+    worker would keep the ports and answer /healthz while no engine process ever comes back. uvicorn starts and
+    replaces its workers from its main thread, whose end is the process's. Linux only; nothing elsewhere, nor in a
+    worker started any other way."""
+    supervisor = os.environ.get(SUPERVISOR_PID_VARIABLE)
+    if supervisor is None or int(supervisor) == os.getpid() or not sys.platform.startswith("linux"):
+        return
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0) != 0:
+        log.warning("this HTTP worker will outlive matmul-service: prctl failed (errno %d)", ctypes.get_errno())
+    elif os.getppid() != int(supervisor):  # it died before the kernel was asked
+        os.kill(os.getpid(), signal.SIGTERM)
 
 
 def engine_environment(settings: Settings) -> dict[str, str]:

@@ -220,3 +220,27 @@ def test_sigterm_ends_the_whole_tree_and_leaves_nothing_behind(service: LocalSer
     assert not socket_folder.exists()
     if os.path.isdir("/dev/shm"):
         assert set(os.listdir("/dev/shm")) <= shared_memory
+
+
+def running(pid: int) -> bool:
+    """Whether `pid` runs (a process whose parent died and that no one has reaped yet is a zombie, not running)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_the_workers_end_with_matmul_service_even_when_it_is_killed(service: LocalService) -> None:
+    """SIGKILL to matmul-service, which can do nothing about it: its HTTP workers are stopped by the kernel (they asked
+    for SIGTERM at their parent's death) and the engine drains on its stdin's end, so that no orphaned worker keeps the
+    port and answers /healthz while no engine ever comes back."""
+    engine_pid = int(engine_of(info(service))["engine_pid"])  # type: ignore[call-overload]
+    workers = worker_pids(service, 2)
+    service.process.kill()
+    service.process.wait(GUARD_S)
+    deadline = time.monotonic() + GUARD_S
+    while alive := [pid for pid in [*workers, engine_pid] if running(pid)]:
+        assert time.monotonic() < deadline, f"processes {alive} outlived a killed matmul-service"
+        time.sleep(0.05)
+    with pytest.raises(httpx.ConnectError):
+        httpx.get(f"{service.url}/healthz", timeout=5)
