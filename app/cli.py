@@ -10,6 +10,7 @@ import logging
 import os
 from collections.abc import Collection, Mapping, Sequence
 from enum import Enum
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from pydantic.fields import FieldInfo
@@ -187,34 +188,42 @@ def service_main(argv: Sequence[str] | None = None) -> int:
 
     from app.api.accepting import TABLE_VARIABLE, ConnectionTable
     from app.api.connection import GuardedHttpProtocol
+    from app.api.workers import HttpWorkers
 
     os.environ[ENGINE_SOCKETS_VARIABLE] = ",".join(supervisor.sockets)
     os.environ[SUPERVISOR_PID_VARIABLE] = str(os.getpid())
     loop = "auto"
+    metrics_dir = None
     if settings.http_workers > 1:
         # every worker's /metrics merges the values all of them keep in this folder (app.metrics)
-        os.environ.setdefault(METRICS_DIR_VARIABLE, supervisor.make_directory("metrics"))
+        metrics_dir = os.environ.setdefault(METRICS_DIR_VARIABLE, supervisor.make_directory("metrics"))
         # and a new connection goes to the worker that holds the fewest (app.api.accepting); room for replacements
         table = os.path.join(supervisor.make_directory("connections"), "table")
         os.environ[TABLE_VARIABLE] = ConnectionTable.create(table, slots=4 * settings.http_workers)
         loop = "app.api.accepting:new_event_loop"
+    # No uvicorn access log: the service writes its own, in JSON (MATMUL_ACCESS_LOG).
+    served: dict[str, Any] = {
+        "app": "app.main:create_app",
+        "factory": True,
+        "host": options.host,
+        "port": options.port,
+        "log_level": args.log_level,
+        "access_log": False,
+        "http": GuardedHttpProtocol,  # a BufferedProtocol, not the Protocol uvicorn types: it calls what it gets
+        "timeout_graceful_shutdown": options.timeout_graceful_shutdown,
+        "workers": settings.http_workers,
+        "loop": loop,
+        # no WebSocket routes; and an upgraded connection would leave the protocol that counts its end
+        "ws": "none",
+    }
     try:
-        # No uvicorn access log: the service writes its own, in JSON (MATMUL_ACCESS_LOG). With several workers
-        # uvicorn replaces any that dies; the engine processes are the supervisor's.
-        uvicorn.run(
-            "app.main:create_app",
-            factory=True,
-            host=options.host,
-            port=options.port,
-            log_level=args.log_level,
-            access_log=False,
-            http=GuardedHttpProtocol,  # type: ignore[arg-type]  # a BufferedProtocol: uvicorn calls what it is given
-            timeout_graceful_shutdown=options.timeout_graceful_shutdown,
-            workers=settings.http_workers,
-            loop=loop,
-            # no WebSocket routes; and an upgraded connection would leave the protocol that counts its end
-            ws="none",
-        )
+        if metrics_dir is None:
+            uvicorn.run(**served)
+        else:
+            # uvicorn.run's own way with several workers, under a supervisor that replaces any that dies and takes
+            # a gone worker's gauges out of the metrics (app.api.workers); the engine processes are the supervisor's
+            config = uvicorn.Config(**served)
+            HttpWorkers(config, [config.bind_socket()], metrics_dir).run()
     finally:
         supervisor.stop()
     return 0

@@ -2,7 +2,9 @@
 
 With several worker processes, set PROMETHEUS_MULTIPROC_DIR (an empty directory, the same for all of them)
 before the server starts: prometheus-client then keeps every value in files there, and `render` merges
-them, so any worker's /metrics answers for all of them.
+them, so any worker's /metrics answers for all of them. The live gauges' files of a worker that is gone are removed
+by whatever supervises the workers (`matmul-service`'s, app.api.workers): left there, the merge would add what the
+worker held when it died to every scrape.
 """
 
 from __future__ import annotations
