@@ -62,6 +62,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             app.state.settings = resolved
             app.state.engine = engine
             app.state.metrics = ServiceMetrics()
+            # the gauge follows the arena as memory is lent and given back: any worker's scrape sums every worker's now
+            engine.arena.on_use = app.state.metrics.slab_used.set
             app.state.body_buffers = BodyBuffers()
             app.state.inference_stats = InferenceStatistics(app.state.metrics)
             if resolved.grpc_port:

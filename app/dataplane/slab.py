@@ -43,6 +43,7 @@ import math
 import mmap
 import os
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -106,6 +107,8 @@ class Arena:
         self._lent: dict[int, int] = {}
         """Slabs lent to bodies (`lend`) by offset, until their bytes are back: their sizes."""
         self.used_bytes = 0
+        self.on_use: Callable[[int], object] | None = None
+        """Told `used_bytes` whenever it changes (the worker's gauge of it, which every worker's /metrics sums)."""
         self._loop: asyncio.AbstractEventLoop | None = None
         """The loop whose requests reserve slabs: the one a slab's bytes are handed back on."""
 
@@ -201,7 +204,7 @@ class Arena:
                     del self._free[i]
                 else:
                     self._free[i] = (offset + size, free - size)
-                self.used_bytes += size
+                self._use(size)
                 return offset
         return None
 
@@ -212,8 +215,13 @@ class Arena:
             with contextlib.suppress(RuntimeError):  # the loop is closed, and the arena with it
                 self._loop.call_soon_threadsafe(self._give_back, offset, size)
 
+    def _use(self, change: int) -> None:
+        self.used_bytes += change
+        if self.on_use is not None:
+            self.on_use(self.used_bytes)
+
     def _give_back(self, offset: int, size: int) -> None:
-        self.used_bytes -= size
+        self._use(-size)
         self._lent.pop(offset, None)
         i = bisect.bisect(self._free, (offset, size))
         if i < len(self._free) and offset + size == self._free[i][0]:

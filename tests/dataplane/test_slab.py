@@ -248,3 +248,17 @@ async def test_a_lent_body_viewed_after_its_release_keeps_its_bytes(arena: Arena
     del operand
     await _all_given_back(arena)
     assert arena.lent_bytes == 0
+
+
+async def test_whoever_watches_the_arena_is_told_every_change_of_the_bytes_in_use(arena: Arena) -> None:
+    """What the worker's gauge of its shared memory hears: each slab reserved, lent or given back, as it happens."""
+    told: list[int] = []
+    arena.on_use = told.append
+    slab = await arena.reserve(MIB, timeout_s=1)
+    body = arena.lend(ALIGNMENT + 1)
+    assert body is not None
+    assert told == [MIB, MIB + 2 * ALIGNMENT]
+    slab.release()
+    body.release()
+    await _all_given_back(arena)
+    assert told[2:] in ([2 * ALIGNMENT, 0], [MIB, 0])  # in whichever order the two come back

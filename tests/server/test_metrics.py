@@ -1,5 +1,6 @@
 """`/metrics` of `matmul-service --workers 2` (CPU backend) says what the whole server holds now, whichever worker
-answers: the requests in flight once a worker that held some was killed."""
+answers: the requests in flight once a worker that held some was killed, and the shared memory a request holds on
+the other worker."""
 
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ pytestmark = pytest.mark.timeout(180)
 GUARD_S = 60
 """How long a test waits for the server to change: a hang guard, far longer than it takes."""
 IN_FLIGHT = "matmul_requests_in_flight"
+SLAB_USED = "matmul_slab_used_bytes"
 BODY_BYTES = 4 << 20
 """A multipart body this large is read into the worker's shared memory (lent at its head, until it ends)."""
 
@@ -83,6 +85,10 @@ class Connection:
     def info(self) -> dict[str, object]:
         answer: dict[str, object] = orjson.loads(self.get("/v1/info"))
         return answer
+
+    def slab_used_bytes(self) -> int:
+        """The shared memory this connection's worker holds now, as its /v1/info says."""
+        return int(self.info()["slabs"]["used_bytes"])  # type: ignore[index]
 
     def gauge(self, name: str) -> float:
         """One gauge of the server's /metrics, scraped on this connection."""
@@ -164,3 +170,23 @@ def test_a_killed_workers_requests_leave_the_in_flight_gauge(service: LocalServi
     deadline = time.monotonic() + GUARD_S
     while (in_flight := scraped(service, IN_FLIGHT)) != 1:  # the survivor's request ended with its connection
         assert time.monotonic() < deadline, f"{IN_FLIGHT} {in_flight} with nothing held, not 1"
+
+
+def test_shared_memory_held_on_one_worker_is_in_the_others_scrape(service: LocalService) -> None:
+    """A request on one worker holds shared memory for its body: a scrape answered by the other worker counts it,
+    and counts 0 once the request has ended."""
+    with connections_to_both_workers(service) as by_worker:
+        holder, scraper = sorted(by_worker)
+        holding, asking = by_worker[holder]
+        watcher = by_worker[scraper][0]
+        holding.hold_a_product()
+        deadline = time.monotonic() + GUARD_S
+        while (held := asking.slab_used_bytes()) < BODY_BYTES:
+            assert time.monotonic() < deadline, f"worker {holder} holds {held} bytes, not the body's"
+        assert watcher.slab_used_bytes() == 0
+        assert watcher.gauge(SLAB_USED) == held
+
+        holding.close()
+        while (used := watcher.gauge(SLAB_USED)) != 0:
+            assert time.monotonic() < deadline, f"{SLAB_USED} {used} once the request ended, not 0"
+        assert asking.slab_used_bytes() == 0

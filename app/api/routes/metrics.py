@@ -26,7 +26,5 @@ async def metrics(request: Request, engine: EngineDep) -> Response:
         service_metrics.engine_queue_depth.labels(device=label).set(device["queue_depth"])
     service_metrics.device_memory.set(engine.memory_held())
     service_metrics.kernels_compiled.set(engine.compiled_instances())
-    slabs = engine.slab_use()
-    service_metrics.slab_used.set(0 if slabs is None else slabs.used_bytes)
     body, content_type = service_metrics.render()
     return Response(content=body, media_type=content_type)
