@@ -8,6 +8,12 @@ headers as they arrive and answers 431 once they pass `MATMUL_MAX_HEADER_BYTES`,
 closes a connection whose request has not delivered all its headers `MATMUL_HEADER_TIMEOUT_S` after the
 connection was made, or after that request began on a kept-alive connection (408 when part of a request came).
 
+An answer given before the request has all arrived (those 431 and 408; from the app a 413 for a declared length over
+the limit, a 503 while overloaded or not ready) on a connection that ends after it (`Connection: close`, HTTP/1.0)
+ends it by `HttpConnection.linger`. uvicorn closed it at once, the body unread in the socket: the kernel answers unread
+bytes with a reset, which destroys the answer before the client reads it. On a kept-alive connection uvicorn reads the
+rest of the body through its parser, drops it, and serves the next request.
+
 Between requests a connection idles for up to `MATMUL_KEEP_ALIVE_TIMEOUT_S` (uvicorn's own default is 5 s): longer
 than the pools in front of the service keep it, so that a proxy or a client never sends a request into a connection
 the server is closing (app.config.DEFAULT_KEEP_ALIVE_TIMEOUT_S). On shutdown uvicorn closes the idle ones at once.
@@ -209,6 +215,25 @@ class DirectBody:
         return self.received == self.length
 
 
+class AnswerTransport(asyncio.Transport):
+    """The transport a request's RequestResponseCycle answers through: its connection's, whose end it leaves to the
+    connection (`HttpConnection.end_after_answer`). A cycle writes, asks whether the transport is closing, and closes
+    it once an answer that does not keep the connection alive is sent, or on a failure."""
+
+    def __init__(self, connection: HttpConnection) -> None:
+        super().__init__()
+        self.connection = connection
+
+    def write(self, data: bytes | bytearray | memoryview) -> None:
+        self.connection.transport.write(data)
+
+    def is_closing(self) -> bool:
+        return self.connection.transport.is_closing()
+
+    def close(self) -> None:
+        self.connection.end_after_answer()
+
+
 class GuardedHttpProtocol(asyncio.BufferedProtocol):
     """What uvicorn serves each connection with (`--http app.api.connection:GuardedHttpProtocol`): an HttpConnection,
     driven by the event loop as a BufferedProtocol, which receives into memory the protocol gives. uvloop does so
@@ -264,8 +289,9 @@ class HttpConnection(HttpToolsProtocol):
         self.head_bytes = 0
         self.head_begun = False
         self.head_timer: asyncio.TimerHandle | None = None
-        self.refused = False
-        """Answered 431 or 408: what the client still sends is read and dropped until it closes."""
+        self.lingering = False
+        """Answered and ended its side of the stream (`linger`): what the client still sends is read and dropped."""
+        self.answer_transport = AnswerTransport(self)
         self.direct: DirectBody | None = None
         """The body being received straight into a route's memory, if one is."""
         self.read_buffer = _read_buffer()
@@ -298,10 +324,10 @@ class HttpConnection(HttpToolsProtocol):
         super().connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
+        if self.lingering:
+            return
         if not self.in_head:
             super().data_received(data)
-            return
-        if self.refused:
             return
         room = self.max_header_bytes - self.head_bytes
         if len(data) <= room:
@@ -332,8 +358,11 @@ class HttpConnection(HttpToolsProtocol):
         self.in_head = self.head_begun = False
         self.cancel_head_timer()
         super().on_headers_complete()
+        if self.cycle is None or self.cycle.scope is not self.scope:  # an upgrade: no request to answer here
+            return
+        self.cycle.transport = self.answer_transport
         length = self.declared_length()
-        if length is not None and self.cycle is not None and self.cycle.scope is self.scope:
+        if length is not None:
             self.scope["state"][DIRECT_BODY] = DirectBody(self, self.cycle, length)
             if length > BODY_PIECE_BYTES:
                 # The rest stays in the socket until the app asks for it (DirectBody.read_into, receive()): then it
@@ -380,19 +409,35 @@ class HttpConnection(HttpToolsProtocol):
             self.head_timer = None
 
     def refuse(self, error: MatmulError) -> None:
-        """Answer `error` in the format of the path asked (as far as it arrived) and end the connection: the answer,
-        then the end of the stream, and what the client still sends is read and dropped until it closes (at most
-        for the header timeout). Closing at once with unread bytes would reset the connection, and a reset can
-        discard the answer before the client reads it."""
+        """Answer `error` in the format of the path asked (as far as it arrived) and end the connection by `linger`:
+        the client may still be sending its head."""
         body = error_body_for(self.url.decode("latin-1") if self.head_begun else "", error)
         head = [STATUS_LINE[status_of(error)]]
         head += [name + b": " + value + b"\r\n" for name, value in self.server_state.default_headers]
         head.append(b"content-type: application/json\r\ncontent-length: %d\r\nconnection: close\r\n\r\n" % len(body))
         self.transport.write(b"".join(head) + body)
-        self.refused = True
+        self.linger()
+
+    def end_after_answer(self) -> None:
+        """End the connection when a request's cycle closes it (answered, not to be kept alive, or failed): at once
+        where the request has all arrived, else by `linger`: its client may still be sending the body."""
+        if self.cycle is not None and self.cycle.more_body and not self.transport.is_closing():
+            self.linger()
+        else:
+            self.transport.close()
+
+    def linger(self) -> None:
+        """End the connection after an answer given while the client may still be sending: the end of the stream after
+        the answer, then what the client still sends is read and dropped until it closes, for at most the header
+        timeout. Closing at once with unread bytes would reset the connection, and a reset can
+        discard the answer before the client reads it. Requests pipelined behind the answered one are dropped, as a
+        close drops them."""
+        self.lingering = True
+        self.pipeline.clear()
         self.cancel_head_timer()
         if not self.transport.can_write_eof():
             self.transport.close()
             return
         self.transport.write_eof()
+        self.flow.resume_reading()
         self.head_timer = self.loop.call_later(self.header_timeout_s, self.transport.close)
