@@ -83,6 +83,9 @@ BODY_PIECE_BYTES = 1 << 20
 """Reading pauses once this much of a body waits for the app, which then receives it as one piece."""
 READ_BYTES = 256 << 10
 """The most a connection receives at once outside a direct body (uvloop's own read size)."""
+LINGER_BYTES = 64 << 20
+"""The most a connection reads and drops after an answer given before the request was all in (`linger`): a client
+still sending past this keeps the worker reading for a request already answered (four reads a MiB)."""
 DIRECT_BODY = "matmul.direct_body"
 """The key of a request's DirectBody in its scope["state"], where its body's length is declared."""
 
@@ -291,6 +294,7 @@ class HttpConnection(HttpToolsProtocol):
         self.head_timer: asyncio.TimerHandle | None = None
         self.lingering = False
         """Answered and ended its side of the stream (`linger`): what the client still sends is read and dropped."""
+        self.dropped_bytes = 0
         self.answer_transport = AnswerTransport(self)
         self.direct: DirectBody | None = None
         """The body being received straight into a route's memory, if one is."""
@@ -325,6 +329,9 @@ class HttpConnection(HttpToolsProtocol):
 
     def data_received(self, data: bytes) -> None:
         if self.lingering:
+            self.dropped_bytes += len(data)
+            if self.dropped_bytes > LINGER_BYTES:
+                self.transport.close()
             return
         if not self.in_head:
             super().data_received(data)
@@ -429,7 +436,7 @@ class HttpConnection(HttpToolsProtocol):
     def linger(self) -> None:
         """End the connection after an answer given while the client may still be sending: the end of the stream after
         the answer, then what the client still sends is read and dropped until it closes, for at most the header
-        timeout. Closing at once with unread bytes would reset the connection, and a reset can
+        timeout and LINGER_BYTES. Closing at once with unread bytes would reset the connection, and a reset can
         discard the answer before the client reads it. Requests pipelined behind the answered one are dropped, as a
         close drops them."""
         self.lingering = True

@@ -12,7 +12,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from app.api.connection import BODY_PIECE_BYTES
+from app.api.connection import BODY_PIECE_BYTES, LINGER_BYTES
 from app.dataplane.engine_client import EngineClient
 from app.errors import Overloaded
 from matmul_tools.raw_load import read_whole_answer
@@ -21,7 +21,8 @@ from tests.api.in_process import serving
 
 MAX_BODY_BYTES = 8 << 20
 SENT_BYTES = 16 << 20
-"""What a client refused with 413 sends before reading: twice the limit."""
+"""What a client refused with 413 sends before reading: twice the limit, a quarter of what the server reads after an
+answer (LINGER_BYTES)."""
 ADMITTED_BYTES = 4 << 20
 """A body within the limit and longer than a piece, so that the server leaves it in the socket until the route asks."""
 GUARD_S = 30
@@ -35,7 +36,7 @@ ENDING = [
 
 @pytest.fixture(scope="module", params=["uvloop", "asyncio"])
 def port(request: pytest.FixtureRequest) -> Iterator[int]:
-    assert MAX_BODY_BYTES < SENT_BYTES and BODY_PIECE_BYTES < ADMITTED_BYTES < MAX_BODY_BYTES
+    assert MAX_BODY_BYTES < SENT_BYTES < LINGER_BYTES and BODY_PIECE_BYTES < ADMITTED_BYTES < MAX_BODY_BYTES
     port = free_port()
     with serving(port, request.param, {"MATMUL_MAX_BODY_BYTES": str(MAX_BODY_BYTES)}):
         yield port
@@ -94,3 +95,19 @@ def test_a_413_before_the_body_on_a_kept_alive_connection_is_followed_by_the_nex
         refused, _ = read_whole_answer(sock)
         served, _ = read_whole_answer(sock)
     assert (refused.status, served.status) == (413, 200)
+
+
+def test_a_client_that_sends_on_past_the_linger_bytes_is_cut_off(port: int) -> None:
+    """After an answer the server reads and drops at most LINGER_BYTES, and the socket buffers on the way hold a few
+    MiB more: a client sending on is reset, not read from for the rest of the header timeout."""
+    piece = bytes(1 << 20)
+    sent = 0
+    with socket.create_connection(("127.0.0.1", port), timeout=GUARD_S) as sock:
+        sock.sendall(head_of(b"HTTP/1.1", b"Connection: close\r\n", 1 << 40))
+        try:
+            while sent < 4 * LINGER_BYTES:
+                sock.sendall(piece)
+                sent += len(piece)
+        except (ConnectionResetError, BrokenPipeError):
+            pass
+    assert LINGER_BYTES <= sent < LINGER_BYTES + (16 << 20)
