@@ -184,11 +184,9 @@ def service_main(argv: Sequence[str] | None = None) -> int:
         parser.exit(1, f"matmul-service: {exc}\n")
     # The engines are on a start's longest path (CUDA, the kernels, the self-test): the HTTP side's imports, FastAPI
     # and uvicorn among them (0.3-0.4 s), come after they are started, not before.
-    import uvicorn
-
+    from app.api import workers
     from app.api.accepting import TABLE_VARIABLE, ConnectionTable
     from app.api.connection import GuardedHttpProtocol
-    from app.api.workers import HttpWorkers
 
     os.environ[ENGINE_SOCKETS_VARIABLE] = ",".join(supervisor.sockets)
     os.environ[SUPERVISOR_PID_VARIABLE] = str(os.getpid())
@@ -217,13 +215,9 @@ def service_main(argv: Sequence[str] | None = None) -> int:
         "ws": "none",
     }
     try:
-        if metrics_dir is None:
-            uvicorn.run(**served)
-        else:
-            # uvicorn.run's own way with several workers, under a supervisor that replaces any that dies and takes
-            # a gone worker's gauges out of the metrics (app.api.workers); the engine processes are the supervisor's
-            config = uvicorn.Config(**served)
-            HttpWorkers(config, [config.bind_socket()], metrics_dir).run()
+        # with several workers, under a supervisor that replaces any that dies and takes a gone worker's gauges out
+        # of the metrics (app.api.workers); the engine processes are the supervisor's
+        workers.serve(served, metrics_dir)
     finally:
         supervisor.stop()
     return 0

@@ -13,11 +13,24 @@ the server stops.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from socket import socket
+from typing import Any
 
+import uvicorn
 from prometheus_client.multiprocess import mark_process_dead
 from uvicorn import Config
 from uvicorn.supervisors import Multiprocess
+
+
+def serve(served: Mapping[str, Any], metrics_dir: str | None) -> None:
+    """uvicorn.run with uvicorn's keyword arguments `served`; with several workers (their metrics in `metrics_dir`),
+    uvicorn.run's own way for them, under HttpWorkers."""
+    if metrics_dir is None:
+        uvicorn.run(**served)
+        return
+    config = Config(**served)
+    HttpWorkers(config, [config.bind_socket()], metrics_dir).run()
 
 
 class HttpWorkers(Multiprocess):

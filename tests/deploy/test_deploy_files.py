@@ -21,11 +21,11 @@ from urllib.parse import urlsplit
 
 import dockerfile
 import pytest
-import uvicorn
 import yaml
 from packaging.requirements import Requirement
 
 from app import cli, host
+from app.api import workers
 from app.api.connection import GuardedHttpProtocol
 from app.config import Settings
 from app.dataplane.supervisor import ENGINE_SOCKETS_VARIABLE
@@ -202,18 +202,20 @@ def test_matmul_service_in_the_image_runs_uvicorn_with_the_connection_protocol_t
     exposed port with app.api.connection's protocol, without uvicorn's access log, in that many HTTP workers."""
     in_the_image_environment(monkeypatch, MATMUL_HTTP_WORKERS=http_workers)
     supervisors: list[FakeSupervisor] = []
-    runs: list[tuple[tuple[Any, ...], dict[str, Any]]] = []
+    runs: list[tuple[dict[str, Any], str | None]] = []
 
     def supervisor(settings: Settings) -> FakeSupervisor:
         supervisors.append(FakeSupervisor(settings, tmp_path))
         return supervisors[-1]
 
     monkeypatch.setattr(cli, "EngineSupervisor", supervisor)
-    monkeypatch.setattr(uvicorn, "run", lambda *args, **kwargs: runs.append((args, kwargs)))
+    monkeypatch.setattr(workers, "serve", lambda served, metrics_dir: runs.append((dict(served), metrics_dir)))
     assert cli.service_main(SERVICE_ARGS) == 0
 
-    [(args, kwargs)] = runs
-    assert args == ("app.main:create_app",) and kwargs["factory"] is True
+    [(kwargs, metrics_dir)] = runs
+    assert kwargs["app"] == "app.main:create_app" and kwargs["factory"] is True
+    # several workers keep their metrics in one folder, which their supervisor cleans of the dead ones' gauges
+    assert (metrics_dir is None) is (http_workers == "1")
     assert kwargs["http"] is GuardedHttpProtocol and kwargs["access_log"] is False
     assert (kwargs["host"], str(kwargs["port"])) == ("0.0.0.0", SERVED_PORT)
     assert kwargs["timeout_graceful_shutdown"] == 30 and kwargs["workers"] == int(http_workers)
@@ -241,7 +243,7 @@ def test_matmul_service_in_the_image_derives_what_compose_passes_on_empty(
         return supervisors[-1]
 
     monkeypatch.setattr(cli, "EngineSupervisor", supervisor)
-    monkeypatch.setattr(uvicorn, "run", lambda *args, **kwargs: runs.append(kwargs))
+    monkeypatch.setattr(workers, "serve", lambda served, metrics_dir: runs.append(dict(served)))
     with caplog.at_level(logging.INFO, logger=cli.__name__):
         assert cli.service_main(SERVICE_ARGS) == 0
 
@@ -260,7 +262,7 @@ def test_matmul_service_says_which_settings_it_was_given(
 ) -> None:
     in_the_image_environment(monkeypatch, MATMUL_SLAB_BYTES=str(300 << 20), MATMUL_BATCHING="false")
     monkeypatch.setattr(cli, "EngineSupervisor", lambda settings: FakeSupervisor(settings, tmp_path))
-    monkeypatch.setattr(uvicorn, "run", lambda *args, **kwargs: None)
+    monkeypatch.setattr(workers, "serve", lambda served, metrics_dir: None)
     with caplog.at_level(logging.INFO, logger=cli.__name__):
         assert cli.service_main([*SERVICE_ARGS, "--workers", "3"]) == 0
     [line] = [record.getMessage() for record in caplog.records if record.name == cli.__name__]
