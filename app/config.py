@@ -183,11 +183,12 @@ class Settings(BaseSettings):
     )
     engine_silence_s: float = Field(
         10.0,
-        gt=0,
+        ge=1,
         le=3600,
         description="How long an HTTP worker waits for any word from a ready engine process (it sends its status "
-        "every 0.5 s) before taking it for hung: /readyz says so, and the products waiting on it get 503 "
-        "engine_unresponsive (their shared memory held until the engine answers or exits).",
+        "every 0.5 s, so at least 1 s) before taking it for hung: the products waiting on it get 503 "
+        "engine_unresponsive (their shared memory held until the engine answers or exits), and /readyz says so "
+        "while no other engine is ready.",
     )
     grpc_port: int = Field(
         8001,

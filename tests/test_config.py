@@ -157,6 +157,17 @@ def test_the_devices_are_ordinals_each_named_once(monkeypatch: pytest.MonkeyPatc
         settings()
 
 
+@pytest.mark.parametrize("silence", ["0.3", "0", "-1"])
+def test_an_engine_silence_shorter_than_two_of_its_status_periods_is_refused(
+    monkeypatch: pytest.MonkeyPatch, silence: str
+) -> None:
+    """The engine sends its status every 0.5 s: under 1 s of silence, a ready engine would be taken for hung between
+    two statuses (0.3 s: 8 of 20 probes of /readyz answered 503)."""
+    monkeypatch.setenv("MATMUL_ENGINE_SILENCE_S", silence)
+    with pytest.raises(ValidationError, match=r"engine_silence_s\n  Input should be greater than or equal to 1"):
+        settings()
+
+
 def test_batching_is_on_without_a_queue_delay_by_default() -> None:
     defaults = settings()
     assert defaults.batching is True and defaults.max_queue_delay_us == 0

@@ -44,16 +44,23 @@ class HttpWorkers(Multiprocess):
         """The workers' pids as of the last round: one that has left `processes` since is gone (uvicorn joins a
         worker before it drops it, whether it died, was replaced or was retired)."""
 
+    def init_processes(self) -> None:
+        super().init_processes()
+        self._known = self._serving()  # a worker that dies before the first round is known gone at that round
+
     def keep_subprocess_alive(self) -> None:
         """uvicorn's round (after the signals': a restart or a retirement drops workers too), then the gone workers'
         live gauges removed."""
         super().keep_subprocess_alive()
-        serving = {process.pid for process in self.processes if process.pid is not None}
+        serving = self._serving()
         for pid in self._known - serving:
             mark_process_dead(pid, self.metrics_dir)  # type: ignore[no-untyped-call]
         self._known = serving
 
     def run(self) -> None:
         super().run()
-        for pid in self._known | {process.pid for process in self.processes if process.pid is not None}:
+        for pid in self._known | self._serving():
             mark_process_dead(pid, self.metrics_dir)  # type: ignore[no-untyped-call]
+
+    def _serving(self) -> set[int]:
+        return {process.pid for process in self.processes if process.pid is not None}

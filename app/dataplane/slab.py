@@ -221,7 +221,7 @@ class Arena:
             self.on_use(self.used_bytes)
 
     def _give_back(self, offset: int, size: int) -> None:
-        self._use(-size)
+        given = size  # the free extent it joins may grow it
         self._lent.pop(offset, None)
         i = bisect.bisect(self._free, (offset, size))
         if i < len(self._free) and offset + size == self._free[i][0]:
@@ -231,6 +231,7 @@ class Arena:
             self._free[i - 1] = (offset, size)
         else:
             self._free.insert(i, (offset, size))
+        self._use(-given)
         self._serve_waiters()
 
     def _serve_waiters(self) -> None:

@@ -181,6 +181,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         with MatmulClient(args.url, format=args.format, timeout=args.timeout, api_key=args.api_key) as client:
             product = client.multiply(a, b, **options)
+    except ValueError as exc:  # operands the format cannot carry (JSON: NaN and infinities), refused before sending
+        parser.error(f"cannot send {args.a} and {args.b} as {args.format}: {exc}")
     except MatmulServiceError as exc:
         where = f" (at {exc.location})" if exc.location else ""
         print(f"matmul-client: the server answered {exc.status} {exc.code}: {exc.message}{where}", file=sys.stderr)

@@ -100,6 +100,8 @@ INFO_BODY_BYTES = 1 << 24
 """The most of a GET /v1/info answer's body read."""
 JSON_BYTES_PER_ELEMENT = 32
 """The most bytes a product's element takes in a JSON answer (a float64 written in full is 24, with its comma 25)."""
+JSON_BYTES_PER_LIST = 4
+"""The most bytes a row (or a stack's matrix) takes in a JSON answer beside its elements: `[],` when it has none."""
 JSON_ANSWER_EXTRA_BYTES = 1 << 20
 """The most bytes a JSON answer holds beside its elements (its other fields)."""
 T = TypeVar("T")
@@ -448,7 +450,9 @@ def _product(memory: AnswerMemory, expected: tuple[int, ...] | None, response: A
             dtype = np.dtype(headers["x-matmul-dtype"])
             shape = tuple(int(side) for side in headers["x-matmul-shape"].split("x"))  # a matrix's, or a stack's
             _check_product(shape, dtype, expected)
-            body = _whole(response, JSON_BYTES_PER_ELEMENT * math.prod(shape) + JSON_ANSWER_EXTRA_BYTES)
+            lists = sum(math.prod(shape[:depth]) for depth in range(1, len(shape)))  # rows, and matrices of a stack
+            most = JSON_BYTES_PER_ELEMENT * math.prod(shape) + JSON_BYTES_PER_LIST * lists + JSON_ANSWER_EXTRA_BYTES
+            body = _whole(response, most)
             # JSON has no NaN: the server writes non-finite elements as null, which NumPy reads back as NaN.
             c = np.array(json.loads(body)["result"], dtype=np.float64).reshape(shape).astype(dtype)
         tile, gflops = headers.get("x-matmul-tile"), headers.get("x-matmul-gflops")
@@ -470,8 +474,8 @@ def _product(memory: AnswerMemory, expected: tuple[int, ...] | None, response: A
 def _whole(response: Answer, most: int) -> bytes:
     """An answer's whole body, refused where it is (or says it is) longer than `most` bytes."""
     if response.length is None or response.length <= most:
-        body = response.read(most)
-        if response.finished():
+        body = response.read(most + 1)  # one more: a body that ends with the connection says where it ends
+        if len(body) <= most and response.finished():
             return body
     raise http.client.HTTPException(f"an answer of more than {most} bytes")
 

@@ -124,6 +124,20 @@ def test_client_reports_a_json_body_over_the_servers_json_limit(
     assert not (tmp_path / "c.npy").exists()
 
 
+def test_client_refuses_operands_json_cannot_carry_before_sending(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--format json with a NaN: refused as an argument (exit 2), not a traceback, and nothing sent (no server)."""
+    a = np.ones((2, 3))
+    a[1, 2] = np.nan
+    argv = [*save_operands(tmp_path, a, np.ones((3, 1))), "-o", str(tmp_path / "c.npy"), "--format", "json"]
+    with pytest.raises(SystemExit) as stopped:
+        client_main([*argv, "--url", f"http://127.0.0.1:{free_port()}"])
+    assert stopped.value.code == 2
+    assert "as json: a[1][2] is nan, which JSON cannot carry" in capsys.readouterr().err
+    assert not (tmp_path / "c.npy").exists()
+
+
 def test_client_sends_the_api_key_it_is_given(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:

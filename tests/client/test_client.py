@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import http.client
 import io
 import re
 import socket
@@ -28,10 +29,12 @@ from matmul_client.client import (
     RequestRejected,
     ServerError,
     Unavailable,
+    _whole,
     encode_payload,
     parse_server_timing,
     stacked_pairs,
 )
+from matmul_client.http11 import Answer
 from numerics.reference import assert_close_to_reference
 from tests.conftest import SERVED_MAX_BODY_BYTES, SERVED_MAX_JSON_BYTES
 
@@ -599,6 +602,24 @@ def test_a_connection_holding_bytes_past_its_answer_serves_no_other_request(stub
         for _ in range(3):
             np.testing.assert_array_equal(client.matmul(np.ones((2, 2)), np.ones((2, 2))), first)
     assert (server.connections, len(server.requests)) == (3, 3)
+
+
+def test_a_json_answer_of_empty_rows_is_read_whatever_their_number(client: MatmulClient) -> None:
+    """A stack of products with no columns: no element, but `[]` for each of its 500,000 rows (1.5 MB), which a bound
+    of bytes by element alone refused."""
+    payload = encode_payload(np.zeros((100, 5000, 0)), np.zeros((100, 0, 0)), "npy", answer="json")
+    assert client.send(payload).c.shape == (100, 5000, 0)
+
+
+@pytest.mark.parametrize(("size", "taken"), [(64, True), (65, False)])
+def test_a_body_that_ends_with_its_connection_is_taken_whole_up_to_its_bound(size: int, taken: bool) -> None:
+    answer = Answer(io.BufferedReader(io.BytesIO(b"HTTP/1.1 200 OK\r\n\r\n" + b"x" * size)), "GET")
+    assert answer.length is None
+    if taken:
+        assert _whole(answer, 64) == b"x" * 64
+    else:
+        with pytest.raises(http.client.HTTPException, match="more than 64 bytes"):
+            _whole(answer, 64)
 
 
 def test_json_operands_that_json_cannot_carry_are_refused_before_sending(stub: Callable[..., Stub]) -> None:
