@@ -297,12 +297,18 @@ def load_test(args: argparse.Namespace, console: Console) -> dict[str, Any]:
     return build_report(args, samples, elapsed_s, server)
 
 
+def report_paths(out: Path) -> tuple[Path, Path]:
+    """OUT.json and OUT.png: the suffixes added to `out`, whatever dots it holds (`run.v2` -> `run.v2.json`)."""
+    return out.with_name(f"{out.name}.json"), out.with_name(f"{out.name}.png")
+
+
 def write_report(report: dict[str, Any], out: Path, console: Console) -> None:
     """OUT.json and OUT.png (`plot_report`), saying so on `console`."""
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps(report, indent=1))
-    plot_report(report, out.with_suffix(".png"))
-    console.print(f"wrote {out.with_suffix('.json')} and {out.with_suffix('.png')}")
+    json_path, png_path = report_paths(out)
+    json_path.parent.mkdir(parents=True, exist_ok=True)
+    json_path.write_text(json.dumps(report, indent=1))
+    plot_report(report, png_path)
+    console.print(f"wrote {json_path} and {png_path}")
 
 
 def _row(name: str, summary: dict[str, float]) -> list[str]:

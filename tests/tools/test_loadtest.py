@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import platform
 import subprocess
@@ -11,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from rich.console import Console
 
 from matmul_tools import loadtest
 from tests.scripts import ROOT
@@ -90,3 +92,10 @@ def test_mixes_and_shapes() -> None:
     for bad in ("0", "2x3", "64:-1", "npz"):
         with pytest.raises(argparse.ArgumentTypeError, match=bad):
             loadtest.parse_mix(bad, loadtest.parse_shape)
+
+
+def test_the_report_goes_to_out_with_json_and_png_added_whatever_dots_out_holds(tmp_path: Path) -> None:
+    args = loadtest.parse_args(["--requests", "1"])
+    report = loadtest.build_report(args, [], 1.0, {})
+    loadtest.write_report(report, tmp_path / "run.v2", Console(file=io.StringIO()))
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["run.v2.json", "run.v2.png"]
