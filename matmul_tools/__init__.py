@@ -5,6 +5,7 @@
 - `bodies`: arrays as `.npy` / `.npz` bytes and multipart bodies built by hand, for requests a client would not send.
 - `prometheus`: sums of samples read from the Prometheus text of GET /metrics.
 - `loadtest`: traffic drawn from mixes, closed and open loops, latency summaries and the load test's report.
+- `outputs`: the files a tool will write, checked before it starts.
 
 The package talks to the service over HTTP only: it may import `matmul_client` (the HTTP client, and the media types
 it names) and `kernels`, but never the server's internals (`app.api`, `app.engine`, `app.main`), so that a tool

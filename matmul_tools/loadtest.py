@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import random
 import time
 from collections import Counter
@@ -30,7 +31,16 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from matmul_client.client import FORMATS, AsyncMatmulClient, MatmulServiceError, Payload, RequestFormat, encode_payload
+from matmul_client.client import (
+    FORMATS,
+    MAX_TIMEOUT_S,
+    AsyncMatmulClient,
+    MatmulServiceError,
+    Payload,
+    RequestFormat,
+    encode_payload,
+)
+from matmul_tools.outputs import unwritable
 from matmul_tools.service import NotReady, wait_ready_async
 
 T = TypeVar("T")
@@ -67,8 +77,8 @@ def parse_mix(text: str, convert: Callable[[str], T]) -> list[tuple[T, float]]:
             mix.append((convert(item), float(weight)))
         except ValueError as exc:
             raise argparse.ArgumentTypeError(f"{entry!r}: {exc}") from exc
-        if mix[-1][1] <= 0:
-            raise argparse.ArgumentTypeError(f"{entry!r}: a weight must be positive")
+        if not (math.isfinite(mix[-1][1]) and mix[-1][1] > 0):
+            raise argparse.ArgumentTypeError(f"{entry!r}: a weight must be a positive finite number")
     return mix
 
 
@@ -239,7 +249,7 @@ async def measure(args: argparse.Namespace, traffic: Traffic, console: Console) 
         if args.warmup:
             await closed_loop(Run(client, traffic, options), args.concurrency, args.warmup, float("inf"), lambda: None)
         run = Run(client, traffic, options)
-        until = time.perf_counter() + args.duration if args.duration else float("inf")
+        until = time.perf_counter() + args.duration if args.duration is not None else float("inf")
         columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
         with Progress(*columns, console=console, disable=args.no_progress) as progress:
             task = progress.add_task(f"{args.mode} loop", total=args.requests)
@@ -410,6 +420,16 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         parser.error("--mode open needs a positive --rate")
     if args.concurrency < 1 or (args.requests is not None and args.requests < 1) or args.warmup < 0:
         parser.error("--concurrency and --requests must be positive, --warmup not negative")
+    for name in ("rate", "duration"):
+        value = getattr(args, name)
+        if value is not None and not (math.isfinite(value) and value > 0):
+            parser.error(f"--{name} must be a positive finite number, not {value}")
+    if not (math.isfinite(args.wait_ready) and args.wait_ready >= 0):
+        parser.error(f"--wait-ready must be a finite number of seconds, 0 or more, not {args.wait_ready}")
+    if not 0 < args.timeout <= MAX_TIMEOUT_S:  # nan fails it too
+        parser.error(f"--timeout must be a number of seconds over 0 and at most {MAX_TIMEOUT_S:g}, not {args.timeout}")
+    if args.tile is not None and args.tile < 1:
+        parser.error("--tile must be positive")
     if args.requests is None and args.duration is None:
         args.duration = 10.0
     try:
@@ -418,4 +438,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         args.kernels = parse_mix(args.kernels, str)
     except argparse.ArgumentTypeError as exc:
         parser.error(str(exc))
+    problem = unwritable(list(report_paths(Path(args.out))))
+    if problem:
+        parser.error(f"--out: {problem}")
     return args

@@ -89,13 +89,44 @@ def test_summarize() -> None:
 def test_mixes_and_shapes() -> None:
     assert loadtest.parse_mix("256:3,64x8x16", loadtest.parse_shape) == [((256, 256, 256), 3.0), ((64, 8, 16), 1.0)]
     assert loadtest.parse_mix("npy,json:0.5", loadtest.parse_format) == [("npy", 1.0), ("json", 0.5)]
-    for bad in ("0", "2x3", "64:-1", "npz"):
+    for bad in ("0", "2x3", "64:-1", "64:nan", "64:inf", "npz"):
         with pytest.raises(argparse.ArgumentTypeError, match=bad):
             loadtest.parse_mix(bad, loadtest.parse_shape)
 
 
 def test_the_report_goes_to_out_with_json_and_png_added_whatever_dots_out_holds(tmp_path: Path) -> None:
-    args = loadtest.parse_args(["--requests", "1"])
+    args = loadtest.parse_args(["--requests", "1", "--out", str(tmp_path / "run.v2")])
     report = loadtest.build_report(args, [], 1.0, {})
     loadtest.write_report(report, tmp_path / "run.v2", Console(file=io.StringIO()))
     assert sorted(path.name for path in tmp_path.iterdir()) == ["run.v2.json", "run.v2.png"]
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        *(["--duration", value] for value in ("0", "-1", "nan", "inf")),
+        *(["--mode", "open", "--rate", value] for value in ("nan", "inf")),
+        *(["--wait-ready", value] for value in ("-1", "nan")),
+        *(["--timeout", value] for value in ("0", "nan", "1e9")),
+        ["--tile", "0"],
+        ["--sizes", "8:nan"],
+    ],
+)
+def test_numbers_that_would_run_forever_run_nothing_or_end_in_a_traceback_are_refused(
+    bad: list[str], tmp_path: Path
+) -> None:
+    with pytest.raises(SystemExit) as exited:
+        loadtest.parse_args([*bad, "--out", str(tmp_path / "run")])
+    assert exited.value.code == 2
+
+
+def test_an_out_that_cannot_be_written_is_refused_before_the_run(tmp_path: Path) -> None:
+    (tmp_path / "file").write_text("")
+    (tmp_path / "taken.json").mkdir()
+    for out in (tmp_path / "file" / "run", tmp_path / "taken"):
+        with pytest.raises(SystemExit) as exited:
+            loadtest.parse_args(["--out", str(out)])
+        assert exited.value.code == 2
+    assert loadtest.parse_args(["--out", str(tmp_path / "new" / "run")]).out == str(tmp_path / "new" / "run")
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["file", "new", "taken.json"], "no file left behind"
+    assert not list((tmp_path / "new").iterdir())
