@@ -391,8 +391,15 @@ def server_arguments(description: str) -> argparse.ArgumentParser:
     return parser
 
 
+EXIT_STATUS = (
+    "exit status: 0 when at least one measured request was answered 200 (the others' errors are counted in the "
+    "report); 1 when none was; 2 for refused arguments"
+)
+
+
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = server_arguments(DESCRIPTION)
+    parser.epilog = EXIT_STATUS
     parser.add_argument("--mode", choices=["closed", "open"], default="closed", help="closed or open loop")
     parser.add_argument(
         "--concurrency",

@@ -16,6 +16,10 @@ same as JSON and a PNG (latency over time, latency histogram).
     python scripts/loadtest.py --mode open --rate 200 --requests 5000 --sizes 256:3,1024 --kernels tiled,cublas
     python scripts/loadtest.py --sizes 512x64x2048 --formats npy,json,npz --dtype float64 --out out/run1
 
+Exit status: 0 when at least one measured request was answered 200 (the others' errors are counted in the report,
+not failed on: errors under load are part of what a load test measures); 1 when none was (a wrong URL, kernel or
+tile), so that a CI step running it fails; 2 for arguments it refuses.
+
 Progress and tables use rich: one library for both the live bar and the final tables (tqdm draws only bars).
 """
 
@@ -36,6 +40,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     report = load_test(args, progress)
     print_report(report, Console(width=None if sys.stdout.isatty() else 110))  # piped: no 80-column wrap
     write_report(report, Path(args.out), progress)
+    if report["ok"] == 0:
+        progress.print(f"loadtest: none of the {report['requests']} measured requests was answered 200")
+        return 1
     return 0
 
 

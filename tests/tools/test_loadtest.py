@@ -15,6 +15,7 @@ import pytest
 from rich.console import Console
 
 from matmul_tools import loadtest
+from matmul_tools.service import free_port
 from tests.scripts import ROOT
 
 SCRIPT = ROOT / "scripts" / "loadtest.py"
@@ -29,6 +30,16 @@ def run_loadtest(url: str, out: Path, *args: str) -> tuple[dict[str, Any], str]:
     assert (out / "run.png").read_bytes().startswith(PNG_MAGIC)
     report: dict[str, Any] = json.loads((out / "run.json").read_text())
     return report, done.stdout
+
+
+@pytest.mark.timeout(150)  # the script in a subprocess, with its own 120 s limit
+def test_a_run_where_no_request_succeeded_exits_1_with_its_report(tmp_path: Path) -> None:
+    url = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    command = [sys.executable, str(SCRIPT), "--url", url, "--out", str(tmp_path / "run"), "--no-progress"]
+    done = subprocess.run([*command, "--requests", "3", "--warmup", "0"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "none of the 3 measured requests was answered 200" in done.stderr
+    assert json.loads((tmp_path / "run.json").read_text())["errors"] == {"ConnectError": 3}
 
 
 def assert_ordered(summary: dict[str, float]) -> None:
