@@ -27,9 +27,11 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
+import httpx
 import numpy as np
 
-from matmul_client.client import MatmulClient
+from matmul_client.client import MatmulClient, MatmulServiceError
+from matmul_tools.outputs import unwritable
 from matmul_tools.raw_load import npy_matmul_body, post_request, read_answer
 from matmul_tools.service import LocalService, free_port
 
@@ -103,12 +105,17 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--backend", choices=["cpu", "gpu"], default="cpu", help="the server started here")
     parser.add_argument("--url", help="a running server instead of one started here")
     parser.add_argument("--out", type=Path, default=Path("out/profile-client"))
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if min(args.sizes) < 1 or args.requests < 1 or args.top < 1:
+        parser.error("--sizes, --requests and --top must be positive")
+    problem = unwritable([args.out / "profile-client.json", args.out / "server.log"])
+    if problem:
+        parser.error(f"--out: {problem}")
+    return args
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    args.out.mkdir(parents=True, exist_ok=True)
     with ExitStack() as stack:
         url = args.url
         if url is None:
@@ -117,7 +124,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             stack.callback(service.stop)
             service.wait_ready(300)
             url = service.url
-        cells = [measure(url, size, args.requests, args.top) for size in args.sizes]
+        try:
+            cells = [measure(url, size, args.requests, args.top) for size in args.sizes]
+        except (httpx.HTTPError, MatmulServiceError, OSError) as exc:
+            print(f"profile_client: {url} did not answer a product: {exc!r}", file=sys.stderr)
+            return 1
     print("size   client wall / CPU us   raw wall / CPU us   client's own CPU us a request")
     for cell in cells:
         ours, raw = cell["client"], cell["raw"]
