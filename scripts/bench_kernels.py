@@ -696,6 +696,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--replot", type=Path, metavar="JSON", help="only redraw the PNG of a JSON written before")
     parser.add_argument("--out", type=Path, default=Path("docs/bench"), help="directory for the JSON and PNG")
     args = parser.parse_args(argv)
+    if args.replot is not None and not args.replot.is_file():
+        parser.error(f"--replot: no file {args.replot}")
     args.kernels = [name for name in args.kernels.split(",") if name]
     unknown = [name for name in args.kernels if name not in KERNELS and name not in KERNEL_NAMES]
     if unknown:

@@ -890,6 +890,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--logs", type=Path, default=Path("out/bench-users"), help="the servers' logs (%(default)s)")
     parser.add_argument("--plot-only", type=Path, metavar="JSON", help="draw the chart of a saved JSON, run nothing")
     args = parser.parse_args(argv)
+    if args.plot_only is not None and not args.plot_only.is_file():
+        parser.error(f"--plot-only: no file {args.plot_only}")
     try:
         args.servers = list({config.name: config for config in map(parse_server, args.servers.split(","))}.values())
         args.sizes = list(dict.fromkeys(int(n) for n in args.sizes.split(",")))

@@ -93,3 +93,9 @@ def test_a_ratio_just_under_a_bar_is_not_printed_as_the_bar() -> None:
     """The bars are ratios such as 0.9 of cuBLASLt: 0.8958 must not read as 0.90 in the table."""
     row = bench.Result("wgmma", "e4m3 given", "float32", 4096, 4096, 4096, 0.1253, 1_097_000.0, 0.8958, 1.592)
     assert " 0.896 " in bench.format_row(row)
+
+
+def test_a_replot_of_a_missing_json_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(SystemExit) as exited:
+        bench.parse_args(["--replot", str(tmp_path / "missing.json")])
+    assert exited.value.code == 2

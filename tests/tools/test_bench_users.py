@@ -171,3 +171,9 @@ def test_a_raw_answer_is_read_whole_to_be_checked() -> None:
         answer, read = read_whole_answer(ours)
         sender.join()
     assert (answer.status, answer.size, bytes(read)) == (200, len(whole), body)
+
+
+def test_a_plot_of_a_missing_json_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(SystemExit) as exited:
+        bench.parse_args(["--plot-only", str(tmp_path / "missing.json")])
+    assert exited.value.code == 2
