@@ -51,6 +51,7 @@ import io
 import itertools
 import json
 import multiprocessing
+import os
 import random
 import sys
 import time
@@ -66,7 +67,7 @@ import httpx
 import numpy as np
 
 from app.codecs import JSON_MEDIA_TYPE, NPY_MEDIA_TYPE, NPZ_MEDIA_TYPE
-from matmul_client.client import FORMATS, AsyncMatmulClient, RequestFormat, encode_payload
+from matmul_client.client import FORMATS, MAX_TIMEOUT_S, AsyncMatmulClient, RequestFormat, encode_payload
 from matmul_tools.bodies import load_npy, npy_bytes, zip_members
 from matmul_tools.integrity import check
 from matmul_tools.loadtest import open_loop, parse_mix, server_arguments, summarize, wait_ready
@@ -110,6 +111,8 @@ MEMORY_BOUNDS = (
 """The memory checks' options (MiB): option, default and what it bounds."""
 NOT_SENT = "not sent"
 """The status of a request due while every connection of its process was busy."""
+MIN_MEMORY_EVERY_S = 0.5
+"""The shortest time between two readings of /metrics under load: each one is a request the server answers too."""
 
 
 # ------------------------------------------------------------------------------------------- the requests
@@ -196,6 +199,14 @@ def invalid_probes(rng: np.random.Generator) -> list[Probe]:
         Probe("invalid", "infer data short of its shape", lying_infer, json, path=infer, accept=json),
         Probe("invalid", "infer unknown model", b"{}", json, path="/v2/models/no-such-model/infer", accept=json),
     ]
+
+
+def smallest_product_bytes() -> int:
+    """The body of the smallest valid request the soak sends: a --max-body-bytes below it leaves none to send. Read
+    from the binary bodies of the smallest shape in float32, whose sizes do not depend on the operands' values."""
+    m, k, n = min(VALID_SHAPES, key=lambda shape: shape[0] * shape[1] * shape[2])
+    a, b = np.zeros((m, k), np.float32), np.zeros((k, n), np.float32)
+    return min(len(encode_payload(a, b, format).content) for format in FORMATS if format != "json")
 
 
 def oversized_probes(max_body_bytes: int) -> list[Probe]:
@@ -591,6 +602,20 @@ def parse_kind(text: str) -> Kind:
     raise ValueError(f"a kind is one of {', '.join(KINDS)}")
 
 
+def report_path(text: str) -> str:
+    """Where the report goes, checked before the soak runs: a file that may be written, or a new one under a
+    directory that exists or can be made."""
+    path = Path(text)
+    if not path.name or path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text!r} is a directory; name the file to write the report to")
+    folder = next(parent for parent in path.parents if parent.exists())
+    if not folder.is_dir():
+        raise argparse.ArgumentTypeError(f"{text!r} cannot be written: {str(folder)!r} is not a directory")
+    if not os.access(path if path.exists() else folder, os.W_OK):
+        raise argparse.ArgumentTypeError(f"{text!r} cannot be written: permission denied")
+    return text
+
+
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = server_arguments(__doc__.split("\n\n")[0] if __doc__ else "")
     parser.add_argument("--minutes", type=float, default=1.0, help="how long to send (default: %(default)s)")
@@ -623,10 +648,16 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     for option, default, meaning in MEMORY_BOUNDS:
         parser.add_argument(option, type=float, default=default, help=f"{meaning} (default: %(default)s)")
     parser.add_argument(
-        "--memory-every", type=float, default=15.0, help="seconds between RSS readings under load (default: 15)"
+        "--memory-every",
+        type=float,
+        default=15.0,
+        help=f"seconds between RSS readings under load, at least {MIN_MEMORY_EVERY_S:g} (default: %(default)s)",
     )
     parser.add_argument(
-        "--timeout", type=float, default=30.0, help="seconds one request may take (default: %(default)s)"
+        "--timeout",
+        type=float,
+        default=30.0,
+        help=f"seconds one request may take, at most {MAX_TIMEOUT_S:g} (default: %(default)s)",
     )
     parser.add_argument(
         "--grace",
@@ -635,12 +666,27 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="seconds to wait for answers after the last start (default: %(default)s)",
     )
     parser.add_argument("--seed", type=int, default=0, help="seed of the operands and the draws (default: %(default)s)")
-    parser.add_argument("--out", default="out/soak.json", help="the JSON report (default: %(default)s)")
+    parser.add_argument(
+        "--out", type=report_path, default="out/soak.json", help="the JSON report (default: %(default)s)"
+    )
     args = parser.parse_args(argv)
     if args.minutes <= 0 or args.rate <= 0 or args.concurrency < 1:
         parser.error("--minutes, --rate and --concurrency must be positive")
     if args.client_processes < 1:
         parser.error("--client-processes must be positive")
+    if args.max_requests is not None and args.max_requests < 1:
+        parser.error(f"--max-requests must be positive, not {args.max_requests}")
+    if not args.grace >= 0:
+        parser.error(f"--grace must be 0 or more seconds, not {args.grace:g}")
+    if not args.memory_every >= MIN_MEMORY_EVERY_S:
+        parser.error(f"--memory-every must be at least {MIN_MEMORY_EVERY_S:g} s, not {args.memory_every:g}")
+    if not 0 < args.timeout <= MAX_TIMEOUT_S:
+        parser.error(f"--timeout must be over 0 and at most {MAX_TIMEOUT_S:g} s, not {args.timeout:g}")
+    if args.max_body_bytes < (smallest := smallest_product_bytes()):
+        parser.error(
+            f"--max-body-bytes {args.max_body_bytes} is too small for any product: the smallest the soak sends "
+            f"takes {smallest} bytes"
+        )
     if args.max_requests is None:
         args.max_requests = max(1, round(args.rate * args.minutes * 60))
     try:

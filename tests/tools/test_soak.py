@@ -124,3 +124,40 @@ async def test_an_answer_carrying_another_requests_product_is_caught() -> None:
         await soak.open_loop(run, 1000.0, 64, float("inf"), lambda: None)
     checked = sum(sample.checked for sample in run.samples)
     assert checked == 64 and len(run.wrong_results) >= 40, (checked, len(run.wrong_results))
+
+
+@pytest.mark.parametrize(
+    ("arguments", "message"),
+    [
+        (["--max-requests", "0"], "--max-requests must be positive"),
+        (["--max-requests", "-5"], "--max-requests must be positive"),
+        (["--grace", "-1"], "--grace must be 0 or more"),
+        (["--memory-every", "0"], "--memory-every must be at least 0.5"),
+        (["--timeout", "0"], "--timeout must be over 0 and at most 86400"),
+        (["--timeout", "1e9"], "--timeout must be over 0 and at most 86400"),
+        (["--max-body-bytes", "0"], "--max-body-bytes 0 is too small for any product"),
+    ],
+)
+def test_arguments_that_would_send_nothing_or_fail_later_are_refused(
+    arguments: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exit:
+        soak.parse_args(arguments)
+    assert exit.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_the_smallest_body_allowed_leaves_a_product_to_send() -> None:
+    smallest = soak.smallest_product_bytes()
+    assert soak.parse_args(["--max-body-bytes", str(smallest)]).max_body_bytes == smallest
+    assert soak.build_probes(0, smallest)["valid"], "a body of that size holds a product"
+
+
+def test_a_report_that_cannot_be_written_is_refused_before_the_soak(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (tmp_path / "file").write_text("")
+    assert soak.parse_args(["--out", str(tmp_path / "new" / "soak.json")]).out == str(tmp_path / "new" / "soak.json")
+    for out, message in [(tmp_path, "is a directory"), (tmp_path / "file" / "soak.json", "is not a directory")]:
+        with pytest.raises(SystemExit):
+            soak.parse_args(["--out", str(out)])
+        assert message in capsys.readouterr().err
