@@ -26,12 +26,13 @@ comes first, waits up to `--grace` seconds for the answers still due (those left
 where the client itself cannot keep up, its lag shows in the latencies), then for the server's queue to
 empty. It fails (exit 1) unless:
 
-1. no answer is wrong: not one 200 whose product is not its request's (the first figure the report gives);
-2. no answer is a 5xx other than 503 (overloaded, not ready) or 504 (deadline exceeded);
-3. the server's resident memory (`process_resident_memory_bytes`) and device pool (`matmul_device_memory_bytes`),
+1. the server answers at least one request (a soak that gets no answer tests nothing);
+2. no answer is wrong: not one 200 whose product is not its request's (the first figure the report gives);
+3. no answer is a 5xx other than 503 (overloaded, not ready) or 504 (deadline exceeded);
+4. the server's resident memory (`process_resident_memory_bytes`) and device pool (`matmul_device_memory_bytes`),
    read from GET /metrics after a warm-up (one of each request) and at the end, grew by at most
    `--max-rss-growth-mib` and `--max-device-growth-mib`;
-4. the resident memory, also read every `--memory-every` seconds under load, grew by at most
+5. the resident memory, also read every `--memory-every` seconds under load, grew by at most
    `--max-rss-load-growth-mib` from the first of those readings to the last: the allocator keeps the high-water
    mark of the requests in flight at once (a plateau reached in seconds), a leak grows with the requests.
 
@@ -67,7 +68,14 @@ import httpx
 import numpy as np
 
 from app.codecs import JSON_MEDIA_TYPE, NPY_MEDIA_TYPE, NPZ_MEDIA_TYPE
-from matmul_client.client import FORMATS, MAX_TIMEOUT_S, AsyncMatmulClient, RequestFormat, encode_payload
+from matmul_client.client import (
+    FORMATS,
+    MAX_TIMEOUT_S,
+    AsyncMatmulClient,
+    MatmulServiceError,
+    RequestFormat,
+    encode_payload,
+)
 from matmul_tools.bodies import load_npy, npy_bytes, zip_members
 from matmul_tools.integrity import check
 from matmul_tools.loadtest import open_loop, parse_mix, server_arguments, summarize, wait_ready
@@ -473,6 +481,7 @@ def build_report(
     answered = [s for s in samples if s.status.isdigit()]
     abandoned = issued - len(samples)
     checks = {
+        "answered": {"count": len(answered), "passed": bool(answered)},
         "no_wrong_results": {
             "wrong": len(wrong_results),
             "checked": sum(s.checked for s in samples),
@@ -552,6 +561,7 @@ def print_report(report: dict[str, Any]) -> None:
         print(f"  {kind:9} {_counts(report['by_kind'][kind])} ({figures})")
     verdicts = {True: "ok", False: "FAILED"}
     lines = [
+        f"requests answered: {checks['answered']['count']} (a soak that gets no answer tests nothing)",
         f"wrong answers: {wrong['wrong']} of {wrong['checked']} checked against their own float64 products",
         f"5xx other than 503/504: {checks['no_5xx_but_503_504']['count']}",
         _memory_line("server RSS", checks["rss"]),
@@ -578,7 +588,10 @@ async def soak(args: argparse.Namespace) -> dict[str, Any]:
     ):
         if args.wait_ready:
             await wait_ready(http, args.wait_ready)
-        server = await client.info()
+        try:
+            server = await client.info()
+        except (MatmulServiceError, httpx.HTTPError, ValueError) as exc:
+            raise SystemExit(f"soak: GET {args.url}/v1/info did not answer as matmul-service does: {exc}") from None
         probes = build_probes(args.seed, args.max_body_bytes)
         for probe in (probe for kind in KINDS for probe in probes[kind]):
             await send(http, probe)  # warm-up: one of each, before the first memory reading

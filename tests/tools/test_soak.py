@@ -5,6 +5,9 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import threading
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import httpx
@@ -161,3 +164,49 @@ def test_a_report_that_cannot_be_written_is_refused_before_the_soak(
         with pytest.raises(SystemExit):
             soak.parse_args(["--out", str(out)])
         assert message in capsys.readouterr().err
+
+
+def test_a_soak_that_gets_no_answer_fails() -> None:
+    refused = soak.ClientResult(issued=3, samples=[], server_errors=[], wrong_results=[])
+    rss = {soak.RSS_METRIC: 100 * soak.MIB, soak.DEVICE_METRIC: 0.0}
+    timeline: list[dict[str, float | None]] = [{"s": 1.0, "rss_mib": 100.0}, {"s": 2.0, "rss_mib": 100.0}]
+    report = soak.build_report(soak.parse_args([]), [refused], 1.0, {}, (rss, rss), timeline)
+    assert report["checks"]["answered"] == {"count": 0, "passed": False} and not report["passed"]
+    assert report["by_status"] == {"abandoned": 3}
+
+
+class Unavailable(BaseHTTPRequestHandler):
+    def do_GET(self) -> None:
+        body = b'{"code": "not_ready", "message": "warming up"}'
+        self.send_response(503)
+        self.send_header("content-type", "application/json")
+        self.send_header("content-length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+@pytest.fixture
+def unavailable() -> Iterator[str]:
+    """A server that answers 503 to every GET."""
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Unavailable)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+@pytest.mark.parametrize("answer", ["nothing listening", "503"])
+def test_a_server_that_does_not_answer_ends_the_soak_with_a_message(
+    answer: str, unavailable: str, tmp_path: Path
+) -> None:
+    url = unavailable if answer == "503" else f"http://127.0.0.1:{free_port()}"
+    with pytest.raises(SystemExit) as exit:
+        soak.main(["--url", url, "--timeout", "5", "--out", str(tmp_path / "soak.json")])
+    assert str(exit.value.code).startswith(f"soak: GET {url}/v1/info did not answer"), exit.value.code
+    assert ("warming up" in str(exit.value.code)) == (answer == "503")
+    assert not (tmp_path / "soak.json").exists()
