@@ -32,9 +32,10 @@ empty. It fails (exit 1) unless:
 4. the server's resident memory (`process_resident_memory_bytes`) and device pool (`matmul_device_memory_bytes`),
    read from GET /metrics after a warm-up (one of each request) and at the end, grew by at most
    `--max-rss-growth-mib` and `--max-device-growth-mib`;
-5. the resident memory, also read every `--memory-every` seconds under load, grew by at most
-   `--max-rss-load-growth-mib` from the first of those readings to the last: the allocator keeps the high-water
-   mark of the requests in flight at once (a plateau reached in seconds), a leak grows with the requests.
+5. the resident memory, also read every `--memory-every` seconds under load and at its end (a load shorter than
+   twice that is first read halfway through), grew by at most `--max-rss-load-growth-mib` from the first of those
+   readings to the last: the allocator keeps the high-water mark of the requests in flight at once (a plateau
+   reached in seconds), a leak grows with the requests.
 
     python scripts/soak.py --url http://localhost:8000 --minutes 3 --rate 400
     python scripts/soak.py --minutes 0.1 --rate 100 --mix valid:1,invalid:1 --out out/soak-short
@@ -52,6 +53,7 @@ import io
 import itertools
 import json
 import multiprocessing
+import multiprocessing.synchronize
 import os
 import random
 import sys
@@ -340,6 +342,19 @@ class ClientResult:
     samples: list[Sample]
     server_errors: list[dict[str, str]]
     wrong_results: list[dict[str, str]]
+    load_window: tuple[float, float]
+    """When the process started sending and when it stopped waiting for answers (`time.time()`, which every
+    process reads alike)."""
+
+
+_load_started: multiprocessing.synchronize.Event | None = None
+"""In a client process: set when it starts sending, for the parent's memory readings under load."""
+
+
+def share_load_start(event: multiprocessing.synchronize.Event) -> None:
+    """The client processes' initializer: the event they set when they start sending."""
+    global _load_started
+    _load_started = event
 
 
 def run_client(share: ClientShare) -> ClientResult:
@@ -353,14 +368,16 @@ async def _drive(share: ClientShare) -> ClientResult:
     # A request still waiting for a connection after --timeout s is counted as PoolTimeout, not queued forever.
     async with httpx.AsyncClient(base_url=share.url, timeout=share.timeout, limits=limits) as http:
         run = Soak(http, probes, share.mix, share.seed + 1 + share.index, share.concurrency)
-        started = time.perf_counter()
+        if _load_started is not None:
+            _load_started.set()
+        load_start, started = time.time(), time.perf_counter()
         tick = progress_printer(run, started, f"client {share.index + 1}/{share.processes}")
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(
                 open_loop(run, share.rate, share.max_requests, started + share.seconds, tick),
                 share.seconds + share.grace,
             )
-    return ClientResult(run.issued, run.samples, run.server_errors, run.wrong_results)
+    return ClientResult(run.issued, run.samples, run.server_errors, run.wrong_results, (load_start, time.time()))
 
 
 def split(total: int, parts: int) -> list[int]:
@@ -408,12 +425,25 @@ async def read_metrics(http: httpx.AsyncClient) -> dict[str, float]:
 
 
 async def watch_memory(
-    http: httpx.AsyncClient, clients: list[asyncio.Future[ClientResult]], started: float, every_s: float
+    http: httpx.AsyncClient,
+    clients: list[asyncio.Future[ClientResult]],
+    load_started: multiprocessing.synchronize.Event,
+    load_s: float,
+    every_s: float,
 ) -> list[dict[str, float | None]]:
-    """The server's resident memory every `every_s` seconds until every client process is done."""
+    """The server's resident memory under load, at seconds from its start: the first reading `every_s` seconds in
+    (halfway through a load of `load_s` shorter than twice that, so that a short run has two readings too), then
+    every `every_s` seconds, and the last when every client process is done."""
+    waiting: asyncio.Future[Any] = asyncio.ensure_future(asyncio.to_thread(load_started.wait))
+    await asyncio.wait([waiting, *clients], return_when=asyncio.FIRST_COMPLETED)
+    load_started.set()  # frees the waiting thread where a client process ended before it started sending
+    await waiting
+    started = time.perf_counter()
+    wait_s = min(every_s, load_s / 2)
     timeline: list[dict[str, float | None]] = []
     while not all(client.done() for client in clients):
-        await asyncio.wait(clients, timeout=every_s)
+        await asyncio.wait(clients, timeout=wait_s)
+        wait_s = every_s
         try:
             rss: float | None = (await read_metrics(http)).get(RSS_METRIC, 0.0) / MIB
         except httpx.HTTPError:
@@ -466,10 +496,18 @@ def steady_rss_check(timeline: list[dict[str, float | None]], bound_mib: float) 
     }
 
 
+def load_seconds(clients: list[ClientResult]) -> float:
+    """From the first client process's start of sending to the last one's end: the processes' start-up, which
+    takes seconds, is not time the server had the load."""
+    if not clients:
+        return 0.0
+    windows = [client.load_window for client in clients]
+    return max(end for _, end in windows) - min(start for start, _ in windows)
+
+
 def build_report(
     args: argparse.Namespace,
     clients: list[ClientResult],
-    elapsed_s: float,
     server: Any,
     memory: tuple[dict[str, float], dict[str, float]],
     rss_timeline: list[dict[str, float | None]],
@@ -480,6 +518,7 @@ def build_report(
     issued = sum(client.issued for client in clients)
     answered = [s for s in samples if s.status.isdigit()]
     abandoned = issued - len(samples)
+    load_s = load_seconds(clients)
     checks = {
         "answered": {"count": len(answered), "passed": bool(answered)},
         "no_wrong_results": {
@@ -498,10 +537,10 @@ def build_report(
         "finished": datetime.now(UTC).isoformat(timespec="seconds"),
         "config": {key: value for key, value in vars(args).items() if key != "out"},
         "server": server,
-        "duration_s": elapsed_s,
+        "duration_s": load_s,
         "requests": issued,
         "requests_by_client": [client.issued for client in clients],
-        "answered_rps": len(answered) / elapsed_s if elapsed_s > 0 else 0.0,
+        "answered_rps": len(answered) / load_s if load_s > 0 else 0.0,
         "by_status": dict(Counter(s.status for s in samples)) | ({"abandoned": abandoned} if abandoned else {}),
         "by_kind": {kind: dict(Counter(s.status for s in samples if s.kind == kind)) for kind in KINDS},
         "latency_ms": {kind: summarize([s.latency_ms for s in answered if s.kind == kind]) for kind in KINDS},
@@ -596,16 +635,18 @@ async def soak(args: argparse.Namespace) -> dict[str, Any]:
         for probe in (probe for kind in KINDS for probe in probes[kind]):
             await send(http, probe)  # warm-up: one of each, before the first memory reading
         start = await read_metrics(http)
-        started = time.perf_counter()
         spawn = multiprocessing.get_context("spawn")
-        with ProcessPoolExecutor(max_workers=args.client_processes, mp_context=spawn) as pool:
+        load_started = spawn.Event()
+        load_s = min(args.minutes * 60, args.max_requests / args.rate)
+        with ProcessPoolExecutor(
+            max_workers=args.client_processes, mp_context=spawn, initializer=share_load_start, initargs=(load_started,)
+        ) as pool:
             clients = [asyncio.wrap_future(pool.submit(run_client, share)) for share in shares(args)]
-            rss_timeline = await watch_memory(http, clients, started, args.memory_every)
+            rss_timeline = await watch_memory(http, clients, load_started, load_s, args.memory_every)
             results = [client.result() for client in clients]
-        elapsed = time.perf_counter() - started
         await settle(http)
         end = await read_metrics(http)
-    return build_report(args, results, elapsed, server, (start, end), rss_timeline)
+    return build_report(args, results, server, (start, end), rss_timeline)
 
 
 def parse_kind(text: str) -> Kind:
@@ -664,7 +705,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--memory-every",
         type=float,
         default=15.0,
-        help=f"seconds between RSS readings under load, at least {MIN_MEMORY_EVERY_S:g} (default: %(default)s)",
+        help=f"seconds between RSS readings under load, at least {MIN_MEMORY_EVERY_S:g}; a shorter load is read "
+        "halfway through and at its end (default: %(default)s)",
     )
     parser.add_argument(
         "--timeout",

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
+import multiprocessing
 import subprocess
 import sys
 import threading
@@ -85,9 +87,9 @@ async def test_a_500_a_wrong_product_or_memory_growth_fail_the_soak() -> None:
         await soak.open_loop(run, 1000.0, 3, float("inf"), lambda: None)
     args = soak.parse_args(["--max-rss-growth-mib", "10"])
     rss = {soak.RSS_METRIC: 100 * soak.MIB, soak.DEVICE_METRIC: 0.0}
-    seen = soak.ClientResult(run.issued, run.samples, run.server_errors, run.wrong_results)
+    seen = soak.ClientResult(run.issued, run.samples, run.server_errors, run.wrong_results, (0.0, 1.0))
     timeline: list[dict[str, float | None]] = [{"s": 15.0, "rss_mib": 105.0}, {"s": 30.0, "rss_mib": None}]
-    report = soak.build_report(args, [seen], 1.0, {}, (rss, {**rss, soak.RSS_METRIC: 111 * soak.MIB}), timeline)
+    report = soak.build_report(args, [seen], {}, (rss, {**rss, soak.RSS_METRIC: 111 * soak.MIB}), timeline)
     assert report["rss_timeline"] == timeline
     assert report["by_status"] == {"503": 1, "200": 1, "500": 1}
     checks = report["checks"]
@@ -98,9 +100,9 @@ async def test_a_500_a_wrong_product_or_memory_growth_fail_the_soak() -> None:
     assert not checks["rss"]["passed"] and checks["device_pool"]["passed"] and not report["passed"]
     assert checks["rss_under_load"] == {"readings": 1, "passed": False, "error": "fewer than two readings under load"}
     growing = [{"s": 15.0, "rss_mib": 300.0}, {"s": 30.0, "rss_mib": None}, {"s": 45.0, "rss_mib": 400.0}]
-    steady = soak.build_report(args, [seen], 1.0, {}, (rss, rss), growing)["checks"]["rss_under_load"]
+    steady = soak.build_report(args, [seen], {}, (rss, rss), growing)["checks"]["rss_under_load"]
     assert steady["growth_mib"] == 100.0 and steady["bound_mib"] == 64.0 and not steady["passed"]
-    missing = soak.build_report(args, [seen], 1.0, {}, ({}, {}), [])["checks"]["rss"]
+    missing = soak.build_report(args, [seen], {}, ({}, {}), [])["checks"]["rss"]
     assert not missing["passed"] and soak.RSS_METRIC in missing["error"]
 
 
@@ -167,10 +169,10 @@ def test_a_report_that_cannot_be_written_is_refused_before_the_soak(
 
 
 def test_a_soak_that_gets_no_answer_fails() -> None:
-    refused = soak.ClientResult(issued=3, samples=[], server_errors=[], wrong_results=[])
+    refused = soak.ClientResult(issued=3, samples=[], server_errors=[], wrong_results=[], load_window=(0.0, 1.0))
     rss = {soak.RSS_METRIC: 100 * soak.MIB, soak.DEVICE_METRIC: 0.0}
     timeline: list[dict[str, float | None]] = [{"s": 1.0, "rss_mib": 100.0}, {"s": 2.0, "rss_mib": 100.0}]
-    report = soak.build_report(soak.parse_args([]), [refused], 1.0, {}, (rss, rss), timeline)
+    report = soak.build_report(soak.parse_args([]), [refused], {}, (rss, rss), timeline)
     assert report["checks"]["answered"] == {"count": 0, "passed": False} and not report["passed"]
     assert report["by_status"] == {"abandoned": 3}
 
@@ -210,3 +212,35 @@ def test_a_server_that_does_not_answer_ends_the_soak_with_a_message(
     assert str(exit.value.code).startswith(f"soak: GET {url}/v1/info did not answer"), exit.value.code
     assert ("warming up" in str(exit.value.code)) == (answer == "503")
     assert not (tmp_path / "soak.json").exists()
+
+
+def test_the_answer_rate_counts_the_time_under_load_not_the_client_processes_start_up() -> None:
+    """Two client processes that started sending 0.5 s apart, seconds after the soak spawned them."""
+    answered = [soak.Sample(0.0, 1.0, "valid", "npy", "200")] * 30
+    first = soak.ClientResult(30, answered, [], [], load_window=(100.0, 102.0))
+    second = soak.ClientResult(30, answered, [], [], load_window=(100.5, 103.0))
+    report = soak.build_report(soak.parse_args([]), [first, second], {}, ({}, {}), [])
+    assert report["duration_s"] == 3.0 and report["answered_rps"] == 20.0
+
+
+@pytest.mark.anyio
+async def test_a_load_shorter_than_the_reading_interval_is_read_twice() -> None:
+    """Halfway through the load and at its end, whatever --memory-every says: two readings, which the check of RSS
+    under load needs. The client process ends only once the first reading is taken."""
+    loop = asyncio.get_running_loop()
+    client: asyncio.Future[soak.ClientResult] = loop.create_future()
+    reads = 0
+
+    def server(request: httpx.Request) -> httpx.Response:
+        nonlocal reads
+        reads += 1
+        if reads == 1:
+            loop.call_later(0.05, client.set_result, soak.ClientResult(0, [], [], [], (0.0, 0.1)))
+        return httpx.Response(200, text=f"{soak.RSS_METRIC} {(100 + reads) * soak.MIB}\n")
+
+    load_started = multiprocessing.get_context("spawn").Event()
+    load_started.set()
+    async with httpx.AsyncClient(transport=httpx.MockTransport(server), base_url="http://soak") as http:
+        timeline = await soak.watch_memory(http, [client], load_started, load_s=0.1, every_s=600.0)
+    assert [reading["rss_mib"] for reading in timeline] == [101.0, 102.0]
+    assert soak.steady_rss_check(timeline, 64.0)["passed"]
