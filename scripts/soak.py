@@ -657,15 +657,16 @@ def parse_kind(text: str) -> Kind:
 
 
 def report_path(text: str) -> str:
-    """Where the report goes, checked before the soak runs: a file that may be written, or a new one under a
-    directory that exists or can be made."""
+    """Where the report goes, checked before the soak runs: a file that may be written, or a new one in a directory
+    that exists or is made now."""
     path = Path(text)
     if not path.name or path.is_dir():
         raise argparse.ArgumentTypeError(f"{text!r} is a directory; name the file to write the report to")
-    folder = next(parent for parent in path.parents if parent.exists())
-    if not folder.is_dir():
-        raise argparse.ArgumentTypeError(f"{text!r} cannot be written: {str(folder)!r} is not a directory")
-    if not os.access(path if path.exists() else folder, os.W_OK):
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise argparse.ArgumentTypeError(f"{text!r} cannot be written: {exc}") from None
+    if not os.access(path if path.exists() else path.parent, os.W_OK):
         raise argparse.ArgumentTypeError(f"{text!r} cannot be written: permission denied")
     return text
 
@@ -756,7 +757,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     report = asyncio.run(soak(args))
     print_report(report)
     out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=1))
     print(f"wrote {out}")
     return 0 if report["passed"] else 1
