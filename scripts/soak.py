@@ -54,7 +54,6 @@ import itertools
 import json
 import multiprocessing
 import multiprocessing.synchronize
-import os
 import random
 import sys
 import time
@@ -81,6 +80,7 @@ from matmul_client.client import (
 from matmul_tools.bodies import load_npy, npy_bytes, zip_members
 from matmul_tools.integrity import check
 from matmul_tools.loadtest import open_loop, parse_mix, server_arguments, summarize, wait_ready
+from matmul_tools.outputs import unwritable
 from matmul_tools.prometheus import sample_sums
 
 Kind = Literal["valid", "invalid", "oversized"]
@@ -662,12 +662,9 @@ def report_path(text: str) -> str:
     path = Path(text)
     if not path.name or path.is_dir():
         raise argparse.ArgumentTypeError(f"{text!r} is a directory; name the file to write the report to")
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise argparse.ArgumentTypeError(f"{text!r} cannot be written: {exc}") from None
-    if not os.access(path if path.exists() else path.parent, os.W_OK):
-        raise argparse.ArgumentTypeError(f"{text!r} cannot be written: permission denied")
+    why = unwritable([path])
+    if why is not None:
+        raise argparse.ArgumentTypeError(f"{text!r} cannot be written: {why}")
     return text
 
 
