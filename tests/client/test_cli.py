@@ -156,6 +156,14 @@ def test_client_sends_the_api_key_it_is_given(
         assert client_main(argv) == 0 and (tmp_path / "c.npy").exists()
 
 
+def given(argv: list[str], flag: str, value: str, given_by: str, monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """`argv` with `value` given by its flag, or else by the variable `given_by` names (`$NAME`)."""
+    if given_by == flag:
+        return [*argv, flag, value]
+    monkeypatch.setenv(given_by.removeprefix("$"), value)
+    return argv
+
+
 @pytest.mark.parametrize(
     "url",
     [
@@ -175,12 +183,8 @@ def test_client_refuses_a_url_that_is_not_a_servers(
 ) -> None:
     """Each was a ValueError's traceback, from the client's constructor, urllib or the Host header's encoding."""
     argv = [*save_operands(tmp_path, np.ones((1, 1)), np.ones((1, 1))), "-o", str(tmp_path / "c.npy")]
-    if given_by == "--url":
-        argv += ["--url", url]
-    else:
-        monkeypatch.setenv("MATMUL_URL", url)
     with pytest.raises(SystemExit) as stopped:
-        client_main(argv)
+        client_main(given(argv, "--url", url, given_by, monkeypatch))
     assert stopped.value.code == 2
     assert f"argument --url: {url!r} (from --url or $MATMUL_URL) is not a server's URL" in capsys.readouterr().err
 
@@ -193,12 +197,8 @@ def test_client_refuses_an_api_key_a_header_cannot_carry_without_showing_it(
     """The client's ValueError printed the key, into whatever logs the command's output."""
     argv = [*save_operands(tmp_path, np.ones((1, 1)), np.ones((1, 1))), "-o", str(tmp_path / "c.npy")]
     argv += ["--url", f"http://127.0.0.1:{free_port()}"]
-    if given_by == "--api-key":
-        argv += ["--api-key", key]
-    else:
-        monkeypatch.setenv("MATMUL_API_KEY", key)
     with pytest.raises(SystemExit) as stopped:
-        client_main(argv)
+        client_main(given(argv, "--api-key", key, given_by, monkeypatch))
     assert stopped.value.code == 2
     said = capsys.readouterr().err
     assert "argument --api-key: the key (from --api-key or $MATMUL_API_KEY; not shown) has a character" in said
